@@ -1,0 +1,192 @@
+"""Argument checks and the per-token preparation shared by every entry point.
+
+Everything here runs before any chunk is touched, so a bad argument raises
+(naming it) and leaves nothing half-done.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+
+from .parallel import group_rank_size
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float64 stays float64 (for gradcheck); everything else is computed in float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def check_float(name: str, t, *, dim: Optional[int] = None) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in FLOAT_DTYPES:
+        raise TypeError(
+            f"{name} must be float32, bfloat16, float16 or float64, got {t.dtype}"
+        )
+    if dim is not None and t.dim() != dim:
+        raise ValueError(f"{name} must be {dim}-D, got shape {tuple(t.shape)}")
+
+
+def check_chunk(name: str, value, *, optional: bool = False) -> None:
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """Per-token inputs, flattened to [N] and checked.
+
+    ``valid``: the label counts (mask true and not ``ignore_index``).
+    ``target``: the label's column in this rank's shard, or -1 (masked or on
+    another shard). ``inv_t``: None (t == 1), a float, or a [N, 1] column.
+    """
+
+    shape: torch.Size
+    valid: torch.Tensor
+    target: torch.Tensor
+    inv_t: Union[None, float, torch.Tensor]
+
+    @property
+    def n(self) -> int:
+        return self.valid.numel()
+
+    def inv_t_rows(self, a: int, b: int):
+        return self.inv_t[a:b] if isinstance(self.inv_t, torch.Tensor) else self.inv_t
+
+    def outputs(self, r, compute_entropy: bool):
+        """Flat ``log_probs`` (0 where the label is masked) and ``entropy`` (or None) from RowStats."""
+        log_probs = torch.where(self.valid, r.zl - r.lse, 0.0)
+        return log_probs, (r.lse - r.mu) if compute_entropy else None
+
+    def coefficients(self, a: int, b: int, g_lp, g_h):
+        """``c = g_lp / t`` (0 where masked) and ``b = g_h / t`` for rows ``[a, b)``; None stays None."""
+        inv_t = self.inv_t_rows(a, b)
+        inv_t = inv_t.squeeze(1) if isinstance(inv_t, torch.Tensor) else inv_t
+        cc = bb = None
+        if g_lp is not None:
+            cc = torch.where(self.valid[a:b], g_lp[a:b], 0.0)
+            cc = cc if inv_t is None else cc * inv_t
+        if g_h is not None:
+            bb = g_h[a:b] if inv_t is None else g_h[a:b] * inv_t
+        return cc, bb
+
+
+def chunks(n: int, size: int):
+    """``(start, stop)`` of consecutive chunks of ``size`` over ``range(n)``."""
+    for a in range(0, n, size):
+        yield a, min(a + size, n)
+
+
+class Rows:
+    """Rows ``[a, b)`` of the flattened leading dims of ``t`` ([..., D]), without copying ``t``.
+
+    A view when the leading dims flatten as a view; otherwise (e.g. ``logits[:, :-1]``)
+    the chunk's rows are gathered by index, one chunk at a time.
+    """
+
+    def __init__(self, t: torch.Tensor):
+        self.t = t
+        try:
+            self.flat = t.view(-1, t.shape[-1])
+        except RuntimeError:
+            self.flat = None
+
+    def __call__(self, a: int, b: int) -> torch.Tensor:
+        if self.flat is not None:
+            return self.flat[a:b]
+        idx = torch.unravel_index(torch.arange(a, b, device=self.t.device), self.t.shape[:-1])
+        return self.t[idx]
+
+
+def prepare_tokens(
+    labels,
+    lead_shape: torch.Size,
+    v_local: int,
+    *,
+    process_group,
+    label_mask,
+    ignore_index: int,
+    temperature,
+    device: torch.device,
+    dtype: torch.dtype,
+    labels_name: str = "labels",
+) -> Tokens:
+    """Check labels, mask and temperature against ``lead_shape``; build :class:`Tokens`."""
+    if not isinstance(labels, torch.Tensor):
+        raise TypeError(f"{labels_name} must be a torch.Tensor of int64 ids, got {type(labels).__name__}")
+    if labels.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
+        raise TypeError(f"{labels_name} must hold integer vocabulary ids (int64), got {labels.dtype}")
+    if labels.shape != lead_shape:
+        raise ValueError(
+            f"{labels_name} must have the leading shape of the input, {tuple(lead_shape)}, "
+            f"got {tuple(labels.shape)}"
+        )
+    if labels.device != device:
+        raise ValueError(f"{labels_name} is on {labels.device} but the input is on {device}")
+    rank, world = group_rank_size(process_group)
+    v_global = v_local * world
+    flat = labels.reshape(-1).to(torch.int64)
+
+    valid = flat != ignore_index
+    if label_mask is not None:
+        if not isinstance(label_mask, torch.Tensor):
+            raise TypeError(f"label_mask must be a bool tensor or None, got {type(label_mask).__name__}")
+        if label_mask.shape != lead_shape:
+            raise ValueError(
+                f"label_mask must have the labels' shape {tuple(lead_shape)}, got {tuple(label_mask.shape)}"
+            )
+        valid &= label_mask.reshape(-1).to(device=device, dtype=torch.bool)
+
+    bad = valid & ((flat < 0) | (flat >= v_global))
+    if device.type == "cpu":
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0, 0])
+            raise ValueError(
+                f"{labels_name} must be vocabulary ids in [0, {v_global}) or ignore_index={ignore_index}; "
+                f"found {int(flat[i])} at flat position {i}"
+            )
+    else:  # no host sync on accelerators: an asynchronous device-side assertion
+        torch._assert_async(
+            ~bad.any(), f"{labels_name} must be vocabulary ids in [0, {v_global}) or ignore_index"
+        )
+
+    local = flat - rank * v_local
+    target = torch.where(valid & (local >= 0) & (local < v_local), local, -1)
+    inv_t = prepare_temperature(temperature, lead_shape, device, dtype)
+    return Tokens(lead_shape, valid, target, inv_t)
+
+
+def prepare_temperature(temperature, lead_shape, device, dtype):
+    """``1 / temperature`` as None (exactly 1), a float, or a [N, 1] column in ``dtype``."""
+    if isinstance(temperature, torch.Tensor):
+        if not temperature.is_floating_point():
+            raise TypeError(f"temperature must be a float or a float tensor, got {temperature.dtype}")
+        try:
+            t = torch.broadcast_to(temperature.detach().to(device), lead_shape)
+        except RuntimeError:
+            raise ValueError(
+                f"temperature of shape {tuple(temperature.shape)} does not broadcast to the "
+                f"labels' shape {tuple(lead_shape)}"
+            ) from None
+        t = t.reshape(-1, 1).to(dtype)  # a copy of N values, never the caller's tensor
+        ok = torch.isfinite(t) & (t > 0)
+        if device.type == "cpu":
+            if not bool(ok.all()):
+                raise ValueError("temperature must be finite and > 0 everywhere")
+        else:
+            torch._assert_async(ok.all(), "temperature must be finite and > 0 everywhere")
+        return t.reciprocal()  # a new tensor: the caller's is never written
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
+        raise TypeError(f"temperature must be a float > 0 or a tensor, got {type(temperature).__name__}")
+    if not (math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature must be finite and > 0, got {temperature!r}")
+    return None if temperature == 1 else 1.0 / float(temperature)

@@ -1,0 +1,415 @@
+"""Fused head: log-probs and entropy from hidden states; the logits never exist whole.
+
+The lm_head matmul is folded into the chunk loop: forward computes one chunk
+(and, optionally, one vocabulary block) of logits at a time, reduces it to the
+per-token statistics of :mod:`chunked_entropy._stats`, and drops it; backward
+recomputes the chunk and turns its logit gradient straight into gradients for
+the hidden states, the weight and the bias.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import nn
+
+from . import _stats
+from ._inputs import Rows, Tokens, check_chunk, check_float, chunks, compute_dtype, prepare_tokens
+from .logits import LogProbsEntropy
+from .parallel import all_gather_dim0, all_reduce_sum_, group_rank_size, reduce_scatter_dim0, reduce_stats
+
+
+@dataclass(frozen=True)
+class _Plan:
+    chunk_size: int
+    vocab_chunk_size: int  # == V_local when the vocabulary is not blocked
+    group: object
+    sequence_parallel: bool
+    compute_entropy: bool
+
+
+class _Blocks:
+    """Reusable flat float32 storage for [rows, cols] blocks of logits (and the exp scratch)."""
+
+    def __init__(self, plan: _Plan, n: int, cdt, device, scratch: bool):
+        size = min(plan.chunk_size, n) * plan.vocab_chunk_size
+        self.buf = torch.empty(size, dtype=cdt, device=device)
+        self.scratch = torch.empty_like(self.buf) if scratch else None
+
+    def get(self, rows: int, cols: int):
+        k = rows * cols
+        x = self.buf[:k].view(rows, cols)
+        return x, None if self.scratch is None else self.scratch[:k].view(rows, cols)
+
+
+def _logits_block(h, w, bias, out):
+    """``out <- h @ w.T + bias`` in ``out``'s dtype; ``out`` is ours, ``h``/``w``/``bias`` are read only."""
+    if h.dtype == out.dtype:
+        torch.mm(h, w.t(), out=out)
+    else:  # half-precision matmul, as the model's own layer would do, then float32
+        out.copy_(torch.mm(h, w.t()))
+    if bias is not None:
+        out.add_(bias)
+    return out
+
+
+def _vocab_blocks(plan: _Plan, v: int):
+    return chunks(v, plan.vocab_chunk_size)
+
+
+def _forward_stats(h_full, weight, bias, tok: Tokens, plan: _Plan):
+    n, v = tok.n, weight.shape[0]
+    cdt = compute_dtype(weight.dtype)
+    rows = Rows(h_full)
+    blocks = _Blocks(plan, n, cdt, weight.device, scratch=plan.compute_entropy)
+    lse = torch.empty(n, dtype=cdt, device=weight.device)
+    zl = torch.empty_like(lse)
+    mu = torch.empty_like(lse) if plan.compute_entropy else None
+    for a, b in chunks(n, plan.chunk_size):
+        h = rows(a, b)
+        st = None
+        for v0, v1 in _vocab_blocks(plan, v):
+            x, scratch = blocks.get(b - a, v1 - v0)
+            _logits_block(h, weight[v0:v1], None if bias is None else bias[v0:v1], x)
+            st = _stats.merge_stats(st, _stats.block_stats(x, tok.inv_t_rows(a, b), tok.target[a:b], v0, scratch))
+        r = _stats.RowStats.from_block(reduce_stats(st, plan.group))
+        lse[a:b], zl[a:b] = r.lse, r.zl
+        if mu is not None:
+            mu[a:b] = r.mu
+    return _stats.RowStats(lse, mu, zl)
+
+
+class _HeadFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, tok: Tokens, plan: _Plan, main_grad):
+        h_full = all_gather_dim0(hidden, plan.group) if plan.sequence_parallel else hidden
+        r = _forward_stats(h_full, weight, bias, tok, plan)
+        log_probs, entropy = tok.outputs(r, plan.compute_entropy)
+        # Saved: references to hidden (this rank's slice under sequence
+        # parallelism; re-gathered in backward), weight, bias, and lse / mu.
+        ctx.save_for_backward(hidden, weight, bias, r.lse, r.mu)
+        ctx.tok, ctx.plan = tok, plan
+        ctx.main_grad = main_grad
+        ctx.weight_param = weight if main_grad is not None else None
+        ctx.set_materialize_grads(False)
+        return (log_probs, entropy) if plan.compute_entropy else log_probs
+
+    @staticmethod
+    def backward(ctx, g_lp, g_h=None):
+        hidden, weight, bias, lse, mu = ctx.saved_tensors
+        tok, plan = ctx.tok, ctx.plan
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        if g_lp is None and g_h is None:
+            return (None,) * 6
+        cdt = lse.dtype
+        g_lp = None if g_lp is None else g_lp.reshape(-1).to(cdt)
+        g_h = None if g_h is None else g_h.reshape(-1).to(cdt)
+        h_full = all_gather_dim0(hidden, plan.group) if plan.sequence_parallel else hidden
+        n, v, hdim = tok.n, weight.shape[0], weight.shape[1]
+        rows = Rows(h_full)
+        dev = weight.device
+        blocks = _Blocks(plan, n, cdt, dev, scratch=g_h is not None)
+
+        grad_h = torch.empty(n, hdim, dtype=hidden.dtype, device=dev) if need_h else None
+        gh = torch.empty(min(plan.chunk_size, n), hdim, dtype=cdt, device=dev) if need_h else None
+        if need_w:
+            gw = ctx.main_grad if ctx.main_grad is not None else torch.zeros(v, hdim, dtype=cdt, device=dev)
+        gb = torch.zeros(v, dtype=cdt, device=dev) if need_b else None
+
+        for a, b in chunks(n, plan.chunk_size):
+            h = rows(a, b)
+            h32 = h if h.dtype == cdt else h.to(cdt)
+            cc, bb = tok.coefficients(a, b, g_lp, g_h)
+            if need_h:
+                gh_c = gh[: b - a].zero_()
+            for v0, v1 in _vocab_blocks(plan, v):
+                w = weight[v0:v1]
+                x, scratch = blocks.get(b - a, v1 - v0)
+                _logits_block(h, w, None if bias is None else bias[v0:v1], x)
+                g = _stats.block_grad(
+                    x, tok.inv_t_rows(a, b), lse[a:b], None if mu is None else mu[a:b],
+                    tok.target[a:b], v0, cc, bb, scratch,
+                )  # [rows, block] float32: dL/dlogits
+                if need_h:
+                    if w.dtype == cdt:
+                        gh_c.addmm_(g, w)
+                    else:
+                        gh_c.add_(torch.mm(g.to(w.dtype), w))
+                if need_w:
+                    gw[v0:v1].addmm_(g.t(), h32)
+                if need_b:
+                    gb[v0:v1].add_(g.sum(dim=0))
+            if need_h:
+                grad_h[a:b].copy_(gh_c)
+
+        grad_hidden = None
+        if need_h:
+            # hidden is replicated over the group: its gradient is the sum of every shard's.
+            grad_h = grad_h.view(h_full.shape)
+            if plan.sequence_parallel:
+                grad_hidden = reduce_scatter_dim0(grad_h, plan.group)
+            else:
+                grad_hidden = all_reduce_sum_(grad_h, plan.group)
+        grad_weight = None
+        if need_w:
+            grad_weight = _main_grad_result(ctx) if ctx.main_grad is not None else gw.to(weight.dtype)
+        grad_bias = gb.to(bias.dtype) if need_b else None
+        return grad_hidden, grad_weight, grad_bias, None, None, None
+
+
+def _main_grad_result(ctx):
+    """What Megatron's linear layers return for the weight once ``main_grad`` holds the gradient."""
+    weight = ctx.weight_param
+    if not hasattr(weight, "grad_added_to_main_grad"):
+        return None
+    make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
+    weight.grad_added_to_main_grad = True
+    return make(ctx.main_grad.shape, dtype=weight.dtype, device=weight.device)
+
+
+def _check_head_args(hidden, weight, bias, labels, group, sequence_parallel, vocab_chunk_size):
+    check_float("hidden", hidden)
+    check_float("weight", weight, dim=2)
+    if hidden.dim() < 1 or hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"hidden must be [..., H] with H == weight.shape[1] == {weight.shape[1]}, "
+            f"got shape {tuple(hidden.shape)}"
+        )
+    if hidden.dtype != weight.dtype:
+        raise TypeError(f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must have the same dtype")
+    if hidden.device != weight.device:
+        raise ValueError(f"hidden is on {hidden.device} but weight is on {weight.device}")
+    if bias is not None:
+        check_float("bias", bias)
+        if bias.shape != (weight.shape[0],):
+            raise ValueError(f"bias must have shape ({weight.shape[0]},) (V_local), got {tuple(bias.shape)}")
+        if bias.device != weight.device:
+            raise ValueError(f"bias is on {bias.device} but weight is on {weight.device}")
+    check_chunk("vocab_chunk_size", vocab_chunk_size, optional=True)
+    if not isinstance(labels, torch.Tensor):
+        raise TypeError(f"labels must be a torch.Tensor of int64 ids, got {type(labels).__name__}")
+    lead = hidden.shape[:-1]
+    if sequence_parallel:
+        _, world = group_rank_size(group)
+        if hidden.dim() < 2:
+            raise ValueError("with sequence_parallel=True, hidden must be [S/P, ..., H]")
+        lead = torch.Size((hidden.shape[0] * world,) + tuple(hidden.shape[1:-1]))
+        if labels.shape != lead:
+            raise ValueError(
+                f"with sequence_parallel=True, hidden is this rank's slice [S/P, ..., H] = "
+                f"{tuple(hidden.shape)} of a {world}-way group, so labels must have shape "
+                f"{tuple(lead)} (the full sequence), got {tuple(labels.shape)}"
+            )
+    return lead
+
+
+def linear_log_probs_and_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    bias: Optional[torch.Tensor] = None,
+    chunk_size: int = 1024,
+    temperature=1.0,
+    process_group=None,
+    sequence_parallel: bool = False,
+    compute_entropy: bool = True,
+    label_mask: Optional[torch.Tensor] = None,
+    ignore_index: int = -100,
+    vocab_chunk_size: Optional[int] = None,
+    gradient_accumulation_fusion: Optional[bool] = None,
+) -> LogProbsEntropy:
+    """Log-probs and entropy of ``softmax((hidden @ weight.T + bias) / temperature)``, fused.
+
+    Same outputs and semantics as
+    :func:`~chunked_entropy.log_probs_and_entropy` applied to the logits
+    ``hidden @ weight.T + bias``, without ever allocating them.
+
+    Args:
+        hidden: ``[..., H]`` hidden states (``[S/P, B, H]``, this rank's
+            slice, with ``sequence_parallel=True``), same dtype as ``weight``.
+        weight: ``[V_local, H]``, this rank's vocabulary shard (Megatron's
+            output layer, a tied embedding, or an ``nn.Linear`` lm_head).
+        labels: ``[...]`` int64 *global* vocabulary ids; with sequence
+            parallelism, for the full gathered sequence.
+        bias: ``[V_local]`` or None.
+        chunk_size: tokens per chunk.
+        temperature, label_mask, ignore_index, compute_entropy: as in
+            :func:`~chunked_entropy.log_probs_and_entropy`.
+        process_group: the tensor-parallel group over which ``weight`` is
+            sharded by rows, or None. ``hidden`` is replicated over it, so its
+            gradient is summed over the group (as ColumnParallelLinear does).
+        sequence_parallel: ``hidden`` arrives split along dim 0; forward
+            all-gathers it, outputs cover the full sequence on every rank,
+            backward reduce-scatters its gradient to the slice.
+        vocab_chunk_size: also block the vocabulary (merging statistics with
+            an online softmax), so that the per-chunk buffers are
+            ``chunk_size * vocab_chunk_size`` instead of ``chunk_size * V_local``.
+        gradient_accumulation_fusion: accumulate the weight gradient into
+            ``weight.main_grad`` (float32), as Megatron's linear layers do with
+            that option; None means "when ``weight`` has ``main_grad``".
+
+    Memory:
+        Saved for backward: references to ``hidden``, ``weight`` and ``bias``
+        and one or two float32 per token. No ``[tokens, V_local]`` tensor is
+        ever allocated: forward and backward each hold one or two float32
+        ``[chunk_size, vocab_chunk_size]`` buffers (plus the half-precision
+        matmul output when the weight is bf16/fp16). Backward also allocates
+        the gradients: ``grad_hidden`` ``[tokens, H]``, a float32 ``[V_local, H]``
+        weight-gradient accumulator (none with ``main_grad``) and a float32
+        ``[V_local]`` bias accumulator. Sequence parallelism gathers the
+        hidden states once in forward and once in backward (``[S, B, H]``).
+    """
+    lead = _check_head_args(hidden, weight, bias, labels, process_group, sequence_parallel, vocab_chunk_size)
+    check_chunk("chunk_size", chunk_size)
+    if isinstance(labels, torch.Tensor) and labels.device != hidden.device:
+        raise ValueError(f"labels is on {labels.device} but hidden is on {hidden.device}")
+    v_local = weight.shape[0]
+    cdt = compute_dtype(weight.dtype)
+    tok = prepare_tokens(
+        labels, lead, v_local, process_group=process_group, label_mask=label_mask,
+        ignore_index=ignore_index, temperature=temperature, device=hidden.device, dtype=cdt,
+    )
+    plan = _Plan(
+        chunk_size=chunk_size,
+        vocab_chunk_size=min(vocab_chunk_size or v_local, v_local),
+        group=process_group,
+        sequence_parallel=bool(sequence_parallel),
+        compute_entropy=bool(compute_entropy),
+    )
+    if gradient_accumulation_fusion is None:
+        gradient_accumulation_fusion = hasattr(weight, "main_grad")
+    main_grad = None
+    if gradient_accumulation_fusion and weight.requires_grad:
+        main_grad = getattr(weight, "main_grad", None)
+        if main_grad is None or main_grad.shape != weight.shape:
+            raise ValueError(
+                "gradient_accumulation_fusion=True needs weight.main_grad with the weight's shape "
+                f"{tuple(weight.shape)}"
+            )
+    shape = labels.shape
+    if tok.n == 0:
+        zero = torch.zeros(shape, dtype=cdt, device=hidden.device)
+        return LogProbsEntropy(zero, zero.clone() if compute_entropy else None)
+    grads = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (hidden, weight, bias)
+    )
+    if grads:
+        out = _HeadFunction.apply(hidden, weight, bias, tok, plan, main_grad)
+        log_probs, entropy = out if compute_entropy else (out, None)
+    else:
+        h_full = all_gather_dim0(hidden, process_group) if sequence_parallel else hidden
+        log_probs, entropy = tok.outputs(_forward_stats(h_full, weight, bias, tok, plan), compute_entropy)
+    return LogProbsEntropy(log_probs.view(shape), None if entropy is None else entropy.view(shape))
+
+
+class ChunkedVocabParallelHead(nn.Module):
+    """An output layer that returns log-probs and entropy instead of logits.
+
+    Wraps the weight (and bias) of an lm_head, a Megatron ``ColumnParallelLinear``
+    output layer or a tied embedding; ``forward(hidden, labels)`` calls
+    :func:`linear_log_probs_and_entropy`. The parameters are shared, not
+    copied: training the head trains the original layer.
+
+    Example:
+        >>> lm_head = torch.nn.Linear(16, 50, bias=False)
+        >>> head = ChunkedVocabParallelHead.from_linear(lm_head, chunk_size=256)
+        >>> hidden = torch.randn(2, 7, 16, requires_grad=True)
+        >>> labels = torch.randint(0, 50, (2, 7))
+        >>> log_probs, entropy = head(hidden, labels)
+    """
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: Optional[torch.Tensor] = None,
+        *,
+        chunk_size: int = 1024,
+        process_group=None,
+        sequence_parallel: bool = False,
+        vocab_chunk_size: Optional[int] = None,
+        gradient_accumulation_fusion: Optional[bool] = None,
+    ):
+        super().__init__()
+        check_float("weight", weight, dim=2)
+        if bias is not None:
+            check_float("bias", bias)
+            if bias.shape != (weight.shape[0],):
+                raise ValueError(f"bias must have shape ({weight.shape[0]},) (V_local), got {tuple(bias.shape)}")
+        check_chunk("chunk_size", chunk_size)
+        check_chunk("vocab_chunk_size", vocab_chunk_size, optional=True)
+        group_rank_size(process_group)  # a clear error now if the group is unusable
+        self.weight = weight
+        self.bias = bias
+        self.chunk_size = chunk_size
+        self.process_group = process_group
+        self.sequence_parallel = bool(sequence_parallel)
+        self.vocab_chunk_size = vocab_chunk_size
+        self.gradient_accumulation_fusion = gradient_accumulation_fusion
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        labels: torch.Tensor,
+        *,
+        temperature=1.0,
+        compute_entropy: bool = True,
+        label_mask: Optional[torch.Tensor] = None,
+        ignore_index: int = -100,
+    ) -> LogProbsEntropy:
+        return linear_log_probs_and_entropy(
+            hidden, self.weight, labels, bias=self.bias, chunk_size=self.chunk_size,
+            temperature=temperature, process_group=self.process_group,
+            sequence_parallel=self.sequence_parallel, compute_entropy=compute_entropy,
+            label_mask=label_mask, ignore_index=ignore_index,
+            vocab_chunk_size=self.vocab_chunk_size,
+            gradient_accumulation_fusion=self.gradient_accumulation_fusion,
+        )
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, **kw) -> "ChunkedVocabParallelHead":
+        """Wrap a ``torch.nn.Linear`` lm_head (e.g. a Hugging Face model's); its parameters are shared."""
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"linear must be a torch.nn.Linear, got {type(linear).__name__}")
+        return cls(linear.weight, linear.bias, **kw)
+
+    @classmethod
+    def from_megatron(cls, output_layer, *, weight: Optional[torch.Tensor] = None, **kw) -> "ChunkedVocabParallelHead":
+        """Wrap a megatron-core ``ColumnParallelLinear`` output layer.
+
+        Takes its weight (or ``weight=``, the tied embedding weight, required
+        when the layer was built with ``skip_weight_param_allocation``), its
+        bias (unless ``skip_bias_add``), its tensor-parallel group,
+        ``sequence_parallel`` and ``gradient_accumulation_fusion``. Keyword
+        arguments override these, and pass ``chunk_size`` etc.
+        """
+        for attr in ("tp_group", "sequence_parallel"):
+            if not hasattr(output_layer, attr):
+                raise TypeError(
+                    f"output_layer must be a megatron-core ColumnParallelLinear (missing .{attr}), "
+                    f"got {type(output_layer).__name__}"
+                )
+        if weight is None:
+            weight = output_layer.weight
+            if weight is None:
+                raise ValueError(
+                    "output_layer has no weight (skip_weight_param_allocation, tied embeddings): pass "
+                    "weight=model.shared_embedding_or_output_weight()"
+                )
+        bias = None if getattr(output_layer, "skip_bias_add", False) else getattr(output_layer, "bias", None)
+        kw.setdefault("process_group", output_layer.tp_group)
+        kw.setdefault("sequence_parallel", output_layer.sequence_parallel)
+        if getattr(output_layer, "gradient_accumulation_fusion", False):
+            kw.setdefault("gradient_accumulation_fusion", True)
+        else:
+            kw.setdefault("gradient_accumulation_fusion", False)
+        return cls(weight, bias, **kw)
+
+    def extra_repr(self) -> str:
+        v, h = self.weight.shape
+        return (
+            f"V_local={v}, H={h}, bias={self.bias is not None}, chunk_size={self.chunk_size}, "
+            f"vocab_chunk_size={self.vocab_chunk_size}, sequence_parallel={self.sequence_parallel}"
+        )
