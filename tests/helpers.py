@@ -1,0 +1,72 @@
+"""Shared test tools: the float64 reference and a gloo process-group harness."""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def reference(logits, labels, *, temperature=1.0, label_mask=None, ignore_index=-100):
+    """float64 log-probs and entropy of ``softmax(logits / temperature)`` over the last dim.
+
+    ``logits`` must already be float64 (it may require grad); plain autograd
+    gives the reference gradients. Masked or ignored labels get log-prob 0.
+    """
+    assert logits.dtype == torch.float64
+    t = temperature
+    if isinstance(t, torch.Tensor):
+        t = torch.broadcast_to(t.to(torch.float64), labels.shape).unsqueeze(-1)
+    logp = torch.log_softmax(logits / t, dim=-1)
+    valid = labels != ignore_index
+    if label_mask is not None:
+        valid = valid & label_mask
+    lp = logp.gather(-1, torch.where(valid, labels, 0).unsqueeze(-1)).squeeze(-1)
+    lp = torch.where(valid, lp, torch.zeros_like(lp))
+    p = logp.exp()
+    # p * logp with p == 0 (padded -inf columns) contributes 0, not NaN
+    ent = -(p * torch.where(p > 0, logp, torch.zeros_like(logp))).sum(-1)
+    return lp, ent
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world_size, port, fn, args, errfile):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        fn(rank, world_size, *args)
+    except BaseException:
+        with open(f"{errfile}.{rank}", "w") as f:
+            f.write(traceback.format_exc())
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def run_distributed(fn, world_size: int, *args) -> None:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned gloo processes.
+
+    ``fn`` must be a module-level function (it is pickled). A failure on any
+    rank fails the caller with that rank's traceback.
+    """
+    with tempfile.TemporaryDirectory() as d:
+        errfile = os.path.join(d, "err")
+        try:
+            mp.spawn(_worker, args=(world_size, _free_port(), fn, args, errfile), nprocs=world_size)
+        except Exception as e:
+            msgs = []
+            for r in range(world_size):
+                if os.path.exists(f"{errfile}.{r}"):
+                    msgs.append(f"--- rank {r} ---\n" + open(f"{errfile}.{r}").read())
+            raise AssertionError("distributed test failed:\n" + "\n".join(msgs or [str(e)])) from None
