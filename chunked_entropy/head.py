@@ -236,8 +236,10 @@ def linear_log_probs_and_entropy(
             parallelism, for the full gathered sequence.
         bias: ``[V_local]`` or None.
         chunk_size: tokens per chunk.
-        temperature, label_mask, ignore_index, compute_entropy: as in
-            :func:`~chunked_entropy.log_probs_and_entropy`.
+        temperature: as in :func:`~chunked_entropy.log_probs_and_entropy`.
+        label_mask: as in :func:`~chunked_entropy.log_probs_and_entropy`.
+        ignore_index: as in :func:`~chunked_entropy.log_probs_and_entropy`.
+        compute_entropy: as in :func:`~chunked_entropy.log_probs_and_entropy`.
         process_group: the tensor-parallel group over which ``weight`` is
             sharded by rows, or None. ``hidden`` is replicated over it, so its
             gradient is summed over the group (as ColumnParallelLinear does).
