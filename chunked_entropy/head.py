@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+from torch.autograd.function import once_differentiable
 from torch import nn
 
 from . import _stats
@@ -97,6 +98,7 @@ class _HeadFunction(torch.autograd.Function):
         return (log_probs, entropy) if plan.compute_entropy else log_probs
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, g_lp, g_h=None):
         hidden, weight, bias, lse, mu = ctx.saved_tensors
         tok, plan = ctx.tok, ctx.plan

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import NamedTuple, Optional
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from . import _stats
 from ._inputs import Rows, Tokens, check_chunk, check_float, chunks, compute_dtype, prepare_tokens
@@ -62,6 +63,7 @@ class _LogitsFunction(torch.autograd.Function):
         return (log_probs, entropy) if compute_entropy else log_probs
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, g_lp, g_h=None):
         logits, lse, *rest = ctx.saved_tensors
         mu = rest[0] if rest else None
