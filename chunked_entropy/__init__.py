@@ -8,10 +8,12 @@ Public API:
 - :class:`LogProbsEntropy`: the ``(log_probs, entropy)`` result.
 """
 
+from .config import ChunkedEntropyConfig
 from .head import ChunkedVocabParallelHead, linear_log_probs_and_entropy
 from .logits import LogProbsEntropy, log_probs_and_entropy
 
 __all__ = [
+    "ChunkedEntropyConfig",
     "ChunkedVocabParallelHead",
     "LogProbsEntropy",
     "linear_log_probs_and_entropy",
