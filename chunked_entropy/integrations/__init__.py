@@ -1,0 +1,14 @@
+"""Drop-ins for RL frameworks, each a thin layer over the public functions.
+
+- :mod:`chunked_entropy.integrations.verl`: verl's Megatron actor logits
+  processor (replaces the block that needed ``logits.clone()``).
+- :mod:`chunked_entropy.integrations.megatron`: a megatron-core ``GPTModel``
+  that returns log-probs and entropy from hidden states (the fused head).
+- :mod:`chunked_entropy.integrations.trl`: TRL's ``selective_log_softmax`` and
+  ``entropy_from_logits``.
+- :mod:`chunked_entropy.integrations.openrlhf`: OpenRLHF's
+  ``log_probs_from_logits`` and ``compute_entropy``.
+
+Each module imports its framework lazily or not at all: importing one never
+requires the framework it targets.
+"""
