@@ -1,4 +1,4 @@
-"""Every ```python block in the README and the getting-started page runs.
+"""Every ```python block in the README, the getting-started and concepts pages runs.
 
 Each block runs on its own, in a fresh namespace, as a reader would paste it.
 A block with a file name (```python title="tp_example.py"```) is written to
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGES = ["README.md", "docs/getting-started.md"]
+PAGES = ["README.md", "docs/getting-started.md", "docs/concepts.md"]
 
 _FENCE = re.compile(r"^```python([^\n]*)\n(.*?)^```", re.S | re.M)
 _TITLE = re.compile(r'title="([^"]+)"')
