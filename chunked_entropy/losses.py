@@ -1,0 +1,330 @@
+"""RL loss utilities: loss aggregation, the PPO clipped objective, KL penalties, entropy bonus.
+
+Drop-in equivalents of verl's ``agg_loss``, ``compute_policy_loss`` and
+``kl_penalty`` (``verl/trainer/ppo/core_algos.py``), with the same mode names
+and formulas, for the per-token ``log_probs`` and ``entropy`` that
+:func:`~chunked_entropy.log_probs_and_entropy` and
+:class:`~chunked_entropy.ChunkedVocabParallelHead` return. All of them are
+plain differentiable tensor expressions over ``[batch, response_length]``
+tensors: nothing is saved for backward beyond what autograd keeps for these
+few element-wise ops, and no ``[tokens, vocab]`` tensor is involved.
+
+Masking: ``loss_mask`` is a bool (or 0/1, or non-negative weight) tensor of
+the loss's shape. Masked positions are *selected away* (``torch.where``), not
+multiplied by 0, so a NaN or inf there (padding) never reaches the loss value,
+and the aggregation passes a zero gradient to every masked position. Every mean guards its count: an all-masked batch gives a loss of 0
+(with zero gradient) instead of NaN.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Optional
+
+import torch
+
+__all__ = ["AGG_MODES", "KL_KINDS", "agg_loss", "entropy_bonus", "kl_penalty", "policy_loss"]
+
+#: Loss-aggregation modes (verl's ``actor.loss_agg_mode`` values).
+AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+_KL_ALIASES = {"k1": "k1", "kl": "k1", "k2": "k2", "mse": "k2", "k3": "k3", "low_var_kl": "k3", "abs": "abs"}
+#: Accepted ``kind`` values of :func:`kl_penalty` (verl's ``kl_loss_type`` / ``kl_penalty`` names).
+KL_KINDS = tuple(_KL_ALIASES)
+
+# verl clamps the log-ratio before exp() and the k3 estimate after, for stability.
+_LOG_RATIO_CLAMP = 20.0
+_K3_CLAMP = 10.0
+
+
+# ---------------------------------------------------------------- checks
+
+
+def _check_tensor(name: str, t, *, floating: bool = True) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if floating and not t.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
+
+
+def _check_same_shape(ref_name: str, ref: torch.Tensor, **others) -> None:
+    for name, t in others.items():
+        _check_tensor(name, t)
+        if t.shape != ref.shape:
+            raise ValueError(
+                f"{name} must have the shape of {ref_name}, {tuple(ref.shape)}, got {tuple(t.shape)}"
+            )
+
+
+def _check_mode(name: str, mode) -> None:
+    if mode not in AGG_MODES:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, AGG_MODES))}; got {mode!r}")
+
+
+def _check_mask(loss_mask, loss_mat: torch.Tensor) -> None:
+    _check_tensor("loss_mask", loss_mask, floating=False)
+    if loss_mask.dtype.is_complex:
+        raise TypeError(f"loss_mask must be a bool or real tensor, got {loss_mask.dtype}")
+    if loss_mask.shape != loss_mat.shape:
+        raise ValueError(
+            f"loss_mask must have the shape of the loss matrix, {tuple(loss_mat.shape)}, "
+            f"got {tuple(loss_mask.shape)}"
+        )
+    if loss_mat.dim() < 1:
+        raise ValueError("the loss matrix must be at least 1-D ([..., response_length]), got a scalar")
+
+
+def _check_real(name: str, value, *, low: float, high: float = math.inf, low_open: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    if value < low or (low_open and value == low) or value > high:
+        lo = "(" if low_open else "["
+        raise ValueError(f"{name} must be in {lo}{low}, {high}], got {value!r}")
+    return float(value)
+
+
+# ---------------------------------------------------------------- aggregation
+
+
+def _weights(loss_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return loss_mask.to(dtype)
+
+
+def _masked_sum(values: torch.Tensor, weights: torch.Tensor, dim=None) -> torch.Tensor:
+    """``sum(values * weights)`` with masked (weight 0) positions selected away, not multiplied."""
+    picked = torch.where(weights != 0, values * weights, torch.zeros((), dtype=values.dtype, device=values.device))
+    return picked.sum() if dim is None else picked.sum(dim=dim)
+
+
+def _safe_div(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
+    """``num / den``, with 0 where ``den == 0`` (then ``num`` is 0 too: nothing was selected)."""
+    return num / torch.where(den != 0, den, torch.ones_like(den))
+
+
+def _masked_mean(values: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    w = _weights(loss_mask, values.dtype)
+    return _safe_div(_masked_sum(values, w), w.sum())
+
+
+def agg_loss(
+    loss_mat: torch.Tensor,
+    loss_mask: torch.Tensor,
+    mode: str = "token-mean",
+    *,
+    loss_scale_factor: Optional[float] = None,
+) -> torch.Tensor:
+    r"""Aggregate a per-token loss matrix into a scalar, as verl's ``agg_loss``.
+
+    With ``m`` the mask, ``L`` the loss, ``i`` the sequence and ``t`` the token,
+    ``T`` the response length (``loss_mask.shape[-1]``) and ``n_i = sum_t m_it``:
+
+    - ``"token-mean"``: ``sum_it m_it L_it / sum_it m_it`` (every valid token
+      weighs the same; DAPO).
+    - ``"seq-mean-token-sum"``: mean over sequences with ``n_i > 0`` of
+      ``sum_t m_it L_it``.
+    - ``"seq-mean-token-mean"``: mean over sequences with ``n_i > 0`` of
+      ``sum_t m_it L_it / n_i`` (every sequence weighs the same; original GRPO).
+    - ``"seq-mean-token-sum-norm"``: ``sum_it m_it L_it / loss_scale_factor``,
+      where ``loss_scale_factor`` defaults to ``T = loss_mask.shape[-1]`` (Dr.
+      GRPO's constant normalizer; pass a fixed value, e.g. the maximum
+      response length, to keep it constant across batches).
+
+    Fully masked sequences are excluded from the sequence means, and an empty
+    selection gives 0 (not NaN), as in current verl.
+
+    Args:
+        loss_mat: ``[..., T]`` per-token losses; all leading dims are sequences
+            (typically ``[batch, response_length]``).
+        loss_mask: ``[..., T]``, the shape of ``loss_mat``: bool, or 0/1 (a
+            non-negative weight is multiplied in and counted as its value).
+        mode: one of :data:`AGG_MODES`.
+        loss_scale_factor: the divisor of ``"seq-mean-token-sum-norm"`` (> 0);
+            ``None`` means ``loss_mask.shape[-1]``. Ignored by the other modes.
+
+    Returns:
+        A 0-dim tensor in ``loss_mat``'s dtype, differentiable w.r.t. ``loss_mat``.
+
+    Raises:
+        ValueError: unknown ``mode``, ``loss_mask`` of another shape, or a bad
+            ``loss_scale_factor``.
+        TypeError: a non-tensor or non-floating ``loss_mat``.
+    """
+    _check_tensor("loss_mat", loss_mat)
+    _check_mask(loss_mask, loss_mat)
+    _check_mode("mode", mode)
+    if loss_scale_factor is not None:
+        _check_real("loss_scale_factor", loss_scale_factor, low=0.0, low_open=True)
+    return _aggregate(loss_mat, loss_mask, mode, loss_scale_factor)
+
+
+def _aggregate(loss_mat, loss_mask, mode, loss_scale_factor=None):
+    w = _weights(loss_mask, loss_mat.dtype)
+    if mode == "token-mean":
+        return _safe_div(_masked_sum(loss_mat, w), w.sum())
+    if mode == "seq-mean-token-sum-norm":
+        scale = loss_mask.shape[-1] if loss_scale_factor is None else loss_scale_factor
+        return _masked_sum(loss_mat, w) / scale
+    seq_sum = _masked_sum(loss_mat, w, dim=-1)  # [...]: one per sequence
+    n = w.sum(dim=-1)
+    seq_loss = seq_sum if mode == "seq-mean-token-sum" else _safe_div(seq_sum, n)
+    has_tokens = n > 0  # fully masked sequences do not count
+    return _safe_div(_masked_sum(seq_loss, has_tokens.to(loss_mat.dtype)), has_tokens.sum().to(loss_mat.dtype))
+
+
+# ---------------------------------------------------------------- policy loss
+
+
+def policy_loss(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    *,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.2,
+    clip_ratio_c: Optional[float] = None,
+    loss_agg_mode: str = "token-mean",
+):
+    r"""PPO clipped surrogate loss, with optional dual clip (verl's ``compute_policy_loss``).
+
+    Per token, with ``r = exp(clamp(log_probs - old_log_probs, -20, 20))`` and
+    advantage ``A``:
+
+    - ``l1 = -A * r``, ``l2 = -A * clamp(r, 1 - clip_ratio_low, 1 + clip_ratio_high)``,
+      ``l = max(l1, l2)`` (the clipped objective, negated);
+    - dual clip (``clip_ratio_c = c`` given): where ``A < 0``,
+      ``l = min(l, -A * c)``, bounding the loss of a very large ratio
+      (Ye et al., 2020, arXiv:1912.09729).
+
+    The loss is ``agg_loss(l, loss_mask, loss_agg_mode)``. Gradients flow into
+    every input that requires them (usually only ``log_probs``; detach
+    ``old_log_probs`` and ``advantages`` as rollout data).
+
+    Args:
+        log_probs: ``[B, T]`` log-probs of the sampled tokens under the current
+            policy (e.g. from :func:`~chunked_entropy.log_probs_and_entropy`).
+        old_log_probs: ``[B, T]`` the same under the rollout (old) policy.
+        advantages: ``[B, T]`` per-token advantages (broadcast a per-sequence
+            advantage with ``adv[:, None].expand_as(log_probs)``).
+        loss_mask: ``[B, T]`` bool (or 0/1) response mask.
+        clip_ratio_low: ``eps_low`` in ``[0, 1]``.
+        clip_ratio_high: ``eps_high >= 0`` (DAPO's clip-higher uses e.g. 0.28).
+        clip_ratio_c: dual-clip constant ``c > 1``, or ``None`` for no dual clip
+            (verl's default is 3.0).
+        loss_agg_mode: one of :data:`AGG_MODES`.
+
+    Returns:
+        ``(loss, metrics)``: a 0-dim loss, and a dict of detached 0-dim float
+        tensors, all token means over the mask whatever the aggregation mode:
+        ``"pg_clipfrac"`` (share of tokens where the clipped term is taken,
+        ``l2 > l1``), ``"pg_clipfrac_lower"`` (share where the dual clip binds;
+        0 without it) and ``"ppo_kl"`` (``mean(old_log_probs - log_probs)``, the
+        k1 estimate of ``KL(old || new)``, from the clamped log-ratio).
+
+    Raises:
+        ValueError: shape mismatch (naming the argument), an unknown
+            ``loss_agg_mode``, clip ratios out of range, ``clip_ratio_c <= 1``.
+    """
+    _check_tensor("log_probs", log_probs)
+    _check_same_shape("log_probs", log_probs, old_log_probs=old_log_probs, advantages=advantages)
+    _check_mask(loss_mask, log_probs)
+    low = _check_real("clip_ratio_low", clip_ratio_low, low=0.0, high=1.0)
+    high = _check_real("clip_ratio_high", clip_ratio_high, low=0.0)
+    if clip_ratio_c is not None:
+        if isinstance(clip_ratio_c, bool) or not isinstance(clip_ratio_c, numbers.Real) or not clip_ratio_c > 1:
+            raise ValueError(f"clip_ratio_c must be a number > 1 (the dual-clip bound) or None, got {clip_ratio_c!r}")
+    _check_mode("loss_agg_mode", loss_agg_mode)
+
+    log_ratio = torch.clamp(log_probs - old_log_probs, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    ratio = torch.exp(log_ratio)
+    l1 = -advantages * ratio
+    l2 = -advantages * torch.clamp(ratio, 1.0 - low, 1.0 + high)
+    clipped = torch.maximum(l1, l2)
+    if clip_ratio_c is None:
+        losses = clipped
+        lower = torch.zeros_like(clipped, dtype=torch.bool)
+    else:
+        l3 = -advantages * float(clip_ratio_c)
+        negative = advantages < 0
+        losses = torch.where(negative, torch.minimum(clipped, l3), clipped)
+        lower = negative & (clipped > l3)
+    loss = _aggregate(losses, loss_mask, loss_agg_mode)
+
+    with torch.no_grad():
+        dtype = torch.promote_types(log_ratio.dtype, torch.float32)
+        metrics = {
+            "pg_clipfrac": _masked_mean((l2 > l1).to(dtype), loss_mask),
+            "pg_clipfrac_lower": _masked_mean(lower.to(dtype), loss_mask),
+            "ppo_kl": _masked_mean(-log_ratio.to(dtype), loss_mask),
+        }
+    return loss, metrics
+
+
+# ---------------------------------------------------------------- KL and entropy
+
+
+def kl_penalty(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, kind: str = "low_var_kl") -> torch.Tensor:
+    r"""Per-token estimate of ``KL(pi || pi_ref)`` from sampled-token log-probs (verl's ``kl_penalty``).
+
+    With ``d = log_probs - ref_log_probs`` (J. Schulman, "Approximating KL
+    divergence", 2020):
+
+    - ``"k1"`` (alias ``"kl"``): ``d``;
+    - ``"abs"``: ``|d|``;
+    - ``"k2"`` (alias ``"mse"``): ``d**2 / 2``;
+    - ``"k3"`` (alias ``"low_var_kl"``): ``exp(-d) + d - 1``, unbiased and
+      non-negative; as verl, ``-d`` is clamped to ``[-20, 20]`` before the
+      exp and the result to ``[-10, 10]``.
+
+    Aggregate the result with :func:`agg_loss` (verl's ``use_kl_loss``) or
+    subtract it from the rewards.
+
+    Args:
+        log_probs: ``[...]`` log-probs of the sampled tokens under the policy.
+        ref_log_probs: ``[...]`` the same under the reference policy.
+        kind: one of :data:`KL_KINDS`.
+
+    Returns:
+        ``[...]`` per-token penalties, differentiable w.r.t. both inputs.
+
+    Raises:
+        ValueError: unknown ``kind``, or ``ref_log_probs`` of another shape.
+    """
+    _check_tensor("log_probs", log_probs)
+    _check_same_shape("log_probs", log_probs, ref_log_probs=ref_log_probs)
+    if not isinstance(kind, str) or kind not in _KL_ALIASES:
+        raise ValueError(f"kind must be one of {', '.join(map(repr, KL_KINDS))}; got {kind!r}")
+    kind = _KL_ALIASES[kind]
+    d = log_probs - ref_log_probs
+    if kind == "k1":
+        return d
+    if kind == "abs":
+        return d.abs()
+    if kind == "k2":
+        return 0.5 * d.square()
+    neg = torch.clamp(-d, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)  # log(pi_ref / pi)
+    return torch.clamp(torch.exp(neg) - neg - 1.0, -_K3_CLAMP, _K3_CLAMP)
+
+
+def entropy_bonus(entropy: torch.Tensor, loss_mask: torch.Tensor, mode: str = "token-mean") -> torch.Tensor:
+    """The aggregated entropy, ``agg_loss(entropy, loss_mask, mode)``, to subtract from the loss.
+
+    verl's actor loss is ``pg_loss - entropy_coeff * entropy_bonus(...) + kl_coef * kl_loss``.
+
+    Args:
+        entropy: ``[B, T]`` per-token entropy with its gradient (e.g. from
+            :func:`~chunked_entropy.log_probs_and_entropy`).
+        loss_mask: ``[B, T]`` bool (or 0/1) response mask.
+        mode: one of :data:`AGG_MODES`.
+
+    Returns:
+        A 0-dim tensor, differentiable w.r.t. ``entropy``.
+
+    Raises:
+        ValueError: unknown ``mode`` or ``loss_mask`` of another shape.
+    """
+    _check_tensor("entropy", entropy)
+    _check_mask(loss_mask, entropy)
+    _check_mode("mode", mode)
+    return _aggregate(entropy, loss_mask, mode)
