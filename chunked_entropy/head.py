@@ -117,7 +117,10 @@ class _HeadFunction(torch.autograd.Function):
         grad_h = torch.empty(n, hdim, dtype=hidden.dtype, device=dev) if need_h else None
         gh = torch.empty(min(plan.chunk_size, n), hdim, dtype=cdt, device=dev) if need_h else None
         if need_w:
-            gw = ctx.main_grad if ctx.main_grad is not None else torch.zeros(v, hdim, dtype=cdt, device=dev)
+            # main_grad in the compute dtype is accumulated into directly; a half-precision
+            # main_grad (Megatron allows bf16/fp16 ones) gets one float32 sum, added at the end.
+            into_main = ctx.main_grad is not None and ctx.main_grad.dtype == cdt
+            gw = ctx.main_grad if into_main else torch.zeros(v, hdim, dtype=cdt, device=dev)
         gb = torch.zeros(v, dtype=cdt, device=dev) if need_b else None
 
         for a, b in chunks(n, plan.chunk_size):
@@ -156,7 +159,12 @@ class _HeadFunction(torch.autograd.Function):
                 grad_hidden = all_reduce_sum_(grad_h, plan.group)
         grad_weight = None
         if need_w:
-            grad_weight = _main_grad_result(ctx) if ctx.main_grad is not None else gw.to(weight.dtype)
+            if ctx.main_grad is None:
+                grad_weight = gw.to(weight.dtype)
+            else:
+                if not into_main:
+                    ctx.main_grad.add_(gw)
+                grad_weight = _main_grad_result(ctx)
         grad_bias = gb.to(bias.dtype) if need_b else None
         return grad_hidden, grad_weight, grad_bias, None, None, None
 

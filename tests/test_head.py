@@ -361,6 +361,21 @@ def test_main_grad_accumulates_over_micro_batches(dtype):
     assert w.grad is not None and w.grad.shape == w.shape and w.grad.dtype == dtype
 
 
+def test_main_grad_in_bfloat16():
+    # Megatron also accumulates into bf16/fp16 main_grad buffers: the sum over
+    # the chunks stays float32 and is added once, so the result is the exact
+    # sum rounded once to bf16 (plus the bf16 rounding of the addition).
+    hidden, w, labels = _main_grad_weight(torch.bfloat16, flag=False)
+    w.main_grad = w.main_grad.to(torch.bfloat16)
+    start = w.main_grad.clone()
+    _, _, (_, gw_ref, _), (g_lp, g_h) = _reference(hidden, w, None, labels)
+    out = linear_log_probs_and_entropy(hidden, w, labels, chunk_size=4)
+    ((out.log_probs * g_lp.float()).sum() + (out.entropy * g_h.float()).sum()).backward()
+    assert w.main_grad.dtype == torch.bfloat16 and w.grad_added_to_main_grad is True
+    expected = start.double() + gw_ref
+    _close(w.main_grad, expected, rtol=1e-2, atol=1e-2 * expected.abs().max().item())
+
+
 def test_main_grad_zero_out_wgrad_and_without_flag():
     hidden, w, labels = _main_grad_weight(torch.float32, flag=False, zero_out=True)
     out = linear_log_probs_and_entropy(hidden, w, labels, chunk_size=4)
