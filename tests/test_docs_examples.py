@@ -55,17 +55,11 @@ def test_example_runs(page, text, title, code, tmp_path, monkeypatch):
     cmd = re.search(rf"^(torchrun [^\n]*\b{re.escape(title)}\b[^\n]*)$", text, re.M)
     if cmd:
         argv = shlex.split(cmd.group(1))
-        argv = [sys.executable, "-m", "torch.distributed.run", "--master-port", str(_free_port())] + argv[1:]
+        # --standalone: a free rendezvous port, so parallel test runs cannot collide.
+        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone"] + argv[1:]
     else:
         argv = [sys.executable, title]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, f"{' '.join(argv)} failed:\n{proc.stdout}\n{proc.stderr}"
 
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
