@@ -239,3 +239,17 @@ def test_bad_inputs_name_the_argument():
         trl.selective_log_softmax(x, i + 7)
     with pytest.raises(ValueError, match="num_classes >= 1"):
         trl.entropy_from_logits(torch.zeros(3, 0))
+
+
+def test_huggingface_page_example_runs(tmp_path, monkeypatch, capsys):
+    # The plain-PyTorch example of docs/integrations/huggingface.md, as a reader would paste it
+    # (```py blocks need transformers/TRL and are not run; ```python blocks must run).
+    import re
+    from pathlib import Path
+
+    page = Path(__file__).resolve().parents[1] / "docs" / "integrations" / "huggingface.md"
+    blocks = re.findall(r"^```python\n(.*?)^```", page.read_text(), re.S | re.M)
+    assert len(blocks) == 1
+    monkeypatch.chdir(tmp_path)
+    exec(compile(blocks[0], str(page), "exec"), {"__name__": "__main__"})
+    assert re.match(r"loss -?\d+\.\d+, mean entropy \d+\.\d+", capsys.readouterr().out)
