@@ -26,12 +26,12 @@ import torch
 
 __all__ = ["AGG_MODES", "KL_KINDS", "agg_loss", "entropy_bonus", "kl_penalty", "policy_loss"]
 
-#: Loss-aggregation modes (verl's ``actor.loss_agg_mode`` values).
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+"""Loss-aggregation modes of :func:`agg_loss` (verl's ``actor.loss_agg_mode`` values)."""
 
 _KL_ALIASES = {"k1": "k1", "kl": "k1", "k2": "k2", "mse": "k2", "k3": "k3", "low_var_kl": "k3", "abs": "abs"}
-#: Accepted ``kind`` values of :func:`kl_penalty` (verl's ``kl_loss_type`` / ``kl_penalty`` names).
 KL_KINDS = tuple(_KL_ALIASES)
+"""Accepted ``kind`` values of :func:`kl_penalty` (verl's ``kl_loss_type`` / ``kl_penalty`` names)."""
 
 # verl clamps the log-ratio before exp() and the k3 estimate after, for stability.
 _LOG_RATIO_CLAMP = 20.0

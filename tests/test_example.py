@@ -146,3 +146,21 @@ def test_example_tp2_gradients_match_unfused_and_torchrun_runs(tmp_path):
         assert float(reward) == pytest.approx(defaults.metrics[i]["reward"], abs=1e-4)
         assert float(clipfrac) == pytest.approx(defaults.metrics[i]["pg_clipfrac"], abs=1e-4)
 
+
+
+def test_docs_page_runs_and_shows_real_output(monkeypatch):
+    text = (ROOT / "docs" / "examples.md").read_text()
+    blocks = re.findall(r"^```python\n(.*?)^```", text, re.S | re.M)
+    assert len(blocks) == 1
+    monkeypatch.chdir(ROOT)  # the page loads examples/grpo_tp.py relative to the repository root
+    exec(compile(blocks[0], "docs/examples.md", "exec"), {"__name__": "__main__"})
+    # The sample output on the page is what the default run prints.
+    shown = re.search(r"^```text\n(.*?)^```", text, re.S | re.M).group(1).splitlines()
+    steps = [LINE.match(ln) for ln in shown if ln.startswith("step ")]
+    assert len(steps) == 4 and all(steps)
+    ex = load_example()
+    run = ex.train(4)
+    for i, m in enumerate(steps):
+        assert float(m.group(2)) == pytest.approx(run.losses[i], abs=2e-6)
+        assert float(m.group(3)) == pytest.approx(run.metrics[i]["entropy"], abs=2e-6)
+        assert float(m.group(5)) == pytest.approx(run.metrics[i]["pg_clipfrac"], abs=1e-4)

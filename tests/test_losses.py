@@ -350,3 +350,15 @@ def test_bad_input_names_the_argument():
         entropy_bonus(x, m, "mean")
     with pytest.raises(ValueError, match="loss_mask"):
         entropy_bonus(x, m[:1], "token-mean")
+
+
+def test_docs_page_example_runs(monkeypatch, tmp_path):
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "losses.md").read_text()
+    blocks = re.findall(r"^```python\n(.*?)^```", text, re.S | re.M)
+    assert blocks, "docs/losses.md lost its example"
+    monkeypatch.chdir(tmp_path)
+    for code in blocks:
+        exec(compile(code, "docs/losses.md", "exec"), {"__name__": "__main__"})
