@@ -1,0 +1,338 @@
+"""megatron-core: a ``GPTModel`` that returns log-probs and entropy from hidden states.
+
+:func:`enable_fused_log_probs` makes ``model(input_ids, position_ids,
+attention_mask, labels=labels)`` return a
+:class:`~chunked_entropy.LogProbsEntropy` shaped like ``labels`` ``[B, S]``
+instead of the cross-entropy loss: the decoder's hidden states go through a
+:class:`~chunked_entropy.ChunkedVocabParallelHead` built on the model's own
+output layer (or the tied embedding weight), so the ``[S, B, V/TP]`` logits
+never exist. :func:`disable_fused_log_probs` restores the model.
+
+How it hooks in:
+
+- megatron-core >= 0.18 (``GPTModel.forward`` takes ``output_processor`` and
+  ``output_processor_context``): the instance's ``forward`` passes our
+  processor whenever ``labels`` are given and the caller passed none.
+- older megatron-core (0.16, 0.17): the instance's ``_postprocess`` is
+  replaced; it falls back to the original whenever ``labels`` is None, in
+  inference, or on a stage without the output layer.
+
+Only the instance is changed, never the class. Without ``labels`` the model
+returns its logits as before.
+
+Per-call options (temperature, whether the entropy is computed, a label mask):
+
+- ``with fused_log_probs_options(model, temperature=..., compute_entropy=..., label_mask=...):``
+  around the forward call (any megatron-core version);
+- with megatron-core >= 0.18, also ``model(..., output_processor_context=FusedLogProbsOptions(...))``;
+- the forward's own ``loss_mask=`` ([B, S], bool or 0/1) masks the log-probs
+  when no ``label_mask`` option is set.
+
+Defaults come from ``enable_fused_log_probs(model, config, temperature=..., ...)``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import math
+import numbers
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+import torch
+
+from ..head import ChunkedVocabParallelHead
+from ..logits import LogProbsEntropy
+from ..parallel import default_tp_group, group_rank_size
+
+__all__ = [
+    "FusedLogProbsOptions",
+    "disable_fused_log_probs",
+    "enable_fused_log_probs",
+    "fused_log_probs_options",
+]
+
+_STATE = "_chunked_entropy_fused"
+_MISSING = object()
+_HEAD_KEYS = ("chunk_size", "vocab_chunk_size", "process_group", "sequence_parallel", "gradient_accumulation_fusion")
+_CALL_KEYS = ("temperature", "compute_entropy")
+
+
+@dataclass(frozen=True)
+class FusedLogProbsOptions:
+    """Per-call options; a field left None takes the default given to :func:`enable_fused_log_probs`.
+
+    Attributes:
+        temperature: a float > 0, or a tensor: per sample ``[B]`` or ``[B, 1]``,
+            or per token ``[B, S]`` (Megatron's labels layout).
+        compute_entropy: False returns ``entropy=None`` and skips its work.
+        label_mask: bool ``[B, S]``: where False the log-prob is 0 and passes
+            no gradient (the forward's ``loss_mask`` is used when this is None).
+    """
+
+    temperature: Union[None, float, torch.Tensor] = None
+    compute_entropy: Optional[bool] = None
+    label_mask: Optional[torch.Tensor] = None
+
+
+@dataclass
+class _State:
+    head: ChunkedVocabParallelHead
+    temperature: float
+    compute_entropy: bool
+    hook: bool  # megatron-core's output_processor hook (else the _postprocess override)
+    saved: dict  # instance attributes replaced -> their previous value (or _MISSING)
+    options: list = field(default_factory=list)  # stack of fused_log_probs_options
+
+
+def _unwrap(model):
+    """The GPTModel inside Megatron's wrappers (DDP, Float16Module: ``.module``)."""
+    inner = model
+    while not hasattr(inner, "output_layer") and isinstance(getattr(inner, "module", None), torch.nn.Module):
+        inner = inner.module
+    return inner
+
+
+def _supports_hook(model) -> bool:
+    try:
+        params = inspect.signature(type(model).forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return "output_processor" in params and "output_processor_context" in params
+
+
+def _check_temperature(value, name="temperature"):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a finite float > 0, got {value!r}")
+    return float(value)
+
+
+def _defaults(config, head_kwargs, v_local):
+    """Head keyword arguments and per-call defaults from ``config`` (duck-typed) and ``head_kwargs``."""
+    unknown = sorted(set(head_kwargs) - set(_HEAD_KEYS) - set(_CALL_KEYS))
+    if unknown:
+        raise TypeError(
+            f"enable_fused_log_probs got unexpected keyword argument(s) {unknown}; "
+            f"expected some of {list(_HEAD_KEYS + _CALL_KEYS)}"
+        )
+    head_kw, call = {}, {"temperature": 1.0, "compute_entropy": True}
+    if config is not None:
+        if getattr(config, "vocab_chunk_size", None) is not None:
+            head_kw["vocab_chunk_size"] = config.vocab_chunk_size
+        resolve = getattr(config, "resolve_chunk_size", None)
+        if callable(resolve):  # chunked_entropy.ChunkedEntropyConfig, incl. chunk_size="auto"
+            head_kw["chunk_size"] = resolve(v_local, fused=True)
+        elif getattr(config, "chunk_size", None) is not None:
+            head_kw["chunk_size"] = config.chunk_size
+        for key in _CALL_KEYS:
+            if getattr(config, key, None) is not None:
+                call[key] = getattr(config, key)
+    for key, value in head_kwargs.items():
+        (call if key in _CALL_KEYS else head_kw)[key] = value
+    call["temperature"] = _check_temperature(call["temperature"])
+    if not isinstance(call["compute_entropy"], bool):
+        raise ValueError(f"compute_entropy must be a bool, got {call['compute_entropy']!r}")
+    return head_kw, call
+
+
+def enable_fused_log_probs(model, config=None, **head_kwargs) -> ChunkedVocabParallelHead:
+    """Make a megatron-core ``GPTModel`` return log-probs and entropy through the fused head.
+
+    After this, ``model(input_ids, position_ids, attention_mask, labels=labels)``
+    returns a :class:`~chunked_entropy.LogProbsEntropy` of float32 ``[B, S]``
+    tensors (entropy None when not computed), identical on every rank of the
+    tensor-parallel group; without ``labels`` the model returns its logits as
+    before. Per-call options: see :func:`fused_log_probs_options`.
+
+    Args:
+        model: a megatron-core ``GPTModel`` (or Megatron's DDP /
+            ``Float16Module`` wrapping one) on a stage that has the output
+            layer (``post_process=True``), without multi-token prediction.
+        config: optional, duck-typed (e.g.
+            :class:`chunked_entropy.ChunkedEntropyConfig`): ``chunk_size``
+            (or ``resolve_chunk_size(v_local, fused=True)``),
+            ``vocab_chunk_size``, ``temperature``, ``compute_entropy``, each
+            used when present and not None.
+        **head_kwargs: override the config: ``chunk_size``,
+            ``vocab_chunk_size``, ``process_group`` (default: the output
+            layer's TP group, else megatron-core's ``parallel_state``),
+            ``sequence_parallel`` and ``gradient_accumulation_fusion``
+            (default: the output layer's), and the per-call defaults
+            ``temperature`` and ``compute_entropy``.
+
+    Returns:
+        The head: it shares the output layer's weight (or the tied embedding
+        weight), so training through it trains the model.
+
+    Raises:
+        TypeError / ValueError: on a model, config or argument that does not
+        fit; the model is then left exactly as it was. Calling it again
+        replaces the previous head and defaults.
+    """
+    gpt = _unwrap(model)
+    if not hasattr(gpt, "output_layer") or not hasattr(gpt, "_postprocess"):
+        raise TypeError(
+            f"model must be a megatron-core GPTModel (or a wrapper with .module), got {type(model).__name__}"
+        )
+    if not getattr(gpt, "post_process", True) or gpt.output_layer is None:
+        raise ValueError(
+            "model has no output layer on this pipeline stage (post_process=False): "
+            "enable fused log-probs only where model.post_process is True"
+        )
+    if getattr(getattr(gpt, "config", None), "mtp_num_layers", None):
+        raise ValueError("model uses multi-token prediction (config.mtp_num_layers); the fused head does not support it")
+
+    weight = None
+    if getattr(gpt, "share_embeddings_and_output_weights", False):
+        weight = gpt.shared_embedding_or_output_weight()
+    v_local = (weight if weight is not None else gpt.output_layer.weight).shape[0]
+    head_kw, call = _defaults(config, head_kwargs, v_local)
+    if "process_group" not in head_kw and getattr(gpt.output_layer, "tp_group", None) is None:
+        head_kw["process_group"] = default_tp_group()
+    head = ChunkedVocabParallelHead.from_megatron(gpt.output_layer, weight=weight, **head_kw)
+
+    previous = gpt.__dict__.get(_STATE)
+    hook = _supports_hook(gpt)
+    names = ("forward",) if hook else ("_postprocess",)
+    if previous is not None:
+        saved = previous.saved
+    else:
+        saved = {n: gpt.__dict__.get(n, _MISSING) for n in names}
+    state = _State(head=head, hook=hook, saved=saved, **call)
+    try:
+        if previous is None:
+            original = {n: getattr(gpt, n) for n in names}
+            if hook:
+                gpt.forward = _hooked_forward(gpt, original["forward"])
+            else:
+                gpt._postprocess = _fused_postprocess(gpt, original["_postprocess"])
+        gpt.__dict__[_STATE] = state  # not a submodule: state_dict and parameters are unchanged
+    except BaseException:
+        _restore(gpt, saved)
+        gpt.__dict__.pop(_STATE, None)
+        if previous is not None:  # pragma: no cover - the assignments above do not fail in practice
+            gpt.__dict__[_STATE] = previous
+        raise
+    return head
+
+
+def _restore(gpt, saved):
+    for name, value in saved.items():
+        if value is _MISSING:
+            gpt.__dict__.pop(name, None)
+        else:
+            gpt.__dict__[name] = value
+
+
+def disable_fused_log_probs(model) -> bool:
+    """Undo :func:`enable_fused_log_probs`; returns False when it was not enabled."""
+    gpt = _unwrap(model)
+    state = getattr(gpt, "__dict__", {}).get(_STATE)
+    if state is None:
+        return False
+    _restore(gpt, state.saved)
+    del gpt.__dict__[_STATE]
+    return True
+
+
+@contextlib.contextmanager
+def fused_log_probs_options(model, *, temperature=None, compute_entropy=None, label_mask=None):
+    """Per-call options for the forward calls inside the ``with`` block.
+
+    Example:
+        >>> with fused_log_probs_options(model, temperature=0.7, label_mask=response_mask):
+        ...     log_probs, entropy = model(input_ids, position_ids, attention_mask, labels=labels)
+    """
+    state = _unwrap(model).__dict__.get(_STATE)
+    if state is None:
+        raise ValueError("fused log-probs are not enabled on this model: call enable_fused_log_probs(model) first")
+    opts = FusedLogProbsOptions(temperature, compute_entropy, label_mask)
+    state.options.append(opts)
+    try:
+        yield opts
+    finally:
+        state.options.remove(opts)
+
+
+def _fused_postprocess(gpt, original):
+    """The ``_postprocess`` override of megatron-core < 0.18."""
+
+    def _postprocess(hidden_states, input_ids, position_ids, labels, *args, **kwargs):
+        inference = kwargs.get("inference_context") is not None and not gpt.training
+        if labels is None or inference or not gpt.post_process:
+            return original(hidden_states, input_ids, position_ids, labels, *args, **kwargs)
+        return _log_probs(gpt, hidden_states, labels, kwargs.get("loss_mask"), None)
+
+    return _postprocess
+
+
+def _hooked_forward(gpt, original):
+    """The ``forward`` of megatron-core >= 0.18: pass our ``output_processor`` when labels are given."""
+
+    def forward(*args, **kwargs):
+        bound = inspect.signature(original).bind_partial(*args, **kwargs).arguments
+        if bound.get("labels") is not None and bound.get("output_processor") is None:
+            kwargs["output_processor"] = lambda **kw: _processor(gpt, **kw)
+        return original(*args, **kwargs)
+
+    return forward
+
+
+def _processor(gpt, *, hidden_states, labels, context=None, loss_mask=None, **_ignored):
+    """megatron-core's ``output_processor`` contract: keyword arguments, the result is the forward's."""
+    return _log_probs(gpt, hidden_states, labels, loss_mask, context)
+
+
+def _options(state, context):
+    """Per-call options: the processor context, then the innermost ``with`` block, then the defaults."""
+    layers = [context] if isinstance(context, FusedLogProbsOptions) else []
+    layers += reversed(state.options)
+    picked = {}
+    for name in ("temperature", "compute_entropy", "label_mask"):
+        picked[name] = next((getattr(o, name) for o in layers if getattr(o, name) is not None), None)
+    if picked["temperature"] is None:
+        picked["temperature"] = state.temperature
+    if picked["compute_entropy"] is None:
+        picked["compute_entropy"] = state.compute_entropy
+    return picked
+
+
+def _to_sb(name, t, b, s, *, per_sample=True):
+    """A [B, S]-layout per-token tensor (or [B] / [B, 1] per sample) in Megatron's [S, B] layout."""
+    if not isinstance(t, torch.Tensor) or (per_sample and t.dim() == 0):
+        return t
+    if per_sample and t.dim() == 1 and t.shape[0] == b:
+        return t.view(1, b)
+    if t.dim() == 2 and (t.shape == (b, s) or (per_sample and t.shape == (b, 1))):
+        return t.t()
+    kinds = "per sample [B] or [B, 1], or per token " if per_sample else ""
+    raise ValueError(f"{name} must be {kinds}[B, S] = [{b}, {s}] like labels, got shape {tuple(t.shape)}")
+
+
+def _log_probs(gpt, hidden_states, labels, loss_mask, context) -> LogProbsEntropy:
+    state = gpt.__dict__[_STATE]
+    head = state.head
+    opts = _options(state, context)
+    if not isinstance(labels, torch.Tensor) or labels.dim() != 2:
+        shape = tuple(labels.shape) if isinstance(labels, torch.Tensor) else type(labels).__name__
+        raise ValueError(f"labels must be a [B, S] tensor of token ids (Megatron's layout), got {shape}")
+    b, s = labels.shape
+    _, world = group_rank_size(head.process_group)
+    s_local = s // world if head.sequence_parallel else s
+    if hidden_states.dim() != 3 or hidden_states.shape[:2] != (s_local, b) or (head.sequence_parallel and s % world):
+        where = f" (this rank's 1/{world} of the sequence: sequence_parallel)" if head.sequence_parallel else ""
+        raise ValueError(
+            f"labels [B, S] = {(b, s)} do not match the decoder's hidden states {tuple(hidden_states.shape)}; "
+            f"expected hidden states [S, B, H] with S = {s_local}{where}"
+        )
+    mask = opts["label_mask"] if opts["label_mask"] is not None else loss_mask
+    out = head(
+        hidden_states,
+        labels.t(),
+        temperature=_to_sb("temperature", opts["temperature"], b, s),
+        compute_entropy=opts["compute_entropy"],
+        label_mask=None if mask is None else _to_sb("label_mask", mask, b, s, per_sample=False).bool(),
+    )
+    entropy = None if out.entropy is None else out.entropy.t().contiguous()
+    return LogProbsEntropy(out.log_probs.t().contiguous(), entropy)
