@@ -1,0 +1,350 @@
+"""One benchmark case, measured in the process that runs it (a fresh one, started by the caller).
+
+A case is one method (plain torch, the clone workaround, this library's logits
+path, the fused head) on one shape. :func:`measure` builds the inputs, then
+runs one forward+backward and reports
+
+* ``peak_bytes``: the peak memory *over the inputs*: on CPU the peak resident
+  set size during the run minus the resident size once the inputs exist (the
+  kernel's high-water mark is reset right before the run through
+  ``/proc/self/clear_refs``); on CUDA ``torch.cuda.max_memory_allocated()``
+  minus the memory allocated once the inputs exist. It includes the gradients
+  (of the logits, or of the hidden states and the weight).
+* ``time_s``: the wall time of that forward+backward (after a warm-up on a tiny
+  input, so that one-time library initialisation is not counted).
+
+Run as ``python -m chunked_entropy _case '<json>'`` it prints one JSON line; with
+``tp > 1`` it spawns that many gloo processes and reports the largest peak and
+time over the ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import os
+import resource
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+PATHS = ("logits", "head")
+METHODS = {"logits": ("plain", "clone", "chunked"), "head": ("plain", "clone", "chunked", "head")}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One measurement: a method on a shape.
+
+    ``path`` is what the inputs are: ``"logits"`` (a ``[tokens, V/tp]`` leaf
+    tensor) or ``"head"`` (hidden ``[tokens, hidden]`` and a weight
+    ``[V/tp, hidden]``; every method but ``"head"`` first computes the
+    logits with a plain matmul). ``method``: ``plain``, ``clone``,
+    ``chunked`` (this library's logits path) or ``head`` (the fused head).
+    ``chunk`` is the ``chunk_size`` of ``chunked`` and ``head``.
+    """
+
+    path: str
+    method: str
+    tokens: int
+    vocab: int
+    hidden: int = 0
+    chunk: int = 0
+    dtype: str = "float32"
+    device: str = "cpu"
+    tp: int = 1
+    seed: int = 0
+
+    @property
+    def label(self) -> str:
+        name = {
+            "plain": "plain torch",
+            "clone": "clone workaround",
+            "chunked": f"chunked, chunk {self.chunk}",
+            "head": f"fused head, chunk {self.chunk}",
+        }[self.method]
+        if self.path == "head" and self.method in ("plain", "clone", "chunked"):
+            name = "matmul + " + name
+        return name
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @staticmethod
+    def from_json(text: str) -> "Case":
+        return Case(**json.loads(text))
+
+
+class Inputs:
+    """Deterministic inputs of a case, for this rank's vocabulary shard."""
+
+    def __init__(self, case: Case, rank: int = 0, world: int = 1):
+        dev = torch.device(case.device)
+        dt = DTYPES[case.dtype]
+        n, v = case.tokens, case.vocab
+        if v % world:
+            raise ValueError(f"vocab {v} must be divisible by tp {world}")
+        vl = v // world
+        lo = rank * vl
+        g = torch.Generator(device=dev).manual_seed(case.seed)
+        self.labels = torch.randint(0, v, (n,), generator=g, device=dev)
+        self.g_lp = torch.randn(n, generator=g, device=dev)
+        self.g_h = torch.randn(n, generator=g, device=dev)
+        self.logits = self.hidden = self.weight = None
+        if case.path == "logits":
+            full = torch.randn(n, v, generator=g, device=dev).mul_(2.0)
+            shard = full if world == 1 else full[:, lo : lo + vl].clone()
+            del full
+            self.logits = shard.to(dt).requires_grad_(True)
+        else:
+            h = case.hidden
+            self.hidden = torch.randn(n, h, generator=g, device=dev).to(dt).requires_grad_(True)
+            w = torch.randn(v, h, generator=g, device=dev).mul_(2.0 / h**0.5)
+            shard = w if world == 1 else w[lo : lo + vl].clone()
+            del w
+            self.weight = shard.to(dt).requires_grad_(True)
+
+    def clear_grads(self):
+        for t in (self.logits, self.hidden, self.weight):
+            if t is not None:
+                t.grad = None
+
+
+def outputs(case: Case, inp: Inputs, group):
+    """``(log_probs, entropy)`` of the case's method (the forward pass)."""
+    from chunked_entropy import linear_log_probs_and_entropy, log_probs_and_entropy
+
+    from . import baselines
+
+    if case.method == "head":
+        return linear_log_probs_and_entropy(
+            inp.hidden, inp.weight, inp.labels, chunk_size=case.chunk, process_group=group
+        )
+    logits = inp.logits if case.path == "logits" else inp.hidden @ inp.weight.t()
+    if case.method == "plain":
+        if group is not None:
+            raise ValueError("plain torch has no vocabulary parallelism; use tp=1")
+        return baselines.plain_log_probs_and_entropy(logits, inp.labels)
+    if case.method == "clone":
+        return baselines.clone_workaround(logits, inp.labels, group)
+    return log_probs_and_entropy(logits, inp.labels, chunk_size=case.chunk, process_group=group)
+
+
+def loss_of(case: Case, inp: Inputs, group):
+    """The scalar whose backward we time: ``sum(g_lp * log_prob + g_h * entropy)``."""
+    lp, ent = outputs(case, inp, group)
+    return (lp * inp.g_lp).sum() + (ent * inp.g_h).sum()
+
+
+def _status_kib(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    raise KeyError(key)
+
+
+class _CpuMemory:
+    """Peak resident memory of this process, measured from a baseline."""
+
+    def __init__(self):
+        self.proc = os.path.exists("/proc/self/clear_refs")
+
+    def reset(self):
+        if self.proc:
+            try:
+                with open("/proc/self/clear_refs", "w") as f:
+                    f.write("5")  # reset the resident high-water mark (Linux >= 4.0)
+            except OSError:
+                self.proc = False
+        self.base = self._rss()
+
+    def _rss(self):
+        if self.proc:
+            return _status_kib("VmRSS") * 1024
+        return 0  # no baseline without /proc: peak below is the whole process's
+
+    def peak(self):
+        if self.proc:
+            return _status_kib("VmHWM") * 1024 - self.base
+        scale = 1 if sys.platform == "darwin" else 1024
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale - self.base
+
+
+class _CudaMemory:
+    def __init__(self, device):
+        self.device = device
+
+    def reset(self):
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.base = torch.cuda.memory_allocated(self.device)
+
+    def peak(self):
+        return torch.cuda.max_memory_allocated(self.device) - self.base
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(case: Case, group=None, rank: int = 0, world: int = 1) -> dict:
+    """Warm up on one chunk's worth of tokens, build the inputs, then measure one forward+backward.
+
+    The warm-up lets the libraries underneath set up what they keep for the
+    life of the process (thread pools, the matmul library's packing
+    workspace: about 10 MiB with MKL), which a training step would find
+    already there.
+    """
+    device = torch.device(case.device)
+    tiny = dataclasses.replace(case, tokens=min(case.tokens, max(case.chunk, 64)))
+    inp = Inputs(tiny, rank, world)
+    loss_of(tiny, inp, group).backward()
+    del inp
+    inp = Inputs(case, rank, world)
+    gc.collect()
+    mem = _CudaMemory(device) if device.type == "cuda" else _CpuMemory()
+    mem.reset()
+    t0 = time.perf_counter()
+    loss_of(case, inp, group).backward()
+    _sync(device)
+    elapsed = time.perf_counter() - t0
+    peak = mem.peak()
+    return {"peak_bytes": int(peak), "time_s": elapsed}
+
+
+def _worker(rank, world, port, case_json, out_file):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    case = Case.from_json(case_json)
+    cuda = case.device.startswith("cuda")
+    if cuda:
+        case = dataclasses.replace(case, device=f"cuda:{rank}")
+        torch.cuda.set_device(case.device)
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
+    try:
+        res = measure(case, dist.group.WORLD, rank, world)
+        every = [None] * world
+        dist.all_gather_object(every, res)
+        if rank == 0:
+            out = {
+                "peak_bytes": max(r["peak_bytes"] for r in every),
+                "time_s": max(r["time_s"] for r in every),
+            }
+            with open(out_file, "w") as f:
+                json.dump(out, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_case_main(argv) -> int:
+    """``_case <json>``: measure and print one JSON line (internal; used by bench and demo)."""
+    case = Case.from_json(argv[0])
+    if case.tp == 1:
+        res = measure(case)
+    else:
+        import tempfile
+
+        import torch.multiprocessing as mp
+
+        with tempfile.TemporaryDirectory() as d:
+            out = os.path.join(d, "result.json")
+            mp.spawn(_worker, args=(case.tp, free_port(), argv[0], out), nprocs=case.tp)
+            with open(out) as f:
+                res = json.load(f)
+    print(json.dumps(res), flush=True)
+    return 0
+
+
+def _fresh_target(case_json, conn):
+    try:
+        res = {"status": "ok", **measure(Case.from_json(case_json))}
+    except BaseException as e:  # reported to the parent, which decides what to show
+        res = {"status": "error", "error": f"{type(e).__name__}: {e}".splitlines()[0]}
+    conn.send(res)
+    conn.close()
+
+
+_CONTEXT = None
+
+
+def _context():
+    """A forkserver that has imported torch and this library once and never computes.
+
+    Every case is a fresh process forked from it: its own memory and its own
+    thread pools, without paying for ``import torch`` each time.
+    """
+    global _CONTEXT
+    if _CONTEXT is None:
+        import multiprocessing as mp
+
+        _CONTEXT = mp.get_context("forkserver")
+        _CONTEXT.set_forkserver_preload(["torch", "chunked_entropy", "chunked_entropy.cli._measure"])
+    return _CONTEXT
+
+
+def run_fresh(case: Case, timeout: float = 1800) -> dict:
+    """Measure ``case`` in a fresh process; returns the result dict plus ``status``.
+
+    ``status`` is ``"ok"``, ``"oom"`` (killed, most likely by the kernel's
+    out-of-memory killer), ``"timeout"`` or ``"error"`` (with ``error``, a
+    one-line reason). With ``tp > 1`` the process runs ``_case``, which
+    spawns the ranks.
+    """
+    if case.tp > 1:
+        return _run_subprocess(case, timeout)
+    ctx = _context()
+    parent, child = ctx.Pipe(duplex=False)
+    p = ctx.Process(target=_fresh_target, args=(case.to_json(), child), daemon=True)
+    p.start()
+    child.close()
+    try:
+        if parent.poll(timeout):
+            res = parent.recv()
+        else:
+            res = {"status": "timeout"}
+    except EOFError:  # the process died without a word
+        res = None
+    p.join(timeout=30)
+    if p.is_alive():
+        p.kill()
+        p.join()
+    if res is None:
+        res = {"status": "oom"} if p.exitcode in (-9, 137) else {
+            "status": "error", "error": f"the case's process exited with code {p.exitcode}"}
+    return res
+
+
+def _run_subprocess(case: Case, timeout: float) -> dict:
+    import subprocess
+
+    cmd = [sys.executable, "-m", "chunked_entropy", "_case", case.to_json()]
+    # a clean slate: not the rendezvous of a torchrun job we may be running under
+    launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
+                "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_WORLD_SIZE", "ROLE_NAME")
+    env = {k: v for k, v in os.environ.items() if k not in launcher and not k.startswith("TORCHELASTIC")}
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return {"status": "timeout"}
+    if p.returncode == 0:
+        for line in reversed(p.stdout.splitlines()):
+            if line.startswith("{"):
+                return {"status": "ok", **json.loads(line)}
+    if p.returncode in (-9, 137):
+        return {"status": "oom"}
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    return {"status": "error", "error": lines[-1] if lines else f"exit code {p.returncode}"}

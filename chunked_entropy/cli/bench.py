@@ -1,0 +1,376 @@
+"""``chunked-entropy bench``: peak memory and time of each approach, each case in a fresh process.
+
+For every shape (tokens, vocabulary, hidden size) and method (plain torch,
+the clone workaround, this library's logits path at each chunk size, the fused
+head), one forward+backward of ``sum(g_lp * log_prob + g_h * entropy)`` runs in
+a fresh process (forked from a server that has imported torch once and never
+computed): its peak memory over the inputs and its wall time are measured
+there (see :mod:`chunked_entropy.cli._measure`). ``--repeats`` rounds run every
+case again, rotating the order of the methods each round so that none always
+runs first or last; the table reports medians.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+from . import plan
+from ._measure import METHODS, Case, run_fresh
+
+PRESETS = {
+    "issue2": dict(
+        path="logits", tokens=[8192], vocab=[32768], dtype="float32",
+        methods=["plain", "clone", "chunked"], chunk_sizes=[256, 512, 1024, 2048],
+    ),
+    "issue3": dict(
+        path="head", tokens=[16384, 32768], vocab=[32768], hidden=[512], dtype="float32",
+        methods=["plain", "chunked", "head"], chunk_sizes=[512],
+    ),
+}
+DEFAULTS = dict(
+    path="logits", tokens=[1024, 2048, 4096, 8192], vocab=[32768], hidden=[512], dtype="float32",
+    methods=None, chunk_sizes=[512], repeats=3,
+)
+QUICK = dict(
+    path="logits", tokens=[512, 2048], vocab=[8192], hidden=[256], dtype="float32",
+    methods=None, chunk_sizes=[256], repeats=1,
+)
+
+
+class BenchError(Exception):
+    """A user mistake found after parsing (reported in one line, exit code 2)."""
+
+
+def add_arguments(p, positive_int, int_list, name_list) -> None:
+    g = p.add_argument_group("what to measure (a preset or --quick fills what is not given)")
+    g.add_argument("--preset", choices=sorted(PRESETS),
+                   help="issue2: logits path, N=8192, V=32768, float32, plain/clone/chunk 256,512,1024,2048; "
+                        "issue3: fused head, N=16384,32768, H=512, V=32768, chunk 512, against "
+                        "matmul+plain torch and matmul+logits path")
+    g.add_argument("--quick", action="store_true",
+                   help="a small sweep that finishes in under 30 s (N=512,2048, V=8192, chunk 256, 1 repeat)")
+    g.add_argument("--path", choices=["logits", "head", "both"],
+                   help="logits: inputs are [N, V] logits; head: inputs are hidden states [N, H] and an "
+                        "lm_head weight [V, H] (plain methods do the matmul first); both (default logits)")
+    g.add_argument("--tokens", type=int_list, metavar="N1,N2,...",
+                   help="token counts to sweep (default 1024,2048,4096,8192)")
+    g.add_argument("--vocab", type=int_list, metavar="V1,...", help="vocabulary sizes to sweep (default 32768)")
+    g.add_argument("--hidden", type=int_list, metavar="H1,...",
+                   help="hidden sizes for --path head (default 512)")
+    g.add_argument("--chunk-sizes", type=int_list, metavar="C1,...",
+                   help="chunk_size values for the chunked and fused-head methods (default 512)")
+    g.add_argument("--methods", type=name_list, metavar="M1,...",
+                   help="subset of plain, clone, chunked, head (default: all that apply to the path)")
+    g.add_argument("--dtype", choices=sorted(plan.DTYPE_BYTES), help="dtype of the inputs (default float32)")
+    g.add_argument("--device", default="cpu", help="cpu or cuda[:i] (default cpu)")
+    r = p.add_argument_group("how")
+    r.add_argument("--repeats", type=positive_int,
+                   help="rounds; every case runs once per round in a fresh process (default 3; 1 with --quick)")
+    r.add_argument("--timeout", type=positive_int, default=1800, metavar="SECONDS",
+                   help="give up on a case after this long (default 1800)")
+    r.add_argument("--force", action="store_true",
+                   help="run cases even when the plan's estimate exceeds the memory available")
+    r.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    o = p.add_argument_group("output")
+    o.add_argument("--out", metavar="DIR", default="bench-results",
+                   help="directory for results.csv and results.json (default ./bench-results)")
+    o.add_argument("--plot", metavar="FILE.png",
+                   help="also draw peak memory and time against tokens, one line per method "
+                        "(needs matplotlib: pip install 'chunked_entropy[plot]')")
+
+
+def _settings(args) -> dict:
+    base = dict(QUICK if args.quick else DEFAULTS)
+    if args.preset:
+        base.update(PRESETS[args.preset])
+        base.setdefault("repeats", 3)
+    for k in ("path", "tokens", "vocab", "hidden", "chunk_sizes", "methods", "dtype", "repeats"):
+        v = getattr(args, k)
+        if v is not None:
+            base[k] = v
+    return base
+
+
+def build_cases(s: dict, device: str) -> list:
+    """The cases of a sweep, grouped by shape; each group lists its methods."""
+    paths = ["logits", "head"] if s["path"] == "both" else [s["path"]]
+    groups = []
+    for path in paths:
+        methods = [m for m in (s["methods"] or METHODS[path]) if m in METHODS[path]]
+        if s["methods"] and not methods:
+            continue
+        for v in s["vocab"]:
+            for h in (s["hidden"] if path == "head" else [0]):
+                for n in s["tokens"]:
+                    group = []
+                    for m in methods:
+                        for c in (s["chunk_sizes"] if m in ("chunked", "head") else [0]):
+                            group.append(Case(path=path, method=m, tokens=n, vocab=v, hidden=h, chunk=c,
+                                              dtype=s["dtype"], device=device))
+                    groups.append(group)
+    return groups
+
+
+def plan_bytes(case: Case) -> int:
+    """The plan's estimate of the case's peak over its inputs."""
+    shape = plan.Shape(case.tokens, case.vocab, case.hidden, 1, case.dtype)
+    e = plan.estimate(case.method, shape, case.chunk)
+    if case.path == "logits":
+        return e.over_logits
+    # over hidden and weight: the total, and the lm_head's gradients when they come last
+    grads = case.hidden * (case.tokens + case.vocab) * 4
+    return max(e.total, grads) if case.method != "head" else e.total
+
+
+def input_bytes(case: Case) -> int:
+    b = plan.DTYPE_BYTES[case.dtype]
+    if case.path == "logits":
+        return case.tokens * case.vocab * b
+    return (case.tokens + case.vocab) * case.hidden * b
+
+
+def available_bytes(device: str) -> int:
+    if device.startswith("cuda"):
+        import torch
+
+        free, _ = torch.cuda.mem_get_info(torch.device(device))
+        return free
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 1 << 62
+
+
+class Progress:
+    """A plain-text progress bar on stderr (one line per step when stderr is not a terminal)."""
+
+    def __init__(self, total: int, enabled: bool = True, width: int = 24):
+        self.total, self.done, self.width = total, 0, width
+        self.enabled = enabled
+        self.tty = sys.stderr.isatty()
+        self.t0 = time.monotonic()
+
+    @staticmethod
+    def _clock(s: float) -> str:
+        s = int(s)
+        return f"{s // 60}:{s % 60:02d}"
+
+    def show(self, what: str) -> None:
+        if not self.enabled:
+            return
+        elapsed = time.monotonic() - self.t0
+        eta = elapsed / self.done * (self.total - self.done) if self.done else None
+        fill = int(self.width * self.done / max(self.total, 1))
+        bar = "#" * fill + "-" * (self.width - fill)
+        line = (f"[{bar}] {self.done}/{self.total} {self._clock(elapsed)} elapsed"
+                + (f", ~{self._clock(eta)} left" if eta is not None else "") + f"  {what}")
+        if self.tty:
+            sys.stderr.write("\r\033[K" + line[: os.get_terminal_size(2).columns - 1])
+        else:
+            sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+
+    def step(self, what: str) -> None:
+        self.done += 1
+        self.show(what)
+
+    def close(self) -> None:
+        if self.enabled and self.tty:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+def _describe(case: Case) -> str:
+    shape = f"N={case.tokens} V={case.vocab}" + (f" H={case.hidden}" if case.path == "head" else "")
+    return f"{case.label} ({shape})"
+
+
+def run_sweep(groups, repeats: int, timeout: float, force: bool, progress: Progress) -> list:
+    """Run every case ``repeats`` times, rotating method order per round; return result rows."""
+    runs = {c: [] for g in groups for c in g}
+    for r in range(repeats):
+        for group in groups:
+            k = r % len(group)
+            for case in group[k:] + group[:k]:
+                progress.show("running " + _describe(case))
+                need = plan_bytes(case) + input_bytes(case)
+                avail = available_bytes(case.device)
+                if not force and need > 0.85 * avail:
+                    res = {"status": "skipped",
+                           "error": f"needs ~{plan.fmt_bytes(need)}, {plan.fmt_bytes(avail)} available"}
+                else:
+                    res = run_fresh(case, timeout)
+                runs[case].append(res)
+                progress.step(_describe(case) + f": {res['status']}")
+    progress.close()
+    rows = []
+    for group in groups:
+        plain_time = None
+        for case in group:
+            rows.append(_summarise(case, runs[case]))
+            if case.method == "plain" and rows[-1]["status"] == "ok":
+                plain_time = rows[-1]["time_s"]
+        for row in rows[-len(group):]:
+            if plain_time and row["status"] == "ok":
+                row["speed_vs_plain"] = plain_time / row["time_s"]
+    return rows
+
+
+def _summarise(case: Case, results: list) -> dict:
+    ok = [r for r in results if r["status"] == "ok"]
+    lb = case.tokens * case.vocab * plan.DTYPE_BYTES[case.dtype]
+    row = dataclasses.asdict(case)
+    row.update(label=case.label, logits_bytes=lb, plan_bytes=plan_bytes(case), repeats=len(results),
+               peak_bytes=None, peak_x_logits=None, time_s=None, time_min=None, time_max=None,
+               speed_vs_plain=None, status="ok" if ok else results[-1]["status"],
+               error="" if ok else results[-1].get("error", ""))
+    if ok:
+        peak = statistics.median(r["peak_bytes"] for r in ok)
+        times = [r["time_s"] for r in ok]
+        row.update(peak_bytes=int(peak), peak_x_logits=peak / lb, time_s=statistics.median(times),
+                   time_min=min(times), time_max=max(times))
+    return row
+
+
+def markdown_table(rows: list) -> str:
+    head_cols = any(r["path"] == "head" for r in rows)
+    cols = ["path", "tokens", "vocab"] + (["hidden"] if head_cols else []) + [
+        "method", "peak extra memory", "x logits", "plan", "time fwd+bwd (median)", "speed vs plain"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "|".join("---:" if i > 3 else "---" for i in range(len(cols))) + "|"]
+    for r in rows:
+        if r["status"] == "ok":
+            spread = f" ({r['time_min']:.2f}-{r['time_max']:.2f})" if r["repeats"] > 1 else ""
+            vals = [plan.fmt_bytes(r["peak_bytes"]), f"{r['peak_x_logits']:.3f}", plan.fmt_bytes(r["plan_bytes"]),
+                    f"{r['time_s']:.3f} s{spread}",
+                    f"{r['speed_vs_plain']:.2f}x" if r["speed_vs_plain"] else "-"]
+        else:
+            vals = [f"{r['status']}: {r['error']}".strip(": "), "-", plan.fmt_bytes(r["plan_bytes"]), "-", "-"]
+        cells = [r["path"], str(r["tokens"]), str(r["vocab"])] + ([str(r["hidden"] or "-")] if head_cols else [])
+        lines.append("| " + " | ".join(cells + [r["label"]] + vals) + " |")
+    return "\n".join(lines)
+
+
+def write_results(rows: list, out_dir: str, meta: dict) -> tuple:
+    os.makedirs(out_dir, exist_ok=True)
+    csv_path = os.path.join(out_dir, "results.csv")
+    json_path = os.path.join(out_dir, "results.json")
+    fields = list(rows[0].keys()) if rows else []
+    with open(csv_path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields)
+        w.writeheader()
+        w.writerows(rows)
+    with open(json_path, "w") as f:
+        json.dump({"meta": meta, "results": rows}, f, indent=1)
+    return csv_path, json_path
+
+
+def check_plot_available() -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise BenchError("--plot needs matplotlib: pip install 'chunked_entropy[plot]'") from None
+
+
+def plot(rows: list, path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if r["status"] == "ok"]
+    multi = len({(r["path"], r["vocab"], r["hidden"]) for r in ok}) > 1
+    lines = {}
+    for r in ok:
+        key = r["label"] + (f" (V={r['vocab']}" + (f", H={r['hidden']}" if r["hidden"] else "") + ")" if multi else "")
+        lines.setdefault(key, []).append(r)
+    fig, (ax_m, ax_t) = plt.subplots(1, 2, figsize=(12, 4.8))
+    for key, rs in lines.items():
+        rs = sorted(rs, key=lambda r: r["tokens"])
+        x = [r["tokens"] for r in rs]
+        ax_m.plot(x, [r["peak_bytes"] / 2**20 for r in rs], marker="o", label=key)
+        ax_t.plot(x, [r["time_s"] for r in rs], marker="o", label=key)
+    for ax, ylabel in ((ax_m, "peak extra memory (MiB)"), (ax_t, "forward+backward time (s, median)")):
+        ax.set_xlabel("tokens")
+        ax.set_ylabel(ylabel)
+        if len({r["tokens"] for r in ok}) > 1:
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+        ax.grid(True, which="both", alpha=0.3)
+    ax_m.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _check_device(device: str) -> None:
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise BenchError(f"--device: expected cpu or cuda[:i], got {device!r}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise BenchError("--device cuda: no CUDA device is available here (this torch build or machine has none)")
+    if dev.type not in ("cpu", "cuda"):
+        raise BenchError(f"--device: expected cpu or cuda[:i], got {device!r}")
+
+
+def run(args) -> int:
+    s = _settings(args)
+    _check_device(args.device)
+    if args.plot:
+        check_plot_available()
+    for m in s["methods"] or []:
+        if m not in METHODS["head"]:
+            raise BenchError(f"--methods: unknown method {m!r}; expected some of plain, clone, chunked, head")
+    if s["path"] == "logits" and s["methods"] and s["methods"] == ["head"]:
+        raise BenchError("--methods head needs --path head (the fused head takes hidden states)")
+    for name in ("tokens", "vocab", "hidden", "chunk_sizes"):
+        if any(x < 1 for x in s[name]):
+            raise BenchError(f"--{name.replace('_', '-')}: values must be >= 1")
+    groups = build_cases(s, args.device)
+    if not groups:
+        raise BenchError("nothing to measure: --methods selects none of the methods of --path")
+    n_cases = sum(len(g) for g in groups)
+    progress = Progress(n_cases * s["repeats"], enabled=not args.no_progress)
+    print(f"Benchmark: {n_cases} cases x {s['repeats']} rounds, each run in a fresh process on "
+          f"{args.device}; peak memory over the inputs and forward+backward time.", file=sys.stderr)
+    t0 = time.monotonic()
+    rows = run_sweep(groups, s["repeats"], args.timeout, args.force, progress)
+    import torch
+
+    meta = {
+        "command": "chunked-entropy " + " ".join(getattr(args, "argv", [])),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__, "python": platform.python_version(),
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}",
+        "device": args.device, "repeats": s["repeats"], "seconds": round(time.monotonic() - t0, 1),
+    }
+    csv_path, json_path = write_results(rows, args.out, meta)
+    print(markdown_table(rows))
+    print()
+    print("peak extra memory: peak over the inputs during one forward+backward, gradients included "
+          "(median over rounds); x logits: that peak / the [tokens, V] logits' size; plan: the estimate of "
+          "`chunked-entropy plan`; speed vs plain: plain torch's median time / this method's.")
+    print(f"Wrote {csv_path} and {json_path}.")
+    if args.plot:
+        dims = sorted({r["dtype"] for r in rows})
+        plot(rows, args.plot, f"forward+backward of log-probs and entropy, {', '.join(dims)}, {args.device}, "
+                              f"torch {torch.__version__} ({meta['machine']})")
+        print(f"Wrote {args.plot}.")
+    return 0

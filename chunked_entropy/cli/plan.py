@@ -1,0 +1,260 @@
+"""``chunked-entropy plan``: the memory each approach needs, and the chunk_size to use.
+
+The estimates are the peak memory of one forward+backward of the loss head
+(log-probs and entropy, both with gradients), per tensor-parallel rank, in
+bytes, derived from what each approach allocates. Notation:
+
+* ``N`` tokens, ``V`` = vocabulary / tp (this rank's shard), ``H`` hidden size,
+  ``c`` = min(chunk_size, N), ``B`` = bytes per element of the logits' (or the
+  hidden states' and weight's) dtype: 4 for float32, 2 for bfloat16/float16;
+* ``L = N*V*4``: the logits in float32; ``Lb = N*V*B``: the logits in their dtype;
+* ``C = c*V*4``: one float32 chunk buffer; ``Wg = V*H*4``: the float32
+  weight-gradient accumulator; ``Hg = N*H*B``: the hidden states' gradient.
+
+Two figures per approach:
+
+``over logits``
+    the peak over given logits (they exist already; ``bench --path logits``
+    measures this):
+
+    - plain torch (``log_softmax``, ``gather``, ``-(p*logp).sum()``): ``5L``.
+      Autograd keeps ``logp`` and ``p`` (float32) for backward; backward holds
+      their gradients and the gather's scattered gradient at once.
+    - clone workaround: ``3L`` (+ ``Lb`` when ``B != 4``): the entropy's saved
+      softmax, the clone (which becomes the cross-entropy's softmax, then its
+      gradient) and the entropy's gradient; for half-precision logits the
+      clone is a separate half copy and the in-place cross-entropy works on a
+      float32 copy of it.
+    - this library's logits path: ``max(2C, Lb + C)`` (+ ``C`` in backward
+      when ``B != 4``): forward holds two float32 chunk buffers; backward
+      holds the gradient (the logits' shape and dtype), one float32 scratch
+      chunk, and for half-precision logits a float32 working chunk (for
+      float32 the gradient's own rows are the working buffer).
+
+``total``
+    the peak when the lm_head matmul runs inside the step, counted over the
+    hidden states and the weight (``bench --path head`` measures this): it
+    adds the logits themselves, ``Lb``, for approaches that keep them for
+    backward (clone workaround, logits path); plain torch frees them once
+    ``log_softmax`` has its output, so its total stays ``5L``. The lm_head's own
+    gradients (``Hg + Wg``) come after the peak for these approaches.
+
+    - fused head: ``2C + Wg + Hg + c*H*4`` (+ ``V*4`` with a bias); with
+      half precision also ``c*H*4 + max(c*V*B + c*H*B, V*H*B)``: two float32
+      chunk buffers, the weight-gradient accumulator, the hidden states'
+      gradient and its per-chunk float32 accumulator; in half precision the
+      float32 copy of the chunk's hidden states and either the chunk's
+      half-precision gradient for the matmul or the final cast of the weight
+      gradient. No ``[N, V]`` tensor ever exists.
+
+Not counted: a few float32 and int64 vectors per token (tens of bytes per
+token), and what the matmul library keeps for the life of the process (about
+10 MiB with MKL on CPU). ``tests/test_cli.py`` holds these formulas within 15%
+of what ``bench`` measures.
+
+The recommended ``chunk_size`` is the largest candidate (at most 1024, beyond
+which speed no longer improves) whose chunk buffers stay within 1/8 of the
+logits (``2C <= Lb / 8``; the smallest candidate if none does) and whose total
+fits the memory budget; the logits path is recommended when it fits, else the
+fused head, which never holds the logits.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Optional
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+MiB = 2**20
+GiB = 2**30
+DEFAULT_CHUNKS = (64, 128, 256, 512, 1024, 2048)
+MAX_RECOMMENDED_CHUNK = 1024
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the estimates depend on; ``vocab`` is the global vocabulary."""
+
+    tokens: int
+    vocab: int
+    hidden: int = 0
+    tp: int = 1
+    dtype: str = "float32"
+    bias: bool = False
+
+    @property
+    def v_local(self) -> int:
+        return -(-self.vocab // self.tp)
+
+    @property
+    def b(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def logits_bytes(self) -> int:
+        """``Lb``: this rank's logits in their dtype."""
+        return self.tokens * self.v_local * self.b
+
+
+@dataclass(frozen=True)
+class Estimate:
+    approach: str  # "plain", "clone", "chunked", "head"
+    chunk: int  # 0 where there is none
+    over_logits: Optional[int]  # None for the fused head: it has no logits input
+    total: int
+
+    @property
+    def label(self) -> str:
+        return {
+            "plain": "plain torch",
+            "clone": "clone workaround",
+            "chunked": f"chunked logits path, chunk {self.chunk}",
+            "head": f"fused head, chunk {self.chunk}",
+        }[self.approach]
+
+
+def estimate(approach: str, shape: Shape, chunk: int = 0) -> Estimate:
+    """Peak memory of one forward+backward of ``approach`` (see the module docstring)."""
+    n, v, h, b = shape.tokens, shape.v_local, shape.hidden, shape.b
+    big_l = n * v * 4
+    lb = shape.logits_bytes
+    c = min(chunk, n) if chunk else 0
+    big_c = c * v * 4
+    half = b != 4
+    if approach == "plain":
+        return Estimate("plain", 0, 5 * big_l, 5 * big_l)
+    if approach == "clone":
+        over = 3 * big_l + (lb if half else 0)
+        return Estimate("clone", 0, over, over + lb)
+    if approach == "chunked":
+        over = max(2 * big_c, lb + big_c + (big_c if half else 0))
+        return Estimate("chunked", chunk, over, over + lb)
+    if approach == "head":
+        fwd = 2 * big_c + (c * v * b if half else 0)
+        bwd = 2 * big_c + v * h * 4 + n * h * b + c * h * 4 + (v * 4 if shape.bias else 0)
+        if half:
+            bwd += c * h * 4 + max(c * v * b + c * h * b, v * h * b)
+        return Estimate("head", chunk, None, max(fwd, bwd))
+    raise ValueError(f"unknown approach {approach!r}")
+
+
+def estimates(shape: Shape, chunks=DEFAULT_CHUNKS) -> list:
+    out = [estimate("plain", shape), estimate("clone", shape)]
+    out += [estimate("chunked", shape, c) for c in chunks]
+    if shape.hidden:
+        out += [estimate("head", shape, c) for c in chunks]
+    return out
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    approach: Optional[str]  # "chunked", "head" or None (nothing fits)
+    chunk: int
+    total: int
+    reason: str
+
+
+def recommend(shape: Shape, budget: Optional[int] = None, chunks=DEFAULT_CHUNKS) -> Recommendation:
+    """The approach and chunk_size to use (rule in the module docstring)."""
+    cands = sorted({c for c in chunks if c <= MAX_RECOMMENDED_CHUNK} or {min(chunks)}, reverse=True)
+    small = [c for c in cands if 2 * min(c, shape.tokens) * shape.v_local * 4 <= shape.logits_bytes / 8]
+    cands = small or [min(cands)]
+    approaches = ["chunked"] + (["head"] if shape.hidden else [])
+    for approach in approaches:
+        for c in cands:
+            e = estimate(approach, shape, c)
+            if budget is None or e.total <= budget:
+                why = "largest chunk whose buffers stay within 1/8 of the logits"
+                if budget is not None:
+                    why += " and whose total fits the budget"
+                if approach == "head":
+                    why = "the logits path does not fit the budget; " + why
+                return Recommendation(approach, c, e.total, why)
+    reason = "nothing fits the budget"
+    if not shape.hidden:
+        reason += " (give --hidden to consider the fused head, which never holds the logits)"
+    else:
+        reason += "; use a larger --tp, fewer tokens per micro-batch, or vocab_chunk_size with the fused head"
+    return Recommendation(None, 0, 0, reason)
+
+
+def fmt_bytes(n: Optional[float]) -> str:
+    if n is None:
+        return "-"
+    if abs(n) >= GiB:
+        return f"{n / GiB:.2f} GiB"
+    return f"{n / MiB:.1f} MiB"
+
+
+def parse_size(text: str) -> int:
+    """``"80GiB"``, ``"80G"``, ``"512MiB"``, ``"512M"`` or bytes -> bytes."""
+    t = text.strip().lower().replace(" ", "")
+    units = {"tib": 2**40, "tb": 2**40, "t": 2**40, "gib": GiB, "gb": GiB, "g": GiB,
+             "mib": MiB, "mb": MiB, "m": MiB, "kib": 1024, "kb": 1024, "k": 1024, "b": 1, "": 1}
+    for unit in sorted(units, key=len, reverse=True):
+        if t.endswith(unit):
+            num = t[: len(t) - len(unit)] if unit else t
+            try:
+                value = float(num)
+            except ValueError:
+                break
+            if value <= 0:
+                break
+            return int(value * units[unit])
+    raise argparse.ArgumentTypeError(f"expected a size like 80GiB, 40G or 512MiB, got {text!r}")
+
+
+def add_arguments(p: argparse.ArgumentParser, positive_int, int_list) -> None:
+    p.add_argument("--tokens", type=positive_int, required=True,
+                   help="tokens per micro-batch on this rank (batch x sequence length), e.g. 16384")
+    p.add_argument("--vocab", type=positive_int, required=True,
+                   help="global vocabulary size (padded, as the model holds it), e.g. 151936")
+    p.add_argument("--hidden", type=positive_int, default=None,
+                   help="hidden size H of the lm_head; adds the fused head to the table")
+    p.add_argument("--tp", type=positive_int, default=1,
+                   help="tensor-parallel size: each rank holds vocab/tp columns (default 1)")
+    p.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="float32",
+                   help="dtype of the logits (or of the hidden states and weight) (default float32)")
+    p.add_argument("--budget", type=parse_size, default=None,
+                   help="memory available for the loss head per rank, e.g. 8GiB; "
+                        "the recommendation must fit it (default: no limit)")
+    p.add_argument("--bias", action="store_true", help="the lm_head has a bias (fused head estimate)")
+    p.add_argument("--chunk-sizes", type=int_list, default=list(DEFAULT_CHUNKS), metavar="C1,C2,...",
+                   help="chunk sizes to list (default " + ",".join(map(str, DEFAULT_CHUNKS)) + ")")
+
+
+def run(args) -> int:
+    shape = Shape(args.tokens, args.vocab, args.hidden or 0, args.tp, args.dtype, args.bias)
+    rows = estimates(shape, args.chunk_sizes)
+    rec = recommend(shape, args.budget, args.chunk_sizes)
+    print(
+        f"Memory of one forward+backward of log-probs and entropy, per rank: tokens={shape.tokens}, "
+        f"vocab={shape.vocab} (V_local={shape.v_local} at tp={shape.tp}), "
+        + (f"hidden={shape.hidden}, " if shape.hidden else "")
+        + f"{shape.dtype}. The logits alone are {fmt_bytes(shape.logits_bytes)}."
+    )
+    print()
+    print("| approach | over the logits | total (logits made in the step) | fits budget |")
+    print("|---|---:|---:|:---:|")
+    for e in rows:
+        fits = "-" if args.budget is None else ("yes" if e.total <= args.budget else "no")
+        print(f"| {e.label} | {fmt_bytes(e.over_logits)} | {fmt_bytes(e.total)} | {fits} |")
+    print()
+    print("'over the logits': peak on top of logits that already exist (includes their gradient).")
+    print("'total': peak when the lm_head matmul runs in the step (includes the logits it makes).")
+    if args.budget is not None:
+        print(f"Budget: {fmt_bytes(args.budget)} per rank.")
+    print()
+    if rec.approach is None:
+        print(f"Recommendation: {rec.reason}.")
+        return 1
+    if rec.approach == "chunked":
+        call = f"log_probs_and_entropy(logits, labels, chunk_size={rec.chunk})"
+    else:
+        call = f"linear_log_probs_and_entropy(hidden, weight, labels, chunk_size={rec.chunk})"
+    print(f"Recommendation: chunk_size={rec.chunk} with the "
+          f"{'logits path' if rec.approach == 'chunked' else 'fused head'}, "
+          f"about {fmt_bytes(rec.total)} per rank ({rec.reason}).")
+    print(f"    {call}")
+    return 0
