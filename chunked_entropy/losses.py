@@ -62,17 +62,17 @@ def _check_mode(name: str, mode) -> None:
         raise ValueError(f"{name} must be one of {', '.join(map(repr, AGG_MODES))}; got {mode!r}")
 
 
-def _check_mask(loss_mask, loss_mat: torch.Tensor) -> None:
+def _check_mask(loss_mask, loss_mat: torch.Tensor, of: str = "loss_mat") -> None:
     _check_tensor("loss_mask", loss_mask, floating=False)
     if loss_mask.dtype.is_complex:
         raise TypeError(f"loss_mask must be a bool or real tensor, got {loss_mask.dtype}")
     if loss_mask.shape != loss_mat.shape:
         raise ValueError(
-            f"loss_mask must have the shape of the loss matrix, {tuple(loss_mat.shape)}, "
+            f"loss_mask must have the shape of {of}, {tuple(loss_mat.shape)}, "
             f"got {tuple(loss_mask.shape)}"
         )
     if loss_mat.dim() < 1:
-        raise ValueError("the loss matrix must be at least 1-D ([..., response_length]), got a scalar")
+        raise ValueError(f"{of} must be at least 1-D ([..., response_length]), got a scalar")
 
 
 def _check_real(name: str, value, *, low: float, high: float = math.inf, low_open: bool = False) -> float:
@@ -228,7 +228,7 @@ def policy_loss(
     """
     _check_tensor("log_probs", log_probs)
     _check_same_shape("log_probs", log_probs, old_log_probs=old_log_probs, advantages=advantages)
-    _check_mask(loss_mask, log_probs)
+    _check_mask(loss_mask, log_probs, "log_probs")
     low = _check_real("clip_ratio_low", clip_ratio_low, low=0.0, high=1.0)
     high = _check_real("clip_ratio_high", clip_ratio_high, low=0.0)
     if clip_ratio_c is not None:
@@ -325,6 +325,6 @@ def entropy_bonus(entropy: torch.Tensor, loss_mask: torch.Tensor, mode: str = "t
         ValueError: unknown ``mode`` or ``loss_mask`` of another shape.
     """
     _check_tensor("entropy", entropy)
-    _check_mask(loss_mask, entropy)
+    _check_mask(loss_mask, entropy, "entropy")
     _check_mode("mode", mode)
     return _aggregate(entropy, loss_mask, mode)
