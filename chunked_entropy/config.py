@@ -99,7 +99,9 @@ class ChunkedEntropyConfig:
         for f in dataclasses.fields(self):
             object.__setattr__(self, f.name, _check_field(f.name, f.name, getattr(self, f.name)))
 
-    def resolve_chunk_size(self, v_local: int, *, fused: Optional[bool] = None) -> int:
+    def resolve_chunk_size(
+        self, v_local: int, *, fused: Optional[bool] = None, compute_entropy: Optional[bool] = None
+    ) -> int:
         """The number of tokens per chunk for a vocabulary shard of ``v_local`` columns.
 
         An int ``chunk_size`` is returned as is. For ``"auto"``, each chunk
@@ -117,21 +119,24 @@ class ChunkedEntropyConfig:
             v_local: columns of this rank's vocabulary shard (``V / TP``).
             fused: whether the fused-head path is used (it alone honours
                 ``vocab_chunk_size``); None means ``self.fused_head``.
+            compute_entropy: whether this call computes the entropy (two
+                buffers); None means ``self.compute_entropy``.
 
         Returns:
             The chunk size, an int >= 1.
         """
         if not (_is_int(v_local) and v_local >= 1):
             raise ValueError(f"v_local must be an int >= 1, got {v_local!r}")
-        if fused is not None and not isinstance(fused, bool):
-            raise ValueError(f"fused must be a bool or None, got {fused!r}")
+        for name, flag in (("fused", fused), ("compute_entropy", compute_entropy)):
+            if flag is not None and not isinstance(flag, bool):
+                raise ValueError(f"{name} must be a bool or None, got {flag!r}")
         if self.chunk_size != "auto":
             return self.chunk_size
         fused = self.fused_head if fused is None else fused
         width = v_local
         if fused and self.vocab_chunk_size is not None:
             width = min(self.vocab_chunk_size, v_local)
-        buffers = 2 if self.compute_entropy else 1
+        buffers = 2 if (self.compute_entropy if compute_entropy is None else compute_entropy) else 1
         return max(1, self.max_chunk_bytes // (buffers * _BUFFER_ITEMSIZE * width))
 
     @classmethod

@@ -48,6 +48,9 @@ def test_auto_chunk_size_formula():
     assert cfg.resolve_chunk_size(3000) == 333  # floor(8e6 / 24000) = 333.3
     no_ent = dataclasses.replace(cfg, compute_entropy=False)
     assert no_ent.resolve_chunk_size(1000) == 2000  # one buffer
+    # A per-call entropy switch overrides the config's.
+    assert no_ent.resolve_chunk_size(1000, compute_entropy=True) == 1000
+    assert cfg.resolve_chunk_size(1000, compute_entropy=False) == 2000
     # Never below 1, even when one token's buffers exceed the budget.
     assert ChunkedEntropyConfig(chunk_size="auto", max_chunk_bytes=1).resolve_chunk_size(50_000) == 1
     # Vocabulary blocking narrows the buffers only on the fused path.
@@ -83,6 +86,8 @@ def test_resolve_rejects_bad_arguments():
         cfg.resolve_chunk_size(0)
     with pytest.raises(ValueError, match="fused"):
         cfg.resolve_chunk_size(10, fused=1)
+    with pytest.raises(ValueError, match="compute_entropy"):
+        cfg.resolve_chunk_size(10, compute_entropy="yes")
 
 
 def test_frozen():

@@ -116,7 +116,8 @@ class VerlLogitsProcessor:
             Saved for backward: a reference to ``logits`` and one float32 per
             token (two with the entropy). Each chunk allocates one float32
             ``[chunk_size, V_local]`` buffer (two with the entropy), where
-            ``chunk_size = config.resolve_chunk_size(V_local, fused=False)``.
+            ``chunk_size = config.resolve_chunk_size(V_local, fused=False,
+            compute_entropy=compute_entropy)``.
             Backward allocates the logits' gradient and at most two such
             buffers. Forward makes two all-reduces per chunk over the group.
         """
@@ -146,7 +147,7 @@ class VerlLogitsProcessor:
         log_probs, entropy = log_probs_and_entropy(
             logits,
             label,
-            chunk_size=self.config.resolve_chunk_size(logits.shape[-1], fused=False),
+            chunk_size=self.config.resolve_chunk_size(logits.shape[-1], fused=False, compute_entropy=compute_entropy),
             temperature=temperature,
             process_group=self.group(),
             compute_entropy=compute_entropy,
