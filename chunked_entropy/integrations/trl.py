@@ -37,7 +37,9 @@ def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor, *, chunk_si
 
     Args:
         logits: ``(..., num_classes)``, any float dtype; never written.
-        index: ``(...)`` int64 class ids in ``[0, num_classes)``.
+        index: ``(...)`` int64 class ids in ``[0, num_classes)``; ``-100``
+            (Hugging Face's ignore label) gives 0 with no gradient, where TRL
+            would fail to index. Other ids out of range raise a ValueError.
         chunk_size: tokens per chunk (not in TRL's signature; keyword only).
 
     Returns:

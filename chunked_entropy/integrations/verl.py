@@ -144,10 +144,11 @@ class VerlLogitsProcessor:
         elif not isinstance(compute_entropy, bool):
             raise TypeError(f"compute_entropy must be a bool or None, got {compute_entropy!r}")
         temperature = self.config.temperature if temperature is None else _temperature(temperature, label)
+        chunk_size = self.config.resolve_chunk_size(logits.shape[-1], fused=False, compute_entropy=compute_entropy)
         log_probs, entropy = log_probs_and_entropy(
             logits,
             label,
-            chunk_size=self.config.resolve_chunk_size(logits.shape[-1], fused=False, compute_entropy=compute_entropy),
+            chunk_size=chunk_size,
             temperature=temperature,
             process_group=self.group(),
             compute_entropy=compute_entropy,
