@@ -253,3 +253,16 @@ def test_huggingface_page_example_runs(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     exec(compile(blocks[0], str(page), "exec"), {"__name__": "__main__"})
     assert re.match(r"loss -?\d+\.\d+, mean entropy \d+\.\d+", capsys.readouterr().out)
+
+
+def test_trl_ignore_label_gives_zero_and_no_gradient():
+    logits64, index = make((2, 5), 13, seed=16)
+    index[0, 1] = index[1, 4] = -100
+    x = logits64.float().requires_grad_(True)
+    out = trl.selective_log_softmax(x, index)
+    assert out[0, 1] == 0 and out[1, 4] == 0
+    x64 = logits64.clone().requires_grad_(True)
+    ref = reference(x64, index)[0]  # ignore_index=-100: 0, no gradient
+    torch.testing.assert_close(out.double(), ref, rtol=RTOL, atol=ATOL)
+    check_grad(out, x, ref, x64, seed=17)
+    assert torch.all(x.grad[0, 1] == 0) and torch.all(x.grad[1, 4] == 0)
