@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-from torch.autograd.function import once_differentiable
+from ._autograd import once_differentiable
 from torch import nn
 
 from . import _stats

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import NamedTuple, Optional
 
 import torch
-from torch.autograd.function import once_differentiable
+from ._autograd import once_differentiable
 
 from . import _stats
 from ._inputs import Rows, Tokens, check_chunk, check_float, chunks, compute_dtype, prepare_tokens

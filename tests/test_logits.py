@@ -492,3 +492,32 @@ def test_empty_inputs_give_empty_outputs(shape, compute_entropy):
     with torch.no_grad():
         out = log_probs_and_entropy(x, labels, compute_entropy=compute_entropy)
     assert out.log_probs.shape == labels.shape
+
+
+# ----------------------------------------------------------------------------- higher order
+
+
+def test_create_graph_first_order_exact_second_order_refused():
+    """create_graph=True still gives the exact first-order gradient, but differentiating
+    it again must raise: our backward is not differentiable, and a silently missing
+    second-order term (e.g. in a gradient penalty) would be wrong."""
+    x = _logits((4, 7), dtype=torch.float64).requires_grad_(True)
+    labels = _labels((4,), 7)
+    lp, h = log_probs_and_entropy(x, labels, chunk_size=3)
+    loss = lp.sum() + h.sum() + x.pow(3).sum()
+    (g,) = torch.autograd.grad(loss, x, create_graph=True)
+    xr = x.detach().clone().requires_grad_(True)
+    lpr, hr = reference(xr, labels)
+    (gr,) = torch.autograd.grad(lpr.sum() + hr.sum() + xr.pow(3).sum(), xr)
+    torch.testing.assert_close(g.detach(), gr, rtol=1e-10, atol=1e-12)
+    with pytest.raises(RuntimeError, match="differentiate twice|once_differentiable"):
+        torch.autograd.grad(g.pow(2).sum(), x)
+
+
+def test_finfo_min_masked_columns_like_hf():
+    # HF-style masking fills with finfo(dtype).min instead of -inf: still finite, p == 0 there
+    x = _logits((6, 16))
+    x[:, 12:] = torch.finfo(torch.float32).min
+    labels = _labels((6,), 16, high=12)
+    out, gx = check(x, labels, chunk_size=4, temperature=0.5)
+    assert (gx[:, 12:] == 0).all()

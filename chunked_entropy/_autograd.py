@@ -1,0 +1,47 @@
+"""``once_differentiable`` that also guards the saved inputs.
+
+``torch.autograd.function.once_differentiable`` makes double backward raise only
+when the *upstream gradients* require grad. Our gradients also depend on the saved
+inputs (logits, hidden states, weight), so with ``create_graph=True`` and plain
+upstream gradients (``loss.backward(create_graph=True)``, a gradient penalty) torch's
+version returns a gradient that silently acts as a constant: the second-order term
+of this function would be dropped without a word. This one raises on any
+differentiation of a gradient computed under ``create_graph=True``; first-order
+results stay exact.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch._C import _functions
+
+_MESSAGE = (
+    b"chunked_entropy: the backward of log_probs_and_entropy / linear_log_probs_and_entropy "
+    b"is not differentiable (trying to differentiate twice a function marked once_differentiable)"
+)
+
+
+def once_differentiable(backward):
+    """Run ``backward`` without grad; under ``create_graph=True`` make its outputs un-differentiable.
+
+    The outputs are routed through an error node whose inputs include the saved
+    tensors that require grad, so any later differentiation that reaches them
+    (``.backward()`` or ``torch.autograd.grad(..., inputs)``) raises.
+    """
+
+    @functools.wraps(backward)
+    def wrapper(ctx, *grads):
+        create_graph = torch.is_grad_enabled()
+        saved = [t for t in ctx.saved_tensors if t is not None and t.requires_grad] if create_graph else []
+        with torch.no_grad():
+            outputs = backward(ctx, *grads)
+        if not create_graph:
+            return outputs
+        outs = outputs if isinstance(outputs, tuple) else (outputs,)
+        wrapped = _functions.DelayedError(_MESSAGE, len(outs) + len(saved))(*outs, *saved)
+        wrapped = wrapped[: len(outs)]
+        return wrapped if isinstance(outputs, tuple) else wrapped[0]
+
+    return wrapper

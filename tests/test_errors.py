@@ -1,0 +1,115 @@
+"""Bad input to log_probs_and_entropy: a ValueError/TypeError naming the argument, before any work.
+
+"Before any work" is checked directly: no chunk statistic is computed, nothing
+the caller passed is written (bitwise and version counter), and no graph is built.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import chunked_entropy
+from chunked_entropy import log_probs_and_entropy
+
+N, V = 6, 10
+
+
+def _good():
+    g = torch.Generator().manual_seed(0)
+    return dict(
+        logits=torch.randn(2, 3, V, generator=g).requires_grad_(True),
+        labels=torch.randint(0, V, (2, 3), generator=g),
+    )
+
+
+BAD = [
+    # (description, overrides, expected exception, argument named in the message)
+    ("logits a list", dict(logits=[[0.0] * V]), TypeError, "logits"),
+    ("logits int", dict(logits=torch.zeros(2, 3, V, dtype=torch.int64)), TypeError, "logits"),
+    ("logits bool", dict(logits=torch.zeros(2, 3, V, dtype=torch.bool)), TypeError, "logits"),
+    ("logits complex", dict(logits=torch.zeros(2, 3, V, dtype=torch.complex64)), TypeError, "logits"),
+    ("logits 0-d", dict(logits=torch.tensor(1.0), labels=torch.tensor(0)), ValueError, "logits"),
+    ("logits empty vocab", dict(logits=torch.zeros(2, 3, 0)), ValueError, "logits"),
+    ("labels None", dict(labels=None), TypeError, "labels"),
+    ("labels a list", dict(labels=[[1, 2, 3], [4, 5, 6]]), TypeError, "labels"),
+    ("labels float", dict(labels=torch.zeros(2, 3)), TypeError, "labels"),
+    ("labels bool", dict(labels=torch.zeros(2, 3, dtype=torch.bool)), TypeError, "labels"),
+    ("labels shape", dict(labels=torch.zeros(3, 2, dtype=torch.long)), ValueError, "labels"),
+    ("labels flat", dict(labels=torch.zeros(6, dtype=torch.long)), ValueError, "labels"),
+    ("labels extra dim", dict(labels=torch.zeros(2, 3, 1, dtype=torch.long)), ValueError, "labels"),
+    ("labels == V", dict(labels=torch.tensor([[0, 1, 2], [3, 4, V]])), ValueError, "labels"),
+    ("labels -1", dict(labels=torch.tensor([[0, -1, 2], [3, 4, 5]])), ValueError, "labels"),
+    ("labels huge", dict(labels=torch.tensor([[0, 1, 2], [3, 4, 2**40]])), ValueError, "labels"),
+    ("labels meta device", dict(labels=torch.zeros(2, 3, dtype=torch.long, device="meta")), ValueError, "labels"),
+    ("chunk_size 0", dict(chunk_size=0), ValueError, "chunk_size"),
+    ("chunk_size -3", dict(chunk_size=-3), ValueError, "chunk_size"),
+    ("chunk_size float", dict(chunk_size=2.5), (ValueError, TypeError), "chunk_size"),
+    ("chunk_size bool", dict(chunk_size=True), (ValueError, TypeError), "chunk_size"),
+    ("chunk_size None", dict(chunk_size=None), (ValueError, TypeError), "chunk_size"),
+    ("chunk_size str", dict(chunk_size="4"), (ValueError, TypeError), "chunk_size"),
+    ("temperature 0", dict(temperature=0.0), ValueError, "temperature"),
+    ("temperature negative", dict(temperature=-1.0), ValueError, "temperature"),
+    ("temperature nan", dict(temperature=math.nan), ValueError, "temperature"),
+    ("temperature inf", dict(temperature=math.inf), ValueError, "temperature"),
+    ("temperature str", dict(temperature="hot"), TypeError, "temperature"),
+    ("temperature None", dict(temperature=None), TypeError, "temperature"),
+    ("temperature bool", dict(temperature=True), TypeError, "temperature"),
+    ("temperature int tensor", dict(temperature=torch.tensor(2)), TypeError, "temperature"),
+    ("temperature tensor 0", dict(temperature=torch.tensor([[1.0], [0.0]])), ValueError, "temperature"),
+    ("temperature tensor neg", dict(temperature=torch.full((2, 3), -0.5)), ValueError, "temperature"),
+    ("temperature tensor nan", dict(temperature=torch.tensor([1.0, math.nan, 1.0])), ValueError, "temperature"),
+    ("temperature tensor inf", dict(temperature=torch.tensor(math.inf)), ValueError, "temperature"),
+    ("temperature shape", dict(temperature=torch.ones(2)), ValueError, "temperature"),
+    ("temperature too many dims", dict(temperature=torch.ones(4, 2, 3)), ValueError, "temperature"),
+    ("label_mask list", dict(label_mask=[[True] * 3] * 2), TypeError, "label_mask"),
+    ("label_mask shape", dict(label_mask=torch.ones(3, 2, dtype=torch.bool)), ValueError, "label_mask"),
+    ("process_group without init", dict(process_group=object()), ValueError, "process_group"),
+]
+
+
+@pytest.mark.parametrize("desc,over,exc,name", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_raises_naming_the_argument_before_any_work(desc, over, exc, name, monkeypatch):
+    assert not torch.distributed.is_initialized()
+    args = {**_good(), **over}
+    logits, labels = args.pop("logits"), args.pop("labels")
+    tensors = [t for t in [logits, labels, *args.values()] if isinstance(t, torch.Tensor) and t.device.type != "meta"]
+    snaps = [(t, t.detach().clone(), t._version) for t in tensors]
+
+    work = []
+    real = chunked_entropy._stats.block_stats
+    monkeypatch.setattr(chunked_entropy._stats, "block_stats", lambda *a, **k: work.append(1) or real(*a, **k))
+
+    with pytest.raises(exc, match=name) as info:
+        log_probs_and_entropy(logits, labels, **args)
+    assert len(str(info.value)) > len(name) + 10  # says what was expected, not just the name
+    assert work == []  # no chunk was touched
+    for t, snap, version in snaps:
+        assert t._version == version
+        assert torch.equal(t.detach(), snap) or (t.is_floating_point() and torch.equal(t.isnan(), snap.isnan()))
+    if isinstance(logits, torch.Tensor) and logits.requires_grad:
+        assert logits.grad is None
+
+
+def test_out_of_range_message_is_specific():
+    x = torch.randn(4, V)
+    with pytest.raises(ValueError, match=rf"\[0, {V}\)") as info:
+        log_probs_and_entropy(x, torch.tensor([1, 2, V + 5, 3]))
+    assert str(V + 5) in str(info.value)  # the offending id is reported
+
+
+def test_ignore_index_and_masked_labels_are_not_range_checked():
+    # the boundary of the checks above: these are valid and must not raise
+    x = torch.randn(4, V)
+    lp, _ = log_probs_and_entropy(x, torch.tensor([1, -100, 3, 4]))
+    assert lp[1] == 0
+    lp, _ = log_probs_and_entropy(
+        x, torch.tensor([1, 10**6, -7, 4]), label_mask=torch.tensor([True, False, False, True])
+    )
+    assert (lp[1:3] == 0).all()
+    lp, _ = log_probs_and_entropy(x, torch.tensor([1, 5, 3, 4]), ignore_index=5)
+    assert lp[1] == 0
+    # a valid int32 label tensor and an int temperature are accepted
+    log_probs_and_entropy(x, torch.tensor([1, 2, 3, 4], dtype=torch.int32), temperature=2)
