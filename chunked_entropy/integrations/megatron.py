@@ -59,7 +59,7 @@ _HEAD_KEYS = ("chunk_size", "vocab_chunk_size", "process_group", "sequence_paral
 _CALL_KEYS = ("temperature", "compute_entropy")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # identity, not tensor-valued equality
 class FusedLogProbsOptions:
     """Per-call options; a field left None takes the default given to :func:`enable_fused_log_probs`.
 
