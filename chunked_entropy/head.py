@@ -304,7 +304,13 @@ def linear_log_probs_and_entropy(
     shape = labels.shape
     if tok.n == 0:
         zero = torch.zeros(shape, dtype=cdt, device=hidden.device)
-        return LogProbsEntropy(zero, zero.clone() if compute_entropy else None)
+        entropy = zero.clone() if compute_entropy else None
+        if torch.is_grad_enabled():  # keep the graph connected (zero gradients), as the logits path does
+            for t in (hidden, weight, bias):
+                if t is not None and t.requires_grad:
+                    zero = zero + t.sum() * 0
+                    entropy = None if entropy is None else entropy + t.sum() * 0
+        return LogProbsEntropy(zero, entropy)
     grads = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (hidden, weight, bias)
     )

@@ -210,6 +210,14 @@ def test_no_grad_and_inputs_untouched():
         assert t._version == ver
 
 
+def test_zero_tokens():
+    hidden, weight, b, _ = _make(lead=(0, 4), seed=22)
+    out = linear_log_probs_and_entropy(hidden, weight, torch.zeros(0, 4, dtype=torch.long), bias=b)
+    assert out.log_probs.shape == out.entropy.shape == (0, 4)
+    (out.log_probs.sum() + out.entropy.sum()).backward()  # the graph stays connected
+    assert torch.equal(weight.grad, torch.zeros_like(weight)) and hidden.grad.shape == hidden.shape
+
+
 def test_frozen_weight_only_hidden_gradient():
     hidden, weight, b, labels = _make(seed=10)
     weight.requires_grad_(False)
