@@ -72,7 +72,8 @@ BAD = [
 
 @pytest.mark.parametrize("desc,over,exc,name", BAD, ids=[b[0] for b in BAD])
 def test_bad_input_raises_naming_the_argument_before_any_work(desc, over, exc, name, monkeypatch):
-    assert not torch.distributed.is_initialized()
+    if "process_group" in over:
+        assert not torch.distributed.is_initialized()  # tests spawn their groups in subprocesses
     args = {**_good(), **over}
     logits, labels = args.pop("logits"), args.pop("labels")
     tensors = [t for t in [logits, labels, *args.values()] if isinstance(t, torch.Tensor) and t.device.type != "meta"]
