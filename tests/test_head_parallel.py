@@ -107,6 +107,24 @@ def _checks(rank, group, seed):
 
 def _tp2(rank, world):
     _checks(rank, dist.group.WORLD, seed=100)
+    # With sequence parallelism the labels cover the full sequence: this rank's slice is an error.
+    hidden, weight = torch.randn(4, 2, 6), torch.randn(10, 6)
+    try:
+        linear_log_probs_and_entropy(hidden, weight, torch.zeros(4, 2, dtype=torch.long),
+                                     process_group=dist.group.WORLD, sequence_parallel=True)
+    except ValueError as e:
+        assert "sequence_parallel" in str(e) and "(8, 2)" in str(e), str(e)
+    else:
+        raise AssertionError("a sequence-parallel slice that does not match the labels was accepted")
+    # A global id beyond this rank's shard is fine; beyond the global vocabulary (2 x 10) it is an error.
+    ok = linear_log_probs_and_entropy(torch.randn(3, 6), weight, torch.tensor([0, 15, 19]), process_group=dist.group.WORLD)
+    assert ok.log_probs.shape == (3,)
+    try:
+        linear_log_probs_and_entropy(torch.randn(3, 6), weight, torch.tensor([0, 20, 1]), process_group=dist.group.WORLD)
+    except ValueError as e:
+        assert "labels" in str(e) and "[0, 20)" in str(e), str(e)
+    else:
+        raise AssertionError("a label id >= V_local * world was accepted")
 
 
 def _tp4_and_subgroups(rank, world):

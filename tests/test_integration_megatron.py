@@ -195,6 +195,31 @@ def _patching(rank, model, ids, pos, labels):
         with fused_log_probs_options(model, temperature=2.0):
             pass
 
+    # Without a group on the output layer, parallel_state's TP group is taken.
+    layer_group, model.output_layer.tp_group = model.output_layer.tp_group, None
+    try:
+        head = enable_fused_log_probs(model)
+    finally:
+        model.output_layer.tp_group = layer_group
+    assert head.process_group is parallel_state.get_tensor_model_parallel_group()
+
+    # Nested option blocks: the innermost wins, and the outer one is back after it.
+    t_out, t_in = torch.tensor([0.5, 2.0]), torch.tensor([1.5, 0.9])
+    with fused_log_probs_options(model, temperature=t_out, compute_entropy=False):
+        with fused_log_probs_options(model, temperature=t_in):
+            inner = model(ids, pos, None, labels=labels)
+        outer = model(ids, pos, None, labels=labels)
+    plain = model(ids, pos, None, labels=labels)
+    assert inner.entropy is None and outer.entropy is None and plain.entropy is not None
+    disable_fused_log_probs(model)
+    logits = model(ids, pos, None).detach()
+    parts = [torch.empty_like(logits) for _ in range(2)]
+    dist.all_gather(parts, logits.contiguous())
+    full = torch.cat(parts, dim=-1).double()
+    for got, t in ((inner, t_in), (outer, t_out), (plain, 1.0)):
+        want = reference(full, labels, temperature=t.view(B, 1) if torch.is_tensor(t) else t)[0]
+        torch.testing.assert_close(got.log_probs.detach().double(), want, **VALUES)
+
     # Bad input at call time names the argument.
     enable_fused_log_probs(model)
     with pytest.raises(ValueError, match="labels"):
