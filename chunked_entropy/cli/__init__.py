@@ -94,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
         description=plan.__doc__, formatter_class=formatter,
     )
     plan.add_arguments(pl, positive_int, int_list)
+    p.subcommands = {"demo": d, "bench": b, "plan": pl}
     return p
 
 
@@ -104,8 +105,14 @@ def main(argv=None) -> int:
         from ._measure import run_case_main
 
         return run_case_main(argv[1:])
+    if argv and argv[0] == "_serve":  # internal: forks a fresh process per benchmark case
+        from ._measure import serve_main
+
+        return serve_main()
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # reported by the subcommand's parser, which names itself in the message
+        parser.subcommands[args.command].error("unrecognized arguments: " + " ".join(extra))
     args.argv = argv
     from . import bench, demo, plan
 

@@ -132,6 +132,8 @@ def outputs(case: Case, inp: Inputs, group):
         return baselines.plain_log_probs_and_entropy(logits, inp.labels)
     if case.method == "clone":
         return baselines.clone_workaround(logits, inp.labels, group)
+    if case.method != "chunked":
+        raise ValueError(f"unknown method {case.method!r}; expected one of {METHODS[case.path]}")
     return log_probs_and_entropy(logits, inp.labels, chunk_size=case.chunk, process_group=group)
 
 
@@ -149,13 +151,34 @@ def _status_kib(key: str) -> int:
     raise KeyError(key)
 
 
+def _honest_malloc() -> None:
+    """Make glibc give freed memory back, so that resident memory follows live memory.
+
+    By default glibc keeps freed blocks of up to 32 MiB for reuse: memory freed
+    by the warm-up (or by forward) would then be reused unseen by the peak.
+    With a fixed mmap threshold every block of 64 KiB or more is its own
+    mapping, returned on free; ``malloc_trim`` returns what is already kept.
+    """
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD
+        libc.mallopt(-1, 128 * 1024)  # M_TRIM_THRESHOLD
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: measure as is
+        pass
+
+
 class _CpuMemory:
     """Peak resident memory of this process, measured from a baseline."""
 
     def __init__(self):
         self.proc = os.path.exists("/proc/self/clear_refs")
+        _honest_malloc()
 
     def reset(self):
+        _honest_malloc()
         if self.proc:
             try:
                 with open("/proc/self/clear_refs", "w") as f:
@@ -207,9 +230,9 @@ def measure(case: Case, group=None, rank: int = 0, world: int = 1) -> dict:
     inp = Inputs(tiny, rank, world)
     loss_of(tiny, inp, group).backward()
     del inp
+    mem = _CudaMemory(device) if device.type == "cuda" else _CpuMemory()
     inp = Inputs(case, rank, world)
     gc.collect()
-    mem = _CudaMemory(device) if device.type == "cuda" else _CpuMemory()
     mem.reset()
     t0 = time.perf_counter()
     loss_of(case, inp, group).backward()
@@ -269,31 +292,101 @@ def run_case_main(argv) -> int:
     return 0
 
 
-def _fresh_target(case_json, conn):
+def _measure_in_child(line: str) -> dict:
     try:
-        res = {"status": "ok", **measure(Case.from_json(case_json))}
-    except BaseException as e:  # reported to the parent, which decides what to show
-        res = {"status": "error", "error": f"{type(e).__name__}: {e}".splitlines()[0]}
-    conn.send(res)
-    conn.close()
+        return {"status": "ok", **measure(Case.from_json(line))}
+    except BaseException as e:  # reported to the client, which decides what to show
+        return {"status": "error", "error": f"{type(e).__name__}: {e}".splitlines()[0]}
 
 
-_CONTEXT = None
+def serve_main() -> int:
+    """``_serve``: for each JSON case read on stdin, fork a fresh child that measures it.
 
-
-def _context():
-    """A forkserver that has imported torch and this library once and never computes.
-
-    Every case is a fresh process forked from it: its own memory and its own
-    thread pools, without paying for ``import torch`` each time.
+    This process imports torch and the library once and never computes, so
+    every child starts from the same clean state (no thread pool, no cached
+    memory) without paying for ``import torch``. For each case it writes a line
+    ``{"pid": ...}`` when the child starts, then the child's result.
     """
-    global _CONTEXT
-    if _CONTEXT is None:
-        import multiprocessing as mp
+    import chunked_entropy  # noqa: F401  (preloaded for the children)
 
-        _CONTEXT = mp.get_context("forkserver")
-        _CONTEXT.set_forkserver_preload(["torch", "chunked_entropy", "chunked_entropy.cli._measure"])
-    return _CONTEXT
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the fresh process
+            os.close(r)
+            data = json.dumps(_measure_in_child(line)).encode()
+            os.write(w, data)
+            os._exit(0)
+        os.close(w)
+        print(json.dumps({"pid": pid}), flush=True)
+        chunks = []
+        while True:
+            b = os.read(r, 1 << 16)
+            if not b:
+                break
+            chunks.append(b)
+        os.close(r)
+        _, status = os.waitpid(pid, 0)
+        if chunks:
+            res = json.loads(b"".join(chunks))
+        elif os.WIFSIGNALED(status) and os.WTERMSIG(status) == 9:
+            res = {"status": "oom"}  # SIGKILL: the out-of-memory killer, or our timeout
+        else:
+            res = {"status": "error", "error": f"the case's process ended with status {status}"}
+        print(json.dumps(res), flush=True)
+    return 0
+
+
+class _Server:
+    """Client of ``_serve``: one server process for the life of this one."""
+
+    def __init__(self):
+        import subprocess
+
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "chunked_entropy", "_serve"], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, bufsize=1,
+        )
+
+    def _readline(self, timeout):
+        import select
+
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        if not ready:
+            return None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError("the benchmark's server process ended unexpectedly")
+        return json.loads(line)
+
+    def run(self, case: Case, timeout: float) -> dict:
+        self.proc.stdin.write(case.to_json() + "\n")
+        self.proc.stdin.flush()
+        pid = self._readline(120)["pid"]
+        res = self._readline(timeout)
+        if res is None:
+            import signal
+
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self._readline(60)
+            res = {"status": "timeout"}
+        return res
+
+    def close(self):
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=10)
+            except Exception:
+                self.proc.kill()
+
+
+_SERVER = None
 
 
 def run_fresh(case: Case, timeout: float = 1800) -> dict:
@@ -301,31 +394,19 @@ def run_fresh(case: Case, timeout: float = 1800) -> dict:
 
     ``status`` is ``"ok"``, ``"oom"`` (killed, most likely by the kernel's
     out-of-memory killer), ``"timeout"`` or ``"error"`` (with ``error``, a
-    one-line reason). With ``tp > 1`` the process runs ``_case``, which
-    spawns the ranks.
+    one-line reason). With ``tp == 1`` the process is forked from a server
+    that imported torch once (``_serve``); with ``tp > 1`` it is a new
+    ``python -m chunked_entropy _case`` that spawns the ranks.
     """
+    global _SERVER
     if case.tp > 1:
         return _run_subprocess(case, timeout)
-    ctx = _context()
-    parent, child = ctx.Pipe(duplex=False)
-    p = ctx.Process(target=_fresh_target, args=(case.to_json(), child), daemon=True)
-    p.start()
-    child.close()
-    try:
-        if parent.poll(timeout):
-            res = parent.recv()
-        else:
-            res = {"status": "timeout"}
-    except EOFError:  # the process died without a word
-        res = None
-    p.join(timeout=30)
-    if p.is_alive():
-        p.kill()
-        p.join()
-    if res is None:
-        res = {"status": "oom"} if p.exitcode in (-9, 137) else {
-            "status": "error", "error": f"the case's process exited with code {p.exitcode}"}
-    return res
+    if _SERVER is None or _SERVER.proc.poll() is not None:
+        import atexit
+
+        _SERVER = _Server()
+        atexit.register(_SERVER.close)
+    return _SERVER.run(case, timeout)
 
 
 def _run_subprocess(case: Case, timeout: float) -> dict:

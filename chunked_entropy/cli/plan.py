@@ -257,4 +257,8 @@ def run(args) -> int:
           f"{'logits path' if rec.approach == 'chunked' else 'fused head'}, "
           f"about {fmt_bytes(rec.total)} per rank ({rec.reason}).")
     print(f"    {call}")
+    if rec.approach == "chunked" and shape.hidden:
+        head = estimate("head", shape, rec.chunk)
+        print(f"The fused head (linear_log_probs_and_entropy, chunk_size={rec.chunk}) would need about "
+              f"{fmt_bytes(head.total)}: it never holds the logits.")
     return 0
