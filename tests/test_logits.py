@@ -521,3 +521,51 @@ def test_finfo_min_masked_columns_like_hf():
     labels = _labels((6,), 16, high=12)
     out, gx = check(x, labels, chunk_size=4, temperature=0.5)
     assert (gx[:, 12:] == 0).all()
+
+
+# ----------------------------------------------------------------------------- allocations
+
+
+class _Allocations(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the element count of every tensor an aten op newly allocates
+    (outputs that share storage with an input, i.e. views and in-place results, are skipped)."""
+
+    def __init__(self):
+        super().__init__()
+        self.sizes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        flat_in, _ = torch.utils._pytree.tree_flatten((args, kwargs))
+        seen = {t.untyped_storage().data_ptr() for t in flat_in if isinstance(t, torch.Tensor)}
+        flat_out, _ = torch.utils._pytree.tree_flatten(out)
+        for t in flat_out:
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen:
+                self.sizes.append(t.numel())
+        return out
+
+
+@pytest.mark.parametrize(
+    "dtype,view",
+    [(torch.float32, lambda t: t), (torch.bfloat16, lambda t: t), (torch.float32, lambda t: t[:, :-1])],
+    ids=["f32", "bf16", "non_viewable"],
+)
+def test_only_chunk_sized_buffers_are_allocated(dtype, view):
+    """Cast per chunk, never the whole tensor: forward allocates nothing of [tokens, V]
+    size; backward allocates exactly one such tensor, the gradient."""
+    chunk, v = 6, 33
+    base = _logits((4, 11, v), dtype=dtype).requires_grad_(True)
+    logits = view(base)
+    n = logits[..., 0].numel()
+    labels = _labels(logits.shape[:-1], v)
+    g_lp, g_h = _upstream(labels.shape)
+    with _Allocations() as fwd:
+        lp, h = log_probs_and_entropy(logits, labels, chunk_size=chunk, temperature=0.9)
+    assert max(fwd.sizes) <= chunk * v < n * v
+    loss = (lp * g_lp.float()).sum() + (h * g_h.float()).sum()
+    grad_out = torch.autograd.grad(loss, [lp, h], retain_graph=True)  # upstream grads, outside the probe
+    with _Allocations() as bwd:
+        (g,) = torch.autograd.grad([lp, h], [logits], grad_out)
+    big = [s for s in bwd.sizes if s > chunk * v]
+    assert big == [n * v]  # the gradient itself, nothing else
+    assert g.dtype == dtype
