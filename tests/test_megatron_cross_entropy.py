@@ -78,6 +78,19 @@ def _worker(rank, world):
             lp_ref, _ = reference(full, target)
             torch.testing.assert_close(lp_o.double(), lp_ref, **VAL)
 
+        # bf16 logits (Megatron upcasts a copy; we cast per chunk): same log-probs, and
+        # gradients that each went through one rounding to bf16 (half an ulp, 2**-9
+        # relative, each), so they differ by at most one ulp, 2**-8; we allow 2**-7.
+        x_m = shard.bfloat16().requires_grad_(True)
+        lp_m = -vocab_parallel_cross_entropy(x_m, target)
+        (lp_m * g_up.float()).sum().backward()
+        x_o = shard.bfloat16().requires_grad_(True)
+        lp_o, _ = log_probs_and_entropy(x_o, target, chunk_size=5, process_group=tp)
+        (lp_o * g_up.float()).sum().backward()
+        torch.testing.assert_close(lp_o, lp_m, **VAL)
+        assert x_o.grad.dtype == torch.bfloat16
+        torch.testing.assert_close(x_o.grad.float(), x_m.grad.float(), rtol=2**-7, atol=1e-6)
+
         # 2. the seed failure is real: Megatron's CE writes the softmax into float32
         #    logits that the entropy's ops saved, and backward refuses
         x = shard.clone().requires_grad_(True)
