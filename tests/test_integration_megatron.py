@@ -249,6 +249,8 @@ def _tied(rank):
     out = model(ids, pos, None, labels=labels)
     ((out.log_probs * g_lp.float()).sum() + (out.entropy * g_h.float()).sum()).backward()
     _compare(out, lp, ent, grads, model, f"rank {rank} tied")
+    # Without the entropy, one buffer per chunk: the same budget holds twice the rows.
+    assert enable_fused_log_probs(model, cfg, compute_entropy=False).chunk_size == 8
     disable_fused_log_probs(model)
 
 

@@ -117,22 +117,26 @@ def _defaults(config, head_kwargs, v_local):
             f"expected some of {list(_HEAD_KEYS + _CALL_KEYS)}"
         )
     head_kw, call = {}, {"temperature": 1.0, "compute_entropy": True}
+    for key in _CALL_KEYS:
+        if config is not None and getattr(config, key, None) is not None:
+            call[key] = getattr(config, key)
+        if key in head_kwargs:
+            call[key] = head_kwargs[key]
+    call["temperature"] = _check_temperature(call["temperature"])
+    if not isinstance(call["compute_entropy"], bool):
+        raise ValueError(f"compute_entropy must be a bool, got {call['compute_entropy']!r}")
     if config is not None:
         if getattr(config, "vocab_chunk_size", None) is not None:
             head_kw["vocab_chunk_size"] = config.vocab_chunk_size
         resolve = getattr(config, "resolve_chunk_size", None)
         if callable(resolve):  # chunked_entropy.ChunkedEntropyConfig, incl. chunk_size="auto"
-            head_kw["chunk_size"] = resolve(v_local, fused=True)
+            kw = {"fused": True}
+            if "compute_entropy" in inspect.signature(resolve).parameters:
+                kw["compute_entropy"] = call["compute_entropy"]
+            head_kw["chunk_size"] = resolve(v_local, **kw)
         elif getattr(config, "chunk_size", None) is not None:
             head_kw["chunk_size"] = config.chunk_size
-        for key in _CALL_KEYS:
-            if getattr(config, key, None) is not None:
-                call[key] = getattr(config, key)
-    for key, value in head_kwargs.items():
-        (call if key in _CALL_KEYS else head_kw)[key] = value
-    call["temperature"] = _check_temperature(call["temperature"])
-    if not isinstance(call["compute_entropy"], bool):
-        raise ValueError(f"compute_entropy must be a bool, got {call['compute_entropy']!r}")
+    head_kw.update((k, v) for k, v in head_kwargs.items() if k in _HEAD_KEYS)
     return head_kw, call
 
 
