@@ -169,10 +169,13 @@ def enable_fused_log_probs(model, config=None, **head_kwargs) -> ChunkedVocabPar
         The head: it shares the output layer's weight (or the tied embedding
         weight), so training through it trains the model.
 
+    A failed call leaves the model exactly as it was; calling it again
+    replaces the previous head and defaults.
+
     Raises:
-        TypeError / ValueError: on a model, config or argument that does not
-        fit; the model is then left exactly as it was. Calling it again
-        replaces the previous head and defaults.
+        TypeError: ``model`` is not a ``GPTModel``, or an unknown keyword argument.
+        ValueError: a bad value (named), a stage without the output layer, or
+            multi-token prediction.
     """
     gpt = _unwrap(model)
     if not hasattr(gpt, "output_layer") or not hasattr(gpt, "_postprocess"):
