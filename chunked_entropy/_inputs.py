@@ -177,16 +177,18 @@ def prepare_temperature(temperature, lead_shape, device, dtype):
                 f"temperature of shape {tuple(temperature.shape)} does not broadcast to the "
                 f"labels' shape {tuple(lead_shape)}"
             ) from None
-        t = t.reshape(-1, 1).to(dtype)  # a copy of N values, never the caller's tensor
-        ok = torch.isfinite(t) & (t > 0)
+        # A new tensor of N values: the caller's is never written.
+        inv_t = t.reshape(-1, 1).to(dtype).reciprocal()
+        # t > 0 and 1/t finite: rejects t <= 0, inf, nan, and t so small that 1/t overflows.
+        ok = (inv_t > 0) & torch.isfinite(inv_t) & torch.isfinite(t.reshape(-1, 1))
         if device.type == "cpu":
             if not bool(ok.all()):
-                raise ValueError("temperature must be finite and > 0 everywhere")
+                raise ValueError(f"temperature must be finite and > 0 (with 1/temperature finite in {dtype}) everywhere")
         else:
             torch._assert_async(ok.all(), "temperature must be finite and > 0 everywhere")
-        return t.reciprocal()  # a new tensor: the caller's is never written
+        return inv_t
     if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
         raise TypeError(f"temperature must be a float > 0 or a tensor, got {type(temperature).__name__}")
-    if not (math.isfinite(temperature) and temperature > 0):
-        raise ValueError(f"temperature must be finite and > 0, got {temperature!r}")
+    if not (math.isfinite(temperature) and temperature > 0 and 1.0 / temperature < torch.finfo(dtype).max):
+        raise ValueError(f"temperature must be finite and > 0 (with 1/temperature finite in {dtype}), got {temperature!r}")
     return None if temperature == 1 else 1.0 / float(temperature)
