@@ -40,7 +40,9 @@ def _reference(hidden, weight, bias, labels, *, compute_entropy=True, seed=1, **
     matmul (as the model's own layer, and the fused head per chunk, compute
     them), then everything is float64.
     """
-    h, w, b = (None if t is None else t.detach().double().requires_grad_(t.requires_grad) for t in (hidden, weight, bias))
+    h, w, b = (
+        None if t is None else t.detach().double().requires_grad_(t.requires_grad) for t in (hidden, weight, bias)
+    )
     logits = h @ w.t()
     if hidden.dtype in (torch.bfloat16, torch.float16):
         # the values of the model's own half-precision matmul, with the exact float64 gradient path

@@ -117,10 +117,11 @@ def _tp2(rank, world):
     else:
         raise AssertionError("a sequence-parallel slice that does not match the labels was accepted")
     # A global id beyond this rank's shard is fine; beyond the global vocabulary (2 x 10) it is an error.
-    ok = linear_log_probs_and_entropy(torch.randn(3, 6), weight, torch.tensor([0, 15, 19]), process_group=dist.group.WORLD)
+    world_group = dist.group.WORLD
+    ok = linear_log_probs_and_entropy(torch.randn(3, 6), weight, torch.tensor([0, 15, 19]), process_group=world_group)
     assert ok.log_probs.shape == (3,)
     try:
-        linear_log_probs_and_entropy(torch.randn(3, 6), weight, torch.tensor([0, 20, 1]), process_group=dist.group.WORLD)
+        linear_log_probs_and_entropy(torch.randn(3, 6), weight, torch.tensor([0, 20, 1]), process_group=world_group)
     except ValueError as e:
         assert "labels" in str(e) and "[0, 20)" in str(e), str(e)
     else:

@@ -86,7 +86,8 @@ def _output_layer_matches(rank, group, cfg):
         _close(out.log_probs, lp_meg, what + " log_probs vs Megatron")
         _close(out.log_probs, lp_ref, what + " log_probs vs float64")
         _close(out.entropy, ent_ref, what + " entropy vs float64")
-        for name, got, want in zip(("hidden", "weight", "bias"), (x.grad, layer.weight.grad, layer.bias.grad), grads_meg):
+        ours = (x.grad, layer.weight.grad, layer.bias.grad)
+        for name, got, want in zip(("hidden", "weight", "bias"), ours, grads_meg):
             _close(got, want, f"{what} grad_{name}")
         layer.zero_grad()
 
@@ -154,7 +155,8 @@ def _main_grad_and_groups(rank, group, cfg):
 
     # An explicit group wins over the layer's.
     assert ChunkedVocabParallelHead.from_megatron(layer, process_group=None).process_group is None
-    assert ChunkedVocabParallelHead.from_megatron(layer).process_group is parallel_state.get_tensor_model_parallel_group()
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    assert ChunkedVocabParallelHead.from_megatron(layer).process_group is tp_group
 
     with pytest.raises(TypeError, match="ColumnParallelLinear"):
         ChunkedVocabParallelHead.from_megatron(torch.nn.Linear(H, V))

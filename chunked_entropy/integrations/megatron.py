@@ -188,7 +188,9 @@ def enable_fused_log_probs(model, config=None, **head_kwargs) -> ChunkedVocabPar
             "enable fused log-probs only where model.post_process is True"
         )
     if getattr(getattr(gpt, "config", None), "mtp_num_layers", None):
-        raise ValueError("model uses multi-token prediction (config.mtp_num_layers); the fused head does not support it")
+        raise ValueError(
+            "model uses multi-token prediction (config.mtp_num_layers); the fused head does not support it"
+        )
 
     weight = None
     if getattr(gpt, "share_embeddings_and_output_weights", False):
