@@ -195,7 +195,13 @@ def enable_fused_log_probs(model, config=None, **head_kwargs) -> ChunkedVocabPar
     weight = None
     if getattr(gpt, "share_embeddings_and_output_weights", False):
         weight = gpt.shared_embedding_or_output_weight()
-    v_local = (weight if weight is not None else gpt.output_layer.weight).shape[0]
+    shard = weight if weight is not None else getattr(gpt.output_layer, "weight", None)
+    if not isinstance(shard, torch.Tensor) or shard.dim() != 2:
+        raise TypeError(
+            "model.output_layer must be a megatron-core ColumnParallelLinear with a [V/tp, H] weight "
+            f"(or the model must share its embedding weight), got {type(gpt.output_layer).__name__}"
+        )
+    v_local = shard.shape[0]
     head_kw, call = _defaults(config, head_kwargs, v_local)
     if "process_group" not in head_kw and getattr(gpt.output_layer, "tp_group", None) is None:
         head_kw["process_group"] = default_tp_group()
@@ -218,10 +224,9 @@ def enable_fused_log_probs(model, config=None, **head_kwargs) -> ChunkedVocabPar
                 gpt._postprocess = _fused_postprocess(gpt, original["_postprocess"])
         gpt.__dict__[_STATE] = state  # not a submodule: state_dict and parameters are unchanged
     except BaseException:
-        _restore(gpt, saved)
-        gpt.__dict__.pop(_STATE, None)
-        if previous is not None:  # pragma: no cover - the assignments above do not fail in practice
-            gpt.__dict__[_STATE] = previous
+        if previous is None:
+            _restore(gpt, saved)
+            gpt.__dict__.pop(_STATE, None)
         raise
     return head
 
