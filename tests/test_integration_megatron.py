@@ -290,6 +290,34 @@ def _hook_contract(rank):
     assert disable_fused_log_probs(model) and "forward" not in model.__dict__
 
 
+def _float16_module(rank):
+    """Megatron's ``Float16Module`` (bf16) is looked through; it hands the outputs back as a plain tuple."""
+    import dataclasses
+
+    from megatron.core.transformer.module import Float16Module
+
+    inner = _model(tied=False, seed=7)
+    wrapped = Float16Module(dataclasses.replace(inner.config, bf16=True), inner)
+    assert inner.output_layer.weight.dtype == torch.bfloat16
+    ids, pos, labels, g_lp, g_h = _batch(8)
+    logits = wrapped(ids, pos, None).detach()  # the bf16 output layer's logits, as float32
+    parts = [torch.empty_like(logits) for _ in range(2)]
+    dist.all_gather(parts, logits.contiguous())
+    lp, ent = reference(torch.cat(parts, dim=-1).double(), labels)
+
+    head = enable_fused_log_probs(wrapped, chunk_size=3)
+    assert head.weight is inner.output_layer.weight and "_postprocess" in inner.__dict__
+    out = wrapped(ids, pos, None, labels=labels)
+    assert type(out) is tuple  # float16_to_fp32 rebuilds tuples
+    log_probs, entropy = out
+    # The head computes the same bf16 matmul per chunk, then float32: float32 agreement.
+    torch.testing.assert_close(log_probs.double(), lp, **VALUES)
+    torch.testing.assert_close(entropy.double(), ent, **VALUES)
+    ((log_probs * g_lp.float()).sum() + (entropy * g_h.float()).sum()).backward()
+    assert inner.output_layer.weight.grad.dtype == torch.bfloat16
+    assert disable_fused_log_probs(wrapped) and "_postprocess" not in inner.__dict__
+
+
 def _all(rank, world):
     from megatron.core import parallel_state
 
@@ -298,6 +326,7 @@ def _all(rank, world):
         _patching(rank, *_untied(rank))
         _tied(rank)
         _hook_contract(rank)
+        _float16_module(rank)
     finally:
         parallel_state.destroy_model_parallel()
 
