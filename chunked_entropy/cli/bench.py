@@ -40,7 +40,7 @@ DEFAULTS = dict(
     methods=None, chunk_sizes=[512], repeats=3,
 )
 QUICK = dict(
-    path="both", tokens=[512, 2048], vocab=[8192], hidden=[256], dtype="float32",
+    path="both", tokens=[256, 1024], vocab=[8192], hidden=[256], dtype="float32",
     methods=None, chunk_sizes=[256], repeats=1,
 )
 
@@ -56,7 +56,7 @@ def add_arguments(p, positive_int, int_list, name_list) -> None:
                         "issue3: fused head, N=16384,32768, H=512, V=32768, chunk 512, against "
                         "matmul+plain torch and matmul+logits path")
     g.add_argument("--quick", action="store_true",
-                   help="a small sweep that finishes in under 30 s (both paths, N=512,2048, V=8192, H=256, chunk 256, 1 round)")
+                   help="a small sweep that finishes in under 30 s (both paths, N=256,1024, V=8192, H=256, chunk 256, 1 round)")
     g.add_argument("--path", choices=["logits", "head", "both"],
                    help="logits: inputs are [N, V] logits; head: inputs are hidden states [N, H] and an "
                         "lm_head weight [V, H] (plain methods do the matmul first); both (default logits)")
@@ -304,9 +304,12 @@ def plot(rows: list, path: str, title: str) -> None:
     for ax, ylabel in ((ax_m, "peak extra memory (MiB)"), (ax_t, "forward+backward time (s, median)")):
         ax.set_xlabel("tokens")
         ax.set_ylabel(ylabel)
-        if len({r["tokens"] for r in ok}) > 1:
+        ticks = sorted({r["tokens"] for r in ok})
+        if len(ticks) > 1:
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
+            ax.set_xticks(ticks, [str(t) for t in ticks])
+            ax.minorticks_off()
         ax.grid(True, which="both", alpha=0.3)
     ax_m.legend(fontsize=8)
     fig.suptitle(title, fontsize=10)

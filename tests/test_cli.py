@@ -1,0 +1,237 @@
+"""The ``chunked-entropy`` command: help, errors, demo, bench, plan, and the plan's formulas.
+
+The one place a measured memory appears in a test: the plan's formulas must
+stay within 15% of the peaks that ``bench`` measures (the issue asks for it).
+They are compared with each other, not with a fixed threshold on the library.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from chunked_entropy.cli import build_parser, main
+from chunked_entropy.cli import plan as plan_mod
+
+MiB, GiB = 2**20, 2**30
+
+
+def _run(capsys, *argv):
+    """``main(argv)`` in this process: (exit code, stdout, stderr)."""
+    try:
+        code = main(list(argv))
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+# --------------------------------------------------------------------------- help and errors
+
+
+def test_every_option_of_every_subcommand_is_explained(capsys):
+    parser = build_parser()
+    assert set(parser.subcommands) == {"demo", "bench", "plan"}
+    for name, sub in parser.subcommands.items():
+        options = [a for a in sub._actions if a.option_strings and a.dest != "help"]
+        assert options, name
+        for action in options:
+            assert action.help and len(action.help) > 15, (name, action.option_strings)
+        code, out, _ = _run(capsys, name, "--help")
+        assert code == 0
+        for action in options:
+            assert action.option_strings[-1] in out, (name, action.option_strings)
+    code, out, _ = _run(capsys, "--help")
+    assert code == 0
+    for name in ("demo", "bench", "plan"):
+        assert name in out
+
+
+BAD = [
+    ["bench", "--tokens", "0"],
+    ["bench", "--tokens", "12,x"],
+    ["bench", "--bogus"],
+    ["bench", "--methods", "plain,fast"],
+    ["bench", "--path", "sideways"],
+    ["bench", "--device", "tpu"],
+    ["plan", "--tokens", "x", "--vocab", "10"],
+    ["plan", "--tokens", "10"],
+    ["plan", "--tokens", "10", "--vocab", "10", "--budget", "lots"],
+    ["plan", "--tokens", "10", "--vocab", "10", "--dtype", "float8"],
+    ["demo", "--tp", "3", "--vocab", "1000"],
+    ["demo", "--device", "tpu"],
+    ["demo", "--chunk-size", "-1"],
+    ["nonsense"],
+    [],
+]
+if not torch.cuda.is_available():
+    BAD.append(["demo", "--device", "cuda"])
+
+
+@pytest.mark.parametrize("argv", BAD, ids=lambda a: " ".join(a) or "no-command")
+def test_bad_options_give_one_line_and_exit_2(capsys, argv):
+    code, out, err = _run(capsys, *argv)
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert "error" in lines[0] and "Traceback" not in err
+    assert out == ""
+
+
+def test_python_dash_m_is_the_same_command():
+    p = subprocess.run([sys.executable, "-m", "chunked_entropy", "plan", "--tokens", "0", "--vocab", "8"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2
+    assert p.stderr.strip().splitlines() == [
+        "chunked-entropy plan: error: argument --tokens: expected a positive integer, got '0' "
+        "(see 'chunked-entropy plan --help')"
+    ]
+
+
+# --------------------------------------------------------------------------- demo
+
+
+def test_demo_reproduces_the_failure_and_checks_the_fix(capsys):
+    code, out, err = _run(capsys, "demo", "--tokens", "300", "--vocab", "4096", "--chunk-size", "64")
+    assert code == 0, out + err
+    assert "RuntimeError: one of the variables needed for gradient computation has been modified by an " \
+           "inplace operation" in out
+    assert "logits bitwise unchanged, version counter unchanged: yes" in out
+    assert "gradient check: PASSED" in out
+    rows = [ln for ln in out.splitlines() if ln.strip().startswith("| ") and "MiB" in ln]
+    assert [r.split("|")[1].strip().split(" (")[0] for r in rows] == [
+        "plain torch", "clone workaround", "chunked_entropy, chunk 64"]
+    peaks = [float(r.split("|")[2].split()[0]) for r in rows]
+    assert peaks[2] < peaks[1] < peaks[0]  # the order the demo explains
+
+
+def test_demo_tensor_parallel_spawned(capfd):
+    code = main(["demo", "--tp", "2", "--tokens", "96", "--vocab", "1024", "--chunk-size", "32", "--no-memory"])
+    out, _ = capfd.readouterr()
+    assert code == 0, out
+    assert "tp=2: 512 columns per rank" in out
+    assert "modified by an inplace operation" in out
+    assert "(every rank, its own shard)" in out and "gradient check: PASSED" in out
+
+
+def test_demo_under_torchrun():
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    p = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", "chunked_entropy", "demo", "--tokens", "64", "--vocab", "512", "--chunk-size", "16",
+         "--no-memory"],
+        capture_output=True, text=True, timeout=180, env=env,
+    )
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert p.stdout.count("gradient check: PASSED") == 1  # rank 0 speaks
+    assert "tp=2: 256 columns per rank" in p.stdout
+
+
+# --------------------------------------------------------------------------- bench
+
+
+def test_bench_quick_writes_csv_json_and_png(capsys, tmp_path):
+    png = tmp_path / "fig" / "bench.png"
+    code, out, err = _run(capsys, "bench", "--quick", "--tokens", "64,128", "--vocab", "1024", "--hidden", "32",
+                          "--chunk-sizes", "32", "--out", str(tmp_path / "res"), "--plot", str(png))
+    assert code == 0, err
+    rows = list(csv.DictReader(open(tmp_path / "res" / "results.csv")))
+    data = json.load(open(tmp_path / "res" / "results.json"))
+    # 2 token counts x (3 logits-path methods + 4 head-path methods)
+    assert len(rows) == len(data["results"]) == 14
+    assert {r["status"] for r in rows} == {"ok"}
+    assert {r["label"] for r in rows if r["path"] == "head"} >= {"fused head, chunk 32", "matmul + plain torch"}
+    assert all(float(r["peak_bytes"]) > 0 and float(r["time_s"]) > 0 for r in rows)
+    assert data["meta"]["command"].startswith("chunked-entropy bench --quick")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "| fused head, chunk 32 |" in out  # the Markdown table
+    assert "14/14" in err  # the progress bar (plain lines: stderr is not a terminal here)
+
+
+def test_bench_preset_is_the_issue_case(capsys):
+    from chunked_entropy.cli import bench
+
+    args = build_parser().parse_args(["bench", "--preset", "issue3"])
+    groups = bench.build_cases(bench._settings(args), "cpu")
+    cases = [c for g in groups for c in g]
+    assert {(c.tokens, c.vocab, c.hidden, c.dtype) for c in cases} == {(16384, 32768, 512, "float32"),
+                                                                       (32768, 32768, 512, "float32")}
+    assert sorted({(c.method, c.chunk) for c in cases}) == [("chunked", 512), ("head", 512), ("plain", 0)]
+    args = build_parser().parse_args(["bench", "--preset", "issue2"])
+    cases = [c for g in bench.build_cases(bench._settings(args), "cpu") for c in g]
+    assert sorted((c.method, c.chunk) for c in cases) == [
+        ("chunked", 256), ("chunked", 512), ("chunked", 1024), ("chunked", 2048), ("clone", 0), ("plain", 0)]
+    assert {(c.path, c.tokens, c.vocab) for c in cases} == {("logits", 8192, 32768)}
+
+
+# --------------------------------------------------------------------------- plan
+
+
+def test_plan_table_and_recommendation(capsys):
+    code, out, _ = _run(capsys, "plan", "--tokens", "8192", "--vocab", "32768", "--budget", "4GiB")
+    assert code == 0
+    # hand-computed: logits L = 8192 * 32768 * 4 B = 1 GiB; a chunk buffer C = c * 32768 * 4 B
+    assert "| plain torch | 5.00 GiB | 5.00 GiB | no |" in out
+    assert "| clone workaround | 3.00 GiB | 4.00 GiB | yes |" in out
+    assert "| chunked logits path, chunk 512 | 1.06 GiB | 2.06 GiB | yes |" in out  # 1 GiB + 64 MiB
+    assert "chunk_size=512 with the logits path" in out  # 2C = 128 MiB = 1/8 of the logits
+    assert "log_probs_and_entropy(logits, labels, chunk_size=512)" in out
+
+
+def test_plan_falls_back_to_the_fused_head_then_to_nothing(capsys):
+    # Qwen2-sized vocabulary, 16k tokens, tp=1: float32 logits 9.27 GiB, the logits path needs > 2x that
+    code, out, _ = _run(capsys, "plan", "--tokens", "16384", "--vocab", "151936", "--hidden", "3584",
+                        "--budget", "12GiB")
+    assert code == 0
+    assert "chunk_size=1024 with the fused head" in out
+    assert "linear_log_probs_and_entropy(hidden, weight, labels, chunk_size=1024)" in out
+    code, out, _ = _run(capsys, "plan", "--tokens", "16384", "--vocab", "151936", "--budget", "12GiB")
+    assert code == 1
+    assert "nothing fits the budget" in out and "--hidden" in out
+
+
+def test_plan_formulas_by_hand():
+    s = plan_mod.Shape(tokens=1000, vocab=4000, hidden=64, tp=2, dtype="bfloat16", bias=True)
+    n, v, h = 1000, 2000, 64  # V_local = 4000 / 2
+    c = 100
+    big_c = c * v * 4
+    assert plan_mod.estimate("plain", s).over_logits == 5 * n * v * 4
+    assert plan_mod.estimate("clone", s).total == 3 * n * v * 4 + 2 * n * v * 2
+    assert plan_mod.estimate("chunked", s, c).over_logits == n * v * 2 + 2 * big_c
+    head = 2 * big_c + v * h * 4 + n * h * 2 + c * h * 4 + v * 4 + c * h * 4 + max(c * v * 2 + c * h * 2, v * h * 2)
+    assert plan_mod.estimate("head", s, c).total == head
+    assert plan_mod.parse_size("1.5GiB") == int(1.5 * GiB) and plan_mod.parse_size("512M") == 512 * MiB
+
+
+# --------------------------------------------------------------------------- the formulas against bench
+
+
+def test_plan_formulas_within_15_percent_of_bench(capsys, tmp_path):
+    """Moderate shapes (64-256 MiB of logits), so that page-level noise is small."""
+    out_dir = tmp_path / "res"
+    code, _, err = _run(capsys, "bench", "--path", "logits", "--tokens", "2048", "--vocab", "16384",
+                        "--chunk-sizes", "256,1024", "--repeats", "1", "--no-progress", "--out", str(out_dir))
+    assert code == 0, err
+    rows = json.load(open(out_dir / "results.json"))["results"]
+    code, _, err = _run(capsys, "bench", "--path", "logits", "--tokens", "2048", "--vocab", "16384",
+                        "--dtype", "bfloat16", "--methods", "chunked,clone", "--chunk-sizes", "512",
+                        "--repeats", "1", "--no-progress", "--out", str(out_dir))
+    assert code == 0, err
+    rows += json.load(open(out_dir / "results.json"))["results"]
+    code, _, err = _run(capsys, "bench", "--path", "head", "--tokens", "4096", "--vocab", "8192", "--hidden",
+                        "512", "--methods", "head", "--chunk-sizes", "256,1024", "--repeats", "1",
+                        "--no-progress", "--out", str(out_dir))
+    assert code == 0, err
+    rows += json.load(open(out_dir / "results.json"))["results"]
+    assert len(rows) == 4 + 2 + 2 and all(r["status"] == "ok" for r in rows), rows
+    for r in rows:
+        shape = plan_mod.Shape(r["tokens"], r["vocab"], r["hidden"], 1, r["dtype"])
+        e = plan_mod.estimate(r["method"], shape, r["chunk"])
+        predicted = e.over_logits if r["path"] == "logits" else e.total
+        assert abs(r["peak_bytes"] - predicted) <= 0.15 * predicted, (r["label"], r["dtype"], r["peak_bytes"], predicted)
