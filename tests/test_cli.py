@@ -71,7 +71,7 @@ BAD = [
     [],
 ]
 if not torch.cuda.is_available():
-    BAD.append(["demo", "--device", "cuda"])
+    BAD += [["demo", "--device", "cuda"], ["bench", "--device", "cuda"]]
 
 
 @pytest.mark.parametrize("argv", BAD, ids=lambda a: " ".join(a) or "no-command")

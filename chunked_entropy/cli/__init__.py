@@ -59,6 +59,14 @@ def name_list(text: str) -> list:
     return parts
 
 
+def _plain(doc: str) -> str:
+    """A module docstring as --help text: without reST roles and double backticks."""
+    import re
+
+    doc = re.sub(r":\w+:`~?([^`]+)`", r"\1", doc)
+    return doc.replace("``", "")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from . import bench, demo, plan
 
@@ -79,19 +87,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser(
         "demo", help="reproduce the in-place failure, the clone workaround, and this library's fix",
-        description=demo.__doc__, formatter_class=formatter,
+        description=_plain(demo.__doc__), formatter_class=formatter,
     )
     demo.add_arguments(d, positive_int)
 
     b = sub.add_parser(
         "bench", help="measure peak memory and time of each approach over a sweep (CSV, JSON, plot)",
-        description=bench.__doc__, formatter_class=formatter,
+        description=_plain(bench.__doc__), formatter_class=formatter,
     )
     bench.add_arguments(b, positive_int, int_list, name_list)
 
     pl = sub.add_parser(
         "plan", help="memory each approach needs for your shapes, and the chunk_size to use",
-        description=plan.__doc__, formatter_class=formatter,
+        description=_plain(plan.__doc__), formatter_class=formatter,
     )
     plan.add_arguments(pl, positive_int, int_list)
     p.subcommands = {"demo": d, "bench": b, "plan": pl}

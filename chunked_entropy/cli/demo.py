@@ -176,9 +176,10 @@ def demo_steps(args, rank, world, group, device) -> dict:
     lp, ent = clone_workaround(logits, labels, group)
     loss(lp, ent).backward()
     clone_err = _max_over(max(_rel_err(logits.grad, ref_grad), _rel_err(lp, ref_lp), _rel_err(ent, ref_ent)), group)
-    _say(rank, f"   -> works (max error vs float64, relative: {clone_err:.1e}), and costs one more "
-               f"[tokens, V] float32 tensor: +{mib:.1f} MiB" + (" per rank" if world > 1 else "")
-               + " (step 4).", "")
+    _say(rank, f"   -> works (max error vs float64, relative: {clone_err:.1e}), at the price of the clone: "
+               f"one more [tokens, V] float32",
+         f"      tensor (+{mib:.1f} MiB" + (" per rank" if world > 1 else "")
+         + "), on top of the softmax each of the two functions keeps for backward (step 4).", "")
     del logits, lp, ent
 
     # 3. this library

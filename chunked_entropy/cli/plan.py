@@ -18,8 +18,9 @@ Two figures per approach:
     measures this):
 
     - plain torch (``log_softmax``, ``gather``, ``-(p*logp).sum()``): ``5L``.
-      Autograd keeps ``logp`` and ``p`` (float32) for backward; backward holds
-      their gradients and the gather's scattered gradient at once.
+      Autograd keeps ``logp`` and ``p`` (float32) for backward; at the peak
+      of backward they coexist with the product's two gradients (for ``p``
+      and for ``logp``) and the output of ``exp``'s backward.
     - clone workaround: ``3L`` (+ ``Lb`` when ``B != 4``): the entropy's saved
       softmax, the clone (which becomes the cross-entropy's softmax, then its
       gradient) and the entropy's gradient; for half-precision logits the
