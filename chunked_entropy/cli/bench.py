@@ -177,7 +177,11 @@ class Progress:
         line = (f"[{bar}] {self.done}/{self.total} {self._clock(elapsed)} elapsed"
                 + (f", ~{self._clock(eta)} left" if eta is not None else "") + f"  {what}")
         if self.tty:
-            sys.stderr.write("\r\033[K" + line[: os.get_terminal_size(2).columns - 1])
+            try:
+                width = os.get_terminal_size(2).columns
+            except OSError:
+                width = 120
+            sys.stderr.write("\r\033[K" + line[: width - 1])
         else:
             sys.stderr.write(line + "\n")
         sys.stderr.flush()
