@@ -95,6 +95,7 @@ class Rows:
 
     def __init__(self, t: torch.Tensor):
         self.t = t
+        self._last = (None, None)  # the last gathered chunk, asked for again per vocabulary block
         try:
             self.flat = t.view(-1, t.shape[-1])
         except RuntimeError:
@@ -103,8 +104,10 @@ class Rows:
     def __call__(self, a: int, b: int) -> torch.Tensor:
         if self.flat is not None:
             return self.flat[a:b]
-        idx = torch.unravel_index(torch.arange(a, b, device=self.t.device), self.t.shape[:-1])
-        return self.t[idx]
+        if self._last[0] != (a, b):
+            idx = torch.unravel_index(torch.arange(a, b, device=self.t.device), self.t.shape[:-1])
+            self._last = ((a, b), self.t[idx])
+        return self._last[1]
 
 
 def prepare_tokens(

@@ -16,10 +16,10 @@ import torch
 from ._autograd import once_differentiable
 from torch import nn
 
-from . import _stats
-from ._inputs import Rows, Tokens, check_chunk, check_float, chunks, compute_dtype, prepare_tokens
+from ._inputs import Rows, Tokens, check_chunk, check_float, compute_dtype, prepare_tokens
+from ._loop import grad_blocks, row_stats
 from .logits import LogProbsEntropy
-from .parallel import all_gather_dim0, all_reduce_sum_, group_rank_size, reduce_scatter_dim0, reduce_stats
+from .parallel import all_gather_dim0, all_reduce_sum_, group_rank_size, reduce_scatter_dim0
 
 
 @dataclass(frozen=True)
@@ -29,20 +29,6 @@ class _Plan:
     group: object
     sequence_parallel: bool
     compute_entropy: bool
-
-
-class _Blocks:
-    """Reusable flat float32 storage for [rows, cols] blocks of logits (and the exp scratch)."""
-
-    def __init__(self, plan: _Plan, n: int, cdt, device, scratch: bool):
-        size = min(plan.chunk_size, n) * plan.vocab_chunk_size
-        self.buf = torch.empty(size, dtype=cdt, device=device)
-        self.scratch = torch.empty_like(self.buf) if scratch else None
-
-    def get(self, rows: int, cols: int):
-        k = rows * cols
-        x = self.buf[:k].view(rows, cols)
-        return x, None if self.scratch is None else self.scratch[:k].view(rows, cols)
 
 
 def _logits_block(h, w, bias, out):
@@ -56,30 +42,21 @@ def _logits_block(h, w, bias, out):
     return out
 
 
-def _vocab_blocks(plan: _Plan, v: int):
-    return chunks(v, plan.vocab_chunk_size)
+def _filler(rows: Rows, weight, bias):
+    """``fill`` for the chunk loop: a block of logits computed from hidden rows and weight rows."""
+
+    def fill(x, a, b, v0, v1):
+        _logits_block(rows(a, b), weight[v0:v1], None if bias is None else bias[v0:v1], x)
+
+    return fill
 
 
 def _forward_stats(h_full, weight, bias, tok: Tokens, plan: _Plan):
-    n, v = tok.n, weight.shape[0]
-    cdt = compute_dtype(weight.dtype)
-    rows = Rows(h_full)
-    blocks = _Blocks(plan, n, cdt, weight.device, scratch=plan.compute_entropy)
-    lse = torch.empty(n, dtype=cdt, device=weight.device)
-    zl = torch.empty_like(lse)
-    mu = torch.empty_like(lse) if plan.compute_entropy else None
-    for a, b in chunks(n, plan.chunk_size):
-        h = rows(a, b)
-        st = None
-        for v0, v1 in _vocab_blocks(plan, v):
-            x, scratch = blocks.get(b - a, v1 - v0)
-            _logits_block(h, weight[v0:v1], None if bias is None else bias[v0:v1], x)
-            st = _stats.merge_stats(st, _stats.block_stats(x, tok.inv_t_rows(a, b), tok.target[a:b], v0, scratch))
-        r = _stats.RowStats.from_block(reduce_stats(st, plan.group))
-        lse[a:b], zl[a:b] = r.lse, r.zl
-        if mu is not None:
-            mu[a:b] = r.mu
-    return _stats.RowStats(lse, mu, zl)
+    return row_stats(
+        tok, _filler(Rows(h_full), weight, bias), width=weight.shape[0], block=plan.vocab_chunk_size,
+        chunk_size=plan.chunk_size, group=plan.group, compute_entropy=plan.compute_entropy,
+        dtype=compute_dtype(weight.dtype), device=weight.device,
+    )
 
 
 class _HeadFunction(torch.autograd.Function):
@@ -106,13 +83,10 @@ class _HeadFunction(torch.autograd.Function):
         if g_lp is None and g_h is None:
             return (None,) * 6
         cdt = lse.dtype
-        g_lp = None if g_lp is None else g_lp.reshape(-1).to(cdt)
-        g_h = None if g_h is None else g_h.reshape(-1).to(cdt)
         h_full = all_gather_dim0(hidden, plan.group) if plan.sequence_parallel else hidden
         n, v, hdim = tok.n, weight.shape[0], weight.shape[1]
         rows = Rows(h_full)
         dev = weight.device
-        blocks = _Blocks(plan, n, cdt, dev, scratch=g_h is not None)
 
         grad_h = torch.empty(n, hdim, dtype=hidden.dtype, device=dev) if need_h else None
         gh = torch.empty(min(plan.chunk_size, n), hdim, dtype=cdt, device=dev) if need_h else None
@@ -123,30 +97,26 @@ class _HeadFunction(torch.autograd.Function):
             gw = ctx.main_grad if into_main else torch.zeros(v, hdim, dtype=cdt, device=dev)
         gb = torch.zeros(v, dtype=cdt, device=dev) if need_b else None
 
-        for a, b in chunks(n, plan.chunk_size):
-            h = rows(a, b)
-            h32 = h if h.dtype == cdt else h.to(cdt)
-            cc, bb = tok.coefficients(a, b, g_lp, g_h)
+        blocks = grad_blocks(
+            tok, _filler(rows, weight, bias), width=v, block=plan.vocab_chunk_size,
+            chunk_size=plan.chunk_size, lse=lse, mu=mu, g_lp=g_lp, g_h=g_h, dtype=cdt, device=dev,
+        )
+        for a, b, v0, v1, g in blocks:  # g: [rows, block] dL/dlogits in the compute dtype
+            if v0 == 0:  # a new chunk of rows
+                h = rows(a, b)
+                h32 = (h if h.dtype == cdt else h.to(cdt)) if need_w else None
+                gh_c = gh[: b - a].zero_() if need_h else None
+            w = weight[v0:v1]
             if need_h:
-                gh_c = gh[: b - a].zero_()
-            for v0, v1 in _vocab_blocks(plan, v):
-                w = weight[v0:v1]
-                x, scratch = blocks.get(b - a, v1 - v0)
-                _logits_block(h, w, None if bias is None else bias[v0:v1], x)
-                g = _stats.block_grad(
-                    x, tok.inv_t_rows(a, b), lse[a:b], None if mu is None else mu[a:b],
-                    tok.target[a:b], v0, cc, bb, scratch,
-                )  # [rows, block] float32: dL/dlogits
-                if need_h:
-                    if w.dtype == cdt:
-                        gh_c.addmm_(g, w)
-                    else:
-                        gh_c.add_(torch.mm(g.to(w.dtype), w))
-                if need_w:
-                    gw[v0:v1].addmm_(g.t(), h32)
-                if need_b:
-                    gb[v0:v1].add_(g.sum(dim=0))
-            if need_h:
+                if w.dtype == cdt:
+                    gh_c.addmm_(g, w)
+                else:
+                    gh_c.add_(torch.mm(g.to(w.dtype), w))
+            if need_w:
+                gw[v0:v1].addmm_(g.t(), h32)
+            if need_b:
+                gb[v0:v1].add_(g.sum(dim=0))
+            if need_h and v1 == v:  # the chunk's last block
                 grad_h[a:b].copy_(gh_c)
 
         grad_hidden = None

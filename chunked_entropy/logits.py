@@ -7,9 +7,8 @@ from typing import NamedTuple, Optional
 import torch
 from ._autograd import once_differentiable
 
-from . import _stats
-from ._inputs import Rows, Tokens, check_chunk, check_float, chunks, compute_dtype, prepare_tokens
-from .parallel import reduce_stats
+from ._inputs import Rows, Tokens, check_chunk, check_float, compute_dtype, prepare_tokens
+from ._loop import grad_blocks, row_stats
 
 
 class LogProbsEntropy(NamedTuple):
@@ -23,31 +22,13 @@ class LogProbsEntropy(NamedTuple):
 
 
 def _forward_stats(logits, tok: Tokens, chunk_size, group, compute_entropy):
-    """Per-token :class:`~chunked_entropy._stats.RowStats` of all rows, chunk by chunk.
-
-    Allocates per chunk one [chunk, V_local] buffer in the compute dtype (two
-    when the entropy is computed), reused across chunks.
-    """
-    n, v = tok.n, logits.shape[-1]
-    cdt = compute_dtype(logits.dtype)
+    """Per-token :class:`~chunked_entropy._stats.RowStats`: each chunk of rows is copied into our buffer."""
     rows = Rows(logits)
-    c = min(chunk_size, n)
-    buf = torch.empty(c, v, dtype=cdt, device=logits.device)
-    scratch = torch.empty_like(buf) if compute_entropy else None
-    lse = torch.empty(n, dtype=cdt, device=logits.device)
-    zl = torch.empty_like(lse)
-    mu = torch.empty_like(lse) if compute_entropy else None
-    for a, b in chunks(n, chunk_size):
-        x = buf[: b - a]
-        x.copy_(rows(a, b))
-        st = _stats.block_stats(
-            x, tok.inv_t_rows(a, b), tok.target[a:b], 0, None if scratch is None else scratch[: b - a]
-        )
-        r = _stats.RowStats.from_block(reduce_stats(st, group))
-        lse[a:b], zl[a:b] = r.lse, r.zl
-        if mu is not None:
-            mu[a:b] = r.mu
-    return _stats.RowStats(lse, mu, zl)
+    v = logits.shape[-1]
+    return row_stats(
+        tok, lambda x, a, b, v0, v1: x.copy_(rows(a, b)), width=v, block=v, chunk_size=chunk_size,
+        group=group, compute_entropy=compute_entropy, dtype=compute_dtype(logits.dtype), device=logits.device,
+    )
 
 
 class _LogitsFunction(torch.autograd.Function):
@@ -66,31 +47,22 @@ class _LogitsFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, g_lp, g_h=None):
         logits, lse, *rest = ctx.saved_tensors
-        mu = rest[0] if rest else None
         if g_lp is None and g_h is None:
             return None, None, None, None, None
-        tok = ctx.tok
-        n, v = tok.n, logits.shape[-1]
-        cdt = lse.dtype
-        g_lp = None if g_lp is None else g_lp.reshape(-1).to(cdt)
-        g_h = None if g_h is None else g_h.reshape(-1).to(cdt)
+        n, v = ctx.tok.n, logits.shape[-1]
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         gflat = grad.view(n, v)
         rows = Rows(logits)
-        c = min(ctx.chunk_size, n)
-        # float32 logits: the gradient's own rows are the working buffer.
-        buf = None if logits.dtype == cdt else torch.empty(c, v, dtype=cdt, device=logits.device)
-        scratch = None if g_h is None else torch.empty(c, v, dtype=cdt, device=logits.device)
-        for a, b in chunks(n, ctx.chunk_size):
-            x = gflat[a:b] if buf is None else buf[: b - a]
-            x.copy_(rows(a, b))
-            cc, bb = tok.coefficients(a, b, g_lp, g_h)
-            _stats.block_grad(
-                x, tok.inv_t_rows(a, b), lse[a:b], None if mu is None else mu[a:b],
-                tok.target[a:b], 0, cc, bb, None if scratch is None else scratch[: b - a],
-            )
-            if buf is not None:
-                gflat[a:b].copy_(x)
+        # Logits already in the compute dtype: the gradient's own rows are the working buffer.
+        direct = logits.dtype == lse.dtype
+        blocks = grad_blocks(
+            ctx.tok, lambda x, a, b, v0, v1: x.copy_(rows(a, b)), width=v, block=v,
+            chunk_size=ctx.chunk_size, lse=lse, mu=rest[0] if rest else None, g_lp=g_lp, g_h=g_h,
+            dtype=lse.dtype, device=logits.device, into=(lambda a, b: gflat[a:b]) if direct else None,
+        )
+        for a, b, _, _, g in blocks:
+            if not direct:
+                gflat[a:b].copy_(g)
         return grad, None, None, None, None
 
 
