@@ -56,7 +56,8 @@ def add_arguments(p, positive_int, int_list, name_list) -> None:
                         "issue3: fused head, N=16384,32768, H=512, V=32768, chunk 512, against "
                         "matmul+plain torch and matmul+logits path")
     g.add_argument("--quick", action="store_true",
-                   help="a small sweep that finishes in under 30 s (both paths, N=256,1024, V=8192, H=256, chunk 256, 1 round)")
+                   help="a small sweep that finishes in under 30 s "
+                        "(both paths, N=256,1024, V=8192, H=256, chunk 256, 1 round)")
     g.add_argument("--path", choices=["logits", "head", "both"],
                    help="logits: inputs are [N, V] logits; head: inputs are hidden states [N, H] and an "
                         "lm_head weight [V, H] (plain methods do the matmul first); both (default logits)")
