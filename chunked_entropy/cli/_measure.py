@@ -234,12 +234,16 @@ def measure(case: Case, group=None, rank: int = 0, world: int = 1) -> dict:
     inp = Inputs(case, rank, world)
     gc.collect()
     mem.reset()
+    r0 = resource.getrusage(resource.RUSAGE_SELF)
     t0 = time.perf_counter()
     loss_of(case, inp, group).backward()
     _sync(device)
     elapsed = time.perf_counter() - t0
+    r1 = resource.getrusage(resource.RUSAGE_SELF)
     peak = mem.peak()
-    return {"peak_bytes": int(peak), "time_s": elapsed}
+    # CPU time of all threads, user and kernel (the kernel's share is mostly page faults on fresh memory)
+    return {"peak_bytes": int(peak), "time_s": elapsed,
+            "cpu_user_s": r1.ru_utime - r0.ru_utime, "cpu_sys_s": r1.ru_stime - r0.ru_stime}
 
 
 def _worker(rank, world, port, case_json, out_file):

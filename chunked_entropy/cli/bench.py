@@ -239,13 +239,16 @@ def _summarise(case: Case, results: list) -> dict:
     row = dataclasses.asdict(case)
     row.update(label=case.label, logits_bytes=lb, plan_bytes=plan_bytes(case), repeats=len(results),
                peak_bytes=None, peak_x_logits=None, time_s=None, time_min=None, time_max=None,
-               speed_vs_plain=None, status="ok" if ok else results[-1]["status"],
+               cpu_user_s=None, cpu_sys_s=None, speed_vs_plain=None, status="ok" if ok else results[-1]["status"],
                error="" if ok else results[-1].get("error", ""))
     if ok:
         peak = statistics.median(r["peak_bytes"] for r in ok)
         times = [r["time_s"] for r in ok]
         row.update(peak_bytes=int(peak), peak_x_logits=peak / lb, time_s=statistics.median(times),
                    time_min=min(times), time_max=max(times))
+        if all("cpu_user_s" in r for r in ok):  # not reported over several ranks
+            row.update(cpu_user_s=statistics.median(r["cpu_user_s"] for r in ok),
+                       cpu_sys_s=statistics.median(r["cpu_sys_s"] for r in ok))
     return row
 
 
@@ -293,6 +296,7 @@ def plot(rows: list, path: str, title: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullLocator
 
     ok = [r for r in rows if r["status"] == "ok"]
     multi = len({(r["path"], r["vocab"], r["hidden"]) for r in ok}) > 1
@@ -314,7 +318,10 @@ def plot(rows: list, path: str, title: str) -> None:
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
             ax.set_xticks(ticks, [str(t) for t in ticks])
-            ax.minorticks_off()
+            ax.xaxis.set_minor_locator(NullLocator())
+            ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1, 2, 5)))
+            ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}"))
+            ax.yaxis.set_minor_locator(NullLocator())
         ax.grid(True, which="both", alpha=0.3)
     ax_m.legend(fontsize=8)
     fig.suptitle(title, fontsize=10)
