@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from .trl import _check_logits
+from .trl import _check_ids, _check_logits
 from ..logits import log_probs_and_entropy
 
 __all__ = ["compute_entropy", "log_probs_from_logits"]
@@ -45,13 +45,7 @@ def log_probs_from_logits(
         backward allocates the gradient and at most one such buffer.
     """
     _check_logits(logits)
-    if not isinstance(labels, torch.Tensor):
-        raise TypeError(f"labels must be a torch.Tensor of int64 token ids, got {type(labels).__name__}")
-    if labels.shape != logits.shape[:-1]:
-        raise ValueError(
-            f"labels must have the shape of logits without its last dim, {tuple(logits.shape[:-1])}, "
-            f"got {tuple(labels.shape)}"
-        )
+    _check_ids("labels", labels, logits)
     return log_probs_and_entropy(
         logits, labels, chunk_size=chunk_size, temperature=temperature, compute_entropy=False
     ).log_probs

@@ -32,6 +32,17 @@ def _check_logits(logits) -> None:
         raise ValueError(f"logits must be (..., num_classes) with num_classes >= 1, got shape {tuple(logits.shape)}")
 
 
+def _check_ids(name: str, ids, logits) -> None:
+    """``ids`` must be an id tensor shaped like ``logits`` without its last dim (named in the error)."""
+    if not isinstance(ids, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of int64 ids, got {type(ids).__name__}")
+    if ids.shape != logits.shape[:-1]:
+        raise ValueError(
+            f"{name} must have the shape of logits without its last dim, {tuple(logits.shape[:-1])}, "
+            f"got {tuple(ids.shape)}"
+        )
+
+
 def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor, *, chunk_size: int = 1024) -> torch.Tensor:
     """``log_softmax(logits, -1).gather(-1, index[..., None])[..., 0]``, chunked.
 
@@ -51,13 +62,7 @@ def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor, *, chunk_si
         buffer; backward allocates the gradient and at most one such buffer.
     """
     _check_logits(logits)
-    if not isinstance(index, torch.Tensor):
-        raise TypeError(f"index must be a torch.Tensor of int64 class ids, got {type(index).__name__}")
-    if index.shape != logits.shape[:-1]:
-        raise ValueError(
-            f"index must have the shape of logits without its last dim, {tuple(logits.shape[:-1])}, "
-            f"got {tuple(index.shape)}"
-        )
+    _check_ids("index", index, logits)
     return log_probs_and_entropy(logits, index, chunk_size=chunk_size, compute_entropy=False).log_probs
 
 
