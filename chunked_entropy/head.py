@@ -9,7 +9,8 @@ the hidden states, the weight and the bias.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -68,7 +69,11 @@ class _HeadFunction(torch.autograd.Function):
         # Saved: references to hidden (this rank's slice under sequence
         # parallelism; re-gathered in backward), weight, bias, and lse / mu.
         ctx.save_for_backward(hidden, weight, bias, r.lse, r.mu)
-        ctx.tok, ctx.plan = tok, plan
+        # The graph keeps only a weak reference to the process group: a graph still alive
+        # at interpreter exit must not keep a destroyed group alive into shutdown (gloo
+        # then aborts the process). torch.distributed itself holds every live group.
+        ctx.tok, ctx.plan = tok, replace(plan, group=None)
+        ctx.group = None if plan.group is None else weakref.ref(plan.group)
         ctx.main_grad = main_grad
         ctx.weight_param = weight if main_grad is not None else None
         ctx.set_materialize_grads(False)
@@ -78,7 +83,7 @@ class _HeadFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, g_lp, g_h=None):
         hidden, weight, bias, lse, mu = ctx.saved_tensors
-        tok, plan = ctx.tok, ctx.plan
+        tok, plan = ctx.tok, replace(ctx.plan, group=_live_group(ctx.group))
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         if g_lp is None and g_h is None:
             return (None,) * 6
@@ -137,6 +142,18 @@ class _HeadFunction(torch.autograd.Function):
                 grad_weight = _main_grad_result(ctx)
         grad_bias = gb.to(bias.dtype) if need_b else None
         return grad_hidden, grad_weight, grad_bias, None, None, None
+
+
+def _live_group(ref):
+    if ref is None:
+        return None
+    group = ref()
+    if group is None:
+        raise RuntimeError(
+            "the process group of linear_log_probs_and_entropy was destroyed before its backward; "
+            "run backward before torch.distributed.destroy_process_group()"
+        )
+    return group
 
 
 def _main_grad_result(ctx):

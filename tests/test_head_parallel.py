@@ -128,6 +128,33 @@ def _tp2(rank, world):
         raise AssertionError("a label id >= V_local * world was accepted")
 
 
+def _graph_does_not_keep_the_group(rank, world):
+    # The graph holds the group weakly (a graph alive at exit must not keep a destroyed
+    # group alive into interpreter shutdown); a backward after the group is gone says so.
+    import gc
+    import weakref
+
+    sub = dist.new_group([0, 1])
+    weight = torch.randn(10, 6, requires_grad=True)
+    out = linear_log_probs_and_entropy(torch.randn(3, 6), weight, torch.tensor([0, 15, 19]), process_group=sub)
+    ref = weakref.ref(sub)
+    dist.destroy_process_group(sub)
+    del sub
+    gc.collect()
+    assert ref() is None, "the autograd graph kept the destroyed process group alive"
+    try:
+        out.log_probs.sum().backward()
+    except RuntimeError as e:
+        assert "destroyed before its backward" in str(e), str(e)
+    else:
+        raise AssertionError("backward ran without its process group")
+
+
+def _tp2_graph_and_group(rank, world):
+    _tp2(rank, world)
+    _graph_does_not_keep_the_group(rank, world)
+
+
 def _tp4_and_subgroups(rank, world):
     _checks(rank, dist.group.WORLD, seed=200)
     # Two TP groups of 2 inside 4 processes: the group rank, not the global rank, picks the shard.
@@ -140,7 +167,7 @@ def _tp4_and_subgroups(rank, world):
 
 
 def test_tensor_parallel_2():
-    run_distributed(_tp2, 2)
+    run_distributed(_tp2_graph_and_group, 2)
 
 
 def test_tensor_parallel_4_and_subgroups_of_2():
