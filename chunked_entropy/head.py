@@ -263,8 +263,6 @@ def linear_log_probs_and_entropy(
     """
     lead = _check_head_args(hidden, weight, bias, labels, process_group, sequence_parallel, vocab_chunk_size)
     check_chunk("chunk_size", chunk_size)
-    if isinstance(labels, torch.Tensor) and labels.device != hidden.device:
-        raise ValueError(f"labels is on {labels.device} but hidden is on {hidden.device}")
     v_local = weight.shape[0]
     cdt = compute_dtype(weight.dtype)
     tok = prepare_tokens(
