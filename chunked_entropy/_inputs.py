@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import math
 import numbers
+import struct
 from dataclasses import dataclass
 from typing import Optional, Union
 
 import torch
 
-from .parallel import group_rank_size
+from ._stats import Coefficients, RowStats, Transform, Want
+from .parallel import check_same_on_every_rank, group_rank_size
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -43,7 +45,7 @@ def check_chunk(name: str, value, *, optional: bool = False) -> None:
 
 @dataclass(frozen=True)
 class Tokens:
-    """Per-token inputs, flattened to [N] and checked.
+    """Per-token inputs, flattened to [N] and checked, and the call's logit transform.
 
     ``valid``: the label counts (mask true and not ``ignore_index``).
     ``target``: the label's column in this rank's shard, or -1 (masked or on
@@ -54,6 +56,7 @@ class Tokens:
     valid: torch.Tensor
     target: torch.Tensor
     inv_t: Union[None, float, torch.Tensor]
+    transform: Transform = Transform()
 
     @property
     def n(self) -> int:
@@ -62,22 +65,31 @@ class Tokens:
     def inv_t_rows(self, a: int, b: int):
         return self.inv_t[a:b] if isinstance(self.inv_t, torch.Tensor) else self.inv_t
 
-    def outputs(self, r, compute_entropy: bool):
-        """Flat ``log_probs`` (0 where the label is masked) and ``entropy`` (or None) from RowStats."""
-        log_probs = torch.where(self.valid, r.zl - r.lse, 0.0)
-        return log_probs, (r.lse - r.mu) if compute_entropy else None
+    def k_rows(self, a: int, b: int):
+        """The multiplier ``x = k * u`` of rows ``[a, b)`` (see :class:`~chunked_entropy._stats.Transform`)."""
+        return self.transform.k(self.inv_t_rows(a, b))
 
-    def coefficients(self, a: int, b: int, g_lp, g_h):
-        """``c = g_lp / t`` (0 where masked) and ``b = g_h / t`` for rows ``[a, b)``; None stays None."""
-        inv_t = self.inv_t_rows(a, b)
-        inv_t = inv_t.squeeze(1) if isinstance(inv_t, torch.Tensor) else inv_t
-        cc = bb = None
-        if g_lp is not None:
-            cc = torch.where(self.valid[a:b], g_lp[a:b], 0.0)
-            cc = cc if inv_t is None else cc * inv_t
-        if g_h is not None:
-            bb = g_h[a:b] if inv_t is None else g_h[a:b] * inv_t
-        return cc, bb
+    def outputs(self, r: RowStats, want: Want):
+        """Flat ``(log_probs, entropy, sum_pi_squared)`` from RowStats (None where not wanted).
+
+        The log-prob is 0 where the label is masked.
+        """
+        log_probs = torch.where(self.valid, r.log_probs(), 0.0)
+        return (
+            log_probs,
+            r.entropy() if want.entropy else None,
+            r.s2 if want.sum_pi_squared else None,
+        )
+
+    def coefficients(self, a: int, b: int, g_lp, g_h, g_q) -> Coefficients:
+        """Per-row gradient factors for rows ``[a, b)`` (see :mod:`chunked_entropy._stats`)."""
+        kz = self.transform.kz(self.inv_t_rows(a, b))
+        kz = kz.squeeze(1) if isinstance(kz, torch.Tensor) else kz
+        scaled = lambda g: None if g is None else (g[a:b] if kz is None else g[a:b] * kz)  # noqa: E731
+        c = scaled(g_lp)
+        c = None if c is None else torch.where(self.valid[a:b], c, 0.0)
+        a2 = scaled(g_q)
+        return Coefficients(c, scaled(g_h), None if a2 is None else 2 * a2)
 
 
 def chunks(n: int, size: int):
@@ -122,8 +134,16 @@ def prepare_tokens(
     device: torch.device,
     dtype: torch.dtype,
     labels_name: str = "labels",
+    transform: Transform = Transform(),
+    settings: Optional[dict] = None,
 ) -> Tokens:
-    """Check labels, mask and temperature against ``lead_shape``; build :class:`Tokens`."""
+    """Check labels, mask and temperature against ``lead_shape``; build :class:`Tokens`.
+
+    With a process group of several ranks, also check that every rank makes
+    the same call: ``settings`` (name -> int), the shard width, the token
+    count and fingerprints of the labels, mask and temperatures (see
+    :func:`~chunked_entropy.parallel.check_same_on_every_rank`).
+    """
     if not isinstance(labels, torch.Tensor):
         raise TypeError(f"{labels_name} must be a torch.Tensor of int64 ids, got {type(labels).__name__}")
     if labels.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
@@ -143,6 +163,11 @@ def prepare_tokens(
     if label_mask is not None:
         if not isinstance(label_mask, torch.Tensor):
             raise TypeError(f"label_mask must be a bool tensor or None, got {type(label_mask).__name__}")
+        if label_mask.is_floating_point() or label_mask.is_complex():
+            raise TypeError(
+                f"label_mask must be a bool (or 0/1 integer) tensor, got {label_mask.dtype}; "
+                "a float mask is a weight, apply it to the outputs instead"
+            )
         if label_mask.shape != lead_shape:
             raise ValueError(
                 f"label_mask must have the labels' shape {tuple(lead_shape)}, got {tuple(label_mask.shape)}"
@@ -165,7 +190,35 @@ def prepare_tokens(
     local = flat - rank * v_local
     target = torch.where(valid & (local >= 0) & (local < v_local), local, -1)
     inv_t = prepare_temperature(temperature, lead_shape, device, dtype)
-    return Tokens(lead_shape, valid, target, inv_t)
+    if world > 1:
+        fields = {
+            "the vocabulary shard width (V_local)": v_local,
+            f"the token count ({labels_name}.numel())": flat.numel(),
+            f"{labels_name} (with label_mask and ignore_index applied)": _fingerprint(torch.where(valid, flat, -1)),
+            "temperature": _fingerprint_scale(inv_t),
+            "softcap": _bits(transform.softcap),
+            "logit_scale": _bits(transform.logit_scale),
+        }
+        fields.update(settings or {})
+        check_same_on_every_rank(process_group, fields, device)
+    return Tokens(lead_shape, valid, target, inv_t, transform)
+
+
+def _bits(x: Optional[float]) -> int:
+    """A float's exact bit pattern as an int (None: -1)."""
+    return -1 if x is None else struct.unpack("<q", struct.pack("<d", float(x)))[0]
+
+
+def _fingerprint(ids: torch.Tensor) -> int:
+    """An int64 fingerprint of a flat integer tensor: any single change alters it."""
+    weights = torch.arange(ids.numel(), device=ids.device) % 65521 + 1
+    return int((ids * weights).sum())
+
+
+def _fingerprint_scale(inv_t) -> int:
+    if isinstance(inv_t, torch.Tensor):
+        return _fingerprint(inv_t.reshape(-1).to(torch.float32).view(torch.int32).to(torch.int64))
+    return _bits(1.0 if inv_t is None else inv_t)
 
 
 def prepare_temperature(temperature, lead_shape, device, dtype):

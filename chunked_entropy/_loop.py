@@ -21,70 +21,80 @@ Fill = Callable[[torch.Tensor, int, int, int, int], object]
 
 
 class Buffers:
-    """Reusable flat storage for ``[rows, cols]`` blocks: the working buffer and the ``exp`` scratch.
+    """Reusable flat storage for ``[rows, cols]`` blocks: the working buffer, the ``exp``
+    scratch and (backward with softcap) the cap's derivative.
 
     Allocated once per forward or backward (``chunk_size * block`` elements
     each) and reused for every block.
     """
 
-    def __init__(self, rows: int, cols: int, dtype, device, *, work: bool, scratch: bool):
+    def __init__(self, rows: int, cols: int, dtype, device, *, work: bool, scratch: bool, aux: bool = False):
         size = rows * cols
-        self.work = torch.empty(size, dtype=dtype, device=device) if work else None
-        self.scratch = torch.empty(size, dtype=dtype, device=device) if scratch else None
+        new = lambda on: torch.empty(size, dtype=dtype, device=device) if on else None  # noqa: E731
+        self.bufs = (new(work), new(scratch), new(aux))
 
     def get(self, rows: int, cols: int):
         k = rows * cols
-        view = lambda t: None if t is None else t[:k].view(rows, cols)  # noqa: E731
-        return view(self.work), view(self.scratch)
+        return tuple(None if t is None else t[:k].view(rows, cols) for t in self.bufs)
 
 
 def row_stats(
     tok: Tokens, fill: Fill, *, width: int, block: int, chunk_size: int, group,
-    compute_entropy: bool, dtype, device,
+    want: _stats.Want, dtype, device,
 ) -> _stats.RowStats:
     """Forward: the per-token statistics of every row, merged over blocks and over ``group``."""
     n = tok.n
-    bufs = Buffers(min(chunk_size, n), block, dtype, device, work=True, scratch=compute_entropy)
-    lse = torch.empty(n, dtype=dtype, device=device)
-    zl = torch.empty_like(lse)
-    mu = torch.empty_like(lse) if compute_entropy else None
+    bufs = Buffers(min(chunk_size, n), block, dtype, device, work=True, scratch=want.scratch)
+    new = lambda on=True: torch.empty(n, dtype=dtype, device=device) if on else None  # noqa: E731
+    out = _stats.RowStats(new(), new(), new(want.entropy), new(want.sum_pi_squared), new())
     for a, b in chunks(n, chunk_size):
-        inv_t, target = tok.inv_t_rows(a, b), tok.target[a:b]
+        k, target = tok.k_rows(a, b), tok.target[a:b]
         st = None
         for v0, v1 in chunks(width, block):
-            x, scratch = bufs.get(b - a, v1 - v0)
+            x, scratch, _ = bufs.get(b - a, v1 - v0)
             fill(x, a, b, v0, v1)
-            st = _stats.merge_stats(st, _stats.block_stats(x, inv_t, target, v0, scratch))
-        r = _stats.RowStats.from_block(reduce_stats(st, group))
-        lse[a:b], zl[a:b] = r.lse, r.zl
-        if mu is not None:
-            mu[a:b] = r.mu
-    return _stats.RowStats(lse, mu, zl)
+            blk = _stats.block_stats(
+                x, tok.transform, k, target, v0, scratch, want_w=want.entropy, want_q=want.sum_pi_squared
+            )
+            st = _stats.merge_stats(st, blk, k)
+        r = _stats.RowStats.from_block(reduce_stats(st, group, k), k)
+        for dst, src in zip(out, r):
+            if dst is not None:
+                dst[a:b] = src
+    return out
+
+
+def _rows(r: _stats.RowStats, a: int, b: int) -> _stats.RowStats:
+    return _stats.RowStats(*(None if t is None else t[a:b] for t in r))
 
 
 def grad_blocks(
     tok: Tokens, fill: Fill, *, width: int, block: int, chunk_size: int,
-    lse: torch.Tensor, mu: Optional[torch.Tensor], g_lp, g_h, dtype, device,
+    stats: _stats.RowStats, grads, dtype, device,
     into: Optional[Callable[[int, int], torch.Tensor]] = None,
 ) -> Iterator[tuple]:
     """Backward: yield ``(a, b, v0, v1, g)``, the gradient w.r.t. each block's raw logits.
 
     ``g`` lives in a reused buffer, valid until the next step. ``into(a, b)``
     optionally supplies the buffer to compute in (the logits path passes the
-    rows of the gradient itself, saving a buffer). ``g_lp``/``g_h`` are the
-    upstream gradients (None: that output has none, and costs nothing).
+    rows of the gradient itself, saving a buffer). ``grads`` are the upstream
+    gradients of ``(log_probs, entropy, sum_pi_squared)`` (None: that output
+    has none, and costs nothing).
     """
     n = tok.n
-    g_lp = None if g_lp is None else g_lp.reshape(-1).to(dtype)
-    g_h = None if g_h is None else g_h.reshape(-1).to(dtype)
-    bufs = Buffers(min(chunk_size, n), block, dtype, device, work=into is None, scratch=g_h is not None)
+    g_lp, g_h, g_q = (None if g is None else g.reshape(-1).to(dtype) for g in grads)
+    softcap = tok.transform.softcap is not None
+    bufs = Buffers(
+        min(chunk_size, n), block, dtype, device, work=into is None,
+        scratch=g_h is not None or g_q is not None, aux=softcap,
+    )
     for a, b in chunks(n, chunk_size):
-        cc, bb = tok.coefficients(a, b, g_lp, g_h)
-        inv_t, target = tok.inv_t_rows(a, b), tok.target[a:b]
-        lse_c, mu_c = lse[a:b], None if mu is None else mu[a:b]
+        co = tok.coefficients(a, b, g_lp, g_h, g_q)
+        k, target, rows = tok.k_rows(a, b), tok.target[a:b], _rows(stats, a, b)
         for v0, v1 in chunks(width, block):
-            x, scratch = bufs.get(b - a, v1 - v0)
+            x, scratch, aux = bufs.get(b - a, v1 - v0)
             if into is not None:
                 x = into(a, b)
             fill(x, a, b, v0, v1)
-            yield a, b, v0, v1, _stats.block_grad(x, inv_t, lse_c, mu_c, target, v0, cc, bb, scratch)
+            g = _stats.block_grad(x, tok.transform, k, rows, target, v0, co, scratch, aux)
+            yield a, b, v0, v1, g

@@ -1,77 +1,158 @@
-"""The math, once: per-block statistics, their merge, and per-block gradients.
+"""The math, once: logit transforms, per-block statistics, their merge, per-block gradients.
 
 Every path of the library (given logits, the fused head, with or without a
 sharded vocabulary, with or without vocabulary blocks) reduces a row of
-temperature-scaled logits ``x = z / t`` to four numbers and rebuilds the
-row's gradient from them:
+logits ``z`` to a few numbers and rebuilds the row's gradient from them.
 
-=========  ==========================================  =======================
-symbol     definition                                   used for
-=========  ==========================================  =======================
-``m``      ``max_j x_j``                                stability shift
-``s``      ``sum_j exp(x_j - m)``                       ``lse = m + log s``
-``w``      ``sum_j exp(x_j - m) * (x_j - m)``           ``mu = m + w / s``
-``zl``     ``x_y`` (the label's scaled logit)           ``log p_y = zl - lse``
-=========  ==========================================  =======================
+**The logits the softmax is taken over** are
 
-``mu = sum_j p_j x_j`` is the softmax-weighted mean logit, and the outputs are
+    x = softcap * tanh(logit_scale * z / softcap) / t      (with softcap)
+    x = logit_scale * z / t                                (without)
 
-    log_prob = x_y - lse            entropy = lse - mu = log s - w / s
+Both are ``x = k * u`` for ``u = tanh(logit_scale * z / softcap)`` (or
+``u = z``) and a per-row multiplier ``k = softcap / t`` (or ``logit_scale / t``);
+``u`` is increasing in ``z``. See :class:`Transform`.
+
+**Offsets, never absolute values.** Results are computed from the offsets
+``y = k * (u - m) <= 0`` to the row maximum ``m = max_j u_j``, so their
+accuracy follows the answer, not the size of the largest logit:
+
+=========  ===============================================  =======================
+symbol     definition                                       used for
+=========  ===============================================  =======================
+``m``      ``max_j u_j`` (in ``u`` units, not scaled)       the shift; merged by MAX
+``ones``   ``e_j`` summed over the entries with ``e_j == 1``  ``s = ones + rest``
+``rest``   ``sum_j e_j`` over every other entry              ``log s = log1p(s - 1)``
+``w``      ``sum_j e_j * y_j`` (``<= 0``)                   ``w / s = mu - max x``
+``q``      ``sum_j e_j ** 2``                               ``sum_pi_squared = q / s**2``
+``zl``     ``u_y`` (the label's ``u``; 0 off this block)    ``y_label = k * (zl - m)``
+=========  ===============================================  =======================
+
+with ``e_j = exp(y_j)``. The row maximum contributes exactly 1 to ``s``;
+keeping it apart (``ones``) lets ``s - 1`` be formed without cancellation, so
+
+    log_prob = y_label - log1p(rest + ones - 1)
+    entropy  = log1p(rest + ones - 1) - w / s        (two terms >= 0: no cancellation)
+    sum_pi_squared = q / s**2
+
+are accurate to float32 rounding *of themselves*, also for confident rows
+(entropy 1e-6) and at any logit offset or small temperature.
 
 Blocks of a row (vocabulary blocks, tensor-parallel shards) each produce
-``(m, s, w, zl)`` relative to their own maximum; :func:`merge_stats` combines
-two blocks exactly (an online softmax), and :mod:`chunked_entropy.parallel`
-combines the shards with one MAX and one SUM all-reduce.
+statistics relative to their own maximum; :func:`rescale` re-expresses them
+relative to a larger one and :func:`merge_stats` adds two blocks exactly (an
+online softmax); :mod:`chunked_entropy.parallel` merges the shards with one MAX
+and one SUM all-reduce.
 
-Gradients, with upstream ``g_lp`` (log-prob) and ``g_h`` (entropy) per row and
-``p = exp(x - lse)``:
+**Gradients**, with upstream ``g_lp``, ``g_h``, ``g_q`` per row (log-prob,
+entropy, sum_pi_squared) and ``p = exp(y - log s)``:
 
     d log_prob / dx_j = [j == y] - p_j
-    d entropy  / dx_j = p_j * (mu - x_j)
+    d entropy  / dx_j = p_j * (w / s - y_j)              (= p_j * (mu - x_j))
+    d sum p^2  / dx_j = 2 p_j * (p_j - sum_pi_squared)
 
-so, with respect to the raw logits ``z = t * x``,
+and ``dx_j / dz_j = kz * (1 - u_j**2)`` with softcap (``kz * 1`` without),
+``kz = logit_scale / t``, so with ``c = g_lp * kz``, ``b = g_h * kz``,
+``a = 2 * g_q * kz``:
 
-    dL/dz_j = p_j * (b * (mu - x_j) - c) + c * [j == y],   b = g_h / t,  c = g_lp / t.
+    dL/dz_j = (p_j * (b * (w/s - y_j) - c + a * (p_j - sum_pi_squared)) + c * [j == y]) * (1 - u_j**2)
 
-Padded vocabulary entries (``-inf``) are clamped to :data:`NEG_FLOOR` in our
-own buffer, so ``p_j = 0`` there and ``0 * inf`` never arises; any logit below
-the floor has probability exactly 0 in float32/float64 anyway.
+**Infinities** follow ``torch.log_softmax``: ``-inf`` entries (padded
+vocabulary) have probability 0 and pass no gradient; a label on one has
+log-prob ``-inf``; a row with no finite entry gives NaN. Offsets below
+:data:`NEG_FLOOR` are clamped to it in our own buffer (``exp`` of either is
+exactly 0), so that ``0 * y`` is 0 rather than NaN.
 
-All functions here work in place on a buffer the caller owns (never on user
+All functions work in place on buffers the caller owns (never on user
 tensors) and allocate only per-row vectors, except where noted.
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import NamedTuple, Optional, Union
 
 import torch
 
-#: Logits are clamped from below to this value: finite, so that ``0 * x`` is 0,
-#: and far enough below any real logit that ``exp(x - max)`` is exactly 0.
+#: Offsets are clamped from below to this value: finite, so that ``0 * y`` is 0,
+#: and so far below 0 that ``exp(y)`` is exactly 0 in float32 and float64.
 NEG_FLOOR = -1e30
 
-Scale = Union[None, float, torch.Tensor]  # 1/t: None (t == 1), a float, or a [n, 1] column
+Scale = Union[None, float, torch.Tensor]  # a per-row factor: None (1), a float, or a [n, 1] column
+
+
+def _times(f: Scale, c: float) -> Scale:
+    """``f * c`` for a per-row factor (None stands for 1)."""
+    if c == 1:
+        return f
+    return c if f is None else f * c
+
+
+def _check_positive(name: str, value) -> Optional[float]:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a finite float > 0 or None, got {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class Transform:
+    """The model's logit transform: ``x = softcap * tanh(logit_scale * z / softcap) / t``.
+
+    ``softcap`` (Gemma 2/3's ``final_logit_softcapping``) and ``logit_scale``
+    (Cohere's ``logit_scale``; Granite's ``1 / logits_scaling``) are each
+    optional; the temperature ``t`` is applied last, after the cap, as
+    samplers do. Both are floats > 0 or None.
+    """
+
+    softcap: Optional[float] = None
+    logit_scale: Optional[float] = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "softcap", _check_positive("softcap", self.softcap))
+        object.__setattr__(self, "logit_scale", _check_positive("logit_scale", self.logit_scale))
+
+    def to_u_(self, z: torch.Tensor) -> torch.Tensor:
+        """``z <- u`` in place: ``tanh(logit_scale * z / softcap)``, or ``z`` itself without softcap."""
+        if self.softcap is not None:
+            z.mul_((self.logit_scale or 1.0) / self.softcap).tanh_()
+        return z
+
+    def k(self, inv_t: Scale) -> Scale:
+        """``x = k * u``: ``softcap / t`` or ``logit_scale / t``."""
+        return _times(inv_t, self.softcap if self.softcap is not None else (self.logit_scale or 1.0))
+
+    def kz(self, inv_t: Scale) -> Scale:
+        """``dx/dz`` up to the ``1 - u**2`` of the cap: ``logit_scale / t``."""
+        return _times(inv_t, self.logit_scale or 1.0)
+
+
+class Want(NamedTuple):
+    """Which outputs beyond the log-probs a call computes (each costs work and memory)."""
+
+    entropy: bool = True
+    sum_pi_squared: bool = False
+
+    @property
+    def scratch(self) -> bool:
+        """Whether forward needs the ``exp`` scratch buffer."""
+        return self.entropy or self.sum_pi_squared
 
 
 class BlockStats(NamedTuple):
-    """Per-row statistics of one block of a row, relative to the block's max ``m``.
+    """Per-row statistics of one block of a row, relative to the block's max ``m`` (see the module doc).
 
-    ``w`` is None when entropy is not computed. ``zl`` is the label's scaled
-    logit where the label lies in this block, else 0.
+    ``w`` and ``q`` are None when not asked for.
     """
 
     m: torch.Tensor
-    s: torch.Tensor
+    ones: torch.Tensor
+    rest: torch.Tensor
     w: Optional[torch.Tensor]
+    q: Optional[torch.Tensor]
     zl: torch.Tensor
-
-
-def scale_(x: torch.Tensor, inv_t: Scale) -> torch.Tensor:
-    """``x <- max(x / t, NEG_FLOOR)`` in place."""
-    if inv_t is not None:
-        x.mul_(inv_t)
-    return x.clamp_(min=NEG_FLOOR)
 
 
 def _label_in_block(target: torch.Tensor, v0: int, width: int):
@@ -81,99 +162,171 @@ def _label_in_block(target: torch.Tensor, v0: int, width: int):
     return local.clamp_(0, width - 1).unsqueeze(1), inside
 
 
+def _flat(f: Scale) -> Scale:
+    """A per-row factor as an ``[n]`` vector (or the float / None it is)."""
+    return f.squeeze(1) if isinstance(f, torch.Tensor) else f
+
+
+def offsets_(u: torch.Tensor, m: torch.Tensor, k: Scale) -> torch.Tensor:
+    """``u <- max(k * (u - m), NEG_FLOOR)`` in place (``m`` of -inf shifts by 0: the row stays -inf)."""
+    u.sub_(torch.where(m == -math.inf, 0.0, m).unsqueeze(1))
+    if k is not None:
+        u.mul_(k)
+    return u.clamp_(min=NEG_FLOOR)
+
+
 def block_stats(
     x: torch.Tensor,
-    inv_t: Scale,
+    tf: Transform,
+    k: Scale,
     target: torch.Tensor,
     v0: int,
     scratch: Optional[torch.Tensor],
+    *,
+    want_w: bool,
+    want_q: bool,
 ) -> BlockStats:
-    """Statistics of one [n, Vb] block of raw logits; ``x`` is consumed.
+    """Statistics of one ``[n, Vb]`` block of raw logits; ``x`` is consumed.
 
     Args:
-        x: [n, Vb] raw logits in a buffer owned by the caller (overwritten).
-        inv_t: 1 / temperature: None, a float, or a [n, 1] column.
-        target: [n] int64 label column in this shard's coordinates, or -1
+        x: ``[n, Vb]`` raw logits in a buffer owned by the caller (overwritten).
+        tf: the logit transform; ``k`` its per-row multiplier (``tf.k(1/t)``).
+        target: ``[n]`` int64 label column in this shard's coordinates, or -1
             (masked, or on another shard).
         v0: the block's first column in this shard.
-        scratch: a buffer like ``x`` for ``exp``; None skips the entropy
-            statistic ``w`` (log-probs only, one buffer).
+        scratch: a buffer like ``x`` for ``exp``; needed for ``w`` or ``q``
+            (None: log-probs only, one buffer).
+        want_w, want_q: compute ``w`` (entropy) and ``q`` (sum_pi_squared).
     """
-    scale_(x, inv_t)
+    tf.to_u_(x)
     col, inside = _label_in_block(target, v0, x.shape[1])
     zl = torch.where(inside, x.gather(1, col).squeeze(1), 0.0)
-    m = x.amax(dim=1)
-    x.sub_(m.unsqueeze(1))  # x - m <= 0
-    if scratch is None:
-        return BlockStats(m, x.exp_().sum(dim=1), None, zl)
-    e = torch.exp(x, out=scratch)
-    s = e.sum(dim=1)
-    w = x.mul_(e).sum(dim=1)
-    return BlockStats(m, s, w, zl)
+    m, arg = x.max(dim=1)
+    y = offsets_(x, m, k)
+    e = y.exp_() if scratch is None else torch.exp(y, out=scratch)
+    ones = e.gather(1, arg.unsqueeze(1))  # 1, or 0 for a row of -inf
+    rest = e.scatter_(1, arg.unsqueeze(1), 0.0).sum(dim=1)  # y == 0 there: w is unaffected
+    w = y.mul_(e).sum(dim=1) if want_w else None
+    if want_q:
+        q = e.scatter_(1, arg.unsqueeze(1), ones).square_().sum(dim=1)
+    else:
+        q = None
+    return BlockStats(m, ones.squeeze(1), rest, w, q, zl)
 
 
-def rescale(st: BlockStats, m_new: torch.Tensor) -> BlockStats:
-    """Express block statistics relative to a larger maximum ``m_new`` (exact)."""
-    d = st.m - m_new  # <= 0, finite
+def rescale(st: BlockStats, m_new: torch.Tensor, k: Scale) -> BlockStats:
+    """Express block statistics relative to a larger maximum ``m_new`` (exact).
+
+    A block whose factor ``exp(d)`` is exactly 1 keeps ``ones`` apart; any
+    other block moves all of its sum into ``rest``.
+    """
+    d = st.m - m_new  # <= 0; -inf for a block of -inf; NaN for a row of -inf
+    if k is not None:
+        d = d * _flat(k)
+    d = d.clamp(min=NEG_FLOOR)
     a = torch.exp(d)
-    s = st.s * a
-    w = None if st.w is None else st.w * a + s * d
-    return BlockStats(m_new, s, w, st.zl)
+    keep = a == 1
+    s = st.ones + st.rest
+    ones = torch.where(keep, st.ones, 0.0)
+    rest = torch.where(keep, st.rest, s * a)
+    w = None if st.w is None else st.w * a + s * a * d
+    q = None if st.q is None else st.q * (a * a)
+    return BlockStats(m_new, ones, rest, w, q, st.zl)
 
 
-def merge_stats(a: Optional[BlockStats], b: BlockStats) -> BlockStats:
+def merge_stats(a: Optional[BlockStats], b: BlockStats, k: Scale) -> BlockStats:
     """Combine the statistics of two disjoint blocks of the same rows."""
     if a is None:
         return b
     m = torch.maximum(a.m, b.m)
-    a, b = rescale(a, m), rescale(b, m)
-    w = None if a.w is None else a.w + b.w
-    return BlockStats(m, a.s + b.s, w, a.zl + b.zl)
+    a, b = rescale(a, m, k), rescale(b, m, k)
+    add = lambda u, v: None if u is None else u + v  # noqa: E731
+    return BlockStats(m, a.ones + b.ones, a.rest + b.rest, add(a.w, b.w), add(a.q, b.q), a.zl + b.zl)
 
 
 class RowStats(NamedTuple):
-    """What a row needs for outputs and backward: ``lse``, ``mu`` (or None), ``zl``."""
+    """What a row needs for its outputs and backward.
 
-    lse: torch.Tensor
-    mu: Optional[torch.Tensor]
-    zl: torch.Tensor
+    ``m`` the row max of ``u``; ``ls = log s``; ``ws = w / s`` (None without
+    entropy); ``s2`` the sum of squared probabilities (None unless asked);
+    ``yl`` the label's offset ``k * (u_y - m)``.
+    """
+
+    m: torch.Tensor
+    ls: torch.Tensor
+    ws: Optional[torch.Tensor]
+    s2: Optional[torch.Tensor]
+    yl: torch.Tensor
 
     @staticmethod
-    def from_block(st: BlockStats) -> "RowStats":
-        lse = st.m + torch.log(st.s)
-        mu = None if st.w is None else st.m + st.w / st.s
-        return RowStats(lse, mu, st.zl)
+    def from_block(st: BlockStats, k: Scale) -> "RowStats":
+        s_minus_1 = st.rest + (st.ones - 1)  # ones - 1 is an exact integer
+        ls = torch.log1p(s_minus_1)
+        s = st.ones + st.rest
+        ws = None if st.w is None else st.w / s
+        s2 = None if st.q is None else st.q / (s * s)
+        yl = st.zl - st.m
+        if k is not None:
+            yl = yl * _flat(k)
+        return RowStats(st.m, ls, ws, s2, yl)
+
+    def log_probs(self) -> torch.Tensor:
+        return self.yl - self.ls
+
+    def entropy(self) -> torch.Tensor:
+        return self.ls - self.ws
+
+
+class Coefficients(NamedTuple):
+    """Per-row factors of the gradient (``[n]``; None: that output has no gradient, no work)."""
+
+    c: Optional[torch.Tensor]  # g_lp * kz, 0 where the label is masked
+    b: Optional[torch.Tensor]  # g_h * kz
+    a: Optional[torch.Tensor]  # 2 * g_q * kz
 
 
 def block_grad(
     x: torch.Tensor,
-    inv_t: Scale,
-    lse: torch.Tensor,
-    mu: Optional[torch.Tensor],
+    tf: Transform,
+    k: Scale,
+    row: RowStats,
     target: torch.Tensor,
     v0: int,
-    c: Optional[torch.Tensor],
-    b: Optional[torch.Tensor],
+    co: Coefficients,
     scratch: Optional[torch.Tensor],
+    aux: Optional[torch.Tensor],
 ) -> torch.Tensor:
-    """Gradient of ``sum(g_lp * log_prob + g_h * entropy)`` w.r.t. a block's raw logits.
+    """Gradient of ``sum(g_lp * log_prob + g_h * entropy + g_q * sum_pi_squared)`` w.r.t. a block's raw logits.
 
     Overwrites ``x`` (raw logits of the block, caller-owned) with the
-    gradient and returns it. ``c = g_lp / t`` and ``b = g_h / t`` are [n]
-    (None skips that term: no work for an output without a gradient);
-    ``scratch`` (like ``x``) is needed only when ``b`` is given.
+    gradient and returns it. ``row`` holds the rows' statistics; ``scratch``
+    (like ``x``) is needed when ``co.b`` or ``co.a`` is given, ``aux`` (like
+    ``x``) when ``tf.softcap`` is set.
     """
-    scale_(x, inv_t)
-    if b is None:
-        # dL/dz = -c * p + c * onehot
-        torch.sub(x, lse.unsqueeze(1), out=x).exp_().mul_(-c.unsqueeze(1))
+    tf.to_u_(x)
+    if tf.softcap is not None:  # 1 - u**2, the cap's derivative
+        torch.mul(x, x, out=aux).neg_().add_(1.0)
+    y = offsets_(x, row.m, k)
+    c = None if co.c is None else co.c.unsqueeze(1)
+    if co.b is None and co.a is None:
+        # dL/dy = -c * p (+ c at the label)
+        torch.sub(y, row.ls.unsqueeze(1), out=y).exp_().mul_(-c)
     else:
-        p = torch.sub(x, lse.unsqueeze(1), out=scratch).exp_()
-        # p * (mu - x) first: it is 0 where p is 0, so no overflow meets a 0
-        torch.sub(mu.unsqueeze(1), x, out=x).mul_(p).mul_(b.unsqueeze(1))
-        if c is not None:
-            x.addcmul_(p, c.unsqueeze(1), value=-1.0)
+        p = torch.sub(y, row.ls.unsqueeze(1), out=scratch).exp_()
+        const = 0.0 if c is None else -c
+        if co.b is not None:  # b * (w/s - y): 0 * finite where p == 0
+            torch.sub(row.ws.unsqueeze(1), y, out=y).mul_(co.b.unsqueeze(1))
+        else:
+            y.zero_()
+        if co.a is not None:
+            const = const - (co.a * row.s2).unsqueeze(1)
+            y.addcmul_(p, co.a.unsqueeze(1))
+        if not isinstance(const, float):
+            y.add_(const)
+        y.mul_(p)
     if c is not None:
         col, inside = _label_in_block(target, v0, x.shape[1])
-        x.scatter_add_(1, col, torch.where(inside, c, 0.0).unsqueeze(1))
-    return x
+        y.scatter_add_(1, col, torch.where(inside, co.c, 0.0).unsqueeze(1))
+    if tf.softcap is not None:
+        y.mul_(aux)
+    return y

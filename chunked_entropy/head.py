@@ -19,7 +19,8 @@ from torch import nn
 
 from ._inputs import Rows, Tokens, check_chunk, check_float, compute_dtype, prepare_tokens
 from ._loop import grad_blocks, row_stats
-from .logits import LogProbsEntropy
+from ._stats import RowStats, Transform, Want
+from .logits import LogProbsEntropy, check_flag, empty_outputs, pack_outputs, run_outputs, unpack_grads
 from .parallel import all_gather_dim0, all_reduce_sum_, group_rank_size, reduce_scatter_dim0
 
 
@@ -29,7 +30,7 @@ class _Plan:
     vocab_chunk_size: int  # == V_local when the vocabulary is not blocked
     group: object
     sequence_parallel: bool
-    compute_entropy: bool
+    want: Want
 
 
 def _logits_block(h, w, bias, out):
@@ -55,7 +56,7 @@ def _filler(rows: Rows, weight, bias):
 def _forward_stats(h_full, weight, bias, tok: Tokens, plan: _Plan):
     return row_stats(
         tok, _filler(Rows(h_full), weight, bias), width=weight.shape[0], block=plan.vocab_chunk_size,
-        chunk_size=plan.chunk_size, group=plan.group, compute_entropy=plan.compute_entropy,
+        chunk_size=plan.chunk_size, group=plan.group, want=plan.want,
         dtype=compute_dtype(weight.dtype), device=weight.device,
     )
 
@@ -65,10 +66,10 @@ class _HeadFunction(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, tok: Tokens, plan: _Plan, main_grad):
         h_full = all_gather_dim0(hidden, plan.group) if plan.sequence_parallel else hidden
         r = _forward_stats(h_full, weight, bias, tok, plan)
-        log_probs, entropy = tok.outputs(r, plan.compute_entropy)
         # Saved: references to hidden (this rank's slice under sequence
-        # parallelism; re-gathered in backward), weight, bias, and lse / mu.
-        ctx.save_for_backward(hidden, weight, bias, r.lse, r.mu)
+        # parallelism; re-gathered in backward), weight, bias, and two to four
+        # float32 per token.
+        ctx.save_for_backward(hidden, weight, bias, r.m, r.ls, r.ws, r.s2)
         # The graph keeps only a weak reference to the process group: a graph still alive
         # at interpreter exit must not keep a destroyed group alive into shutdown (gloo
         # then aborts the process). torch.distributed itself holds every live group.
@@ -77,17 +78,18 @@ class _HeadFunction(torch.autograd.Function):
         ctx.main_grad = main_grad
         ctx.weight_param = weight if main_grad is not None else None
         ctx.set_materialize_grads(False)
-        return (log_probs, entropy) if plan.compute_entropy else log_probs
+        return pack_outputs(tok.outputs(r, plan.want), plan.want)
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, g_lp, g_h=None):
-        hidden, weight, bias, lse, mu = ctx.saved_tensors
+    def backward(ctx, *grads):
+        hidden, weight, bias, m, ls, ws, s2 = ctx.saved_tensors
         tok, plan = ctx.tok, replace(ctx.plan, group=_live_group(ctx.group))
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        if g_lp is None and g_h is None:
+        grads = unpack_grads(grads, plan.want)
+        if all(g is None for g in grads):
             return (None,) * 6
-        cdt = lse.dtype
+        cdt = ls.dtype
         h_full = all_gather_dim0(hidden, plan.group) if plan.sequence_parallel else hidden
         n, v, hdim = tok.n, weight.shape[0], weight.shape[1]
         rows = Rows(h_full)
@@ -104,7 +106,7 @@ class _HeadFunction(torch.autograd.Function):
 
         blocks = grad_blocks(
             tok, _filler(rows, weight, bias), width=v, block=plan.vocab_chunk_size,
-            chunk_size=plan.chunk_size, lse=lse, mu=mu, g_lp=g_lp, g_h=g_h, dtype=cdt, device=dev,
+            chunk_size=plan.chunk_size, stats=RowStats(m, ls, ws, s2, None), grads=grads, dtype=cdt, device=dev,
         )
         for a, b, v0, v1, g in blocks:  # g: [rows, block] dL/dlogits in the compute dtype
             if v0 == 0:  # a new chunk of rows
@@ -217,6 +219,9 @@ def linear_log_probs_and_entropy(
     ignore_index: int = -100,
     vocab_chunk_size: Optional[int] = None,
     gradient_accumulation_fusion: Optional[bool] = None,
+    softcap: Optional[float] = None,
+    logit_scale: Optional[float] = None,
+    compute_sum_pi_squared: bool = False,
 ) -> LogProbsEntropy:
     """Log-probs and entropy of ``softmax((hidden @ weight.T + bias) / temperature)``, fused.
 
@@ -263,49 +268,51 @@ def linear_log_probs_and_entropy(
     """
     lead = _check_head_args(hidden, weight, bias, labels, process_group, sequence_parallel, vocab_chunk_size)
     check_chunk("chunk_size", chunk_size)
+    want = Want(check_flag("compute_entropy", compute_entropy), check_flag("compute_sum_pi_squared", compute_sum_pi_squared))
+    sequence_parallel = check_flag("sequence_parallel", sequence_parallel)
     v_local = weight.shape[0]
     cdt = compute_dtype(weight.dtype)
-    tok = prepare_tokens(
-        labels, lead, v_local, process_group=process_group, label_mask=label_mask,
-        ignore_index=ignore_index, temperature=temperature, device=hidden.device, dtype=cdt,
-    )
-    plan = _Plan(
-        chunk_size=chunk_size,
-        vocab_chunk_size=min(vocab_chunk_size or v_local, v_local),
-        group=process_group,
-        sequence_parallel=bool(sequence_parallel),
-        compute_entropy=bool(compute_entropy),
-    )
     if gradient_accumulation_fusion is None:
         gradient_accumulation_fusion = hasattr(weight, "main_grad")
     main_grad = None
     if gradient_accumulation_fusion and weight.requires_grad:
         main_grad = getattr(weight, "main_grad", None)
-        if main_grad is None or main_grad.shape != weight.shape:
+        if not isinstance(main_grad, torch.Tensor) or main_grad.shape != weight.shape:
             raise ValueError(
                 "gradient_accumulation_fusion=True needs weight.main_grad with the weight's shape "
                 f"{tuple(weight.shape)}"
             )
-    shape = labels.shape
-    if tok.n == 0:
-        zero = torch.zeros(shape, dtype=cdt, device=hidden.device)
-        entropy = zero.clone() if compute_entropy else None
-        if torch.is_grad_enabled():  # keep the graph connected (zero gradients), as the logits path does
-            for t in (hidden, weight, bias):
-                if t is not None and t.requires_grad:
-                    zero = zero + t.sum() * 0
-                    entropy = None if entropy is None else entropy + t.sum() * 0
-        return LogProbsEntropy(zero, entropy)
-    grads = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (hidden, weight, bias)
+        if not main_grad.is_floating_point():
+            raise TypeError(f"weight.main_grad must be a float tensor, got {main_grad.dtype}")
+    grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
+    plan = _Plan(
+        chunk_size=chunk_size,
+        vocab_chunk_size=min(vocab_chunk_size or v_local, v_local),
+        group=process_group,
+        sequence_parallel=sequence_parallel,
+        want=want,
     )
-    if grads:
-        out = _HeadFunction.apply(hidden, weight, bias, tok, plan, main_grad)
-        log_probs, entropy = out if compute_entropy else (out, None)
-    else:
+    tok = prepare_tokens(
+        labels, lead, v_local, process_group=process_group, label_mask=label_mask,
+        ignore_index=ignore_index, temperature=temperature, device=hidden.device, dtype=cdt,
+        transform=Transform(softcap, logit_scale),
+        settings={
+            "chunk_size": chunk_size, "vocab_chunk_size": plan.vocab_chunk_size,
+            "compute_entropy": want.entropy, "compute_sum_pi_squared": want.sum_pi_squared,
+            "sequence_parallel": sequence_parallel, "hidden.shape[0] (sequence-parallel slice)": hidden.shape[0],
+            "whether gradients are computed": grads, "bias is not None": bias is not None,
+        },
+    )
+    if tok.n == 0:
+        return empty_outputs(labels.shape, want, cdt, hidden.device, [hidden, weight, bias])
+
+    def forward():
         h_full = all_gather_dim0(hidden, process_group) if sequence_parallel else hidden
-        log_probs, entropy = tok.outputs(_forward_stats(h_full, weight, bias, tok, plan), compute_entropy)
-    return LogProbsEntropy(log_probs.view(shape), None if entropy is None else entropy.view(shape))
+        return _forward_stats(h_full, weight, bias, tok, plan)
+
+    return run_outputs(
+        lambda: _HeadFunction.apply(hidden, weight, bias, tok, plan, main_grad), forward, tok, want, labels.shape, grads,
+    )
 
 
 class ChunkedVocabParallelHead(nn.Module):
@@ -334,6 +341,8 @@ class ChunkedVocabParallelHead(nn.Module):
         sequence_parallel: bool = False,
         vocab_chunk_size: Optional[int] = None,
         gradient_accumulation_fusion: Optional[bool] = None,
+        softcap: Optional[float] = None,
+        logit_scale: Optional[float] = None,
     ):
         super().__init__()
         check_float("weight", weight, dim=2)
@@ -344,6 +353,8 @@ class ChunkedVocabParallelHead(nn.Module):
         check_chunk("chunk_size", chunk_size)
         check_chunk("vocab_chunk_size", vocab_chunk_size, optional=True)
         group_rank_size(process_group)  # a clear error now if the group is unusable
+        tf = Transform(softcap, logit_scale)  # checked now
+        self.softcap, self.logit_scale = tf.softcap, tf.logit_scale
         self.weight = weight
         self.bias = bias
         self.chunk_size = chunk_size
@@ -361,7 +372,9 @@ class ChunkedVocabParallelHead(nn.Module):
         compute_entropy: bool = True,
         label_mask: Optional[torch.Tensor] = None,
         ignore_index: int = -100,
+        compute_sum_pi_squared: bool = False,
     ) -> LogProbsEntropy:
+        """:func:`linear_log_probs_and_entropy` with this head's weight, bias and settings."""
         return linear_log_probs_and_entropy(
             hidden, self.weight, labels, bias=self.bias, chunk_size=self.chunk_size,
             temperature=temperature, process_group=self.process_group,
@@ -369,6 +382,8 @@ class ChunkedVocabParallelHead(nn.Module):
             label_mask=label_mask, ignore_index=ignore_index,
             vocab_chunk_size=self.vocab_chunk_size,
             gradient_accumulation_fusion=self.gradient_accumulation_fusion,
+            softcap=self.softcap, logit_scale=self.logit_scale,
+            compute_sum_pi_squared=compute_sum_pi_squared,
         )
 
     @classmethod
@@ -415,4 +430,6 @@ class ChunkedVocabParallelHead(nn.Module):
         return (
             f"V_local={v}, H={h}, bias={self.bias is not None}, chunk_size={self.chunk_size}, "
             f"vocab_chunk_size={self.vocab_chunk_size}, sequence_parallel={self.sequence_parallel}"
+            + (f", softcap={self.softcap}" if self.softcap is not None else "")
+            + (f", logit_scale={self.logit_scale}" if self.logit_scale is not None else "")
         )

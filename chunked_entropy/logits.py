@@ -8,62 +8,115 @@ import torch
 from ._autograd import once_differentiable
 
 from ._inputs import Rows, Tokens, check_chunk, check_float, compute_dtype, prepare_tokens
+from ._stats import RowStats, Transform, Want
 from ._loop import grad_blocks, row_stats
 
 
-class LogProbsEntropy(NamedTuple):
-    """Per-token outputs; unpacks as ``log_probs, entropy``.
-
-    ``entropy`` is None when it was not computed (``compute_entropy=False``).
-    """
-
+class _Pair(NamedTuple):
     log_probs: torch.Tensor
     entropy: Optional[torch.Tensor]
 
 
-def _forward_stats(logits, tok: Tokens, chunk_size, group, compute_entropy):
+class LogProbsEntropy(_Pair):
+    """Per-token outputs; unpacks as ``log_probs, entropy``.
+
+    ``entropy`` is None when it was not computed (``compute_entropy=False``).
+    ``sum_pi_squared`` (an attribute, not unpacked) is ``sum_j p_j**2`` per
+    token when ``compute_sum_pi_squared=True`` was asked, else None.
+    """
+
+    def __new__(cls, log_probs, entropy, sum_pi_squared=None):
+        self = super().__new__(cls, log_probs, entropy)
+        self.sum_pi_squared = sum_pi_squared
+        return self
+
+    def __repr__(self):
+        extra = "" if self.sum_pi_squared is None else f", sum_pi_squared={self.sum_pi_squared!r}"
+        return f"LogProbsEntropy(log_probs={self.log_probs!r}, entropy={self.entropy!r}{extra})"
+
+
+def pack_outputs(outs, want: Want):
+    """The tensors an autograd Function returns: the log-probs and each wanted output."""
+    return tuple(t for t, on in zip(outs, (True, *want)) if on)
+
+
+def unpack_grads(grads, want: Want):
+    """Upstream gradients in ``(log_probs, entropy, sum_pi_squared)`` order, None where not computed."""
+    it = iter(grads)
+    return tuple(next(it) if on else None for on in (True, *want))
+
+
+def _forward_stats(logits, tok: Tokens, chunk_size, group, want: Want):
     """Per-token :class:`~chunked_entropy._stats.RowStats`: each chunk of rows is copied into our buffer."""
     rows = Rows(logits)
     v = logits.shape[-1]
     return row_stats(
         tok, lambda x, a, b, v0, v1: x.copy_(rows(a, b)), width=v, block=v, chunk_size=chunk_size,
-        group=group, compute_entropy=compute_entropy, dtype=compute_dtype(logits.dtype), device=logits.device,
+        group=group, want=want, dtype=compute_dtype(logits.dtype), device=logits.device,
     )
 
 
 class _LogitsFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, tok: Tokens, chunk_size: int, group, compute_entropy: bool):
-        r = _forward_stats(logits, tok, chunk_size, group, compute_entropy)
-        log_probs, entropy = tok.outputs(r, compute_entropy)
-        # Saved: the input reference (no copy) and lse / mu per token.
-        saved = [logits, r.lse] + ([r.mu] if compute_entropy else [])
-        ctx.save_for_backward(*saved)
-        ctx.tok, ctx.chunk_size = tok, chunk_size
+    def forward(ctx, logits, tok: Tokens, chunk_size: int, group, want: Want):
+        r = _forward_stats(logits, tok, chunk_size, group, want)
+        # Saved: the input reference (no copy) and two to four float32 per token.
+        ctx.save_for_backward(logits, r.m, r.ls, r.ws, r.s2)
+        ctx.tok, ctx.chunk_size, ctx.want = tok, chunk_size, want
         ctx.set_materialize_grads(False)
-        return (log_probs, entropy) if compute_entropy else log_probs
+        return pack_outputs(tok.outputs(r, want), want)
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, g_lp, g_h=None):
-        logits, lse, *rest = ctx.saved_tensors
-        if g_lp is None and g_h is None:
+    def backward(ctx, *grads):
+        logits, m, ls, ws, s2 = ctx.saved_tensors
+        grads = unpack_grads(grads, ctx.want)
+        if all(g is None for g in grads):
             return None, None, None, None, None
         n, v = ctx.tok.n, logits.shape[-1]
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         gflat = grad.view(n, v)
         rows = Rows(logits)
         # Logits already in the compute dtype: the gradient's own rows are the working buffer.
-        direct = logits.dtype == lse.dtype
+        direct = logits.dtype == ls.dtype
         blocks = grad_blocks(
             ctx.tok, lambda x, a, b, v0, v1: x.copy_(rows(a, b)), width=v, block=v,
-            chunk_size=ctx.chunk_size, lse=lse, mu=rest[0] if rest else None, g_lp=g_lp, g_h=g_h,
-            dtype=lse.dtype, device=logits.device, into=(lambda a, b: gflat[a:b]) if direct else None,
+            chunk_size=ctx.chunk_size, stats=RowStats(m, ls, ws, s2, None), grads=grads,
+            dtype=ls.dtype, device=logits.device, into=(lambda a, b: gflat[a:b]) if direct else None,
         )
         for a, b, _, _, g in blocks:
             if not direct:
                 gflat[a:b].copy_(g)
         return grad, None, None, None, None
+
+
+def run_outputs(apply, forward, tok: Tokens, want: Want, shape, grads: bool) -> LogProbsEntropy:
+    """Call the autograd Function (``apply``) or, without gradients, the bare forward; shape the outputs."""
+    if grads:
+        outs = apply()
+        outs = unpack_grads(outs if isinstance(outs, tuple) else (outs,), want)
+    else:
+        outs = tok.outputs(forward(), want)
+    return LogProbsEntropy(*(None if t is None else t.view(shape) for t in outs))
+
+
+def empty_outputs(shape, want: Want, dtype, device, inputs) -> LogProbsEntropy:
+    """Outputs for zero tokens, connected to ``inputs`` (zero gradients) when grad is enabled."""
+    outs = []
+    for on in (True, *want):
+        t = torch.zeros(shape, dtype=dtype, device=device) if on else None
+        if t is not None and torch.is_grad_enabled():
+            for x in inputs:
+                if x is not None and x.requires_grad:
+                    t = t + x.sum() * 0
+        outs.append(t)
+    return LogProbsEntropy(*outs)
+
+
+def check_flag(name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool (True/False), got {value!r}")
+    return value
 
 
 def log_probs_and_entropy(
@@ -76,6 +129,9 @@ def log_probs_and_entropy(
     compute_entropy: bool = True,
     label_mask: Optional[torch.Tensor] = None,
     ignore_index: int = -100,
+    softcap: Optional[float] = None,
+    logit_scale: Optional[float] = None,
+    compute_sum_pi_squared: bool = False,
 ) -> LogProbsEntropy:
     """Per-token log-prob of ``labels`` and entropy of ``softmax(logits / temperature)``.
 
@@ -129,25 +185,20 @@ def log_probs_and_entropy(
     if logits.dim() < 1 or logits.shape[-1] < 1:
         raise ValueError(f"logits must be [..., V_local] with V_local >= 1, got shape {tuple(logits.shape)}")
     check_chunk("chunk_size", chunk_size)
+    want = Want(check_flag("compute_entropy", compute_entropy), check_flag("compute_sum_pi_squared", compute_sum_pi_squared))
+    cdt = compute_dtype(logits.dtype)
+    grads = torch.is_grad_enabled() and logits.requires_grad
     tok = prepare_tokens(
         labels, logits.shape[:-1], logits.shape[-1], process_group=process_group,
         label_mask=label_mask, ignore_index=ignore_index, temperature=temperature,
-        device=logits.device, dtype=compute_dtype(logits.dtype),
+        device=logits.device, dtype=cdt, transform=Transform(softcap, logit_scale),
+        settings={"chunk_size": chunk_size, "compute_entropy": want.entropy,
+                  "compute_sum_pi_squared": want.sum_pi_squared, "logits.requires_grad": grads},
     )
-    shape = labels.shape
     if tok.n == 0:
-        empty = torch.zeros(shape, dtype=compute_dtype(logits.dtype), device=logits.device)
-        entropy = empty.clone() if compute_entropy else None
-        if logits.requires_grad and torch.is_grad_enabled():
-            empty = empty + logits.sum() * 0  # keep the graph connected
-            entropy = None if entropy is None else entropy + logits.sum() * 0
-        return LogProbsEntropy(empty, entropy)
-    if torch.is_grad_enabled() and logits.requires_grad:
-        out = _LogitsFunction.apply(logits, tok, chunk_size, process_group, compute_entropy)
-        log_probs, entropy = out if compute_entropy else (out, None)
-    else:
-        r = _forward_stats(logits, tok, chunk_size, process_group, compute_entropy)
-        log_probs, entropy = tok.outputs(r, compute_entropy)
-    return LogProbsEntropy(
-        log_probs.view(shape), None if entropy is None else entropy.view(shape)
+        return empty_outputs(labels.shape, want, cdt, logits.device, [logits])
+    return run_outputs(
+        lambda: _LogitsFunction.apply(logits, tok, chunk_size, process_group, want),
+        lambda: _forward_stats(logits, tok, chunk_size, process_group, want),
+        tok, want, labels.shape, grads,
     )

@@ -19,6 +19,11 @@ import torch.distributed as dist
 from ._stats import BlockStats, rescale
 
 
+# torch 2.13 renamed the single-tensor collectives (the old names warn on every call).
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def group_rank_size(group) -> tuple[int, int]:
     """``(rank, world_size)`` of this process in ``group``; ``(0, 1)`` for None."""
     if group is None:
@@ -35,18 +40,49 @@ def _active(group) -> bool:
     return group is not None and dist.get_world_size(group) > 1
 
 
-def reduce_stats(st: BlockStats, group) -> BlockStats:
-    """Merge per-shard statistics over ``group``: one MAX, then one SUM all-reduce."""
+def reduce_stats(st: BlockStats, group, k) -> BlockStats:
+    """Merge per-shard statistics over ``group``: one MAX, then one SUM all-reduce.
+
+    ``k`` is the rows' multiplier ``x = k * u`` (see :mod:`chunked_entropy._stats`).
+    """
     if not _active(group):
         return st
     m = st.m.clone()
     dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
-    st = rescale(st, m)
-    parts = [st.s, st.zl] if st.w is None else [st.s, st.zl, st.w]
+    st = rescale(st, m, k)
+    parts = [st.ones, st.rest, st.zl] + [t for t in (st.w, st.q) if t is not None]
     packed = torch.stack(parts)
     dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
-    w = None if st.w is None else packed[2]
-    return BlockStats(m, packed[0], w, packed[1])
+    it = iter(packed[3:])
+    w = None if st.w is None else next(it)
+    q = None if st.q is None else next(it)
+    return BlockStats(m, packed[0], packed[1], w, q, packed[2])
+
+
+def check_same_on_every_rank(group, fields: dict, device) -> None:
+    """Raise the same ValueError on every rank of ``group`` where ``fields`` differ across ranks.
+
+    ``fields`` maps a description to an int (settings, sizes, fingerprints of
+    the per-token inputs). Costs one all-gather of ``len(fields)`` int64 (and,
+    on an accelerator, one host sync); without a group it does nothing.
+    """
+    if not _active(group):
+        return
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    names = list(fields)
+    local = torch.tensor([int(fields[n]) for n in names], dtype=torch.int64, device=device)
+    every = local.new_empty(world * len(names))
+    _all_gather_single(every, local, group=group)
+    every = every.view(world, len(names)).tolist()
+    for i, name in enumerate(names):
+        values = [row[i] for row in every]
+        if len(set(values)) > 1:
+            seen = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
+            raise ValueError(
+                f"{name} differs across the {world} ranks of process_group ({seen}; this is rank {rank}). "
+                "Every rank of the tensor-parallel group must make the same call: the same tokens, "
+                "labels, temperatures and options, and vocabulary shards of the same size"
+            )
 
 
 def all_reduce_sum_(t: torch.Tensor, group) -> torch.Tensor:
@@ -63,7 +99,7 @@ def all_gather_dim0(t: torch.Tensor, group) -> torch.Tensor:
     world = dist.get_world_size(group)
     t = t.contiguous()
     out = t.new_empty((world * t.shape[0],) + tuple(t.shape[1:]))
-    dist.all_gather_into_tensor(out, t, group=group)
+    _all_gather_single(out, t, group=group)
     return out
 
 
@@ -78,7 +114,7 @@ def reduce_scatter_dim0(t: torch.Tensor, group) -> torch.Tensor:
         # gloo has no reduce_scatter: sum everywhere, keep our slice.
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
         return out.copy_(t.narrow(0, rank * out.shape[0], out.shape[0]))
-    dist.reduce_scatter_tensor(out, t, op=dist.ReduceOp.SUM, group=group)
+    _reduce_scatter_single(out, t, op=dist.ReduceOp.SUM, group=group)
     return out
 
 

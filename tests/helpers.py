@@ -12,17 +12,26 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def reference(logits, labels, *, temperature=1.0, label_mask=None, ignore_index=-100):
-    """float64 log-probs and entropy of ``softmax(logits / temperature)`` over the last dim.
+def reference(
+    logits, labels, *, temperature=1.0, label_mask=None, ignore_index=-100,
+    softcap=None, logit_scale=None, sum_pi_squared=False,
+):
+    """float64 log-probs and entropy of ``softmax(transform(logits) / temperature)`` over the last dim.
 
-    ``logits`` must already be float64 (it may require grad); plain autograd
-    gives the reference gradients. Masked or ignored labels get log-prob 0.
+    ``transform(z) = softcap * tanh(logit_scale * z / softcap)`` (each part
+    optional), written here straight from its definition. ``logits`` must
+    already be float64 (it may require grad); plain autograd gives the
+    reference gradients. Masked or ignored labels get log-prob 0. With
+    ``sum_pi_squared=True`` a third output, ``sum_j p_j**2``, is returned.
     """
     assert logits.dtype == torch.float64
     t = temperature
     if isinstance(t, torch.Tensor):
         t = torch.broadcast_to(t.to(torch.float64), labels.shape).unsqueeze(-1)
-    logp = torch.log_softmax(logits / t, dim=-1)
+    z = logits if logit_scale is None else logits * logit_scale
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    logp = torch.log_softmax(z / t, dim=-1)
     valid = labels != ignore_index
     if label_mask is not None:
         valid = valid & label_mask
@@ -31,6 +40,8 @@ def reference(logits, labels, *, temperature=1.0, label_mask=None, ignore_index=
     p = logp.exp()
     # p * logp with p == 0 (padded -inf columns) contributes 0, not NaN
     ent = -(p * torch.where(p > 0, logp, torch.zeros_like(logp))).sum(-1)
+    if sum_pi_squared:
+        return lp, ent, (p * p).sum(-1)
     return lp, ent
 
 

@@ -25,7 +25,9 @@ def _close(actual, expected, what, rank):
 
 
 def _case(rank, group, *, seq, batch, h, v, bias, sequence_parallel, temperature, chunk_size,
-          vocab_chunk_size=None, compute_entropy=True, masked=False, use_module=False, seed=0):
+          vocab_chunk_size=None, compute_entropy=True, masked=False, use_module=False, seed=0,
+          tf=None, pi2=False):
+    tf = tf or {}
     p, r = dist.get_world_size(group), dist.get_rank(group)
     g = torch.Generator().manual_seed(seed)
     hidden_full = torch.randn(seq, batch, h, generator=g)  # Megatron's [S, B, H]
@@ -39,6 +41,7 @@ def _case(rank, group, *, seq, batch, h, v, bias, sequence_parallel, temperature
         label_mask = torch.rand(seq, batch, generator=g) > 0.25
     g_lp = torch.randn(seq, batch, generator=g, dtype=torch.float64)
     g_h = torch.randn(seq, batch, generator=g, dtype=torch.float64)
+    g_q = torch.randn(seq, batch, generator=g, dtype=torch.float64)
     if temperature == "per-sample":
         temperature = torch.rand(1, batch, generator=g) + 0.5  # broadcasts over [S, B]
 
@@ -47,8 +50,11 @@ def _case(rank, group, *, seq, batch, h, v, bias, sequence_parallel, temperature
     w64 = weight_full.double().requires_grad_()
     b64 = bias_full.double().requires_grad_()
     logits = h64 @ w64.t() + (b64 if bias else 0)
-    lp_ref, ent_ref = reference(logits, labels, temperature=temperature, label_mask=label_mask)
-    ((lp_ref * g_lp).sum() + ((ent_ref * g_h).sum() if compute_entropy else 0)).backward()
+    lp_ref, ent_ref, q_ref = reference(
+        logits, labels, temperature=temperature, label_mask=label_mask, sum_pi_squared=True, **tf
+    )
+    ((lp_ref * g_lp).sum() + ((ent_ref * g_h).sum() if compute_entropy else 0)
+     + ((q_ref * g_q).sum() if pi2 else 0)).backward()
 
     # this rank's inputs
     vl, sl = v // p, seq // p
@@ -59,6 +65,8 @@ def _case(rank, group, *, seq, batch, h, v, bias, sequence_parallel, temperature
     b = bias_full[rows].clone().requires_grad_() if bias else None
 
     kw = dict(temperature=temperature, compute_entropy=compute_entropy, label_mask=label_mask)
+    if tf or pi2:
+        kw.update(tf, compute_sum_pi_squared=pi2)
     if use_module:
         head = ChunkedVocabParallelHead(
             weight, b, chunk_size=chunk_size, process_group=group,
@@ -73,6 +81,8 @@ def _case(rank, group, *, seq, batch, h, v, bias, sequence_parallel, temperature
     loss = (out.log_probs * g_lp.float()).sum()
     if compute_entropy:
         loss = loss + (out.entropy * g_h.float()).sum()
+    if pi2:
+        loss = loss + (out.sum_pi_squared * g_q.float()).sum()
     loss.backward()
 
     what = f"p={p} sp={sequence_parallel} bias={bias} t={'tensor' if torch.is_tensor(temperature) else temperature}"
@@ -82,6 +92,8 @@ def _case(rank, group, *, seq, batch, h, v, bias, sequence_parallel, temperature
         _close(out.entropy, ent_ref.detach(), what + " entropy", rank)
     else:
         assert out.entropy is None
+    if pi2:
+        _close(out.sum_pi_squared, q_ref.detach(), what + " sum_pi_squared", rank)
     assert hidden.grad.shape == hidden.shape
     _close(hidden.grad, h64.grad[seq_rows], what + " grad_hidden", rank)
     _close(weight.grad, w64.grad[rows], what + " grad_weight", rank)
@@ -103,6 +115,8 @@ def _checks(rank, group, seed):
           vocab_chunk_size=6, masked=True, use_module=True, seed=seed + 3)
     _case(rank, group, **common, bias=True, sequence_parallel=True, temperature=1.0, chunk_size=64,
           compute_entropy=False, seed=seed + 4)
+    _case(rank, group, **common, bias=True, sequence_parallel=True, temperature="per-sample", chunk_size=5,
+          vocab_chunk_size=7, seed=seed + 5, tf=dict(softcap=1.5, logit_scale=2.0), pi2=True)
 
 
 def _tp2(rank, world):

@@ -27,7 +27,10 @@ BF16_GRAD = dict(rtol=2**-8, atol=1e-6)  # one rounding to bf16 (see test_logits
 class _Counting:
     """Counts calls to torch.distributed collectives; in backward, any call is an error."""
 
-    NAMES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "reduce")
+    NAMES = (
+        "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
+        "reduce_scatter_tensor", "reduce_scatter_single", "broadcast", "reduce",
+    )
 
     def __init__(self):
         self.calls = 0
@@ -85,7 +88,10 @@ def _check_case(rank, world, group, case, g):
         temperature = torch.rand(shape[0], *[1] * (len(shape) - 1), generator=g) + 0.5
     g_lp = torch.randn(shape, generator=g, dtype=torch.float64)
     g_h = torch.randn(shape, generator=g, dtype=torch.float64)
-    use = case.get("use", ("lp", "h"))
+    g_q = torch.randn(shape, generator=g, dtype=torch.float64)
+    tf = case.get("tf", {})
+    pi2 = case.get("pi2", False)
+    use = case.get("use", ("lp", "h") + (("q",) if pi2 else ()))
     compute_entropy = case.get("compute_entropy", True)
     chunk = case["chunk"]
 
@@ -103,15 +109,18 @@ def _check_case(rank, world, group, case, g):
     with _Counting() as counter:
         out = log_probs_and_entropy(
             logits, labels, chunk_size=chunk, temperature=temperature, process_group=group,
-            compute_entropy=compute_entropy, label_mask=mask,
+            compute_entropy=compute_entropy, label_mask=mask, compute_sum_pi_squared=pi2, **tf,
         )
         n = math.prod(shape)
-        assert counter.calls <= 2 * math.ceil(n / chunk), (counter.calls, n, chunk)
+        # two per chunk, and one small all-gather per call: every rank makes the same call
+        assert counter.calls <= 2 * math.ceil(n / chunk) + 1, (counter.calls, n, chunk)
         loss = 0
         if "lp" in use:
             loss = loss + (out.log_probs * g_lp.float()).sum()
         if "h" in use:
             loss = loss + (out.entropy * g_h.float()).sum()
+        if "q" in use:
+            loss = loss + (out.sum_pi_squared * g_q.float()).sum()
         counter.forbid = True  # backward needs no communication
         loss.backward()
     assert leaf._version == version
@@ -119,8 +128,10 @@ def _check_case(rank, world, group, case, g):
     # float64 reference on the full vocabulary
     xr = full.double().requires_grad_(True)
     t64 = temperature.double() if isinstance(temperature, torch.Tensor) else temperature
-    lp_ref, h_ref = reference(xr, labels, temperature=t64, label_mask=mask)
+    lp_ref, h_ref, q_ref = reference(xr, labels, temperature=t64, label_mask=mask, sum_pi_squared=True, **tf)
     ref_loss = 0
+    if "q" in use:
+        ref_loss = ref_loss + (q_ref * g_q).sum()
     if "lp" in use:
         ref_loss = ref_loss + (lp_ref * g_lp).sum()
     if "h" in use:
@@ -132,6 +143,8 @@ def _check_case(rank, world, group, case, g):
         torch.testing.assert_close(out.entropy.double(), h_ref.detach(), **VAL)
     else:
         assert out.entropy is None
+    if pi2:
+        torch.testing.assert_close(out.sum_pi_squared.double(), q_ref.detach(), **VAL)
     grad = leaf.grad[..., :v_local]
     assert grad.dtype == dtype and torch.isfinite(grad).all()
     if leaf.grad.shape[-1] > v_local:
@@ -159,6 +172,9 @@ CASES = [
     dict(shape=(3, 5), v_local=7, chunk=3, use=("lp",), mask=True),
     dict(shape=(3, 5), v_local=9, chunk=4, dtype=torch.bfloat16, temperature=1.3),
     dict(shape=(3, 4), v_local=6, chunk=5, strided=True),
+    dict(shape=(3, 5), v_local=7, chunk=3, pi2=True, temperature="per_sample"),
+    dict(shape=(3, 5), v_local=7, chunk=4, pi2=True, tf=dict(softcap=2.0, logit_scale=0.7), temperature=0.8),
+    dict(shape=(2, 6), v_local=8, chunk=4, pad=3, tf=dict(logit_scale=0.125)),
 ]
 
 
