@@ -159,12 +159,19 @@ def agg_loss(
 
 
 def _aggregate(loss_mat, loss_mask, mode, loss_scale_factor=None):
+    # Sums and token counts in at least float32 (a float16 count overflows at 65504
+    # tokens); the result is returned in the loss's dtype.
+    acc = torch.promote_types(loss_mat.dtype, torch.float32)
+    return _aggregate_in(loss_mat.to(acc), loss_mask, mode, loss_scale_factor).to(loss_mat.dtype)
+
+
+def _aggregate_in(loss_mat, loss_mask, mode, loss_scale_factor):
     w = _weights(loss_mask, loss_mat.dtype)
     if mode == "token-mean":
         return _safe_div(_masked_sum(loss_mat, w), w.sum())
     if mode == "seq-mean-token-sum-norm":
         scale = loss_mask.shape[-1] if loss_scale_factor is None else loss_scale_factor
-        return _masked_sum(loss_mat, w) / scale
+        return _masked_sum(loss_mat, w) / scale if scale else _masked_sum(loss_mat, w)  # T == 0: the sum, 0
     seq_sum = _masked_sum(loss_mat, w, dim=-1)  # [...]: one per sequence
     n = w.sum(dim=-1)
     seq_loss = seq_sum if mode == "seq-mean-token-sum" else _safe_div(seq_sum, n)
@@ -236,6 +243,13 @@ def policy_loss(
             raise ValueError(f"clip_ratio_c must be a number > 1 (the dual-clip bound) or None, got {clip_ratio_c!r}")
     _check_mode("loss_agg_mode", loss_agg_mode)
 
+    # Masked positions are selected away *before* any arithmetic: a NaN there (an
+    # advantage or log-prob of padding) would otherwise turn into 0 * NaN in backward.
+    keep = loss_mask != 0
+    log_probs, old_log_probs, advantages = (
+        torch.where(keep, t, torch.zeros((), dtype=t.dtype, device=t.device))
+        for t in (log_probs, old_log_probs, advantages)
+    )
     log_ratio = torch.clamp(log_probs - old_log_probs, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio)
     l1 = -advantages * ratio

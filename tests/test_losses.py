@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from chunked_entropy import losses
-from chunked_entropy.losses import agg_loss, entropy_bonus, kl_penalty, policy_loss
+from chunked_entropy.losses import AGG_MODES, agg_loss, entropy_bonus, kl_penalty, policy_loss
 
 MODES = losses.AGG_MODES
 
@@ -362,3 +362,40 @@ def test_docs_page_example_runs(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     for code in blocks:
         exec(compile(code, "docs/losses.md", "exec"), {"__name__": "__main__"})
+
+
+# ----------------------------------------------------------------- defects found by fuzzing
+
+
+def test_nan_at_a_masked_position_gives_no_nan_gradient():
+    """A NaN advantage (or log-prob) of padding must not reach any gradient through 0 * NaN."""
+    lp = torch.tensor([[-1.0, -2.0, -0.5]], requires_grad=True)
+    old = torch.tensor([[-1.1, float("nan"), -0.4]])
+    adv = torch.tensor([[0.5, float("nan"), -1.0]])
+    mask = torch.tensor([[True, False, True]])
+    for mode in AGG_MODES:
+        lp.grad = None
+        loss, metrics = policy_loss(lp, old, adv, mask, loss_agg_mode=mode, clip_ratio_c=3.0)
+        loss.backward()
+        assert torch.isfinite(loss) and torch.isfinite(lp.grad).all(), mode
+        assert lp.grad[0, 1] == 0
+        assert all(torch.isfinite(v) for v in metrics.values())
+
+
+def test_float16_token_counts_do_not_overflow():
+    loss = torch.full((1, 70000), 0.5, dtype=torch.float16)
+    mask = torch.ones(1, 70000, dtype=torch.bool)
+    out = agg_loss(loss, mask, "token-mean")
+    assert out.dtype == torch.float16 and out.item() == 0.5
+    loss = torch.full((4, 40000), 0.5, dtype=torch.float16)
+    out = agg_loss(loss, torch.ones(4, 40000, dtype=torch.bool), "token-mean")
+    assert out.item() == 0.5
+    out = agg_loss(loss, torch.ones(4, 40000, dtype=torch.bool), "seq-mean-token-mean")
+    assert out.item() == 0.5
+
+
+def test_seq_mean_token_sum_norm_with_no_tokens_is_zero():
+    loss = torch.zeros(3, 0, requires_grad=True)
+    out = agg_loss(loss, torch.zeros(3, 0, dtype=torch.bool), "seq-mean-token-sum-norm")
+    assert out.item() == 0.0
+    out.backward()
