@@ -23,6 +23,31 @@ _BUFFER_ITEMSIZE = 4
 #: The sub-key of an actor section that holds this library's settings.
 SECTION = "chunked_entropy"
 
+#: verl's own key for the entropy chunk size (its engine configs carry it too).
+VERL_CHUNK_KEY = "entropy_from_logits_chunk_size"
+
+_FLOAT32_MAX = 3.4028234663852886e38
+_ABSENT = object()
+
+
+def _get(cfg, key: str, path: str):
+    """``cfg[key]``, or ``_ABSENT``; works on dicts, OmegaConf configs and verl's BaseConfig dataclasses.
+
+    (verl's ``BaseConfig`` is a Mapping whose ``__contains__`` raises
+    AttributeError for a missing key, so ``key in cfg`` cannot be used.) An
+    OmegaConf ``???`` (a mandatory value never set) is an error, not absent.
+    """
+    try:
+        from omegaconf import OmegaConf
+    except ImportError:  # pragma: no cover - omegaconf comes with every framework that uses this
+        OmegaConf = None
+    if OmegaConf is not None and OmegaConf.is_config(cfg) and OmegaConf.is_missing(cfg, key):
+        raise ValueError(f"{path} is ??? (a mandatory value that was never set); set it or remove it")
+    try:
+        return cfg[key]
+    except (KeyError, AttributeError):
+        return _ABSENT
+
 
 def _is_int(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
@@ -52,8 +77,9 @@ def _check_field(name: str, key: str, value):
             raise ValueError(f"{key} must be a bool (true/false), got {value!r}")
         return value
     if name == "temperature":
-        if not (_is_real(value) and math.isfinite(value) and value > 0):
-            raise ValueError(f"{key} must be a finite float > 0, got {value!r}")
+        # the same rule as the functions: 1 / temperature must be finite in float32
+        if not (_is_real(value) and math.isfinite(value) and value > 0 and 1.0 / value < _FLOAT32_MAX):
+            raise ValueError(f"{key} must be a finite float > 0 (with 1/temperature finite in float32), got {value!r}")
         return float(value)
     raise AssertionError(name)  # pragma: no cover - every field is listed above
 
@@ -143,15 +169,17 @@ class ChunkedEntropyConfig:
     def from_actor_config(cls, cfg) -> "ChunkedEntropyConfig":
         """Build the config from an RL framework's actor section.
 
-        ``cfg`` is a dict or an OmegaConf ``DictConfig`` (any mapping) like
-        verl's ``actor_rollout_ref.actor``. The fields of this class are read
-        at that level or under a ``chunked_entropy:`` sub-key (the same field
-        in both places must agree). Whether the entropy is computed comes, in
-        this order, from ``compute_entropy``, verl's ``calculate_entropy``,
-        or ``entropy_coeff != 0`` (verl's rule for the policy update); it
+        ``cfg`` is a dict, an OmegaConf ``DictConfig`` or one of verl's config
+        dataclasses (``McoreActorConfig``, ``McoreEngineConfig``: any
+        mapping) like verl's ``actor_rollout_ref.actor``. The fields of this
+        class are read at that level or under a ``chunked_entropy:`` sub-key
+        (the same field in both places must agree). Without a ``chunk_size``
+        there, verl's own ``entropy_from_logits_chunk_size`` is used. Whether
+        the entropy is computed comes from ``compute_entropy`` if given, else
+        from verl's rule, ``calculate_entropy or entropy_coeff != 0``; it
         stays True when none is present. Other keys are ignored; an unknown
         key *under* ``chunked_entropy:`` is an error (a typo would otherwise
-        be silently dropped).
+        be silently dropped), and so is an OmegaConf ``???``.
 
         Args:
             cfg: the actor section.
@@ -172,10 +200,11 @@ class ChunkedEntropyConfig:
         """
         if not isinstance(cfg, Mapping):
             raise TypeError(
-                f"cfg must be a dict or an OmegaConf DictConfig holding an actor section, got {type(cfg).__name__}"
+                "cfg must be a dict, an OmegaConf DictConfig or a verl config dataclass holding an actor "
+                f"section, got {type(cfg).__name__}"
             )
-        sub = cfg[SECTION] if SECTION in cfg else None
-        if sub is None:
+        sub = _get(cfg, SECTION, SECTION)
+        if sub is _ABSENT or sub is None:
             sub = {}
         if not isinstance(sub, Mapping):
             raise TypeError(f"{SECTION} must be a mapping of settings, got {type(sub).__name__}")
@@ -189,10 +218,10 @@ class ChunkedEntropyConfig:
         def read(name: str, check):
             """The value of ``name`` at the top level or under the sub-key (checked), or None."""
             found = {}
-            if name in cfg:
-                found[name] = check(name, cfg[name])
-            if name in sub:
-                found[f"{SECTION}.{name}"] = check(f"{SECTION}.{name}", sub[name])
+            for where, key in ((cfg, name), (sub, f"{SECTION}.{name}")):
+                value = _get(where, name, key)
+                if value is not _ABSENT:
+                    found[key] = check(key, value)
             if len(set(found.values())) > 1:
                 (k1, v1), (k2, v2) = found.items()
                 raise ValueError(f"{k1}={v1!r} and {k2}={v2!r} disagree; set one of them")
@@ -203,13 +232,19 @@ class ChunkedEntropyConfig:
             hit = read(name, lambda key, value, name=name: _check_field(name, key, value))
             if hit is not None:
                 kwargs[name] = hit[1]
+        if "chunk_size" not in kwargs:
+            value = _get(cfg, VERL_CHUNK_KEY, VERL_CHUNK_KEY)
+            if value is not _ABSENT and value is not None:
+                kwargs["chunk_size"] = _check_field("chunk_size", VERL_CHUNK_KEY, value)
         if "compute_entropy" not in kwargs:
+            # verl's rule: the entropy is computed when asked for or when it enters the loss.
             hit = read("calculate_entropy", lambda key, value: _check_field("compute_entropy", key, value))
-            if hit is not None:
-                kwargs["compute_entropy"] = hit[1]
-            elif "entropy_coeff" in cfg:
-                coeff = cfg["entropy_coeff"]
+            coeff = _get(cfg, "entropy_coeff", "entropy_coeff")
+            if coeff is not _ABSENT:
                 if not (_is_real(coeff) and math.isfinite(coeff)):
                     raise ValueError(f"entropy_coeff must be a finite number, got {coeff!r}")
-                kwargs["compute_entropy"] = coeff != 0
+            if hit is not None or coeff is not _ABSENT:
+                kwargs["compute_entropy"] = bool(hit is not None and hit[1]) or (
+                    coeff is not _ABSENT and coeff != 0
+                )
         return cls(**kwargs)

@@ -70,6 +70,12 @@ BAD = [
     ["demo", "--chunk-size", "-1"],
     ["nonsense"],
     [],
+    ["--bogus"],
+    ["plan", "--tokens", "10", "--vocab", "10", "--budget", "infG"],
+    ["plan", "--tokens", "10", "--vocab", "10", "--budget", "nanM"],
+    ["bench", "--quick", "--plot", "results.txt"],
+    ["bench", "--quick", "--out", "/proc/no-such-folder/results"],
+    ["bench", "--quick", "--plot", "/proc/no-such-folder/bench.png"],
 ]
 if not torch.cuda.is_available():
     BAD += [["demo", "--device", "cuda"], ["bench", "--device", "cuda"]]
@@ -83,6 +89,24 @@ def test_bad_options_give_one_line_and_exit_2(capsys, argv):
     assert len(lines) == 1, err
     assert "error" in lines[0] and "Traceback" not in err
     assert out == ""
+
+
+def test_unknown_top_level_flag_is_named(capsys):
+    code, _, err = _run(capsys, "--bogus")
+    assert code == 2 and "--bogus" in err and "required" not in err
+
+
+def test_bench_output_problems_are_found_before_any_case_runs(capsys, tmp_path, monkeypatch):
+    from chunked_entropy.cli import bench
+
+    ran = []
+    monkeypatch.setattr(bench, "run_sweep", lambda *a, **k: ran.append(1) or [])
+    a_file = tmp_path / "taken"
+    a_file.write_text("x")
+    for argv in (["--out", str(a_file)], ["--plot", str(tmp_path / "plot.txt")], ["--plot", str(tmp_path)]):
+        code, _, err = _run(capsys, "bench", "--quick", *argv)
+        assert code == 2 and argv[1] in err, err
+    assert ran == []
 
 
 def test_python_dash_m_is_the_same_command():

@@ -7,7 +7,9 @@ import dataclasses
 import pytest
 from omegaconf import OmegaConf
 
-from chunked_entropy import ChunkedEntropyConfig
+import torch
+
+from chunked_entropy import ChunkedEntropyConfig, log_probs_and_entropy
 
 # A trimmed copy of the keys verl's actor section really has
 # (verl/trainer/config/actor/actor.yaml + megatron_actor.yaml).
@@ -138,8 +140,11 @@ def test_entropy_switch_precedence():
     assert read({"entropy_coeff": 0.0}).compute_entropy is False
     assert read({"entropy_coeff": -0.01}).compute_entropy is True
     assert read({"entropy_coeff": 0.0, "calculate_entropy": True}).compute_entropy is True
-    assert read({"entropy_coeff": 0.5, "calculate_entropy": False}).compute_entropy is False
-    assert read({"entropy_coeff": 0.5, "chunked_entropy": {"calculate_entropy": False}}).compute_entropy is False
+    # verl's rule: calculate_entropy or entropy_coeff != 0 (verl's YAML ships calculate_entropy: false
+    # next to a nonzero entropy_coeff, and then computes the entropy)
+    assert read({"entropy_coeff": 0.5, "calculate_entropy": False}).compute_entropy is True
+    assert read({"entropy_coeff": 0.0, "calculate_entropy": False}).compute_entropy is False
+    assert read({"entropy_coeff": 0.5, "chunked_entropy": {"calculate_entropy": False}}).compute_entropy is True
     assert read({"calculate_entropy": True, "chunked_entropy": {"compute_entropy": False}}).compute_entropy is False
     assert read({"chunked_entropy": None}) == ChunkedEntropyConfig()
 
@@ -169,7 +174,32 @@ def test_bad_values_name_the_key(actor, key, wrap):
 
 
 def test_bad_section_types():
-    with pytest.raises(TypeError, match="cfg must be a dict or an OmegaConf DictConfig"):
+    with pytest.raises(TypeError, match="cfg must be a dict, an OmegaConf DictConfig"):
         ChunkedEntropyConfig.from_actor_config([("chunk_size", 8)])
     with pytest.raises(TypeError, match="chunked_entropy must be a mapping"):
         ChunkedEntropyConfig.from_actor_config({"chunked_entropy": 1024})
+
+
+def test_omegaconf_missing_value_is_an_error_not_the_default():
+    actor = OmegaConf.create({"entropy_coeff": 0.0, "chunked_entropy": {"chunk_size": "???"}})
+    with pytest.raises(ValueError, match=r"chunk_size is \?\?\?"):
+        ChunkedEntropyConfig.from_actor_config(actor)
+    with pytest.raises(ValueError, match=r"^entropy_from_logits_chunk_size is \?\?\?"):
+        ChunkedEntropyConfig.from_actor_config(OmegaConf.create({"entropy_from_logits_chunk_size": "???"}))
+
+
+@pytest.mark.parametrize("t", [1e-300, 1e-39])
+def test_temperature_whose_reciprocal_overflows_is_rejected_as_the_functions_do(t):
+    with pytest.raises(ValueError, match="temperature"):
+        ChunkedEntropyConfig(temperature=t)
+    with pytest.raises(ValueError, match="temperature"):  # the same bound as the functions
+        log_probs_and_entropy(torch.zeros(1, 3), torch.zeros(1, dtype=torch.long), temperature=t)
+    assert ChunkedEntropyConfig(temperature=1e-30).temperature == 1e-30
+
+
+def test_verl_chunk_size_key_is_read():
+    cfg = ChunkedEntropyConfig.from_actor_config({"entropy_from_logits_chunk_size": 512, "entropy_coeff": 0.01})
+    assert cfg.chunk_size == 512 and cfg.compute_entropy is True
+    # our own key wins
+    cfg = ChunkedEntropyConfig.from_actor_config({"entropy_from_logits_chunk_size": 512, "chunk_size": 64})
+    assert cfg.chunk_size == 64

@@ -118,6 +118,8 @@ def main(argv=None) -> int:
 
         return serve_main()
     parser = build_parser()
+    if argv and argv[0].startswith("-") and argv[0] not in ("-h", "--help", "--version"):
+        parser.error(f"unrecognized arguments: {argv[0]} (a command comes first: demo, bench or plan)")
     args, extra = parser.parse_known_args(argv)
     if extra:  # reported by the subcommand's parser, which names itself in the message
         parser.subcommands[args.command].error("unrecognized arguments: " + " ".join(extra))

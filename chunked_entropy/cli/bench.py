@@ -20,6 +20,7 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
 
 from . import plan
@@ -284,11 +285,44 @@ def write_results(rows: list, out_dir: str, meta: dict) -> tuple:
     return csv_path, json_path
 
 
-def check_plot_available() -> None:
+def check_plot_available(path: str) -> None:
+    """Before any case runs: matplotlib is there, it can write this format, and the folder exists."""
     try:
         import matplotlib  # noqa: F401
+        from matplotlib.backend_bases import FigureCanvasBase
     except ImportError:
         raise BenchError("--plot needs matplotlib: pip install 'chunked_entropy[plot]'") from None
+    ext = os.path.splitext(path)[1].lstrip(".").lower()
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if ext not in formats:
+        raise BenchError(f"--plot {path}: expected an image file name ending in one of "
+                         f"{', '.join('.' + f for f in sorted(formats))}, e.g. bench.png")
+    _check_writable("--plot", path, folder=os.path.dirname(path) or ".")
+
+
+def _check_writable(flag: str, path: str, *, folder: str) -> None:
+    """A clear error now, not after the whole sweep, if ``path`` cannot be written.
+
+    Creates ``folder`` (it will be needed anyway) and writes and removes a probe file in it.
+    """
+    if flag == "--plot" and os.path.isdir(path):
+        raise BenchError(f"{flag} {path}: is a folder; give a file name such as bench.png")
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".write-probe-"):
+            pass
+    except OSError as e:
+        raise BenchError(f"{flag} {path}: cannot write there ({e.strerror or e})") from None
+
+
+def check_out_dir(out_dir: str) -> None:
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise BenchError(f"--out {out_dir}: exists and is not a folder; give a folder for results.csv and results.json")
+    _check_writable("--out", out_dir, folder=out_dir)
+    for name in ("results.csv", "results.json"):
+        f = os.path.join(out_dir, name)
+        if os.path.isdir(f) or (os.path.exists(f) and not os.access(f, os.W_OK)):
+            raise BenchError(f"--out {out_dir}: {f} cannot be written")
 
 
 def plot(rows: list, path: str, title: str) -> None:
@@ -348,8 +382,9 @@ def _check_device(device: str) -> None:
 def run(args) -> int:
     s = _settings(args)
     _check_device(args.device)
+    check_out_dir(args.out)
     if args.plot:
-        check_plot_available()
+        check_plot_available(args.plot)
     for m in s["methods"] or []:
         if m not in METHODS["head"]:
             raise BenchError(f"--methods: unknown method {m!r}; expected some of plain, clone, chunked, head")

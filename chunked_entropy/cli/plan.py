@@ -63,6 +63,7 @@ fused head, which never holds the logits.
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -200,7 +201,7 @@ def parse_size(text: str) -> int:
                 value = float(num)
             except ValueError:
                 break
-            if value <= 0:
+            if not (math.isfinite(value) and value > 0):
                 break
             return int(value * units[unit])
     raise argparse.ArgumentTypeError(f"expected a size like 80GiB, 40G or 512MiB, got {text!r}")
