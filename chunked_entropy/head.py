@@ -254,13 +254,23 @@ def linear_log_probs_and_entropy(
         gradient_accumulation_fusion: accumulate the weight gradient into
             ``weight.main_grad`` (float32), as Megatron's linear layers do with
             that option; None means "when ``weight`` has ``main_grad``".
+        softcap: as in :func:`~chunked_entropy.log_probs_and_entropy`.
+        logit_scale: as in :func:`~chunked_entropy.log_probs_and_entropy`.
+        compute_sum_pi_squared: as in :func:`~chunked_entropy.log_probs_and_entropy`.
+
+    Raises:
+        ValueError / TypeError: as :func:`~chunked_entropy.log_probs_and_entropy`;
+            under a process group the ranks must also agree on the
+            sequence-parallel slice length, ``vocab_chunk_size``, whether a
+            bias is given and whether gradients are computed.
 
     Memory:
         Saved for backward: references to ``hidden``, ``weight`` and ``bias``
-        and one or two float32 per token. No ``[tokens, V_local]`` tensor is
+        and two to four float32 per token. No ``[tokens, V_local]`` tensor is
         ever allocated: forward and backward each hold one or two float32
-        ``[chunk_size, vocab_chunk_size]`` buffers (plus the half-precision
-        matmul output when the weight is bf16/fp16). Backward also allocates
+        ``[chunk_size, vocab_chunk_size]`` buffers (a third in backward with
+        ``softcap``; plus the half-precision matmul output when the weight is
+        bf16/fp16). Backward also allocates
         the gradients: ``grad_hidden`` ``[tokens, H]``, a float32 ``[V_local, H]``
         weight-gradient accumulator (none with ``main_grad``) and a float32
         ``[V_local]`` bias accumulator. Sequence parallelism gathers the
@@ -321,7 +331,9 @@ class ChunkedVocabParallelHead(nn.Module):
     Wraps the weight (and bias) of an lm_head, a Megatron ``ColumnParallelLinear``
     output layer or a tied embedding; ``forward(hidden, labels)`` calls
     :func:`linear_log_probs_and_entropy`. The parameters are shared, not
-    copied: training the head trains the original layer.
+    copied: training the head trains the original layer. ``softcap`` and
+    ``logit_scale`` are the model's logit transform (see
+    :func:`~chunked_entropy.log_probs_and_entropy`), fixed per head.
 
     Example:
         >>> lm_head = torch.nn.Linear(16, 50, bias=False)

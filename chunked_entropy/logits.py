@@ -133,12 +133,15 @@ def log_probs_and_entropy(
     logit_scale: Optional[float] = None,
     compute_sum_pi_squared: bool = False,
 ) -> LogProbsEntropy:
-    """Per-token log-prob of ``labels`` and entropy of ``softmax(logits / temperature)``.
+    """Per-token log-prob of ``labels`` and entropy of ``softmax(transform(logits) / temperature)``.
 
     Walks the tokens in chunks of ``chunk_size``; each chunk is copied into a
     float32 buffer, reduced to a few per-token statistics (all-reduced over
     ``process_group`` when the vocabulary is sharded), and dropped. Backward
-    recomputes each chunk's softmax from the saved statistics.
+    recomputes each chunk's softmax from the saved statistics. Every result
+    is formed from offsets to the row maximum, so it is accurate to float32
+    rounding of itself (a confident token's entropy of 1e-6 too) at any logit
+    offset or temperature.
 
     Args:
         logits: ``[..., V_local]`` float32/bfloat16/float16 (float64 for
@@ -161,19 +164,36 @@ def log_probs_and_entropy(
             gradient. Masked labels are not range-checked. The entropy is
             defined for every token.
         ignore_index: label id meaning "no label".
+        softcap: the model's final-logit soft-cap (Gemma 2/3's
+            ``final_logit_softcapping``), a float > 0, or None: the softmax is
+            over ``softcap * tanh(logit_scale * logits / softcap) / temperature``.
+        logit_scale: a multiplier applied before the cap (Cohere's
+            ``logit_scale``; Granite's ``1 / logits_scaling``), a float > 0,
+            or None.
+        compute_sum_pi_squared: also return ``sum_j p_j**2`` per token (as
+            ``.sum_pi_squared``, with its gradient), from the same pass.
 
     Returns:
         :class:`LogProbsEntropy` of tensors shaped like ``labels``, float32
         (float64 for float64 logits), identical on every rank of the group.
+        Infinities follow ``torch.log_softmax``: a label on a ``-inf`` logit
+        has log-prob ``-inf``; a row of ``-inf`` gives NaN.
+
+    Raises:
+        ValueError / TypeError: a bad argument, named, before any work. Under
+            a process group, also when the ranks' calls differ (shard width,
+            token count, labels, temperatures, options): raised on every
+            rank, naming what differs and each rank's value. This check costs
+            one all-gather of about a dozen int64 per call.
 
     Memory:
-        Saved for backward: a reference to ``logits`` and one (log-probs
-        only) or two float32 per token; nothing under ``torch.no_grad()``.
+        Saved for backward: a reference to ``logits`` and two (log-probs
+        only) to four float32 per token; nothing under ``torch.no_grad()``.
         Forward allocates one or two ``[chunk_size, V_local]`` float32
         buffers; backward allocates the gradient (the logits' dtype and
-        shape) plus at most two such buffers (one less for float32 logits:
-        the gradient's rows are the working buffer). An output that receives
-        no gradient costs no backward work.
+        shape) plus at most two such buffers, three with ``softcap`` (one
+        less for float32 logits: the gradient's rows are the working
+        buffer). An output that receives no gradient costs no backward work.
 
     Example:
         >>> logits = torch.randn(2, 5, 11, requires_grad=True)
