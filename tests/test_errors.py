@@ -69,6 +69,12 @@ BAD = [
     ("label_mask list", dict(label_mask=[[True] * 3] * 2), TypeError, "label_mask"),
     ("label_mask shape", dict(label_mask=torch.ones(3, 2, dtype=torch.bool)), ValueError, "label_mask"),
     ("process_group without init", dict(process_group=object()), ValueError, "process_group"),
+    ("label_mask float", dict(label_mask=torch.ones(2, 3)), TypeError, "label_mask"),
+    ("compute_entropy str", dict(compute_entropy="no"), TypeError, "compute_entropy"),
+    ("compute_entropy int", dict(compute_entropy=0), TypeError, "compute_entropy"),
+    ("compute_sum_pi_squared str", dict(compute_sum_pi_squared="yes"), TypeError, "compute_sum_pi_squared"),
+    ("softcap 0", dict(softcap=0.0), ValueError, "softcap"),
+    ("logit_scale negative", dict(logit_scale=-2.0), ValueError, "logit_scale"),
 ]
 
 

@@ -560,3 +560,17 @@ def test_bad_input_names_the_argument():
         ChunkedVocabParallelHead(weight, chunk_size=-1)
     # nothing was computed, nothing was written
     assert hidden.grad is None and weight.grad is None
+
+
+def test_integer_main_grad_is_refused_before_any_work():
+    hidden, weight, _, labels = _make(lead=(3,), h=4, v=9, bias=False, seed=3)
+    weight.main_grad = torch.zeros(weight.shape, dtype=torch.int32)
+    with pytest.raises(TypeError, match="main_grad"):
+        linear_log_probs_and_entropy(hidden, weight, labels, gradient_accumulation_fusion=True)
+
+
+@pytest.mark.parametrize("name,value", [("compute_entropy", "no"), ("sequence_parallel", 1)])
+def test_flags_must_be_bools(name, value):
+    hidden, weight, _, labels = _make(lead=(3,), h=4, v=9, bias=False, seed=3)
+    with pytest.raises(TypeError, match=name):
+        linear_log_probs_and_entropy(hidden, weight, labels, **{name: value})

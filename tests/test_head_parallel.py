@@ -186,3 +186,18 @@ def test_tensor_parallel_2():
 
 def test_tensor_parallel_4_and_subgroups_of_2():
     run_distributed(_tp4_and_subgroups, 4)
+
+
+def _sp_without_deprecation_warnings(rank, world):
+    import warnings
+
+    hidden, weight = torch.randn(2, 1, 6, requires_grad=True), torch.randn(5, 6, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)  # torch 2.13 deprecates all_gather_into_tensor
+        lp, ent = linear_log_probs_and_entropy(hidden, weight, torch.zeros(4, 1, dtype=torch.long),
+                                               process_group=dist.group.WORLD, sequence_parallel=True)
+        (lp.sum() + ent.sum()).backward()
+
+
+def test_sequence_parallel_collectives_raise_no_deprecation_warning():
+    run_distributed(_sp_without_deprecation_warnings, 2)
