@@ -1,199 +1,243 @@
-"""verl: a drop-in for the Megatron actor's logits processor.
+"""verl 0.9: the Megatron engine's log-probs, entropy and sum_pi_squared, without the clone.
 
-verl's Megatron actor (``verl/workers/actor/megatron_actor.py``) hands the
-model's vocabulary-parallel logits to a ``logits_processor(logits, label,
-label_mask)`` that returns ``{"log_probs": ..., "entropy": ...}``. Its own
-processor divides the logits by the temperature in place, then, when the
-entropy is needed, *clones* the full ``[B, S, V/TP]`` logits because
-Megatron's vocab-parallel cross entropy overwrites its input; the entropy and
-the cross entropy each save further full-size tensors for backward.
+verl 0.9's Megatron engine computes the per-token outputs of the actor in
+``MegatronEngineWithLMHead._lm_head_logits_processor`` (in
+``verl/workers/engine/megatron/transformer_impl.py``). That method divides the
+logits by the temperature *in place*, then, for the entropy, *clones* the full
+``[tokens, V/tp]`` logits, because Megatron's vocab-parallel cross entropy
+overwrites its input and the entropy needs the original values in backward.
 
-:func:`make_logits_processor` returns a processor with the same contract that
-never writes the logits and saves, per token, only one or two float32
-statistics (plus a reference to the logits, which the model keeps anyway).
+:func:`install` replaces that method with :func:`lm_head_logits_processor`:
+the same signature and outputs (``log_probs``, ``entropy``,
+``sum_pi_squared``, and the distillation keys of verl's own
+``logits_processor_func``), computed by
+:func:`~chunked_entropy.log_probs_and_entropy` in one chunked pass that never
+writes the logits or the temperature tensor and saves only a few floats per
+token. The chunk size is verl's own ``entropy_from_logits_chunk_size``.
 
-The fused path (no logits at all) lives in
-:mod:`chunked_entropy.integrations.megatron`; its ``enable_fused_log_probs``
-and ``disable_fused_log_probs`` are re-exported here.
+Nothing in verl is edited. Load the patch in every worker with verl's own
+hooks: ``VERL_USE_EXTERNAL_MODULES=chunked_entropy.integrations.verl_plugin``
+(imported by ``import verl``) or
+``actor_rollout_ref.model.external_lib=chunked_entropy.integrations.verl_plugin``.
+:func:`install` patches at once if verl's engine module is already imported,
+else when it is (a post-import hook): importing the plugin is cheap and
+imports neither verl's engine nor megatron-core.
+
+Tested with verl 0.9.1 and megatron-core 0.16.1.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Optional
+import importlib.abc
+import importlib.util
+import inspect
+import logging
+import sys
+import threading
+from typing import Callable
 
 import torch
 
-from ..config import ChunkedEntropyConfig
 from ..logits import log_probs_and_entropy
-from ..parallel import default_tp_group, group_rank_size
+from ..parallel import default_tp_group
 
-__all__ = ["VerlLogitsProcessor", "disable_fused_log_probs", "enable_fused_log_probs", "make_logits_processor"]
+__all__ = ["TARGET_MODULE", "install", "installed", "lm_head_logits_processor", "uninstall"]
 
-_FUSED = ("enable_fused_log_probs", "disable_fused_log_probs")
+logger = logging.getLogger(__name__)
 
+#: The verl module whose ``MegatronEngineWithLMHead`` is patched.
+TARGET_MODULE = "verl.workers.engine.megatron.transformer_impl"
+_CLASS = "MegatronEngineWithLMHead"
+_METHOD = "_lm_head_logits_processor"
+# verl 0.9's signature, checked before patching: another one means another contract.
+_EXPECTED = (
+    "self", "logits", "label", "temperature", "calculate_sum_pi_squared", "calculate_entropy",
+    "distillation_use_topk", "distillation_only", "logits_processor_func", "batch", "data_format",
+)
+#: verl replaces non-positive (packing-padding) temperatures by this value.
+PADDING_TEMPERATURE = 1e-8
 
-def __getattr__(name):
-    # Imported on first use: the Megatron helper needs megatron-core, this module does not.
-    if name in _FUSED:
-        from . import megatron
-
-        return getattr(megatron, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_FUSED))
-
-
-def _temperature(temperature, label: torch.Tensor):
-    """A float, a 0-d tensor, a per-sample ``[B]`` tensor (made ``[B, 1]``), or a tensor broadcastable to ``label``."""
-    if not isinstance(temperature, torch.Tensor) or temperature.dim() != 1 or label.dim() < 2:
-        return temperature  # checked by log_probs_and_entropy
-    if temperature.shape[0] != label.shape[0]:
-        raise ValueError(
-            f"temperature: a 1-D tensor holds one value per sample and must have label.shape[0] = "
-            f"{label.shape[0]} entries, got {temperature.shape[0]}; for packed sequences pass a "
-            f"per-token tensor shaped like label {tuple(label.shape)}"
-        )
-    return temperature.view((-1,) + (1,) * (label.dim() - 1))
+_lock = threading.Lock()
+_state = {"original": None, "hook": None}
 
 
-class VerlLogitsProcessor:
-    """verl's Megatron-actor logits processor, chunked; made by :func:`make_logits_processor`.
-
-    Call it as ``processor(logits, label, label_mask)``, exactly where verl
-    calls its own; ``temperature=`` and ``compute_entropy=`` override the
-    config for one call (verl's ``forward_backward_batch`` knows both per
-    call: ``data.meta_info["temperature"]`` and ``calculate_entropy``).
-
-    Attributes:
-        config: the :class:`~chunked_entropy.ChunkedEntropyConfig`.
-        process_group: the tensor-parallel group given at construction, or
-            None (then megatron-core's TP group is looked up at each call).
-    """
-
-    def __init__(self, config: ChunkedEntropyConfig, process_group=None):
-        self.config = config
-        self.process_group = process_group
-
-    def group(self):
-        """The TP group the vocabulary is sharded over: the given one, else megatron-core's, else None."""
-        return self.process_group if self.process_group is not None else default_tp_group()
-
-    def __call__(
-        self,
-        logits: torch.Tensor,
-        label: torch.Tensor,
-        label_mask: Optional[torch.Tensor] = None,
-        *,
-        temperature=None,
-        compute_entropy: Optional[bool] = None,
-    ) -> dict:
-        """Log-probs of ``label`` and entropy of ``softmax(logits / temperature)``.
-
-        Args:
-            logits: ``[B, S, V_local]`` (``[1, T, V_local]`` for packed
-                sequences), this rank's vocabulary shard (rank ``r`` holds ids
-                ``[r*V_local, (r+1)*V_local)``), any float dtype. Never written:
-                no ``div_``, no clone needed.
-            label: ``[B, S]`` int64 *global* token ids (the next token at each
-                position).
-            label_mask: ``[B, S]`` bool, or None (every label counts). Where
-                False the log-prob is 0 (verl's ``masked_fill(~label_mask, 0)``)
-                and passes no gradient; such labels are not range-checked.
-            temperature: None (the config's), a float > 0, a 1-D ``[B]``
-                tensor (one temperature per sample), or a tensor broadcastable
-                to ``label`` (e.g. ``[B, S]`` per token). It gets no gradient.
-            compute_entropy: None (the config's) or a bool.
-
-        Returns:
-            ``{"log_probs": [B, S], "entropy": [B, S]}`` float32 (float64 for
-            float64 logits); the ``"entropy"`` key only when the entropy is
-            computed. The entropy is not masked (verl masks it in its loss).
-
-        Memory:
-            Saved for backward: a reference to ``logits`` and one float32 per
-            token (two with the entropy). Each chunk allocates one float32
-            ``[chunk_size, V_local]`` buffer (two with the entropy), where
-            ``chunk_size = config.resolve_chunk_size(V_local, fused=False,
-            compute_entropy=compute_entropy)``.
-            Backward allocates the logits' gradient and at most two such
-            buffers. Forward makes two all-reduces per chunk over the group.
-        """
-        if not isinstance(logits, torch.Tensor):
-            raise TypeError(f"logits must be a torch.Tensor [B, S, V_local], got {type(logits).__name__}")
-        if not isinstance(label, torch.Tensor):
-            raise TypeError(f"label must be a torch.Tensor of int64 token ids, got {type(label).__name__}")
-        if logits.dim() < 1 or label.shape != logits.shape[:-1]:
-            raise ValueError(
-                f"label must have the shape of logits without its last dim, {tuple(logits.shape[:-1])}, "
-                f"got {tuple(label.shape)}"
-            )
-        if label_mask is not None:
-            if not isinstance(label_mask, torch.Tensor):
-                raise TypeError(f"label_mask must be a bool tensor or None, got {type(label_mask).__name__}")
-            if label_mask.dtype.is_floating_point or label_mask.dtype.is_complex:
-                raise TypeError(f"label_mask must be a bool tensor, got {label_mask.dtype}")
-            if label_mask.shape != label.shape:
-                raise ValueError(
-                    f"label_mask must have label's shape {tuple(label.shape)}, got {tuple(label_mask.shape)}"
-                )
-        if compute_entropy is None:
-            compute_entropy = self.config.compute_entropy
-        elif not isinstance(compute_entropy, bool):
-            raise TypeError(f"compute_entropy must be a bool or None, got {compute_entropy!r}")
-        temperature = self.config.temperature if temperature is None else _temperature(temperature, label)
-        chunk_size = self.config.resolve_chunk_size(logits.shape[-1], fused=False, compute_entropy=compute_entropy)
-        log_probs, entropy = log_probs_and_entropy(
-            logits,
-            label,
-            chunk_size=chunk_size,
-            temperature=temperature,
-            process_group=self.group(),
-            compute_entropy=compute_entropy,
-            label_mask=label_mask,
-        )
-        out = {"log_probs": log_probs}
-        if compute_entropy:
-            out["entropy"] = entropy
-        return out
-
-    def __repr__(self) -> str:
-        return f"VerlLogitsProcessor(config={self.config!r}, process_group={self.process_group!r})"
-
-
-def make_logits_processor(config, *, process_group=None) -> VerlLogitsProcessor:
-    """A logits processor with verl's Megatron-actor contract, chunked and clone-free.
+def lm_head_logits_processor(
+    self,
+    logits: torch.Tensor,
+    label: torch.Tensor,
+    temperature: torch.Tensor,
+    *,
+    calculate_sum_pi_squared: bool,
+    calculate_entropy: bool,
+    distillation_use_topk: bool,
+    distillation_only: bool,
+    logits_processor_func: Callable,
+    batch,
+    data_format: str,
+) -> dict:
+    """verl's ``MegatronEngineWithLMHead._lm_head_logits_processor``, chunked and clone-free.
 
     Args:
-        config: a :class:`~chunked_entropy.ChunkedEntropyConfig`, or the actor
-            section itself (a dict or ``DictConfig``, read with
-            :meth:`~chunked_entropy.ChunkedEntropyConfig.from_actor_config`).
-        process_group: the tensor-parallel group over which the logits are
-            sharded. None: megatron-core's TP group when model parallelism is
-            initialized (looked up at each call), else the whole vocabulary is
-            local.
+        self: the verl engine (its ``engine_config.entropy_from_logits_chunk_size``
+            is the chunk size).
+        logits: ``[1, T, V/tp]`` (packed ``thd``) or ``[B, S, V/tp]`` (``bshd``),
+            this rank's vocabulary shard, any float dtype. Never written.
+        label: global token ids, the logits' shape without the last dim.
+        temperature: per token, the label's shape (verl passes float32; 0 at
+            packing-padding rows). Never written: non-positive values are
+            read as verl's ``1e-8``, as verl does.
+        calculate_sum_pi_squared: also return ``sum_pi_squared``.
+        calculate_entropy: also return ``entropy``.
+        distillation_use_topk: call verl's ``logits_processor_func`` for its
+            distillation keys.
+        distillation_only: return no ``log_probs``.
+        logits_processor_func: verl's distillation function.
+        batch: verl's micro-batch, passed on to ``logits_processor_func``.
+        data_format: ``"thd"`` or ``"bshd"``, passed on likewise.
 
     Returns:
-        A :class:`VerlLogitsProcessor`, called as
-        ``processor(logits, label, label_mask)``.
+        verl's dict: ``log_probs`` (unless ``distillation_only``), ``entropy``
+        and ``sum_pi_squared`` when asked, plus what ``logits_processor_func``
+        returns under ``distillation_use_topk``. float32, with exact
+        gradients, equal on every tensor-parallel rank.
 
-    Example:
-        >>> cfg = ChunkedEntropyConfig(chunk_size=256)
-        >>> processor = make_logits_processor(cfg)
-        >>> logits = torch.randn(2, 6, 50, requires_grad=True)
-        >>> label = torch.randint(0, 50, (2, 6))
-        >>> mask = torch.ones(2, 6, dtype=torch.bool)
-        >>> out = processor(logits, label, mask, temperature=0.7)
-        >>> sorted(out), out["log_probs"].shape
-        (['entropy', 'log_probs'], torch.Size([2, 6]))
+    Memory:
+        Saved for backward: a reference to the logits (the model keeps them
+        anyway) and two to four float32 per token; verl's own method keeps a
+        clone of the logits and two more ``[T, V/tp]`` tensors. Forward
+        allocates one or two float32 ``[chunk, V/tp]`` buffers. Only under
+        top-k distillation with a temperature other than 1 is a
+        temperature-scaled copy of the logits made, for verl's
+        ``logits_processor_func`` (which expects ``logits / temperature``).
     """
-    if isinstance(config, Mapping):
-        config = ChunkedEntropyConfig.from_actor_config(config)
-    if not isinstance(config, ChunkedEntropyConfig):
-        raise TypeError(
-            f"config must be a ChunkedEntropyConfig or an actor config mapping, got {type(config).__name__}"
+    if not isinstance(temperature, torch.Tensor):
+        temperature = torch.as_tensor(temperature, dtype=torch.float32, device=logits.device)
+    t = torch.where(temperature > 0, temperature, torch.full_like(temperature, PADDING_TEMPERATURE))
+    ret = {}
+    want_lp = not distillation_only
+    if want_lp or calculate_entropy or calculate_sum_pi_squared:
+        out = log_probs_and_entropy(
+            logits,
+            label,
+            chunk_size=int(self.engine_config.entropy_from_logits_chunk_size),
+            temperature=t,
+            process_group=default_tp_group(),
+            compute_entropy=bool(calculate_entropy),
+            compute_sum_pi_squared=bool(calculate_sum_pi_squared),
         )
-    group_rank_size(process_group)  # a clear error now if the group is unusable
-    return VerlLogitsProcessor(config, process_group)
+        if calculate_sum_pi_squared:
+            ret["sum_pi_squared"] = out.sum_pi_squared
+        if calculate_entropy:
+            ret["entropy"] = out.entropy
+    if distillation_use_topk:
+        # verl hands its distillation loss the temperature-scaled logits.
+        student = logits if bool((t == 1).all()) else logits / t.unsqueeze(-1).to(logits.dtype)
+        ret.update(logits_processor_func(student_logits=student, data=batch, data_format=data_format))
+    if want_lp:
+        ret["log_probs"] = out.log_probs
+    return ret
+
+
+def _check_target(module) -> type:
+    """The class to patch, after checking that it has verl 0.9's contract; a clear error otherwise."""
+    cls = getattr(module, _CLASS, None)
+    method = getattr(cls, _METHOD, None) if cls is not None else None
+    if method is None:
+        raise RuntimeError(
+            f"chunked_entropy's verl integration needs {TARGET_MODULE}.{_CLASS}.{_METHOD} (verl 0.9); "
+            f"this verl has none. Nothing was patched."
+        )
+    params = tuple(inspect.signature(method).parameters)
+    if params != _EXPECTED:
+        raise RuntimeError(
+            f"{_CLASS}.{_METHOD} has the parameters {params}; chunked_entropy's verl integration was "
+            f"written for verl 0.9's {_EXPECTED}. Nothing was patched."
+        )
+    return cls
+
+
+def _patch(module) -> None:
+    with _lock:
+        if _state["original"] is not None:
+            return
+        cls = _check_target(module)
+        _state["original"] = cls.__dict__[_METHOD]
+        setattr(cls, _METHOD, lm_head_logits_processor)
+    logger.warning(
+        "chunked_entropy: verl's %s.%s now computes log-probs, entropy and sum_pi_squared chunked, "
+        "without div_ or clone (chunk size: entropy_from_logits_chunk_size)", _CLASS, _METHOD,
+    )
+
+
+class _Loader(importlib.abc.Loader):
+    """Runs the real loader, then patches the freshly executed module."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def create_module(self, spec):
+        return self.inner.create_module(spec)
+
+    def exec_module(self, module):
+        self.inner.exec_module(module)
+        _remove_hook()
+        _patch(module)
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """A post-import hook for :data:`TARGET_MODULE` (the plugin must not import verl's engine itself)."""
+
+    def find_spec(self, name, path, target=None):
+        if name != TARGET_MODULE:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None:
+                if spec.loader is not None:
+                    spec.loader = _Loader(spec.loader)
+                return spec
+        return None
+
+
+def _remove_hook() -> None:
+    hook = _state["hook"]
+    if hook is not None and hook in sys.meta_path:
+        sys.meta_path.remove(hook)
+    _state["hook"] = None
+
+
+def install() -> None:
+    """Make verl's Megatron engine compute log-probs and entropy with this library (once; idempotent).
+
+    Patches ``MegatronEngineWithLMHead._lm_head_logits_processor`` now when
+    verl's engine module is imported, otherwise as soon as it is. Raises
+    RuntimeError, leaving verl as it was, when verl's method does not have
+    verl 0.9's signature.
+    """
+    module = sys.modules.get(TARGET_MODULE)
+    if module is not None:
+        _patch(module)
+        return
+    with _lock:
+        if _state["hook"] is None and _state["original"] is None:
+            _state["hook"] = _PatchOnImport()
+            sys.meta_path.insert(0, _state["hook"])
+
+
+def uninstall() -> None:
+    """Restore verl's own method (and drop a pending post-import hook)."""
+    with _lock:
+        _remove_hook()
+        original = _state["original"]
+        if original is None:
+            return
+        module = sys.modules[TARGET_MODULE]
+        setattr(getattr(module, _CLASS), _METHOD, original)
+        _state["original"] = None
+
+
+def installed() -> bool:
+    """Whether verl's method is currently replaced."""
+    return _state["original"] is not None
