@@ -4,15 +4,17 @@ Same signatures and values as OpenRLHF's, with these differences:
 
 - the logits are never written: OpenRLHF's ``log_probs_from_logits`` divides
   them by the temperature *in place* (so a later use of the same logits sees
-  tempered values); this one applies the temperature inside its chunks;
+  tempered values); this one applies the temperature inside its chunks
+  (OpenRLHF 0.11.2's ``Actor.forward`` scales its own float32 copy of the
+  logits before calling either helper, and passes ``temperature=1.0``);
 - memory: tokens are walked in chunks, and backward keeps only a reference to
-  the logits and one or two float32 per token;
+  the logits and two or three float32 per token;
 - precision: float32 inside and out (float64 for float64 logits), whatever the
   logits' dtype; the entropy has its exact gradient.
 
 Patch the actor by rebinding the names ``openrlhf.models.actor`` imported:
 ``openrlhf.models.actor.log_probs_from_logits = log_probs_from_logits`` (see
-the OpenRLHF integration page of the docs).
+the OpenRLHF integration page of the docs). Tested with OpenRLHF 0.11.2.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ def log_probs_from_logits(
         ``(...)`` float32 log-probabilities (float64 for float64 logits).
 
     Memory:
-        Saved for backward: a reference to ``logits`` and one float32 per
+        Saved for backward: a reference to ``logits`` and two float32 per
         token. Forward allocates one float32 ``[chunk_size, vocab]`` buffer;
         backward allocates the gradient and at most one such buffer.
     """
@@ -62,7 +64,7 @@ def compute_entropy(logits: torch.Tensor, *, chunk_size: int = 1024) -> torch.Te
         ``logits.shape[:-1]`` float32 entropies (float64 for float64 logits).
 
     Memory:
-        Saved for backward: a reference to ``logits`` and two float32 per
+        Saved for backward: a reference to ``logits`` and three float32 per
         token. Forward allocates two float32 ``[chunk_size, vocab]`` buffers;
         backward allocates the gradient and at most two such buffers.
     """

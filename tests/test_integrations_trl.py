@@ -1,0 +1,219 @@
+"""TRL 1.16.0, installed: the drop-ins against ``trl.trainer.utils`` and the head inside a real GRPOTrainer.
+
+Every reference here is TRL's own installed code: the helpers of
+``trl.trainer.utils`` (values and gradients, fp32 and bf16), and two real
+``GRPOTrainer`` training steps on a tiny Qwen2 built from a local config
+(random weights, a word-level tokenizer made here; no hub download), run
+once as TRL ships it and once patched, with the same seed.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    import trl
+    import trl.trainer.utils as trl_utils
+    from datasets import Dataset
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    from trl import GRPOConfig, GRPOTrainer
+
+from chunked_entropy.integrations import trl as ce_trl
+from tests.helpers import reference
+
+assert trl.__version__ == "1.16.0", trl.__version__
+
+
+def _case(shape=(3, 7), v=41, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(*shape, v, generator=g, dtype=torch.float64) * 3).to(dtype)
+    index = torch.randint(0, v, shape, generator=g)
+    return logits, index, g
+
+
+def _grads(fn, logits, *args, ups, **kw):
+    x = logits.clone().requires_grad_()
+    outs = fn(x, *args, **kw)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    sum((o.float() * u).sum() for o, u in zip(outs, ups) if o is not None and o.requires_grad).backward()
+    return [o.detach() for o in outs], x.grad
+
+
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("k", [None, 3])
+def test_selective_log_softmax_matches_trl(dtype, temperature, k):
+    logits, index, g = _case(dtype=dtype)
+    if k:
+        index = torch.randint(0, logits.shape[-1], (*index.shape, k), generator=g)
+    row_mask = (torch.rand(index.shape, generator=g) > 0.2).long()
+    ups = [torch.randn(index.shape, generator=g)]
+    (ours,), g_ours = _grads(ce_trl.selective_log_softmax, logits, index, temperature, row_mask, ups=ups)
+    (theirs,), g_theirs = _grads(trl_utils.selective_log_softmax, logits, index, temperature, row_mask, ups=ups)
+    assert ours.shape == theirs.shape == index.shape
+    torch.testing.assert_close(ours, theirs.float(), **TOL[dtype])
+    torch.testing.assert_close(g_ours.float(), g_theirs.float(), **TOL[dtype])
+    assert (ours[row_mask == 0] == 0).all()
+    # and against float64 (TRL's bf16 path is the looser)
+    t = temperature
+    ref = torch.log_softmax(logits.double() / t, -1).gather(-1, index if k else index[..., None])
+    ref = ref if k else ref[..., 0]
+    torch.testing.assert_close(ours.double(), torch.where(row_mask != 0, ref, 0.0), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_entropy_from_logits_matches_trl(dtype):
+    logits, _, g = _case(shape=(2, 5, 3), dtype=dtype)
+    ups = [torch.randn(logits.shape[:-1], generator=g)]
+    (ours,), g_ours = _grads(ce_trl.entropy_from_logits, logits, 4, ups=ups)
+    (theirs,), g_theirs = _grads(trl_utils.entropy_from_logits, logits, 4, ups=ups)
+    torch.testing.assert_close(ours, theirs.float(), **TOL[dtype])
+    torch.testing.assert_close(g_ours.float(), g_theirs.float(), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("entropy_requires_grad", [True, False])
+def test_selective_log_softmax_and_entropy_matches_trl(dtype, entropy_requires_grad):
+    logits, index, g = _case(dtype=dtype)
+    row_mask = torch.rand(index.shape, generator=g) > 0.3
+    ups = [torch.randn(index.shape, generator=g), torch.randn(index.shape, generator=g)]
+    args = (index, entropy_requires_grad, 0.8, row_mask)
+    ours, g_ours = _grads(ce_trl.selective_log_softmax_and_entropy, logits, *args, ups=ups)
+    theirs, g_theirs = _grads(trl_utils.selective_log_softmax_and_entropy, logits, *args, ups=ups)
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b.float(), **TOL[dtype])
+    torch.testing.assert_close(g_ours.float(), g_theirs.float(), **TOL[dtype])
+
+
+def test_drop_ins_reject_bad_input_naming_it():
+    logits, index, _ = _case()
+    with pytest.raises(ValueError, match="index"):
+        ce_trl.selective_log_softmax(logits, index[:, :3])
+    with pytest.raises(ValueError, match="row_mask"):
+        ce_trl.selective_log_softmax(logits, index, row_mask=torch.ones(2))
+    with pytest.raises(ValueError, match="temperature"):
+        ce_trl.selective_log_softmax(logits, index, 0.0)
+    with pytest.raises(ValueError, match="labels"):  # an id outside the vocabulary
+        ce_trl.selective_log_softmax(logits, torch.full_like(index, 41))
+
+
+def test_fused_head_kernel_matches_trls_kernel():
+    """The stand-in against TRL's ChunkedLogProbFunction itself: softcap, logit scale, temperature, bias."""
+    g = torch.Generator().manual_seed(3)
+    hidden, weight, bias = torch.randn(19, 8, generator=g), torch.randn(50, 8, generator=g), torch.randn(50, generator=g)
+    targets = torch.randint(0, 50, (19,), generator=g)
+    ups = [torch.randn(19, generator=g) for _ in range(2)]
+    args = (targets, 0.7, 16, 5.0, 0.5, ("log_probs", "entropy", "log_sum_sq_probs"))
+
+    def run(kernel):
+        leaves = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
+        out = kernel.apply(*leaves, *args)
+        (out[0] * ups[0] + out[1] * ups[1]).sum().backward()
+        return out, [t.grad for t in leaves]
+
+    ours, g_ours = run(ce_trl.FusedHeadKernel(chunk_size=4))
+    theirs, g_theirs = run(trl_utils._ChunkedLogProbFunction)
+    for a, b in zip(ours[:3], theirs[:3]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert ours[3] is None and ours[4] is None
+    for a, b in zip(g_ours, g_theirs):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    # and the transform against float64 from its definition
+    lp, h = reference(hidden.double() @ weight.double().T + bias.double(), targets, temperature=0.7,
+                      softcap=5.0, logit_scale=0.5)
+    torch.testing.assert_close(ours[0].double(), lp, rtol=1e-5, atol=1e-5)
+    with pytest.raises(NotImplementedError, match="mean_logits"):
+        ce_trl.FusedHeadKernel().apply(hidden, weight, None, targets, 1.0, 16, None, 1.0, ("log_probs", "mean_logits"))
+
+
+# ----------------------------------------------------------------------------- a real GRPOTrainer
+
+
+def _tokenizer():
+    vocab = {w: i for i, w in enumerate(["<pad>", "<eos>"] + [f"w{i}" for i in range(62)])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
+
+
+def _reward(completions, **kwargs):
+    return [len(c) / 10 for c in completions]
+
+
+def _train(tmp_path, patch, **config):
+    """Two GRPO steps (with a reference model, temperature and entropy bonus); the logged metrics."""
+    tok = _tokenizer()
+    path = tmp_path / "model"
+    if not path.exists():
+        torch.manual_seed(0)
+        cfg = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                          tie_word_embeddings=False)
+        Qwen2ForCausalLM(cfg).save_pretrained(path)
+        tok.save_pretrained(path)
+    data = Dataset.from_dict({"prompt": [" ".join(f"w{(i * 7 + j) % 60}" for j in range(4)) for i in range(8)]})
+    args = GRPOConfig(
+        output_dir=str(tmp_path / ("patched" if patch else "trl")), per_device_train_batch_size=4,
+        num_generations=2, max_completion_length=6, max_steps=2, logging_steps=1, learning_rate=1e-2,
+        report_to="none", use_cpu=True, seed=0, temperature=0.8, entropy_coef=0.05, beta=0.04,
+        save_strategy="no", bf16=False, model_init_kwargs={"dtype": torch.float32}, disable_tqdm=True, **config,
+    )
+    trainer = GRPOTrainer(model=str(path), reward_funcs=_reward, args=args, train_dataset=data, processing_class=tok)
+    kernel = ce_trl.patch_trainer(trainer, chunk_size=3) if patch else None
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    return logs, kernel, trainer
+
+
+@pytest.mark.parametrize("config", [{}, {"cast_lm_head_to_fp32": True, "num_iterations": 2}], ids=["default", "fp32_head"])
+def test_two_grpo_steps_match_trls_own_path(tmp_path, config):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        theirs, _, _ = _train(tmp_path, patch=False, **config)
+        ours, kernel, trainer = _train(tmp_path, patch=True, **config)
+    assert len(ours) == len(theirs) == 2
+    # policy (loss step) and reference model each call the head every step; old log-probs too with 2 iterations
+    assert kernel.calls >= 4
+    for a, b in zip(ours, theirs):
+        for key in ("loss", "grad_norm", "entropy", "kl"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), (key, a[key], b[key])
+    # patch_trainer is idempotent and undone by unpatch_trainer
+    assert ce_trl.patch_trainer(trainer) is kernel
+    ce_trl.unpatch_trainer(trainer)
+    assert "_get_per_token_logps_and_entropies" not in trainer.__dict__
+
+
+def test_batch_size_and_compute_entropy_are_honoured(tmp_path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _, _, trainer = _train(tmp_path, patch=False)
+    g = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(2, 64, (5, 9), generator=g)
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[1, :2] = 0
+    theirs = trainer._get_per_token_logps_and_entropies(
+        trainer.model, input_ids, attention_mask, 4, batch_size=2, compute_entropy=True
+    )
+    kernel = ce_trl.patch_trainer(trainer)
+    ours = trainer._get_per_token_logps_and_entropies(
+        trainer.model, input_ids, attention_mask, 4, batch_size=2, compute_entropy=True
+    )
+    assert kernel.calls == 3  # batch_size=2 over 5 sequences: three calls of the head
+    assert len(ours) == 3 and ours[2] is None
+    for a, b in zip(ours[:2], theirs[:2]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    logps, entropies, _ = trainer._get_per_token_logps_and_entropies(trainer.model, input_ids, attention_mask, 4)
+    assert entropies is None and logps.shape == (5, 4)
+
+
+def test_patch_trainer_refuses_what_it_cannot_patch():
+    with pytest.raises(TypeError, match="_get_per_token_logps_and_entropies"):
+        ce_trl.patch_trainer(object())
