@@ -406,6 +406,20 @@ class ChunkedVocabParallelHead(nn.Module):
         return cls(linear.weight, linear.bias, **kw)
 
     @classmethod
+    def from_hf_model(cls, model, *, verify: bool = True, **kw) -> "ChunkedVocabParallelHead":
+        """Wrap a Hugging Face causal LM's output layer, with the logit transform its config names.
+
+        See :func:`chunked_entropy.integrations.huggingface.head_from_model`:
+        Gemma 2/3's ``final_logit_softcapping``, Cohere's ``logit_scale`` and
+        Granite's ``logits_scaling`` are read from the config, and the head is
+        checked against a two-token forward of the model (``verify``), so an
+        unknown transform raises instead of giving other log-probs.
+        """
+        from .integrations.huggingface import head_from_model
+
+        return head_from_model(model, verify=verify, **kw)
+
+    @classmethod
     def from_megatron(cls, output_layer, *, weight: Optional[torch.Tensor] = None, **kw) -> "ChunkedVocabParallelHead":
         """Wrap a megatron-core ``ColumnParallelLinear`` output layer.
 

@@ -1,4 +1,4 @@
-"""Every ```python block in the README, the getting-started and concepts pages runs.
+"""Every ```python block in the README, the getting-started, concepts, Hugging Face and verl pages runs.
 
 Each block runs on its own, in a fresh namespace, as a reader would paste it.
 A block with a file name (```python title="tp_example.py"```) is written to
@@ -19,7 +19,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGES = ["README.md", "docs/getting-started.md", "docs/concepts.md"]
+PAGES = [
+    "README.md", "docs/getting-started.md", "docs/concepts.md", "docs/integrations/huggingface.md",
+    "docs/integrations/verl.md",
+]
 
 _FENCE = re.compile(r"^```python([^\n]*)\n(.*?)^```", re.S | re.M)
 _TITLE = re.compile(r'title="([^"]+)"')
@@ -41,7 +44,7 @@ def test_pages_have_examples():
     # The extraction itself must find the examples (a changed fence style would
     # otherwise silently test nothing).
     for page in PAGES:
-        assert len(list(_blocks(page))) >= 2, page
+        assert len(list(_blocks(page))) >= 1, page
 
 
 @pytest.mark.parametrize("page,text,title,code", _all_blocks())
