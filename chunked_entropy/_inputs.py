@@ -82,10 +82,10 @@ class Tokens:
         )
 
     def coefficients(self, a: int, b: int, g_lp, g_h, g_q) -> Coefficients:
-        """Per-row gradient factors for rows ``[a, b)`` (see :mod:`chunked_entropy._stats`)."""
+        """Per-row gradient factors for rows ``[a, b)`` from their upstream gradients (``[b - a]`` each, or None)."""
         kz = self.transform.kz(self.inv_t_rows(a, b))
         kz = kz.squeeze(1) if isinstance(kz, torch.Tensor) else kz
-        scaled = lambda g: None if g is None else (g[a:b] if kz is None else g[a:b] * kz)  # noqa: E731
+        scaled = lambda g: None if g is None else (g if kz is None else g * kz)  # noqa: E731
         c = scaled(g_lp)
         c = None if c is None else torch.where(self.valid[a:b], c, 0.0)
         a2 = scaled(g_q)

@@ -89,7 +89,7 @@ def grad_blocks(
         scratch=g_h is not None or g_q is not None, aux=softcap,
     )
     for a, b in chunks(n, chunk_size):
-        co = tok.coefficients(a, b, g_lp, g_h, g_q)
+        co = tok.coefficients(a, b, *(None if g is None else g[a:b] for g in (g_lp, g_h, g_q)))
         k, target, rows = tok.k_rows(a, b), tok.target[a:b], _rows(stats, a, b)
         for v0, v1 in chunks(width, block):
             x, scratch, aux = bufs.get(b - a, v1 - v0)
@@ -98,3 +98,60 @@ def grad_blocks(
             fill(x, a, b, v0, v1)
             g = _stats.block_grad(x, tok.transform, k, rows, target, v0, co, scratch, aux)
             yield a, b, v0, v1, g
+
+
+TokenGrads = Callable[[int, int, _stats.RowStats], tuple]
+
+
+def loss_grad_blocks(
+    tok: Tokens, fill: Fill, *, width: int, block: int, chunk_size: int, group, want: _stats.Want,
+    token_grads: TokenGrads, stats: _stats.RowStats, dtype, device,
+    into: Optional[Callable[[int, int], torch.Tensor]] = None,
+) -> Iterator[tuple]:
+    """Forward of a loss whose per-token upstream gradients follow from each token's own outputs.
+
+    Yields ``(a, b, v0, v1, g)`` as :func:`grad_blocks` does, and fills
+    ``stats`` (full-length :class:`~chunked_entropy._stats.RowStats` arrays)
+    on the way. ``token_grads(a, b, rows)`` gives the upstream gradients of
+    ``(log_probs, entropy)`` for rows ``[a, b)`` from their statistics.
+
+    Without vocabulary blocks (``block == width``) each chunk's logits are
+    filled once: the statistics and then the gradient come from the same
+    buffer (the offsets are kept), so a fused head does three matmul passes
+    instead of four. With vocabulary blocks a row's statistics are complete
+    only after its last block, so a statistics pass runs first and the
+    gradient pass refills each block.
+    """
+    n = tok.n
+    if block < width:
+        full = row_stats(tok, fill, width=width, block=block, chunk_size=chunk_size, group=group,
+                         want=want, dtype=dtype, device=device)
+        for dst, src in zip(stats, full):
+            if dst is not None:
+                dst.copy_(src)
+        ups = [torch.empty(n, dtype=dtype, device=device) for _ in range(2)]
+        for a, b in chunks(n, chunk_size):
+            for dst, g in zip(ups, token_grads(a, b, _rows(stats, a, b))):
+                dst[a:b] = g
+        yield from grad_blocks(tok, fill, width=width, block=block, chunk_size=chunk_size, stats=stats,
+                               grads=(ups[0], ups[1], None), dtype=dtype, device=device, into=into)
+        return
+    softcap = tok.transform.softcap is not None
+    bufs = Buffers(min(chunk_size, n), width, dtype, device, work=into is None, scratch=True, aux=softcap)
+    for a, b in chunks(n, chunk_size):
+        k, target = tok.k_rows(a, b), tok.target[a:b]
+        x, scratch, aux = bufs.get(b - a, width)
+        if into is not None:
+            x = into(a, b)
+        fill(x, a, b, 0, width)
+        local = _stats.block_stats(x, tok.transform, k, target, 0, scratch, want_w=want.entropy,
+                                   want_q=want.sum_pi_squared, aux=aux)
+        merged = reduce_stats(local, group, k)
+        rows = _stats.RowStats.from_block(merged, k)
+        for dst, src in zip(stats, rows):
+            if dst is not None:
+                dst[a:b] = src
+        g_lp, g_h = token_grads(a, b, rows)
+        co = tok.coefficients(a, b, g_lp, g_h, None)
+        y = _stats.shift_offsets_(x, local.m, merged.m, k) if merged is not local else x
+        yield a, b, 0, width, _stats.grad_from_offsets_(y, tok.transform, rows, target, 0, co, scratch, aux)

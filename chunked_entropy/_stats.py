@@ -185,11 +185,15 @@ def block_stats(
     *,
     want_w: bool,
     want_q: bool,
+    aux: Optional[torch.Tensor] = None,
 ) -> BlockStats:
-    """Statistics of one ``[n, Vb]`` block of raw logits; ``x`` is consumed.
+    """Statistics of one ``[n, Vb]`` block of raw logits.
 
     Args:
-        x: ``[n, Vb]`` raw logits in a buffer owned by the caller (overwritten).
+        x: ``[n, Vb]`` raw logits in a buffer owned by the caller. With a
+            ``scratch`` buffer it is left holding the offsets ``y`` (the
+            fused loss turns them into the gradient without recomputing
+            them); without one it is consumed.
         tf: the logit transform; ``k`` its per-row multiplier (``tf.k(1/t)``).
         target: ``[n]`` int64 label column in this shard's coordinates, or -1
             (masked, or on another shard).
@@ -197,21 +201,41 @@ def block_stats(
         scratch: a buffer like ``x`` for ``exp``; needed for ``w`` or ``q``
             (None: log-probs only, one buffer).
         want_w, want_q: compute ``w`` (entropy) and ``q`` (sum_pi_squared).
+        aux: with a softcap, a buffer like ``x`` to receive the cap's
+            derivative ``1 - u**2`` (for a gradient formed from these offsets).
     """
     tf.to_u_(x)
+    if aux is not None and tf.softcap is not None:
+        torch.mul(x, x, out=aux).neg_().add_(1.0)
     col, inside = _label_in_block(target, v0, x.shape[1])
     zl = torch.where(inside, x.gather(1, col).squeeze(1), 0.0)
     m, arg = x.max(dim=1)
     y = offsets_(x, m, k)
-    e = y.exp_() if scratch is None else torch.exp(y, out=scratch)
+    if scratch is None:
+        e = y.exp_()
+        ones = e.gather(1, arg.unsqueeze(1))
+        rest = e.scatter_(1, arg.unsqueeze(1), 0.0).sum(dim=1)
+        return BlockStats(m, ones.squeeze(1), rest, None, None, zl)
+    e = torch.exp(y, out=scratch)
     ones = e.gather(1, arg.unsqueeze(1))  # 1, or 0 for a row of -inf
     rest = e.scatter_(1, arg.unsqueeze(1), 0.0).sum(dim=1)  # y == 0 there: w is unaffected
-    w = y.mul_(e).sum(dim=1) if want_w else None
-    if want_q:
-        q = e.scatter_(1, arg.unsqueeze(1), ones).square_().sum(dim=1)
-    else:
-        q = None
+    # w = sum_j e_j y_j as a row-wise dot product: y stays intact, no temporary
+    w = torch.bmm(e.unsqueeze(1), y.unsqueeze(2)).view(-1) if want_w else None
+    q = e.scatter_(1, arg.unsqueeze(1), ones).square_().sum(dim=1) if want_q else None
     return BlockStats(m, ones.squeeze(1), rest, w, q, zl)
+
+
+def _shift(m_from: torch.Tensor, m_to: torch.Tensor, k: Scale) -> torch.Tensor:
+    """``k * (m_from - m_to)`` clamped at :data:`NEG_FLOOR`: how far a block's offsets move to a larger maximum."""
+    d = m_from - m_to  # <= 0; -inf for a block of -inf; NaN for a row of -inf
+    if k is not None:
+        d = d * _flat(k)
+    return d.clamp(min=NEG_FLOOR)
+
+
+def shift_offsets_(y: torch.Tensor, m_from: torch.Tensor, m_to: torch.Tensor, k: Scale) -> torch.Tensor:
+    """Offsets to ``m_from`` made offsets to the larger ``m_to``, in place."""
+    return y.add_(_shift(m_from, m_to, k).unsqueeze(1)).clamp_(min=NEG_FLOOR)
 
 
 def rescale(st: BlockStats, m_new: torch.Tensor, k: Scale) -> BlockStats:
@@ -220,10 +244,7 @@ def rescale(st: BlockStats, m_new: torch.Tensor, k: Scale) -> BlockStats:
     A block whose factor ``exp(d)`` is exactly 1 keeps ``ones`` apart; any
     other block moves all of its sum into ``rest``.
     """
-    d = st.m - m_new  # <= 0; -inf for a block of -inf; NaN for a row of -inf
-    if k is not None:
-        d = d * _flat(k)
-    d = d.clamp(min=NEG_FLOOR)
+    d = _shift(st.m, m_new, k)
     a = torch.exp(d)
     keep = a == 1
     s = st.ones + st.rest
@@ -306,7 +327,23 @@ def block_grad(
     tf.to_u_(x)
     if tf.softcap is not None:  # 1 - u**2, the cap's derivative
         torch.mul(x, x, out=aux).neg_().add_(1.0)
-    y = offsets_(x, row.m, k)
+    return grad_from_offsets_(offsets_(x, row.m, k), tf, row, target, v0, co, scratch, aux)
+
+
+def grad_from_offsets_(
+    y: torch.Tensor,
+    tf: Transform,
+    row: RowStats,
+    target: torch.Tensor,
+    v0: int,
+    co: Coefficients,
+    scratch: Optional[torch.Tensor],
+    aux: Optional[torch.Tensor],
+) -> torch.Tensor:
+    """:func:`block_grad` from the offsets ``y`` to the row maximum ``row.m`` (overwritten with the gradient).
+
+    ``aux`` holds the cap's derivative ``1 - u**2`` when ``tf.softcap`` is set.
+    """
     c = None if co.c is None else co.c.unsqueeze(1)
     if co.b is None and co.a is None:
         # dL/dy = -c * p (+ c at the label)
@@ -325,7 +362,7 @@ def block_grad(
             y.add_(const)
         y.mul_(p)
     if c is not None:
-        col, inside = _label_in_block(target, v0, x.shape[1])
+        col, inside = _label_in_block(target, v0, y.shape[1])
         y.scatter_add_(1, col, torch.where(inside, co.c, 0.0).unsqueeze(1))
     if tf.softcap is not None:
         y.mul_(aux)

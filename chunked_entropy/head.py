@@ -91,49 +91,21 @@ class _HeadFunction(torch.autograd.Function):
             return (None,) * 6
         cdt = ls.dtype
         h_full = all_gather_dim0(hidden, plan.group) if plan.sequence_parallel else hidden
-        n, v, hdim = tok.n, weight.shape[0], weight.shape[1]
+        n, v = tok.n, weight.shape[0]
         rows = Rows(h_full)
         dev = weight.device
-
-        grad_h = torch.empty(n, hdim, dtype=hidden.dtype, device=dev) if need_h else None
-        gh = torch.empty(min(plan.chunk_size, n), hdim, dtype=cdt, device=dev) if need_h else None
-        if need_w:
-            # main_grad in the compute dtype is accumulated into directly; a half-precision
-            # main_grad (Megatron allows bf16/fp16 ones) gets one float32 sum, added at the end.
-            into_main = ctx.main_grad is not None and ctx.main_grad.dtype == cdt
-            gw = ctx.main_grad if into_main else torch.zeros(v, hdim, dtype=cdt, device=dev)
-        gb = torch.zeros(v, dtype=cdt, device=dev) if need_b else None
-
+        # main_grad in the compute dtype is accumulated into directly; a half-precision
+        # main_grad (Megatron allows bf16/fp16 ones) gets one float32 sum, added at the end.
+        into_main = need_w and ctx.main_grad is not None and ctx.main_grad.dtype == cdt
         blocks = grad_blocks(
             tok, _filler(rows, weight, bias), width=v, block=plan.vocab_chunk_size,
             chunk_size=plan.chunk_size, stats=RowStats(m, ls, ws, s2, None), grads=grads, dtype=cdt, device=dev,
         )
-        for a, b, v0, v1, g in blocks:  # g: [rows, block] dL/dlogits in the compute dtype
-            if v0 == 0:  # a new chunk of rows
-                h = rows(a, b)
-                h32 = (h if h.dtype == cdt else h.to(cdt)) if need_w else None
-                gh_c = gh[: b - a].zero_() if need_h else None
-            w = weight[v0:v1]
-            if need_h:
-                if w.dtype == cdt:
-                    gh_c.addmm_(g, w)
-                else:
-                    gh_c.add_(torch.mm(g.to(w.dtype), w))
-            if need_w:
-                gw[v0:v1].addmm_(g.t(), h32)
-            if need_b:
-                gb[v0:v1].add_(g.sum(dim=0))
-            if need_h and v1 == v:  # the chunk's last block
-                grad_h[a:b].copy_(gh_c)
-
-        grad_hidden = None
-        if need_h:
-            # hidden is replicated over the group: its gradient is the sum of every shard's.
-            grad_h = grad_h.view(h_full.shape)
-            if plan.sequence_parallel:
-                grad_hidden = reduce_scatter_dim0(grad_h, plan.group)
-            else:
-                grad_hidden = all_reduce_sum_(grad_h, plan.group)
+        grad_h, gw, gb = linear_grads(
+            blocks, rows, weight, n=n, hidden_dtype=hidden.dtype, chunk_size=plan.chunk_size,
+            need=(need_h, need_w, need_b), gw=ctx.main_grad if into_main else None,
+        )
+        grad_hidden = None if grad_h is None else reduce_hidden_grad(grad_h, h_full.shape, plan)
         grad_weight = None
         if need_w:
             if ctx.main_grad is None:
@@ -144,6 +116,53 @@ class _HeadFunction(torch.autograd.Function):
                 grad_weight = _main_grad_result(ctx)
         grad_bias = gb.to(bias.dtype) if need_b else None
         return grad_hidden, grad_weight, grad_bias, None, None, None
+
+
+def linear_grads(blocks, rows: Rows, weight, *, n: int, hidden_dtype, chunk_size: int, need, gw=None):
+    """Turn the logit-gradient blocks of the chunk loop into gradients of hidden, weight and bias.
+
+    ``blocks`` yields ``(a, b, v0, v1, g)`` with ``g = dL/dlogits`` of rows
+    ``[a, b)`` and columns ``[v0, v1)``; ``need`` says which of
+    ``(hidden, weight, bias)`` want a gradient. Returns ``(grad_h [n, H]`` in
+    ``hidden_dtype``, the float32 weight-gradient accumulator ``[V, H]`` (or
+    ``gw`` itself, accumulated into), the float32 bias gradient ``[V])``, each
+    None where not needed. Two matmuls per block: ``g @ W`` and ``g.T @ h``.
+    """
+    need_h, need_w, need_b = need
+    v, hdim = weight.shape
+    dev = weight.device
+    cdt = compute_dtype(weight.dtype)
+    grad_h = torch.empty(n, hdim, dtype=hidden_dtype, device=dev) if need_h else None
+    gh = torch.empty(min(chunk_size, n), hdim, dtype=cdt, device=dev) if need_h else None
+    if need_w and gw is None:
+        gw = torch.zeros(v, hdim, dtype=cdt, device=dev)
+    gb = torch.zeros(v, dtype=cdt, device=dev) if need_b else None
+    for a, b, v0, v1, g in blocks:  # g: [rows, block] dL/dlogits in the compute dtype
+        if v0 == 0:  # a new chunk of rows
+            h = rows(a, b)
+            h32 = (h if h.dtype == cdt else h.to(cdt)) if need_w else None
+            gh_c = gh[: b - a].zero_() if need_h else None
+        w = weight[v0:v1]
+        if need_h:
+            if w.dtype == cdt:
+                gh_c.addmm_(g, w)
+            else:
+                gh_c.add_(torch.mm(g.to(w.dtype), w))
+        if need_w:
+            gw[v0:v1].addmm_(g.t(), h32)
+        if need_b:
+            gb[v0:v1].add_(g.sum(dim=0))
+        if need_h and v1 == v:  # the chunk's last block
+            grad_h[a:b].copy_(gh_c)
+    return grad_h, (gw if need_w else None), gb
+
+
+def reduce_hidden_grad(grad_h: torch.Tensor, full_shape, plan: "_Plan") -> torch.Tensor:
+    """hidden is replicated over the group: its gradient is the sum of every shard's (reduce-scattered under SP)."""
+    grad_h = grad_h.view(full_shape)
+    if plan.sequence_parallel:
+        return reduce_scatter_dim0(grad_h, plan.group)
+    return all_reduce_sum_(grad_h, plan.group)
 
 
 def _live_group(ref):

@@ -24,7 +24,10 @@ from typing import Optional
 
 import torch
 
-__all__ = ["AGG_MODES", "KL_KINDS", "agg_loss", "entropy_bonus", "kl_penalty", "policy_loss"]
+__all__ = [
+    "AGG_MODES", "KL_KINDS", "agg_loss", "agg_weights", "entropy_bonus", "kl_penalty", "kl_penalty_grad",
+    "policy_loss", "policy_loss_grad",
+]
 
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 """Loss-aggregation modes of :func:`agg_loss` (verl's ``actor.loss_agg_mode`` values)."""
@@ -166,17 +169,37 @@ def _aggregate(loss_mat, loss_mask, mode, loss_scale_factor=None):
 
 
 def _aggregate_in(loss_mat, loss_mask, mode, loss_scale_factor):
-    w = _weights(loss_mask, loss_mat.dtype)
+    return _masked_sum(loss_mat, agg_weights(loss_mask, mode, loss_scale_factor, dtype=loss_mat.dtype))
+
+
+def agg_weights(
+    loss_mask: torch.Tensor, mode: str = "token-mean", loss_scale_factor: Optional[float] = None, *, dtype=torch.float32
+) -> torch.Tensor:
+    """The per-token weights of :func:`agg_loss`: ``agg_loss(L, loss_mask, mode) == sum(W * L)``.
+
+    Every aggregation mode is linear in the losses with weights that depend
+    only on the mask (see :func:`agg_loss` for each), which is what lets the
+    fused policy loss form its gradient per token. Masked tokens weigh 0.
+
+    Args:
+        loss_mask: ``[..., T]`` bool (or 0/1, or non-negative weights).
+        mode: one of :data:`AGG_MODES`.
+        loss_scale_factor: as in :func:`agg_loss`.
+        dtype: of the weights (at least float32 is advised: counts).
+
+    Returns:
+        ``[..., T]`` weights.
+    """
+    m = loss_mask.to(dtype)
     if mode == "token-mean":
-        return _safe_div(_masked_sum(loss_mat, w), w.sum())
+        return _safe_div(m, m.sum())
     if mode == "seq-mean-token-sum-norm":
         scale = loss_mask.shape[-1] if loss_scale_factor is None else loss_scale_factor
-        return _masked_sum(loss_mat, w) / scale if scale else _masked_sum(loss_mat, w)  # T == 0: the sum, 0
-    seq_sum = _masked_sum(loss_mat, w, dim=-1)  # [...]: one per sequence
-    n = w.sum(dim=-1)
-    seq_loss = seq_sum if mode == "seq-mean-token-sum" else _safe_div(seq_sum, n)
-    has_tokens = n > 0  # fully masked sequences do not count
-    return _safe_div(_masked_sum(seq_loss, has_tokens.to(loss_mat.dtype)), has_tokens.sum().to(loss_mat.dtype))
+        return m / scale if scale else m  # T == 0: no tokens, no weights
+    n = m.sum(dim=-1, keepdim=True)  # tokens per sequence
+    has_tokens = (n > 0).to(dtype)  # fully masked sequences do not count
+    per_seq = has_tokens if mode == "seq-mean-token-sum" else _safe_div(has_tokens, n)
+    return _safe_div(m * per_seq, has_tokens.sum())
 
 
 # ---------------------------------------------------------------- policy loss
@@ -319,6 +342,67 @@ def kl_penalty(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, kind: str =
         return 0.5 * d.square()
     neg = torch.clamp(-d, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)  # log(pi_ref / pi)
     return torch.clamp(torch.exp(neg) - neg - 1.0, -_K3_CLAMP, _K3_CLAMP)
+
+
+def kl_penalty_grad(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, kind: str = "low_var_kl") -> torch.Tensor:
+    """``d kl_penalty(log_probs, ref_log_probs, kind) / d log_probs``, per token, written down.
+
+    Matches autograd of :func:`kl_penalty` exactly, clamps included (a
+    clamped value passes no gradient; ``abs`` has gradient 0 at 0).
+    """
+    kind = _KL_ALIASES[kind]
+    d = log_probs - ref_log_probs
+    if kind == "k1":
+        return torch.ones_like(d)
+    if kind == "abs":
+        return torch.sign(d)
+    if kind == "k2":
+        return d
+    inside = (d >= -_LOG_RATIO_CLAMP) & (d <= _LOG_RATIO_CLAMP)
+    neg = torch.clamp(-d, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    e = torch.exp(neg)
+    value = e - neg - 1.0
+    kept = (value >= -_K3_CLAMP) & (value <= _K3_CLAMP)
+    return torch.where(inside & kept, 1.0 - e, torch.zeros_like(e))  # d/dd of e^{-d} + d - 1
+
+
+def policy_loss_grad(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    *,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.2,
+    clip_ratio_c: Optional[float] = None,
+) -> torch.Tensor:
+    """``d l / d log_probs`` of :func:`policy_loss`'s per-token loss ``l``, before aggregation, written down.
+
+    With ``r = exp(clamp(log_probs - old_log_probs, -20, 20))``:
+    ``dl1 = -A r`` (0 where the log-ratio is clamped), ``dl2 = dl1`` where
+    ``1 - eps_low <= r <= 1 + eps_high`` and 0 outside; ``max(l1, l2)`` passes
+    the derivative of the larger term (half of each on a tie, as autograd
+    does), and the dual clip ``min(., -A c)`` (where ``A < 0``) passes it
+    where the clipped loss is the smaller (half on a tie). Masked tokens get
+    0. Multiply by :func:`agg_weights` for the gradient of the loss.
+    """
+    keep = loss_mask != 0
+    zero = torch.zeros((), dtype=log_probs.dtype, device=log_probs.device)
+    lp, old, adv = (torch.where(keep, t, zero) for t in (log_probs, old_log_probs, advantages))
+    d = lp - old
+    ratio = torch.exp(torch.clamp(d, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP))
+    d_ratio = torch.where((d >= -_LOG_RATIO_CLAMP) & (d <= _LOG_RATIO_CLAMP), ratio, zero)
+    l1 = -adv * ratio
+    l2 = -adv * torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    dl1 = -adv * d_ratio
+    dl2 = torch.where((ratio >= 1.0 - clip_ratio_low) & (ratio <= 1.0 + clip_ratio_high), dl1, zero)
+    clipped = torch.maximum(l1, l2)
+    grad = torch.where(l1 > l2, dl1, torch.where(l1 < l2, dl2, 0.5 * (dl1 + dl2)))
+    if clip_ratio_c is not None:
+        l3 = -adv * float(clip_ratio_c)
+        dual = torch.where(clipped < l3, grad, torch.where(clipped > l3, zero, 0.5 * grad))
+        grad = torch.where(adv < 0, dual, grad)
+    return torch.where(keep, grad, zero)
 
 
 def entropy_bonus(entropy: torch.Tensor, loss_mask: torch.Tensor, mode: str = "token-mean") -> torch.Tensor:
