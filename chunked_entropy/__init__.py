@@ -6,17 +6,22 @@ Public API:
 - :func:`linear_log_probs_and_entropy` and :class:`ChunkedVocabParallelHead`:
   from hidden states, with the lm_head matmul fused into the chunk loop.
 - :class:`LogProbsEntropy`: the ``(log_probs, entropy)`` result.
+- :func:`linear_policy_loss` and :func:`policy_loss_from_logits`: the whole
+  PPO/GRPO loss of the output layer, gradients formed in the forward pass.
 """
 
 from .config import ChunkedEntropyConfig
 from .head import ChunkedVocabParallelHead, linear_log_probs_and_entropy
 from .logits import LogProbsEntropy, log_probs_and_entropy
+from .policy import linear_policy_loss, policy_loss_from_logits
 
 __all__ = [
     "ChunkedEntropyConfig",
     "ChunkedVocabParallelHead",
     "LogProbsEntropy",
     "linear_log_probs_and_entropy",
+    "linear_policy_loss",
     "log_probs_and_entropy",
+    "policy_loss_from_logits",
 ]
 __version__ = "0.1.0"

@@ -215,9 +215,16 @@ def _fingerprint(ids: torch.Tensor) -> int:
     return int((ids * weights).sum())
 
 
+def fingerprint_floats(t: Optional[torch.Tensor]) -> int:
+    """An int64 fingerprint of a float tensor's float32 values (None: -1); any single change alters it."""
+    if t is None:
+        return -1
+    return _fingerprint(t.detach().reshape(-1).to(torch.float32).view(torch.int32).to(torch.int64))
+
+
 def _fingerprint_scale(inv_t) -> int:
     if isinstance(inv_t, torch.Tensor):
-        return _fingerprint(inv_t.reshape(-1).to(torch.float32).view(torch.int32).to(torch.int64))
+        return fingerprint_floats(inv_t)
     return _bits(1.0 if inv_t is None else inv_t)
 
 

@@ -129,10 +129,8 @@ def loss_grad_blocks(
         for dst, src in zip(stats, full):
             if dst is not None:
                 dst.copy_(src)
-        ups = [torch.empty(n, dtype=dtype, device=device) for _ in range(2)]
-        for a, b in chunks(n, chunk_size):
-            for dst, g in zip(ups, token_grads(a, b, _rows(stats, a, b))):
-                dst[a:b] = g
+        parts = [token_grads(a, b, _rows(stats, a, b)) for a, b in chunks(n, chunk_size)]
+        ups = [None if p[0] is None else torch.cat(p) for p in zip(*parts)]  # None: that output has no term
         yield from grad_blocks(tok, fill, width=width, block=block, chunk_size=chunk_size, stats=stats,
                                grads=(ups[0], ups[1], None), dtype=dtype, device=device, into=into)
         return

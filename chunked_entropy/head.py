@@ -417,6 +417,21 @@ class ChunkedVocabParallelHead(nn.Module):
             compute_sum_pi_squared=compute_sum_pi_squared,
         )
 
+    def policy_loss(self, hidden: torch.Tensor, labels: torch.Tensor, old_log_probs, advantages, loss_mask, **kw):
+        """:func:`~chunked_entropy.linear_policy_loss` with this head's weight, bias and settings: ``(loss, metrics)``.
+
+        Keywords are those of :func:`~chunked_entropy.linear_policy_loss`
+        (the loss options, ``temperature``, ``ref_log_probs``).
+        """
+        from .policy import linear_policy_loss
+
+        for key, value in (("bias", self.bias), ("chunk_size", self.chunk_size), ("process_group", self.process_group),
+                           ("sequence_parallel", self.sequence_parallel), ("vocab_chunk_size", self.vocab_chunk_size),
+                           ("gradient_accumulation_fusion", self.gradient_accumulation_fusion),
+                           ("softcap", self.softcap), ("logit_scale", self.logit_scale)):
+            kw.setdefault(key, value)
+        return linear_policy_loss(hidden, self.weight, labels, old_log_probs, advantages, loss_mask, **kw)
+
     @classmethod
     def from_linear(cls, linear: nn.Linear, **kw) -> "ChunkedVocabParallelHead":
         """Wrap a ``torch.nn.Linear`` lm_head (e.g. a Hugging Face model's); its parameters are shared."""

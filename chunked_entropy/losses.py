@@ -215,6 +215,7 @@ def policy_loss(
     clip_ratio_high: float = 0.2,
     clip_ratio_c: Optional[float] = None,
     loss_agg_mode: str = "token-mean",
+    loss_scale_factor: Optional[float] = None,
 ):
     r"""PPO clipped surrogate loss, with optional dual clip (verl's ``compute_policy_loss``).
 
@@ -243,6 +244,7 @@ def policy_loss(
         clip_ratio_c: dual-clip constant ``c > 1``, or ``None`` for no dual clip
             (verl's default is 3.0).
         loss_agg_mode: one of :data:`AGG_MODES`.
+        loss_scale_factor: the divisor of ``"seq-mean-token-sum-norm"`` (see :func:`agg_loss`).
 
     Returns:
         ``(loss, metrics)``: a 0-dim loss, and a dict of detached 0-dim float
@@ -265,6 +267,8 @@ def policy_loss(
         if isinstance(clip_ratio_c, bool) or not isinstance(clip_ratio_c, numbers.Real) or not clip_ratio_c > 1:
             raise ValueError(f"clip_ratio_c must be a number > 1 (the dual-clip bound) or None, got {clip_ratio_c!r}")
     _check_mode("loss_agg_mode", loss_agg_mode)
+    if loss_scale_factor is not None:
+        _check_real("loss_scale_factor", loss_scale_factor, low=0.0, low_open=True)
 
     # Masked positions are selected away *before* any arithmetic: a NaN there (an
     # advantage or log-prob of padding) would otherwise turn into 0 * NaN in backward.
@@ -286,7 +290,7 @@ def policy_loss(
         negative = advantages < 0
         losses = torch.where(negative, torch.minimum(clipped, l3), clipped)
         lower = negative & (clipped > l3)
-    loss = _aggregate(losses, loss_mask, loss_agg_mode)
+    loss = _aggregate(losses, loss_mask, loss_agg_mode, loss_scale_factor)
 
     with torch.no_grad():
         dtype = torch.promote_types(log_ratio.dtype, torch.float32)
@@ -405,7 +409,9 @@ def policy_loss_grad(
     return torch.where(keep, grad, zero)
 
 
-def entropy_bonus(entropy: torch.Tensor, loss_mask: torch.Tensor, mode: str = "token-mean") -> torch.Tensor:
+def entropy_bonus(
+    entropy: torch.Tensor, loss_mask: torch.Tensor, mode: str = "token-mean", *, loss_scale_factor: Optional[float] = None
+) -> torch.Tensor:
     """The aggregated entropy, ``agg_loss(entropy, loss_mask, mode)``, to subtract from the loss.
 
     verl's actor loss is ``pg_loss - entropy_coeff * entropy_bonus(...) + kl_coef * kl_loss``.
@@ -415,6 +421,7 @@ def entropy_bonus(entropy: torch.Tensor, loss_mask: torch.Tensor, mode: str = "t
             :func:`~chunked_entropy.log_probs_and_entropy`).
         loss_mask: ``[B, T]`` bool (or 0/1) response mask.
         mode: one of :data:`AGG_MODES`.
+        loss_scale_factor: the divisor of ``"seq-mean-token-sum-norm"`` (see :func:`agg_loss`).
 
     Returns:
         A 0-dim tensor, differentiable w.r.t. ``entropy``.
@@ -425,4 +432,6 @@ def entropy_bonus(entropy: torch.Tensor, loss_mask: torch.Tensor, mode: str = "t
     _check_tensor("entropy", entropy)
     _check_mask(loss_mask, entropy, "entropy")
     _check_mode("mode", mode)
-    return _aggregate(entropy, loss_mask, mode)
+    if loss_scale_factor is not None:
+        _check_real("loss_scale_factor", loss_scale_factor, low=0.0, low_open=True)
+    return _aggregate(entropy, loss_mask, mode, loss_scale_factor)

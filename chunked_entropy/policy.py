@@ -1,0 +1,445 @@
+"""Fused policy loss: the PPO/GRPO loss of the output layer, its gradients formed in the forward chunk loop.
+
+The clipped objective (with dual clip), a KL penalty against reference
+log-probs and the entropy bonus are per-token functions of the token's
+log-prob and entropy, and every aggregation mode weighs the tokens by the
+mask alone (:func:`~chunked_entropy.losses.agg_weights`). So each token's
+upstream gradients are known as soon as its chunk's statistics are, and the
+chunk's logit gradient can be formed at once from the same buffer
+(:func:`chunked_entropy._loop.loss_grad_blocks`): the fused head does three
+matmul passes (logits, ``g @ W``, ``g.T @ h``) instead of four, and the logits
+twin reads the logits once. ``loss.backward()`` only scales the stored
+gradients by the scalar upstream gradient.
+
+Sequence-level objectives whose per-token gradient depends on the whole
+sequence (GSPO's sequence ratio) are out of scope for this design: compute
+``linear_log_probs_and_entropy`` and compose with :mod:`chunked_entropy.losses`.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from . import losses
+from ._autograd import once_differentiable
+from ._inputs import Rows, Tokens, check_chunk, check_float, compute_dtype, fingerprint_floats, prepare_tokens
+from ._loop import loss_grad_blocks
+from ._stats import RowStats, Transform, Want
+from .head import (
+    _check_head_args, _filler, _forward_stats, _main_grad_result, _Plan, linear_grads, reduce_hidden_grad,
+)
+from .logits import _forward_stats as _logits_forward_stats
+from .logits import check_flag
+from .parallel import all_gather_dim0, group_rank_size
+
+__all__ = ["PolicyLossOptions", "linear_policy_loss", "policy_loss_from_logits"]
+
+
+@dataclass(frozen=True)
+class PolicyLossOptions:
+    """The objective: ``pg - entropy_coeff * entropy_bonus + kl_coef * agg(kl_penalty)``.
+
+    Fields and defaults are those of :func:`chunked_entropy.losses.policy_loss`,
+    :func:`~chunked_entropy.losses.kl_penalty` and
+    :func:`~chunked_entropy.losses.agg_loss`; checked on construction.
+    """
+
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    clip_ratio_c: Optional[float] = None
+    loss_agg_mode: str = "token-mean"
+    loss_scale_factor: Optional[float] = None
+    entropy_coeff: float = 0.0
+    kl_coef: float = 0.0
+    kl_kind: str = "low_var_kl"
+
+    def __post_init__(self):
+        real = losses._check_real
+        real("clip_ratio_low", self.clip_ratio_low, low=0.0, high=1.0)
+        real("clip_ratio_high", self.clip_ratio_high, low=0.0)
+        c = self.clip_ratio_c
+        if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float)) or not c > 1):
+            raise ValueError(f"clip_ratio_c must be a number > 1 (the dual-clip bound) or None, got {c!r}")
+        losses._check_mode("loss_agg_mode", self.loss_agg_mode)
+        if self.loss_scale_factor is not None:
+            real("loss_scale_factor", self.loss_scale_factor, low=0.0, low_open=True)
+        real("entropy_coeff", self.entropy_coeff, low=-math.inf)
+        real("kl_coef", self.kl_coef, low=-math.inf)
+        if not isinstance(self.kl_kind, str) or self.kl_kind not in losses.KL_KINDS:
+            raise ValueError(f"kl_kind must be one of {', '.join(map(repr, losses.KL_KINDS))}; got {self.kl_kind!r}")
+
+
+class _Objective:
+    """Per-token data of the loss, its per-token gradients, and its value from the outputs."""
+
+    def __init__(self, opts: PolicyLossOptions, labels, old_log_probs, advantages, loss_mask, ref_log_probs, dtype):
+        self.opts = opts
+        self.shape = labels.shape
+        for name, t in (("old_log_probs", old_log_probs), ("advantages", advantages)):
+            check_float(name, t)
+        losses._check_same_shape("labels", labels, old_log_probs=old_log_probs, advantages=advantages)
+        losses._check_mask(loss_mask, old_log_probs, "labels")
+        if opts.kl_coef != 0 and ref_log_probs is None:
+            raise ValueError("kl_coef != 0 needs ref_log_probs")
+        if ref_log_probs is not None:
+            losses._check_same_shape("labels", labels, ref_log_probs=ref_log_probs)
+        flat = lambda t: None if t is None else t.detach().reshape(-1).to(dtype)  # noqa: E731
+        self.old, self.adv, self.ref = flat(old_log_probs), flat(advantages), flat(ref_log_probs)
+        self.mask = loss_mask.reshape(-1)
+        self.weights = losses.agg_weights(loss_mask, opts.loss_agg_mode, opts.loss_scale_factor, dtype=dtype).reshape(-1)
+        self.inputs = (old_log_probs, advantages, loss_mask, ref_log_probs)
+        self.result = None  # (loss, metrics), set by the forward
+
+    def settings(self, process_group) -> dict:
+        """What every rank of a process group must agree on (see ``prepare_tokens``); nothing without one."""
+        if group_rank_size(process_group)[1] == 1:
+            return {}
+        return {
+            "the loss options": zlib.crc32(repr(self.opts).encode()),
+            "old_log_probs": fingerprint_floats(self.old),
+            "advantages": fingerprint_floats(self.adv),
+            "ref_log_probs": fingerprint_floats(self.ref),
+            "loss_mask": fingerprint_floats(self.mask),
+        }
+
+    def token_grads(self, a: int, b: int, rows: RowStats):
+        """Upstream gradients of ``(log_probs, entropy)`` for rows ``[a, b)`` (None: no entropy term)."""
+        o, w = self.opts, self.weights[a:b]
+        lp = rows.log_probs()
+        g = losses.policy_loss_grad(
+            lp, self.old[a:b], self.adv[a:b], self.mask[a:b], clip_ratio_low=o.clip_ratio_low,
+            clip_ratio_high=o.clip_ratio_high, clip_ratio_c=o.clip_ratio_c,
+        )
+        if o.kl_coef != 0:
+            g = g + o.kl_coef * losses.kl_penalty_grad(lp, self.ref[a:b], o.kl_kind)
+        g_lp = torch.where(w != 0, g * w, 0.0)
+        g_h = None if o.entropy_coeff == 0 else -o.entropy_coeff * w
+        return g_lp, g_h
+
+    def finish(self, tok: Tokens, stats: RowStats) -> torch.Tensor:
+        """Record ``(loss, metrics)`` from the chunk loop's statistics; return the loss."""
+        self.result = self.value(*_outputs(tok, stats))
+        return self.result[0]
+
+    def value(self, log_probs: torch.Tensor, entropy: torch.Tensor):
+        """``(loss, metrics)`` from the outputs, by the composition itself (no gradient)."""
+        o = self.opts
+        old, adv, mask, ref = self.inputs
+        lp, ent = log_probs.view(self.shape), entropy.view(self.shape)
+        pg, metrics = losses.policy_loss(
+            lp, old.to(lp.dtype), adv.to(lp.dtype), mask, clip_ratio_low=o.clip_ratio_low,
+            clip_ratio_high=o.clip_ratio_high, clip_ratio_c=o.clip_ratio_c, loss_agg_mode=o.loss_agg_mode,
+            loss_scale_factor=o.loss_scale_factor,
+        )
+        loss = pg - o.entropy_coeff * losses.entropy_bonus(ent, mask, o.loss_agg_mode,
+                                                           loss_scale_factor=o.loss_scale_factor)
+        metrics = dict(metrics, pg_loss=pg.detach(), entropy=losses._masked_mean(ent, mask))
+        if ref is not None:
+            kl = losses.agg_loss(losses.kl_penalty(lp, ref.to(lp.dtype), o.kl_kind), mask, o.loss_agg_mode,
+                                 loss_scale_factor=o.loss_scale_factor)
+            loss = loss + o.kl_coef * kl
+            metrics["kl"] = kl.detach()
+        return loss.detach(), metrics
+
+
+def _new_stats(n: int, dtype, device) -> RowStats:
+    """Full-length statistics the chunk loop fills: ``m``, ``log s``, ``w / s`` and the label offset."""
+    new = lambda: torch.empty(n, dtype=dtype, device=device)  # noqa: E731
+    return RowStats(new(), new(), new(), None, new())
+
+
+def _outputs(tok: Tokens, stats: RowStats):
+    lp, ent, _ = tok.outputs(stats, Want())
+    return lp, ent
+
+
+def _scale(t: Optional[torch.Tensor], g: torch.Tensor) -> Optional[torch.Tensor]:
+    """A stored gradient times the scalar upstream gradient (no copy when it is 1)."""
+    if t is None:
+        return None
+    return t if bool(g == 1) else t * g.to(t.dtype)
+
+
+class _HeadLossFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, tok: Tokens, plan: _Plan, objective: _Objective, main_grad):
+        need = ctx.needs_input_grad[:3]
+        cdt = compute_dtype(weight.dtype)
+        h_full = all_gather_dim0(hidden, plan.group) if plan.sequence_parallel else hidden
+        rows = Rows(_token_major(h_full, plan))
+        n = tok.n
+        stats = _new_stats(n, cdt, weight.device)
+        blocks = loss_grad_blocks(
+            tok, _filler(rows, weight, bias), width=weight.shape[0], block=plan.vocab_chunk_size,
+            chunk_size=plan.chunk_size, group=plan.group, want=plan.want, token_grads=objective.token_grads,
+            stats=stats, dtype=cdt, device=weight.device,
+        )
+        grad_h, gw, gb = linear_grads(blocks, rows, weight, n=n, hidden_dtype=hidden.dtype,
+                                      chunk_size=plan.chunk_size, need=need)
+        if grad_h is not None:
+            grad_h = reduce_hidden_grad(_token_major_grad(grad_h, h_full.shape, plan), h_full.shape, plan)
+        loss = objective.finish(tok, stats)
+        # Saved: the gradients themselves (grad_hidden in hidden's dtype, the float32 weight and bias
+        # gradients), allocated here instead of in backward; no reference to the inputs.
+        ctx.save_for_backward(grad_h, gw, gb)
+        ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
+        ctx.main_grad = main_grad
+        ctx.weight_param = weight if main_grad is not None else None
+        return loss
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g):
+        grad_h, gw, gb = ctx.saved_tensors
+        grad_weight = None
+        if gw is not None:
+            if ctx.main_grad is None:
+                grad_weight = _scale(gw, g).to(ctx.dtypes[0])
+            else:
+                ctx.main_grad.add_(_scale(gw, g).to(ctx.main_grad.dtype))
+                grad_weight = _main_grad_result(ctx)
+        grad_bias = None if gb is None else _scale(gb, g).to(ctx.dtypes[1])
+        return _scale(grad_h, g), grad_weight, grad_bias, None, None, None, None
+
+
+def _token_major(h_full: torch.Tensor, plan: _Plan) -> torch.Tensor:
+    """Hidden states in the per-token tensors' ``[B, T]`` order (Megatron's ``[T, B, H]`` under SP)."""
+    return h_full.transpose(0, 1) if plan.sequence_parallel else h_full
+
+
+def _token_major_grad(grad_h: torch.Tensor, full_shape, plan: _Plan) -> torch.Tensor:
+    if not plan.sequence_parallel:
+        return grad_h
+    t, b = full_shape[0], full_shape[1]
+    return grad_h.view(b, t, *full_shape[2:]).transpose(0, 1).contiguous()
+
+
+def linear_policy_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    *,
+    bias: Optional[torch.Tensor] = None,
+    ref_log_probs: Optional[torch.Tensor] = None,
+    kl_coef: float = 0.0,
+    kl_kind: str = "low_var_kl",
+    entropy_coeff: float = 0.0,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.2,
+    clip_ratio_c: Optional[float] = None,
+    loss_agg_mode: str = "token-mean",
+    loss_scale_factor: Optional[float] = None,
+    temperature=1.0,
+    chunk_size: int = 1024,
+    vocab_chunk_size: Optional[int] = None,
+    process_group=None,
+    sequence_parallel: bool = False,
+    softcap: Optional[float] = None,
+    logit_scale: Optional[float] = None,
+    gradient_accumulation_fusion: Optional[bool] = None,
+):
+    """The PPO/GRPO loss of the output layer, fused: ``(loss, metrics)`` from hidden states.
+
+    Equals, in value and in the gradients of ``hidden``, ``weight`` and
+    ``bias``, the composition ::
+
+        lp, ent = linear_log_probs_and_entropy(hidden, weight, labels, ...)
+        pg, m = losses.policy_loss(lp, old_log_probs, advantages, loss_mask, ...)
+        loss = (pg - entropy_coeff * losses.entropy_bonus(ent, loss_mask, loss_agg_mode)
+                + kl_coef * losses.agg_loss(losses.kl_penalty(lp, ref_log_probs, kl_kind), loss_mask, loss_agg_mode))
+
+    but forms the gradients in the forward chunk loop: three matmul passes
+    instead of four when the vocabulary is not blocked (with
+    ``vocab_chunk_size`` a row's statistics are complete only after its last
+    block, and the logits are computed twice as in the fused head).
+
+    Args:
+        hidden: ``[B, T, H]``; with ``sequence_parallel=True``, Megatron's
+            ``[T/P, B, H]`` slice of this rank (the per-token tensors stay ``[B, T]``).
+        weight: ``[V_local, H]``, this rank's vocabulary shard.
+        labels: ``[B, T]`` int64 global ids (not range-checked where ``loss_mask`` is 0).
+        old_log_probs, advantages: ``[B, T]`` rollout data (no gradient).
+        loss_mask: ``[B, T]`` bool (or 0/1, or non-negative weights).
+        bias: ``[V_local]`` or None.
+        ref_log_probs: ``[B, T]`` reference log-probs (needed when ``kl_coef != 0``).
+        kl_coef, kl_kind: the KL penalty's weight and estimator (:data:`~chunked_entropy.losses.KL_KINDS`).
+        entropy_coeff: the entropy bonus's weight.
+        clip_ratio_low, clip_ratio_high, clip_ratio_c: as in :func:`~chunked_entropy.losses.policy_loss`.
+        loss_agg_mode, loss_scale_factor: as in :func:`~chunked_entropy.losses.agg_loss`.
+        temperature, softcap, logit_scale, chunk_size, vocab_chunk_size,
+            process_group, sequence_parallel, gradient_accumulation_fusion:
+            as in :func:`~chunked_entropy.linear_log_probs_and_entropy`.
+
+    Returns:
+        ``(loss, metrics)``: a 0-dim float32 loss; ``metrics`` holds detached
+        0-dim tensors: :func:`~chunked_entropy.losses.policy_loss`'s
+        (``pg_clipfrac``, ``pg_clipfrac_lower``, ``ppo_kl``), ``pg_loss``,
+        the masked mean ``entropy`` and, with a reference, the aggregated ``kl``.
+
+    Memory:
+        Saved between forward and backward: the gradients of ``hidden``
+        (``[B, T, H]``, its dtype), ``weight`` (float32 ``[V_local, H]``) and
+        ``bias``, allocated in forward instead of backward; nothing else
+        (no reference to the inputs, no per-token statistics). Per chunk, two
+        float32 ``[chunk_size, V_local]`` buffers (``vocab_chunk_size``
+        columns with blocks; three with ``softcap``). Nothing of size
+        ``[tokens, V]`` ever exists. Under ``torch.no_grad()`` only the loss
+        and metrics are computed (one matmul pass, no gradient buffers).
+        ``loss.backward()`` scales the stored gradients by its upstream
+        gradient (any scalar: e.g. ``1 / grad_accum_steps``); a second
+        backward raises as autograd does; with ``main_grad`` the weight
+        gradient is added there in backward.
+    """
+    opts = PolicyLossOptions(clip_ratio_low, clip_ratio_high, clip_ratio_c, loss_agg_mode, loss_scale_factor,
+                             entropy_coeff, kl_coef, kl_kind)
+    _check_head_args(hidden, weight, bias, labels, process_group, False, vocab_chunk_size)
+    check_chunk("chunk_size", chunk_size)
+    sequence_parallel = check_flag("sequence_parallel", sequence_parallel)
+    lead = hidden.shape[:-1]
+    if sequence_parallel:
+        if hidden.dim() != 3:
+            raise ValueError(f"with sequence_parallel=True, hidden must be [T/P, B, H], got {tuple(hidden.shape)}")
+        world = group_rank_size(process_group)[1]
+        lead = torch.Size((hidden.shape[1], hidden.shape[0] * world))
+    if labels.shape != lead:
+        raise ValueError(
+            f"labels must have shape {tuple(lead)} ([B, T]"
+            + (", the full sequence: hidden is this rank's [T/P, B, H] slice)" if sequence_parallel else ")")
+            + f", got {tuple(labels.shape)}"
+        )
+    v_local = weight.shape[0]
+    cdt = compute_dtype(weight.dtype)
+    objective = _Objective(opts, labels, old_log_probs, advantages, loss_mask, ref_log_probs, cdt)
+    grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
+    plan = _Plan(chunk_size=chunk_size, vocab_chunk_size=min(vocab_chunk_size or v_local, v_local),
+                 group=process_group, sequence_parallel=sequence_parallel, want=Want())
+    if gradient_accumulation_fusion is None:
+        gradient_accumulation_fusion = hasattr(weight, "main_grad")
+    main_grad = getattr(weight, "main_grad", None) if gradient_accumulation_fusion and weight.requires_grad else None
+    if gradient_accumulation_fusion and weight.requires_grad and (
+        not isinstance(main_grad, torch.Tensor) or main_grad.shape != weight.shape or not main_grad.is_floating_point()
+    ):
+        raise ValueError(f"gradient_accumulation_fusion=True needs a float weight.main_grad of shape {tuple(weight.shape)}")
+    tok = prepare_tokens(
+        labels, lead, v_local, process_group=process_group, label_mask=loss_mask != 0, ignore_index=-100,
+        temperature=temperature, device=hidden.device, dtype=cdt, transform=Transform(softcap, logit_scale),
+        settings={"chunk_size": chunk_size, "vocab_chunk_size": plan.vocab_chunk_size,
+                  "sequence_parallel": sequence_parallel, "whether gradients are computed": grads,
+                  "bias is not None": bias is not None, **objective.settings(process_group)},
+    )
+    if tok.n == 0 or not grads:
+        if tok.n == 0:
+            zero = torch.zeros(0, dtype=cdt, device=hidden.device)
+            lp = ent = zero
+        else:
+            h_full = all_gather_dim0(hidden, process_group) if sequence_parallel else hidden
+            lp, ent = _outputs(tok, _forward_stats(_token_major(h_full, plan), weight, bias, tok, plan))
+        loss, metrics = objective.value(lp, ent)
+        if grads:  # zero tokens: a zero loss still connected to the inputs
+            loss = loss + sum(t.sum() * 0 for t in (hidden, weight, bias) if t is not None and t.requires_grad)
+        return loss, metrics
+    loss = _HeadLossFunction.apply(hidden, weight, bias, tok, plan, objective, main_grad)
+    return loss, objective.result[1]
+
+
+class _LogitsLossFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, tok: Tokens, chunk_size: int, group, objective: _Objective):
+        n, v = tok.n, logits.shape[-1]
+        cdt = compute_dtype(logits.dtype)
+        rows = Rows(logits)
+        grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        gflat = grad.view(n, v)
+        direct = logits.dtype == cdt  # the gradient's own rows are the working buffer
+        stats = _new_stats(n, cdt, logits.device)
+        blocks = loss_grad_blocks(
+            tok, lambda x, a, b, v0, v1: x.copy_(rows(a, b)), width=v, block=v, chunk_size=chunk_size,
+            group=group, want=Want(), token_grads=objective.token_grads, stats=stats, dtype=cdt,
+            device=logits.device, into=(lambda a, b: gflat[a:b]) if direct else None,
+        )
+        for a, b, _, _, g in blocks:
+            if not direct:
+                gflat[a:b].copy_(g)
+        loss = objective.finish(tok, stats)
+        # Saved: the logits' gradient (allocated here instead of in backward); no reference to the logits.
+        ctx.save_for_backward(grad)
+        return loss
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g):
+        (grad,) = ctx.saved_tensors
+        return _scale(grad, g), None, None, None, None
+
+
+def policy_loss_from_logits(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    *,
+    ref_log_probs: Optional[torch.Tensor] = None,
+    kl_coef: float = 0.0,
+    kl_kind: str = "low_var_kl",
+    entropy_coeff: float = 0.0,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.2,
+    clip_ratio_c: Optional[float] = None,
+    loss_agg_mode: str = "token-mean",
+    loss_scale_factor: Optional[float] = None,
+    temperature=1.0,
+    chunk_size: int = 1024,
+    process_group=None,
+    softcap: Optional[float] = None,
+    logit_scale: Optional[float] = None,
+):
+    """The PPO/GRPO loss from given logits: :func:`linear_policy_loss`'s twin, one read of the logits.
+
+    Equals the same composition with ``lp, ent`` from
+    :func:`~chunked_entropy.log_probs_and_entropy` (values and the logits'
+    gradient). Arguments as in :func:`linear_policy_loss`; ``logits`` are
+    ``[B, T, V_local]`` (never written).
+
+    Returns:
+        ``(loss, metrics)`` as :func:`linear_policy_loss`.
+
+    Memory:
+        Saved between forward and backward: the logits' gradient (their shape
+        and dtype), allocated in forward instead of backward; no reference to
+        the logits. Per chunk, at most two float32 ``[chunk_size, V_local]``
+        buffers (one fewer for float32 logits, three with ``softcap``).
+        ``loss.backward()`` with an upstream gradient other than 1 allocates
+        one more gradient-sized tensor (the scaled gradient).
+    """
+    opts = PolicyLossOptions(clip_ratio_low, clip_ratio_high, clip_ratio_c, loss_agg_mode, loss_scale_factor,
+                             entropy_coeff, kl_coef, kl_kind)
+    check_float("logits", logits)
+    if logits.dim() < 1 or logits.shape[-1] < 1:
+        raise ValueError(f"logits must be [..., V_local] with V_local >= 1, got shape {tuple(logits.shape)}")
+    check_chunk("chunk_size", chunk_size)
+    cdt = compute_dtype(logits.dtype)
+    objective = _Objective(opts, labels, old_log_probs, advantages, loss_mask, ref_log_probs, cdt)
+    grads = torch.is_grad_enabled() and logits.requires_grad
+    tok = prepare_tokens(
+        labels, logits.shape[:-1], logits.shape[-1], process_group=process_group, label_mask=loss_mask != 0,
+        ignore_index=-100, temperature=temperature, device=logits.device, dtype=cdt,
+        transform=Transform(softcap, logit_scale),
+        settings={"chunk_size": chunk_size, "logits.requires_grad": grads, **objective.settings(process_group)},
+    )
+    if tok.n == 0 or not grads:
+        lp = ent = torch.zeros(0, dtype=cdt, device=logits.device)
+        if tok.n:
+            lp, ent = _outputs(tok, _logits_forward_stats(logits, tok, chunk_size, process_group, Want()))
+        loss, metrics = objective.value(lp, ent)
+        return (loss + logits.sum() * 0 if grads else loss), metrics
+    loss = _LogitsLossFunction.apply(logits, tok, chunk_size, process_group, objective)
+    return loss, objective.result[1]
