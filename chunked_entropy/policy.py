@@ -266,17 +266,29 @@ def linear_policy_loss(
             ``[T/P, B, H]`` slice of this rank (the per-token tensors stay ``[B, T]``).
         weight: ``[V_local, H]``, this rank's vocabulary shard.
         labels: ``[B, T]`` int64 global ids (not range-checked where ``loss_mask`` is 0).
-        old_log_probs, advantages: ``[B, T]`` rollout data (no gradient).
+        old_log_probs: ``[B, T]`` log-probs under the rollout policy (no gradient).
+        advantages: ``[B, T]`` advantages (no gradient).
         loss_mask: ``[B, T]`` bool (or 0/1, or non-negative weights).
         bias: ``[V_local]`` or None.
         ref_log_probs: ``[B, T]`` reference log-probs (needed when ``kl_coef != 0``).
-        kl_coef, kl_kind: the KL penalty's weight and estimator (:data:`~chunked_entropy.losses.KL_KINDS`).
+        kl_coef: the KL penalty's weight.
+        kl_kind: its estimator, one of :data:`~chunked_entropy.losses.KL_KINDS`.
         entropy_coeff: the entropy bonus's weight.
-        clip_ratio_low, clip_ratio_high, clip_ratio_c: as in :func:`~chunked_entropy.losses.policy_loss`.
-        loss_agg_mode, loss_scale_factor: as in :func:`~chunked_entropy.losses.agg_loss`.
-        temperature, softcap, logit_scale, chunk_size, vocab_chunk_size,
-            process_group, sequence_parallel, gradient_accumulation_fusion:
-            as in :func:`~chunked_entropy.linear_log_probs_and_entropy`.
+        clip_ratio_low: as in :func:`~chunked_entropy.losses.policy_loss`.
+        clip_ratio_high: as in :func:`~chunked_entropy.losses.policy_loss`.
+        clip_ratio_c: the dual-clip bound, as in :func:`~chunked_entropy.losses.policy_loss`.
+        loss_agg_mode: as in :func:`~chunked_entropy.losses.agg_loss`.
+        loss_scale_factor: as in :func:`~chunked_entropy.losses.agg_loss`.
+        temperature: as in :func:`~chunked_entropy.linear_log_probs_and_entropy`.
+        chunk_size: tokens per chunk.
+        vocab_chunk_size: as in :func:`~chunked_entropy.linear_log_probs_and_entropy`
+            (blocks cost the fourth matmul pass).
+        process_group: the tensor-parallel group ``weight`` is sharded over.
+        sequence_parallel: ``hidden`` is this rank's ``[T/P, B, H]`` slice.
+        softcap: as in :func:`~chunked_entropy.log_probs_and_entropy`.
+        logit_scale: as in :func:`~chunked_entropy.log_probs_and_entropy`.
+        gradient_accumulation_fusion: add the weight gradient to ``weight.main_grad``
+            in backward (None: when the weight has one).
 
     Returns:
         ``(loss, metrics)``: a 0-dim float32 loss; ``metrics`` holds detached

@@ -34,7 +34,16 @@ import torch.distributed as dist
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PATHS = ("logits", "head")
-METHODS = {"logits": ("plain", "clone", "chunked"), "head": ("plain", "clone", "chunked", "head")}
+METHODS = {
+    "logits": ("plain", "clone", "chunked", "chunkedloss", "fusedloss"),
+    "head": ("plain", "clone", "chunked", "head", "headloss", "fusedloss"),
+}
+#: What a sweep measures when --methods is not given: log-probs and entropy, every way.
+DEFAULT_METHODS = {"logits": ("plain", "clone", "chunked"), "head": ("plain", "clone", "chunked", "head")}
+#: Methods that compute the policy loss (the others: log-probs and entropy, with random upstream gradients).
+LOSS_METHODS = ("chunkedloss", "headloss", "fusedloss")
+#: The objective of the loss methods: PPO clip with dual clip and an entropy bonus, token-mean.
+LOSS_OPTIONS = dict(clip_ratio_c=3.0, entropy_coeff=0.01, loss_agg_mode="token-mean")
 
 
 @dataclass(frozen=True)
@@ -67,6 +76,9 @@ class Case:
             "clone": "clone workaround",
             "chunked": f"chunked, chunk {self.chunk}",
             "head": f"fused head, chunk {self.chunk}",
+            "chunkedloss": f"chunked + losses, chunk {self.chunk}",
+            "headloss": f"fused head + losses, chunk {self.chunk}",
+            "fusedloss": f"fused policy loss, chunk {self.chunk}",
         }[self.method]
         if self.path == "head" and self.method in ("plain", "clone", "chunked"):
             name = "matmul + " + name
@@ -95,6 +107,10 @@ class Inputs:
         self.labels = torch.randint(0, v, (n,), generator=g, device=dev)
         self.g_lp = torch.randn(n, generator=g, device=dev)
         self.g_h = torch.randn(n, generator=g, device=dev)
+        # rollout data of the policy-loss methods: [1, n] (one sequence)
+        self.old = (-torch.rand(1, n, generator=g, device=dev) * 4 - 6)
+        self.adv = torch.randn(1, n, generator=g, device=dev)
+        self.mask = torch.rand(1, n, generator=g, device=dev) > 0.1
         self.logits = self.hidden = self.weight = None
         if case.path == "logits":
             full = torch.randn(n, v, generator=g, device=dev).mul_(2.0)
@@ -137,8 +153,29 @@ def outputs(case: Case, inp: Inputs, group):
     return log_probs_and_entropy(logits, inp.labels, chunk_size=case.chunk, process_group=group)
 
 
+def policy_loss(case: Case, inp: Inputs, group):
+    """The policy loss of a loss method: composed from outputs + :mod:`chunked_entropy.losses`, or fused."""
+    from chunked_entropy import linear_policy_loss, losses, policy_loss_from_logits
+
+    labels = inp.labels.view(1, -1)
+    if case.method == "fusedloss":
+        if case.path == "head":
+            return linear_policy_loss(inp.hidden.unsqueeze(0), inp.weight, labels, inp.old, inp.adv, inp.mask,
+                                      chunk_size=case.chunk, process_group=group, **LOSS_OPTIONS)[0]
+        return policy_loss_from_logits(inp.logits.unsqueeze(0), labels, inp.old, inp.adv, inp.mask,
+                                       chunk_size=case.chunk, process_group=group, **LOSS_OPTIONS)[0]
+    base = dataclasses.replace(case, method="head" if case.method == "headloss" else "chunked")
+    lp, ent = outputs(base, inp, group)
+    o = LOSS_OPTIONS
+    pg, _ = losses.policy_loss(lp.view(1, -1), inp.old, inp.adv, inp.mask, clip_ratio_c=o["clip_ratio_c"],
+                               loss_agg_mode=o["loss_agg_mode"])
+    return pg - o["entropy_coeff"] * losses.entropy_bonus(ent.view(1, -1), inp.mask, o["loss_agg_mode"])
+
+
 def loss_of(case: Case, inp: Inputs, group):
-    """The scalar whose backward we time: ``sum(g_lp * log_prob + g_h * entropy)``."""
+    """The scalar whose backward we time: ``sum(g_lp * log_prob + g_h * entropy)``, or the policy loss."""
+    if case.method in LOSS_METHODS:
+        return policy_loss(case, inp, group)
     lp, ent = outputs(case, inp, group)
     return (lp * inp.g_lp).sum() + (ent * inp.g_h).sum()
 

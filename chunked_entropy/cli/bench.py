@@ -24,7 +24,7 @@ import tempfile
 import time
 
 from . import plan
-from ._measure import METHODS, Case, run_fresh
+from ._measure import DEFAULT_METHODS, LOSS_METHODS, METHODS, Case, run_fresh
 
 PRESETS = {
     "issue2": dict(
@@ -34,6 +34,19 @@ PRESETS = {
     "issue3": dict(
         path="head", tokens=[16384, 32768], vocab=[32768], hidden=[512], dtype="float32",
         methods=["plain", "chunked", "head"], chunk_sizes=[512],
+    ),
+    "loss": dict(
+        path="head", tokens=[16384], vocab=[32768], hidden=[512], dtype="float32",
+        methods=["headloss", "fusedloss"], chunk_sizes=[512],
+    ),
+    "loss-logits": dict(
+        path="logits", tokens=[8192], vocab=[32768], dtype="float32",
+        methods=["chunkedloss", "fusedloss"], chunk_sizes=[512],
+    ),
+    # with --device cuda: the shape peers publish fused heads at (N=8192, H=4096, V=131072, bf16)
+    "loss-gpu": dict(
+        path="head", tokens=[8192], vocab=[131072], hidden=[4096], dtype="bfloat16",
+        methods=["headloss", "fusedloss"], chunk_sizes=[2048],
     ),
 }
 DEFAULTS = dict(
@@ -55,7 +68,9 @@ def add_arguments(p, positive_int, int_list, name_list) -> None:
     g.add_argument("--preset", choices=sorted(PRESETS),
                    help="issue2: logits path, N=8192, V=32768, float32, plain/clone/chunk 256,512,1024,2048; "
                         "issue3: fused head, N=16384,32768, H=512, V=32768, chunk 512, against "
-                        "matmul+plain torch and matmul+logits path")
+                        "matmul+plain torch and matmul+logits path; loss: the fused policy loss against the fused "
+                        "head + losses, N=16384, H=512, V=32768; loss-logits: the same from logits, N=8192; "
+                        "loss-gpu (with --device cuda): N=8192, H=4096, V=131072, bf16, chunk 2048")
     g.add_argument("--quick", action="store_true",
                    help="a small sweep that finishes in under 30 s "
                         "(both paths, N=256,1024, V=8192, H=256, chunk 256, 1 round)")
@@ -70,7 +85,9 @@ def add_arguments(p, positive_int, int_list, name_list) -> None:
     g.add_argument("--chunk-sizes", type=int_list, metavar="C1,...",
                    help="chunk_size values for the chunked and fused-head methods (default 512)")
     g.add_argument("--methods", type=name_list, metavar="M1,...",
-                   help="subset of plain, clone, chunked, head (default: all that apply to the path)")
+                   help="subset of plain, clone, chunked, head (log-probs and entropy; the default: all that "
+                        "apply to the path), or of chunkedloss, headloss, fusedloss (the policy loss: "
+                        "chunked/fused head + chunked_entropy.losses, or the fused policy loss)")
     g.add_argument("--dtype", choices=sorted(plan.DTYPE_BYTES), help="dtype of the inputs (default float32)")
     g.add_argument("--device", default="cpu", help="cpu or cuda[:i] (default cpu)")
     r = p.add_argument_group("how")
@@ -106,7 +123,7 @@ def build_cases(s: dict, device: str) -> list:
     paths = ["logits", "head"] if s["path"] == "both" else [s["path"]]
     groups = []
     for path in paths:
-        methods = [m for m in (s["methods"] or METHODS[path]) if m in METHODS[path]]
+        methods = [m for m in (s["methods"] or DEFAULT_METHODS[path]) if m in METHODS[path]]
         if s["methods"] and not methods:
             continue
         for v in s["vocab"]:
@@ -114,7 +131,7 @@ def build_cases(s: dict, device: str) -> list:
                 for n in s["tokens"]:
                     group = []
                     for m in methods:
-                        for c in (s["chunk_sizes"] if m in ("chunked", "head") else [0]):
+                        for c in (s["chunk_sizes"] if m in ("chunked", "head") + LOSS_METHODS else [0]):
                             group.append(Case(path=path, method=m, tokens=n, vocab=v, hidden=h, chunk=c,
                                               dtype=s["dtype"], device=device))
                     groups.append(group)
@@ -124,12 +141,16 @@ def build_cases(s: dict, device: str) -> list:
 def plan_bytes(case: Case) -> int:
     """The plan's estimate of the case's peak over its inputs."""
     shape = plan.Shape(case.tokens, case.vocab, case.hidden, 1, case.dtype)
-    e = plan.estimate(case.method, shape, case.chunk)
+    # a policy loss needs what its log-probs and entropy need (the fused one: no more)
+    method = {"chunkedloss": "chunked", "headloss": "head"}.get(case.method, case.method)
+    if method == "fusedloss":
+        method = "head" if case.path == "head" else "chunked"
+    e = plan.estimate(method, shape, case.chunk)
     if case.path == "logits":
         return e.over_logits
     # over hidden and weight: the total, and the lm_head's gradients when they come last
     grads = case.hidden * (case.tokens + case.vocab) * 4
-    return max(e.total, grads) if case.method != "head" else e.total
+    return max(e.total, grads) if method != "head" else e.total
 
 
 def input_bytes(case: Case) -> int:
@@ -385,9 +406,10 @@ def run(args) -> int:
     check_out_dir(args.out)
     if args.plot:
         check_plot_available(args.plot)
+    known = sorted(set(METHODS["head"]) | set(METHODS["logits"]))
     for m in s["methods"] or []:
-        if m not in METHODS["head"]:
-            raise BenchError(f"--methods: unknown method {m!r}; expected some of plain, clone, chunked, head")
+        if m not in known:
+            raise BenchError(f"--methods: unknown method {m!r}; expected some of {', '.join(known)}")
     if s["path"] == "logits" and s["methods"] and s["methods"] == ["head"]:
         raise BenchError("--methods head needs --path head (the fused head takes hidden states)")
     for name in ("tokens", "vocab", "hidden", "chunk_sizes"):
