@@ -5,6 +5,10 @@ shard in blocks of ``block`` columns; the only difference is where a block's
 raw logits come from, which the caller passes as ``fill(x, a, b, v0, v1)``:
 write the logits of rows ``[a, b)`` and shard columns ``[v0, v1)`` into ``x``
 (a buffer of ours). The math on each block is :mod:`chunked_entropy._stats`.
+
+With ``compiled=True`` the blocks go through the compiled kernels of
+:mod:`chunked_entropy._kernels`, which only read a block: the logits path then
+passes ``view(a, b, v0, v1)``, its own rows, and nothing is copied.
 """
 
 from __future__ import annotations
@@ -15,9 +19,19 @@ import torch
 
 from ._inputs import Tokens, chunks
 from . import _stats
+from ._kernels import COMPILED
 from .parallel import reduce_stats
 
 Fill = Callable[[torch.Tensor, int, int, int, int], object]
+View = Optional[Callable[[int, int, int, int], torch.Tensor]]
+
+
+def _read(fill: Fill, view: View, x, a: int, b: int, v0: int, v1: int) -> torch.Tensor:
+    """The block to read: the caller's own view when it has one, else ``x`` filled."""
+    if view is not None:
+        return view(a, b, v0, v1)
+    fill(x, a, b, v0, v1)
+    return x
 
 
 class Buffers:
@@ -40,11 +54,13 @@ class Buffers:
 
 def row_stats(
     tok: Tokens, fill: Fill, *, width: int, block: int, chunk_size: int, group,
-    want: _stats.Want, dtype, device,
+    want: _stats.Want, dtype, device, compiled: bool = False, view: View = None,
 ) -> _stats.RowStats:
     """Forward: the per-token statistics of every row, merged over blocks and over ``group``."""
     n = tok.n
-    bufs = Buffers(min(chunk_size, n), block, dtype, device, work=True, scratch=want.scratch)
+    view = view if compiled else None
+    bufs = Buffers(min(chunk_size, n), block, dtype, device, work=view is None,
+                   scratch=want.scratch and not compiled)
     new = lambda on=True: torch.empty(n, dtype=dtype, device=device) if on else None  # noqa: E731
     out = _stats.RowStats(new(), new(), new(want.entropy), new(want.sum_pi_squared), new())
     for a, b in chunks(n, chunk_size):
@@ -52,10 +68,14 @@ def row_stats(
         st = None
         for v0, v1 in chunks(width, block):
             x, scratch, _ = bufs.get(b - a, v1 - v0)
-            fill(x, a, b, v0, v1)
-            blk = _stats.block_stats(
-                x, tok.transform, k, target, v0, scratch, want_w=want.entropy, want_q=want.sum_pi_squared
-            )
+            if compiled:
+                z = _read(fill, view, x, a, b, v0, v1)
+                blk = COMPILED.stats(z, tok.transform, k, target, v0, want.entropy, want.sum_pi_squared, dtype)
+            else:
+                fill(x, a, b, v0, v1)
+                blk = _stats.block_stats(
+                    x, tok.transform, k, target, v0, scratch, want_w=want.entropy, want_q=want.sum_pi_squared
+                )
             st = _stats.merge_stats(st, blk, k)
         r = _stats.RowStats.from_block(reduce_stats(st, group, k), k)
         for dst, src in zip(out, r):
@@ -71,28 +91,35 @@ def _rows(r: _stats.RowStats, a: int, b: int) -> _stats.RowStats:
 def grad_blocks(
     tok: Tokens, fill: Fill, *, width: int, block: int, chunk_size: int,
     stats: _stats.RowStats, grads, dtype, device,
-    into: Optional[Callable[[int, int], torch.Tensor]] = None,
+    into: Optional[Callable[[int, int], torch.Tensor]] = None, compiled: bool = False, view: View = None,
 ) -> Iterator[tuple]:
     """Backward: yield ``(a, b, v0, v1, g)``, the gradient w.r.t. each block's raw logits.
 
     ``g`` lives in a reused buffer, valid until the next step. ``into(a, b)``
     optionally supplies the buffer to compute in (the logits path passes the
-    rows of the gradient itself, saving a buffer). ``grads`` are the upstream
-    gradients of ``(log_probs, entropy, sum_pi_squared)`` (None: that output
-    has none, and costs nothing).
+    rows of the gradient itself, saving a buffer; the compiled kernels write
+    it in its own dtype). ``grads`` are the upstream gradients of
+    ``(log_probs, entropy, sum_pi_squared)`` (None: that output has none, and
+    costs nothing).
     """
     n = tok.n
     g_lp, g_h, g_q = (None if g is None else g.reshape(-1).to(dtype) for g in grads)
     softcap = tok.transform.softcap is not None
+    view = view if compiled else None
     bufs = Buffers(
-        min(chunk_size, n), block, dtype, device, work=into is None,
-        scratch=g_h is not None or g_q is not None, aux=softcap,
+        min(chunk_size, n), block, dtype, device, work=into is None or (compiled and view is None),
+        scratch=(g_h is not None or g_q is not None) and not compiled, aux=softcap and not compiled,
     )
     for a, b in chunks(n, chunk_size):
         co = tok.coefficients(a, b, *(None if g is None else g[a:b] for g in (g_lp, g_h, g_q)))
         k, target, rows = tok.k_rows(a, b), tok.target[a:b], _rows(stats, a, b)
         for v0, v1 in chunks(width, block):
             x, scratch, aux = bufs.get(b - a, v1 - v0)
+            if compiled:
+                z = _read(fill, view, x, a, b, v0, v1)
+                out = x if into is None else into(a, b)
+                yield a, b, v0, v1, COMPILED.grad(z, out, tok.transform, k, rows, target, v0, co, dtype)
+                continue
             if into is not None:
                 x = into(a, b)
             fill(x, a, b, v0, v1)
@@ -106,7 +133,7 @@ TokenGrads = Callable[[int, int, _stats.RowStats], tuple]
 def loss_grad_blocks(
     tok: Tokens, fill: Fill, *, width: int, block: int, chunk_size: int, group, want: _stats.Want,
     token_grads: TokenGrads, stats: _stats.RowStats, dtype, device,
-    into: Optional[Callable[[int, int], torch.Tensor]] = None,
+    into: Optional[Callable[[int, int], torch.Tensor]] = None, compiled: bool = False, view: View = None,
 ) -> Iterator[tuple]:
     """Forward of a loss whose per-token upstream gradients follow from each token's own outputs.
 
@@ -125,25 +152,32 @@ def loss_grad_blocks(
     n = tok.n
     if block < width:
         full = row_stats(tok, fill, width=width, block=block, chunk_size=chunk_size, group=group,
-                         want=want, dtype=dtype, device=device)
+                         want=want, dtype=dtype, device=device, compiled=compiled, view=view)
         for dst, src in zip(stats, full):
             if dst is not None:
                 dst.copy_(src)
         parts = [token_grads(a, b, _rows(stats, a, b)) for a, b in chunks(n, chunk_size)]
         ups = [None if p[0] is None else torch.cat(p) for p in zip(*parts)]  # None: that output has no term
         yield from grad_blocks(tok, fill, width=width, block=block, chunk_size=chunk_size, stats=stats,
-                               grads=(ups[0], ups[1], None), dtype=dtype, device=device, into=into)
+                               grads=(ups[0], ups[1], None), dtype=dtype, device=device, into=into,
+                               compiled=compiled, view=view)
         return
     softcap = tok.transform.softcap is not None
-    bufs = Buffers(min(chunk_size, n), width, dtype, device, work=into is None, scratch=True, aux=softcap)
+    view = view if compiled else None
+    bufs = Buffers(min(chunk_size, n), width, dtype, device, work=into is None or (compiled and view is None),
+                   scratch=not compiled, aux=softcap and not compiled)
     for a, b in chunks(n, chunk_size):
         k, target = tok.k_rows(a, b), tok.target[a:b]
         x, scratch, aux = bufs.get(b - a, width)
-        if into is not None:
-            x = into(a, b)
-        fill(x, a, b, 0, width)
-        local = _stats.block_stats(x, tok.transform, k, target, 0, scratch, want_w=want.entropy,
-                                   want_q=want.sum_pi_squared, aux=aux)
+        if compiled:  # the kernels only read the block: statistics, then the gradient, from the same one
+            z = _read(fill, view, x, a, b, 0, width)
+            local = COMPILED.stats(z, tok.transform, k, target, 0, want.entropy, want.sum_pi_squared, dtype)
+        else:
+            if into is not None:
+                x = into(a, b)
+            fill(x, a, b, 0, width)
+            local = _stats.block_stats(x, tok.transform, k, target, 0, scratch, want_w=want.entropy,
+                                       want_q=want.sum_pi_squared, aux=aux)
         merged = reduce_stats(local, group, k)
         rows = _stats.RowStats.from_block(merged, k)
         for dst, src in zip(stats, rows):
@@ -151,5 +185,9 @@ def loss_grad_blocks(
                 dst[a:b] = src
         g_lp, g_h = token_grads(a, b, rows)
         co = tok.coefficients(a, b, g_lp, g_h, None)
+        if compiled:
+            out = x if into is None else into(a, b)
+            yield a, b, 0, width, COMPILED.grad(z, out, tok.transform, k, rows, target, 0, co, dtype)
+            continue
         y = _stats.shift_offsets_(x, local.m, merged.m, k) if merged is not local else x
         yield a, b, 0, width, _stats.grad_from_offsets_(y, tok.transform, rows, target, 0, co, scratch, aux)

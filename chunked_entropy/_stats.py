@@ -367,3 +367,60 @@ def grad_from_offsets_(
     if tf.softcap is not None:
         y.mul_(aux)
     return y
+
+
+# ----------------------------------------------------------------------------- the compiled backend's form
+#
+# The same statistics and gradient, written without writing to any input and
+# without scatter/gather, so that torch.compile fuses each into one pass over
+# the block: it reads the raw logits (any dtype) and writes only per-row
+# vectors, or the gradient block into ``out``. The row maximum's exact 1 is
+# kept apart as above, counted as the entries with offset 0 (ties included:
+# ``ones + rest`` is the same sum either way). ``k`` is always an ``[n, 1]``
+# column here (a float would be a compile-time constant: one compilation per
+# temperature).
+
+
+def _u(z: torch.Tensor, softcap, logit_scale, dtype) -> torch.Tensor:
+    u = z.to(dtype)
+    return torch.tanh(u * ((logit_scale or 1.0) / softcap)) if softcap is not None else u
+
+
+def _offsets(u: torch.Tensor, m: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    shift = torch.where(m == -math.inf, 0.0, m).unsqueeze(1)
+    return ((u - shift) * k).clamp(min=NEG_FLOOR)
+
+
+def stats_of_block(z, softcap, logit_scale, k, target, v0: int, dtype) -> BlockStats:
+    """:func:`block_stats` of the raw block ``z`` (read only), for ``torch.compile``; ``w`` and ``q`` always.
+
+    The transform comes as its two floats (constants of the compiled kernel),
+    not as a :class:`Transform` object (a new object would be a new kernel).
+    """
+    u = _u(z, softcap, logit_scale, dtype)
+    m = u.amax(dim=1)
+    y = _offsets(u, m, k)
+    e = torch.exp(y)
+    top = y == 0
+    col = torch.arange(u.shape[1], device=u.device).unsqueeze(0)
+    zl = torch.where(col == (target - v0).unsqueeze(1), u, 0.0).sum(dim=1)
+    return BlockStats(
+        m, top.sum(dim=1).to(dtype), torch.where(top, 0.0, e).sum(dim=1), (e * y).sum(dim=1), (e * e).sum(dim=1), zl
+    )
+
+
+def grad_of_block(z, out, softcap, logit_scale, k, m, ls, ws, s2, target, v0: int, c, b, a, dtype) -> None:
+    """:func:`block_grad` of the raw block ``z`` (read only) written into ``out``, for ``torch.compile``.
+
+    Every per-row input is a tensor (zeros for an absent term): one kernel
+    serves every combination of outputs with a gradient.
+    """
+    u = _u(z, softcap, logit_scale, dtype)
+    y = _offsets(u, m, k)
+    p = torch.exp(y - ls.unsqueeze(1))
+    inner = b.unsqueeze(1) * (ws.unsqueeze(1) - y) - c.unsqueeze(1) + a.unsqueeze(1) * (p - s2.unsqueeze(1))
+    col = torch.arange(u.shape[1], device=u.device).unsqueeze(0)
+    g = p * inner + torch.where(col == (target - v0).unsqueeze(1), c.unsqueeze(1), 0.0)
+    if softcap is not None:
+        g = g * (1.0 - u * u)
+    out.copy_(g)

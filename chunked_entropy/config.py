@@ -72,6 +72,10 @@ def _check_field(name: str, key: str, value):
             extra = " or None" if name == "vocab_chunk_size" else ""
             raise ValueError(f"{key} must be an int >= 1{extra}, got {value!r}")
         return int(value)
+    if name == "backend":
+        if value not in ("auto", "eager", "compile"):
+            raise ValueError(f"{key} must be 'auto', 'eager' or 'compile', got {value!r}")
+        return value
     if name in ("fused_head", "compute_entropy"):
         if not isinstance(value, bool):
             raise ValueError(f"{key} must be a bool (true/false), got {value!r}")
@@ -104,6 +108,8 @@ class ChunkedEntropyConfig:
         temperature: the sampling temperature the logits are divided by.
         compute_entropy: compute the entropy as well as the log-probs (two
             buffers per chunk instead of one).
+        backend: the per-block kernels: ``"eager"`` (default), ``"compile"``
+            or ``"auto"`` (see :func:`~chunked_entropy.log_probs_and_entropy`).
 
     Raises:
         ValueError: a field has a bad value; the message names the field.
@@ -120,6 +126,7 @@ class ChunkedEntropyConfig:
     fused_head: bool = False
     temperature: float = 1.0
     compute_entropy: bool = True
+    backend: str = "eager"
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
@@ -196,7 +203,7 @@ class ChunkedEntropyConfig:
             >>> ChunkedEntropyConfig.from_actor_config(
             ...     {"entropy_coeff": 0.0, "chunked_entropy": {"chunk_size": 512}}
             ... )
-            ChunkedEntropyConfig(chunk_size=512, max_chunk_bytes=1073741824, vocab_chunk_size=None, fused_head=False, temperature=1.0, compute_entropy=False)
+            ChunkedEntropyConfig(chunk_size=512, max_chunk_bytes=1073741824, vocab_chunk_size=None, fused_head=False, temperature=1.0, compute_entropy=False, backend='eager')
         """
         if not isinstance(cfg, Mapping):
             raise TypeError(

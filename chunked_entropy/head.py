@@ -19,6 +19,7 @@ from torch import nn
 
 from ._inputs import Rows, Tokens, check_chunk, check_float, compute_dtype, prepare_tokens
 from ._loop import grad_blocks, row_stats
+from ._kernels import check_backend, use_compiled
 from ._stats import RowStats, Transform, Want
 from .logits import LogProbsEntropy, check_flag, empty_outputs, pack_outputs, run_outputs, unpack_grads
 from .parallel import all_gather_dim0, all_reduce_sum_, group_rank_size, reduce_scatter_dim0
@@ -31,6 +32,7 @@ class _Plan:
     group: object
     sequence_parallel: bool
     want: Want
+    compiled: bool = False
 
 
 def _logits_block(h, w, bias, out):
@@ -57,7 +59,7 @@ def _forward_stats(h_full, weight, bias, tok: Tokens, plan: _Plan):
     return row_stats(
         tok, _filler(Rows(h_full), weight, bias), width=weight.shape[0], block=plan.vocab_chunk_size,
         chunk_size=plan.chunk_size, group=plan.group, want=plan.want,
-        dtype=compute_dtype(weight.dtype), device=weight.device,
+        dtype=compute_dtype(weight.dtype), device=weight.device, compiled=plan.compiled,
     )
 
 
@@ -100,6 +102,7 @@ class _HeadFunction(torch.autograd.Function):
         blocks = grad_blocks(
             tok, _filler(rows, weight, bias), width=v, block=plan.vocab_chunk_size,
             chunk_size=plan.chunk_size, stats=RowStats(m, ls, ws, s2, None), grads=grads, dtype=cdt, device=dev,
+            compiled=plan.compiled,
         )
         grad_h, gw, gb = linear_grads(
             blocks, rows, weight, n=n, hidden_dtype=hidden.dtype, chunk_size=plan.chunk_size,
@@ -241,6 +244,7 @@ def linear_log_probs_and_entropy(
     softcap: Optional[float] = None,
     logit_scale: Optional[float] = None,
     compute_sum_pi_squared: bool = False,
+    backend: str = "eager",
 ) -> LogProbsEntropy:
     """Log-probs and entropy of ``softmax((hidden @ weight.T + bias) / temperature)``, fused.
 
@@ -276,6 +280,9 @@ def linear_log_probs_and_entropy(
         softcap: as in :func:`~chunked_entropy.log_probs_and_entropy`.
         logit_scale: as in :func:`~chunked_entropy.log_probs_and_entropy`.
         compute_sum_pi_squared: as in :func:`~chunked_entropy.log_probs_and_entropy`.
+        backend: as in :func:`~chunked_entropy.log_probs_and_entropy`; the
+            matmuls stay cuBLAS/BLAS calls, the compiled kernels fuse the
+            work on each block of their output.
 
     Raises:
         ValueError / TypeError: as :func:`~chunked_entropy.log_probs_and_entropy`;
@@ -320,6 +327,7 @@ def linear_log_probs_and_entropy(
         group=process_group,
         sequence_parallel=sequence_parallel,
         want=want,
+        compiled=use_compiled(check_backend(backend), hidden.device),
     )
     tok = prepare_tokens(
         labels, lead, v_local, process_group=process_group, label_mask=label_mask,
@@ -352,7 +360,8 @@ class ChunkedVocabParallelHead(nn.Module):
     :func:`linear_log_probs_and_entropy`. The parameters are shared, not
     copied: training the head trains the original layer. ``softcap`` and
     ``logit_scale`` are the model's logit transform (see
-    :func:`~chunked_entropy.log_probs_and_entropy`), fixed per head.
+    :func:`~chunked_entropy.log_probs_and_entropy`), fixed per head, and
+    ``backend`` chooses the eager or compiled per-block kernels.
 
     Example:
         >>> lm_head = torch.nn.Linear(16, 50, bias=False)
@@ -374,6 +383,7 @@ class ChunkedVocabParallelHead(nn.Module):
         gradient_accumulation_fusion: Optional[bool] = None,
         softcap: Optional[float] = None,
         logit_scale: Optional[float] = None,
+        backend: str = "eager",
     ):
         super().__init__()
         check_float("weight", weight, dim=2)
@@ -386,6 +396,7 @@ class ChunkedVocabParallelHead(nn.Module):
         group_rank_size(process_group)  # a clear error now if the group is unusable
         tf = Transform(softcap, logit_scale)  # checked now
         self.softcap, self.logit_scale = tf.softcap, tf.logit_scale
+        self.backend = check_backend(backend)
         self.weight = weight
         self.bias = bias
         self.chunk_size = chunk_size
@@ -414,7 +425,7 @@ class ChunkedVocabParallelHead(nn.Module):
             vocab_chunk_size=self.vocab_chunk_size,
             gradient_accumulation_fusion=self.gradient_accumulation_fusion,
             softcap=self.softcap, logit_scale=self.logit_scale,
-            compute_sum_pi_squared=compute_sum_pi_squared,
+            compute_sum_pi_squared=compute_sum_pi_squared, backend=self.backend,
         )
 
     def policy_loss(self, hidden: torch.Tensor, labels: torch.Tensor, old_log_probs, advantages, loss_mask, **kw):
@@ -428,7 +439,7 @@ class ChunkedVocabParallelHead(nn.Module):
         for key, value in (("bias", self.bias), ("chunk_size", self.chunk_size), ("process_group", self.process_group),
                            ("sequence_parallel", self.sequence_parallel), ("vocab_chunk_size", self.vocab_chunk_size),
                            ("gradient_accumulation_fusion", self.gradient_accumulation_fusion),
-                           ("softcap", self.softcap), ("logit_scale", self.logit_scale)):
+                           ("softcap", self.softcap), ("logit_scale", self.logit_scale), ("backend", self.backend)):
             kw.setdefault(key, value)
         return linear_policy_loss(hidden, self.weight, labels, old_log_probs, advantages, loss_mask, **kw)
 

@@ -8,6 +8,7 @@ import torch
 from ._autograd import once_differentiable
 
 from ._inputs import Rows, Tokens, check_chunk, check_float, compute_dtype, prepare_tokens
+from ._kernels import check_backend, use_compiled
 from ._stats import RowStats, Transform, Want
 from ._loop import grad_blocks, row_stats
 
@@ -46,23 +47,29 @@ def unpack_grads(grads, want: Want):
     return tuple(next(it) if on else None for on in (True, *want))
 
 
-def _forward_stats(logits, tok: Tokens, chunk_size, group, want: Want):
-    """Per-token :class:`~chunked_entropy._stats.RowStats`: each chunk of rows is copied into our buffer."""
+def _source(logits):
+    """``fill`` (copy a chunk of rows into our buffer) and ``view`` (the rows themselves, for the compiled kernels)."""
     rows = Rows(logits)
+    return (lambda x, a, b, v0, v1: x.copy_(rows(a, b))), (lambda a, b, v0, v1: rows(a, b))
+
+
+def _forward_stats(logits, tok: Tokens, chunk_size, group, want: Want, compiled: bool = False):
+    """Per-token :class:`~chunked_entropy._stats.RowStats`, one chunk of rows at a time."""
+    fill, view = _source(logits)
     v = logits.shape[-1]
     return row_stats(
-        tok, lambda x, a, b, v0, v1: x.copy_(rows(a, b)), width=v, block=v, chunk_size=chunk_size,
-        group=group, want=want, dtype=compute_dtype(logits.dtype), device=logits.device,
+        tok, fill, width=v, block=v, chunk_size=chunk_size, group=group, want=want,
+        dtype=compute_dtype(logits.dtype), device=logits.device, compiled=compiled, view=view,
     )
 
 
 class _LogitsFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, tok: Tokens, chunk_size: int, group, want: Want):
-        r = _forward_stats(logits, tok, chunk_size, group, want)
+    def forward(ctx, logits, tok: Tokens, chunk_size: int, group, want: Want, compiled: bool):
+        r = _forward_stats(logits, tok, chunk_size, group, want, compiled)
         # Saved: the input reference (no copy) and two to four float32 per token.
         ctx.save_for_backward(logits, r.m, r.ls, r.ws, r.s2)
-        ctx.tok, ctx.chunk_size, ctx.want = tok, chunk_size, want
+        ctx.tok, ctx.chunk_size, ctx.want, ctx.compiled = tok, chunk_size, want, compiled
         ctx.set_materialize_grads(False)
         return pack_outputs(tok.outputs(r, want), want)
 
@@ -72,22 +79,23 @@ class _LogitsFunction(torch.autograd.Function):
         logits, m, ls, ws, s2 = ctx.saved_tensors
         grads = unpack_grads(grads, ctx.want)
         if all(g is None for g in grads):
-            return None, None, None, None, None
+            return None, None, None, None, None, None
         n, v = ctx.tok.n, logits.shape[-1]
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         gflat = grad.view(n, v)
-        rows = Rows(logits)
-        # Logits already in the compute dtype: the gradient's own rows are the working buffer.
-        direct = logits.dtype == ls.dtype
+        fill, view = _source(logits)
+        # The gradient's own rows are the working buffer when they hold the compute dtype, and
+        # always for the compiled kernels (they write the gradient in its own dtype).
+        direct = logits.dtype == ls.dtype or ctx.compiled
         blocks = grad_blocks(
-            ctx.tok, lambda x, a, b, v0, v1: x.copy_(rows(a, b)), width=v, block=v,
-            chunk_size=ctx.chunk_size, stats=RowStats(m, ls, ws, s2, None), grads=grads,
-            dtype=ls.dtype, device=logits.device, into=(lambda a, b: gflat[a:b]) if direct else None,
+            ctx.tok, fill, width=v, block=v, chunk_size=ctx.chunk_size, stats=RowStats(m, ls, ws, s2, None),
+            grads=grads, dtype=ls.dtype, device=logits.device, into=(lambda a, b: gflat[a:b]) if direct else None,
+            compiled=ctx.compiled, view=view,
         )
         for a, b, _, _, g in blocks:
             if not direct:
                 gflat[a:b].copy_(g)
-        return grad, None, None, None, None
+        return grad, None, None, None, None, None
 
 
 def run_outputs(apply, forward, tok: Tokens, want: Want, shape, grads: bool) -> LogProbsEntropy:
@@ -132,6 +140,7 @@ def log_probs_and_entropy(
     softcap: Optional[float] = None,
     logit_scale: Optional[float] = None,
     compute_sum_pi_squared: bool = False,
+    backend: str = "eager",
 ) -> LogProbsEntropy:
     """Per-token log-prob of ``labels`` and entropy of ``softmax(transform(logits) / temperature)``.
 
@@ -172,6 +181,12 @@ def log_probs_and_entropy(
             or None.
         compute_sum_pi_squared: also return ``sum_j p_j**2`` per token (as
             ``.sum_pi_squared``, with its gradient), from the same pass.
+        backend: ``"eager"`` (the reference: in-place PyTorch ops per
+            block), ``"compile"`` (each block's statistics and gradient as
+            one ``torch.compile``d pass that reads the logits directly,
+            compiled on first use) or ``"auto"`` (compiled where
+            ``torch.compile`` works on this device, else eager, with one
+            warning). See :mod:`chunked_entropy._kernels`.
 
     Returns:
         :class:`LogProbsEntropy` of tensors shaped like ``labels``, float32
@@ -194,6 +209,8 @@ def log_probs_and_entropy(
         shape) plus at most two such buffers, three with ``softcap`` (one
         less for float32 logits: the gradient's rows are the working
         buffer). An output that receives no gradient costs no backward work.
+        With the compiled kernels no buffer is allocated: forward reads the
+        logits in place, backward writes straight into the gradient.
 
     Example:
         >>> logits = torch.randn(2, 5, 11, requires_grad=True)
@@ -206,6 +223,7 @@ def log_probs_and_entropy(
         raise ValueError(f"logits must be [..., V_local] with V_local >= 1, got shape {tuple(logits.shape)}")
     check_chunk("chunk_size", chunk_size)
     want = Want(check_flag("compute_entropy", compute_entropy), check_flag("compute_sum_pi_squared", compute_sum_pi_squared))
+    compiled = use_compiled(check_backend(backend), logits.device)
     cdt = compute_dtype(logits.dtype)
     grads = torch.is_grad_enabled() and logits.requires_grad
     tok = prepare_tokens(
@@ -218,7 +236,7 @@ def log_probs_and_entropy(
     if tok.n == 0:
         return empty_outputs(labels.shape, want, cdt, logits.device, [logits])
     return run_outputs(
-        lambda: _LogitsFunction.apply(logits, tok, chunk_size, process_group, want),
-        lambda: _forward_stats(logits, tok, chunk_size, process_group, want),
+        lambda: _LogitsFunction.apply(logits, tok, chunk_size, process_group, want, compiled),
+        lambda: _forward_stats(logits, tok, chunk_size, process_group, want, compiled),
         tok, want, labels.shape, grads,
     )

@@ -33,7 +33,9 @@ from ._stats import RowStats, Transform, Want
 from .head import (
     _check_head_args, _filler, _forward_stats, _main_grad_result, _Plan, linear_grads, reduce_hidden_grad,
 )
+from ._kernels import check_backend, use_compiled
 from .logits import _forward_stats as _logits_forward_stats
+from .logits import _source as _logits_source
 from .logits import check_flag
 from .parallel import all_gather_dim0, group_rank_size
 
@@ -177,7 +179,7 @@ class _HeadLossFunction(torch.autograd.Function):
         blocks = loss_grad_blocks(
             tok, _filler(rows, weight, bias), width=weight.shape[0], block=plan.vocab_chunk_size,
             chunk_size=plan.chunk_size, group=plan.group, want=plan.want, token_grads=objective.token_grads,
-            stats=stats, dtype=cdt, device=weight.device,
+            stats=stats, dtype=cdt, device=weight.device, compiled=plan.compiled,
         )
         grad_h, gw, gb = linear_grads(blocks, rows, weight, n=n, hidden_dtype=hidden.dtype,
                                       chunk_size=plan.chunk_size, need=need)
@@ -245,6 +247,7 @@ def linear_policy_loss(
     softcap: Optional[float] = None,
     logit_scale: Optional[float] = None,
     gradient_accumulation_fusion: Optional[bool] = None,
+    backend: str = "eager",
 ):
     """The PPO/GRPO loss of the output layer, fused: ``(loss, metrics)`` from hidden states.
 
@@ -289,6 +292,7 @@ def linear_policy_loss(
         logit_scale: as in :func:`~chunked_entropy.log_probs_and_entropy`.
         gradient_accumulation_fusion: add the weight gradient to ``weight.main_grad``
             in backward (None: when the weight has one).
+        backend: as in :func:`~chunked_entropy.log_probs_and_entropy`.
 
     Returns:
         ``(loss, metrics)``: a 0-dim float32 loss; ``metrics`` holds detached
@@ -332,7 +336,8 @@ def linear_policy_loss(
     objective = _Objective(opts, labels, old_log_probs, advantages, loss_mask, ref_log_probs, cdt)
     grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
     plan = _Plan(chunk_size=chunk_size, vocab_chunk_size=min(vocab_chunk_size or v_local, v_local),
-                 group=process_group, sequence_parallel=sequence_parallel, want=Want())
+                 group=process_group, sequence_parallel=sequence_parallel, want=Want(),
+                 compiled=use_compiled(check_backend(backend), hidden.device))
     if gradient_accumulation_fusion is None:
         gradient_accumulation_fusion = hasattr(weight, "main_grad")
     main_grad = getattr(weight, "main_grad", None) if gradient_accumulation_fusion and weight.requires_grad else None
@@ -364,18 +369,18 @@ def linear_policy_loss(
 
 class _LogitsLossFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, tok: Tokens, chunk_size: int, group, objective: _Objective):
+    def forward(ctx, logits, tok: Tokens, chunk_size: int, group, objective: _Objective, compiled: bool):
         n, v = tok.n, logits.shape[-1]
         cdt = compute_dtype(logits.dtype)
-        rows = Rows(logits)
+        fill, view = _logits_source(logits)
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         gflat = grad.view(n, v)
-        direct = logits.dtype == cdt  # the gradient's own rows are the working buffer
+        direct = logits.dtype == cdt or compiled  # the gradient's own rows are the working buffer
         stats = _new_stats(n, cdt, logits.device)
         blocks = loss_grad_blocks(
-            tok, lambda x, a, b, v0, v1: x.copy_(rows(a, b)), width=v, block=v, chunk_size=chunk_size,
-            group=group, want=Want(), token_grads=objective.token_grads, stats=stats, dtype=cdt,
-            device=logits.device, into=(lambda a, b: gflat[a:b]) if direct else None,
+            tok, fill, width=v, block=v, chunk_size=chunk_size, group=group, want=Want(),
+            token_grads=objective.token_grads, stats=stats, dtype=cdt, device=logits.device,
+            into=(lambda a, b: gflat[a:b]) if direct else None, compiled=compiled, view=view,
         )
         for a, b, _, _, g in blocks:
             if not direct:
@@ -389,7 +394,7 @@ class _LogitsLossFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, g):
         (grad,) = ctx.saved_tensors
-        return _scale(grad, g), None, None, None, None
+        return _scale(grad, g), None, None, None, None, None
 
 
 def policy_loss_from_logits(
@@ -413,6 +418,7 @@ def policy_loss_from_logits(
     process_group=None,
     softcap: Optional[float] = None,
     logit_scale: Optional[float] = None,
+    backend: str = "eager",
 ):
     """The PPO/GRPO loss from given logits: :func:`linear_policy_loss`'s twin, one read of the logits.
 
@@ -440,6 +446,7 @@ def policy_loss_from_logits(
     check_chunk("chunk_size", chunk_size)
     cdt = compute_dtype(logits.dtype)
     objective = _Objective(opts, labels, old_log_probs, advantages, loss_mask, ref_log_probs, cdt)
+    compiled = use_compiled(check_backend(backend), logits.device)
     grads = torch.is_grad_enabled() and logits.requires_grad
     tok = prepare_tokens(
         labels, logits.shape[:-1], logits.shape[-1], process_group=process_group, label_mask=loss_mask != 0,
@@ -450,8 +457,8 @@ def policy_loss_from_logits(
     if tok.n == 0 or not grads:
         lp = ent = torch.zeros(0, dtype=cdt, device=logits.device)
         if tok.n:
-            lp, ent = _outputs(tok, _logits_forward_stats(logits, tok, chunk_size, process_group, Want()))
+            lp, ent = _outputs(tok, _logits_forward_stats(logits, tok, chunk_size, process_group, Want(), compiled))
         loss, metrics = objective.value(lp, ent)
         return (loss + logits.sum() * 0 if grads else loss), metrics
-    loss = _LogitsLossFunction.apply(logits, tok, chunk_size, process_group, objective)
+    loss = _LogitsLossFunction.apply(logits, tok, chunk_size, process_group, objective, compiled)
     return loss, objective.result[1]

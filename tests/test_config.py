@@ -203,3 +203,9 @@ def test_verl_chunk_size_key_is_read():
     # our own key wins
     cfg = ChunkedEntropyConfig.from_actor_config({"entropy_from_logits_chunk_size": 512, "chunk_size": 64})
     assert cfg.chunk_size == 64
+
+
+def test_backend_key():
+    assert ChunkedEntropyConfig.from_actor_config({"chunked_entropy": {"backend": "compile"}}).backend == "compile"
+    with pytest.raises(ValueError, match=r"^chunked_entropy\.backend must be"):
+        ChunkedEntropyConfig.from_actor_config({"chunked_entropy": {"backend": "fast"}})

@@ -1,0 +1,127 @@
+"""Which implementation of the per-block math runs: eager (the reference) or compiled.
+
+``backend="eager"`` runs :func:`chunked_entropy._stats.block_stats` and
+:func:`~chunked_entropy._stats.block_grad`: a dozen in-place PyTorch ops per
+block in our own buffers. ``backend="compile"`` runs
+:func:`~chunked_entropy._stats.stats_of_block` and
+:func:`~chunked_entropy._stats.grad_of_block` through ``torch.compile``
+(inductor: C++/OpenMP on CPU, Triton on GPU), each fused into one pass: the
+statistics read the block once and write per-row vectors; the gradient reads
+it once and writes the gradient block. ``"auto"`` compiles where that works
+and falls back to eager, once, with one warning, where it does not.
+
+One kernel of each kind serves every call with the same input dtype and logit
+transform: the kernels always compute every statistic and every gradient
+term (zeros stand for an absent one: a few flops per element in a pass bound
+by reading the block), take the temperature as a per-row column, and get
+contiguous per-row inputs and at least two rows.
+
+Shapes are compiled as dynamic (rows, columns, the block's first column), so
+chunk sizes, the last partial chunk, vocabulary blocks, token counts and
+temperatures (always passed as a per-row column) reuse one compilation; each
+combination of outputs (entropy, sum_pi_squared), gradient terms and
+soft-capping is its own kernel, compiled on first use in the process.
+Collectives stay outside: the kernels see one rank's block.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+
+import torch
+
+from . import _stats
+
+BACKENDS = ("auto", "eager", "compile")
+
+
+def check_backend(value) -> str:
+    if value not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(map(repr, BACKENDS))}, got {value!r}")
+    return value
+
+
+def k_column(k, n: int, dtype, device) -> torch.Tensor:
+    """The per-row multiplier as an ``[n, 1]`` tensor (the compiled kernels take no float constants)."""
+    if isinstance(k, torch.Tensor):
+        return k
+    return torch.full((n, 1), 1.0 if k is None else float(k), dtype=dtype, device=device)
+
+
+class _Compiled:
+    """The compiled kernels, built on first use."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._fns = None
+
+    def fns(self):
+        with self._lock:
+            if self._fns is None:
+                opts = dict(dynamic=True, fullgraph=True)
+                self._fns = (torch.compile(_stats.stats_of_block, **opts), torch.compile(_stats.grad_of_block, **opts))
+            return self._fns
+
+    def stats(self, z, tf, k, target, v0, want_w, want_q, dtype):
+        n = z.shape[0]
+        z, k, target = _rows_of(n, z.detach(), k_column(k, n, dtype, z.device), target)
+        st = self.fns()[0](z, tf.softcap, tf.logit_scale, k, target, v0, dtype)
+        keep = (True, True, True, want_w, want_q, True)
+        return _stats.BlockStats(*(t[:n] if on else None for t, on in zip(st, keep)))
+
+    def grad(self, z, out, tf, k, row, target, v0, co, dtype):
+        n = z.shape[0]
+        zero = lambda: torch.zeros(n, dtype=dtype, device=z.device)  # noqa: E731 - one each: no aliasing guard
+        per_row = [row.m, row.ls, _or(row.ws, zero), _or(row.s2, zero), target, *(_or(t, zero) for t in co)]
+        z, k, *per_row = _rows_of(n, z.detach(), k_column(k, n, dtype, z.device), *per_row)
+        m, ls, ws, s2, target, c, b, a = per_row
+        dst = out if n > 1 else out.new_empty((2,) + tuple(out.shape[1:]))
+        self.fns()[1](z, dst, tf.softcap, tf.logit_scale, k, m, ls, ws, s2, target, v0, c, b, a, dtype)
+        return out if n > 1 else out.copy_(dst[:1])
+
+
+def _or(t, default):
+    return default() if t is None else t
+
+
+def _rows_of(n: int, *tensors):
+    """Per-row inputs made contiguous (an expanded upstream gradient has stride 0: another kernel), and a
+    one-row block doubled (dynamo compiles a second kernel for a size-1 dim: 0/1 specialization)."""
+    if n == 1:
+        return tuple(torch.cat([t.detach(), t.detach()]) for t in tensors)
+    return tuple(t.detach().contiguous() for t in tensors)
+
+
+COMPILED = _Compiled()
+_auto = {}  # device type -> True (compiled works) / False (fell back)
+
+
+def _probe(device: torch.device) -> bool:
+    """Compile and run both kernels once on a tiny block; False (and one warning) if that fails."""
+    try:
+        z = torch.randn(3, 5, device=device)
+        target = torch.tensor([0, 4, -1], device=device)
+        st = COMPILED.stats(z, _stats.Transform(), None, target, 0, True, False, torch.float32)
+        row = _stats.RowStats.from_block(st, None)
+        co = _stats.Coefficients(torch.ones(3, device=device), torch.ones(3, device=device), None)
+        COMPILED.grad(z, torch.empty_like(z), _stats.Transform(), None, row, target, 0, co, torch.float32)
+        return True
+    except Exception as e:  # noqa: BLE001 - any failure of the compiler means: use eager
+        warnings.warn(
+            f"chunked_entropy: backend='auto' could not compile its kernels on {device.type} "
+            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); using the eager kernels",
+            RuntimeWarning, stacklevel=3,
+        )
+        return False
+
+
+def use_compiled(backend: str, device: torch.device) -> bool:
+    """Whether this call runs the compiled kernels."""
+    if backend == "eager":
+        return False
+    if backend == "compile":
+        return True
+    if device.type not in _auto:
+        _auto[device.type] = _probe(device)
+    return _auto[device.type]
