@@ -60,7 +60,8 @@ class _Compiled:
         with self._lock:
             if self._fns is None:
                 opts = dict(dynamic=True, fullgraph=True)
-                self._fns = (torch.compile(_stats.stats_of_block, **opts), torch.compile(_stats.grad_of_block, **opts))
+                self._fns = tuple(_no_duck_shapes(torch.compile(f, **opts))
+                                  for f in (_stats.stats_of_block, _stats.grad_of_block))
             return self._fns
 
     def stats(self, z, tf, k, target, v0, want_w, want_q, dtype):
@@ -79,6 +80,18 @@ class _Compiled:
         dst = out if n > 1 else out.new_empty((2,) + tuple(out.shape[1:]))
         self.fns()[1](z, dst, tf.softcap, tf.logit_scale, k, m, ls, ws, s2, target, v0, c, b, a, dtype)
         return out if n > 1 else out.copy_(dst[:1])
+
+
+def _no_duck_shapes(fn):
+    """Trace without "duck sizing": equal sizes seen at the first call (a view's base of ``chunk_size``
+    rows and the chunk itself, say) must not become guards that recompile later calls."""
+    from torch.fx.experimental import _config as fx_config
+
+    def call(*args):
+        with fx_config.patch(use_duck_shape=False):
+            return fn(*args)
+
+    return call
 
 
 def _or(t, default):

@@ -68,6 +68,7 @@ class Case:
     device: str = "cpu"
     tp: int = 1
     seed: int = 0
+    backend: str = "eager"
 
     @property
     def label(self) -> str:
@@ -82,6 +83,8 @@ class Case:
         }[self.method]
         if self.path == "head" and self.method in ("plain", "clone", "chunked"):
             name = "matmul + " + name
+        if self.backend != "eager":
+            name += f" [{self.backend}]"
         return name
 
     def to_json(self) -> str:
@@ -139,7 +142,7 @@ def outputs(case: Case, inp: Inputs, group):
 
     if case.method == "head":
         return linear_log_probs_and_entropy(
-            inp.hidden, inp.weight, inp.labels, chunk_size=case.chunk, process_group=group
+            inp.hidden, inp.weight, inp.labels, chunk_size=case.chunk, process_group=group, backend=case.backend
         )
     logits = inp.logits if case.path == "logits" else inp.hidden @ inp.weight.t()
     if case.method == "plain":
@@ -150,7 +153,8 @@ def outputs(case: Case, inp: Inputs, group):
         return baselines.clone_workaround(logits, inp.labels, group)
     if case.method != "chunked":
         raise ValueError(f"unknown method {case.method!r}; expected one of {METHODS[case.path]}")
-    return log_probs_and_entropy(logits, inp.labels, chunk_size=case.chunk, process_group=group)
+    return log_probs_and_entropy(logits, inp.labels, chunk_size=case.chunk, process_group=group,
+                                 backend=case.backend)
 
 
 def policy_loss(case: Case, inp: Inputs, group):
@@ -161,9 +165,11 @@ def policy_loss(case: Case, inp: Inputs, group):
     if case.method == "fusedloss":
         if case.path == "head":
             return linear_policy_loss(inp.hidden.unsqueeze(0), inp.weight, labels, inp.old, inp.adv, inp.mask,
-                                      chunk_size=case.chunk, process_group=group, **LOSS_OPTIONS)[0]
+                                      chunk_size=case.chunk, process_group=group, backend=case.backend,
+                                      **LOSS_OPTIONS)[0]
         return policy_loss_from_logits(inp.logits.unsqueeze(0), labels, inp.old, inp.adv, inp.mask,
-                                       chunk_size=case.chunk, process_group=group, **LOSS_OPTIONS)[0]
+                                       chunk_size=case.chunk, process_group=group, backend=case.backend,
+                                       **LOSS_OPTIONS)[0]
     base = dataclasses.replace(case, method="head" if case.method == "headloss" else "chunked")
     lp, ent = outputs(base, inp, group)
     o = LOSS_OPTIONS
@@ -254,6 +260,66 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
+class _Clock:
+    """Wall time on CPU; CUDA events on a GPU."""
+
+    def __init__(self, device):
+        self.device = device
+        self.cuda = device.type == "cuda"
+
+    def __enter__(self):
+        if self.cuda:
+            self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.start.record()
+        else:
+            self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        if self.cuda:
+            self.end.record()
+            torch.cuda.synchronize(self.device)
+            self.seconds = self.start.elapsed_time(self.end) / 1000
+        else:
+            self.seconds = time.perf_counter() - self.t0
+
+
+def floor_seconds(case: Case, inp: "Inputs") -> float:
+    """The physical floor of the case, timed on the same tensors after the measurement.
+
+    Logits path: one read of the logits (forward) plus one read and one write
+    (backward: the gradient), timed as a sum and a copy of the same tensor.
+    Fused head: its matmul passes alone, chunk by chunk into one buffer, four
+    of them (logits, recomputed logits, ``g @ W``, ``g.T @ h``), three for the
+    fused policy loss.
+    """
+    device = torch.device(case.device)
+    with torch.no_grad():
+        if case.path == "logits":
+            x = inp.logits.detach()
+            grad = torch.empty_like(x)
+            with _Clock(device) as clock:
+                x.sum()
+                grad.copy_(x)
+            return clock.seconds
+        h, w = inp.hidden.detach(), inp.weight.detach()
+        c = max(case.chunk, 1)
+        buf = h.new_empty(min(c, h.shape[0]), w.shape[0])
+        gh = h.new_empty(buf.shape[0], h.shape[1])
+        gw = torch.zeros_like(w)
+        passes = 3 if case.method == "fusedloss" else 4
+        with _Clock(device) as clock:
+            for a in range(0, h.shape[0], c):
+                hc = h[a:a + c]
+                out = buf[: hc.shape[0]]
+                torch.mm(hc, w.t(), out=out)
+                if passes == 4:
+                    torch.mm(hc, w.t(), out=out)
+                torch.mm(out, w, out=gh[: hc.shape[0]])
+                gw.addmm_(out.t(), hc)
+        return clock.seconds
+
+
 def measure(case: Case, group=None, rank: int = 0, world: int = 1) -> dict:
     """Warm up on one chunk's worth of tokens, build the inputs, then measure one forward+backward.
 
@@ -272,15 +338,17 @@ def measure(case: Case, group=None, rank: int = 0, world: int = 1) -> dict:
     gc.collect()
     mem.reset()
     r0 = resource.getrusage(resource.RUSAGE_SELF)
-    t0 = time.perf_counter()
-    loss_of(case, inp, group).backward()
-    _sync(device)
-    elapsed = time.perf_counter() - t0
+    with _Clock(device) as clock:
+        loss_of(case, inp, group).backward()
     r1 = resource.getrusage(resource.RUSAGE_SELF)
     peak = mem.peak()
-    # CPU time of all threads, user and kernel (the kernel's share is mostly page faults on fresh memory)
-    return {"peak_bytes": int(peak), "time_s": elapsed,
-            "cpu_user_s": r1.ru_utime - r0.ru_utime, "cpu_sys_s": r1.ru_stime - r0.ru_stime}
+    res = {"peak_bytes": int(peak), "time_s": clock.seconds,
+           # CPU time of all threads, user and kernel (the kernel's share is mostly page faults on fresh memory)
+           "cpu_user_s": r1.ru_utime - r0.ru_utime, "cpu_sys_s": r1.ru_stime - r0.ru_stime}
+    if case.method in ("chunked", "head", "fusedloss") and group is None:
+        inp.clear_grads()
+        res["floor_s"] = floor_seconds(case, inp)
+    return res
 
 
 def _worker(rank, world, port, case_json, out_file):

@@ -44,6 +44,21 @@ PRESETS = {
         methods=["chunkedloss", "fusedloss"], chunk_sizes=[512],
     ),
     # with --device cuda: the shape peers publish fused heads at (N=8192, H=4096, V=131072, bf16)
+    # the compiled kernels against the eager ones, each with its floor (see cli/_measure.floor_seconds)
+    "compile": dict(
+        path="logits", tokens=[8192], vocab=[32768], dtype="float32",
+        methods=["chunked"], chunk_sizes=[512], backends=["eager", "compile"],
+    ),
+    "compile-head": dict(
+        path="head", tokens=[4096], vocab=[32768], hidden=[512], dtype="float32",
+        methods=["head"], chunk_sizes=[512], backends=["eager", "compile"],
+    ),
+    # with --device cuda: the logits path at a 152k vocabulary (one rank, and one rank's shard of TP=8),
+    # the fused head at the shape peers publish, plain torch alongside
+    "gpu": dict(
+        path="both", tokens=[16384], vocab=[152064, 19008], hidden=[4096], dtype="bfloat16",
+        methods=["plain", "chunked", "head"], chunk_sizes=[1024], backends=["eager", "compile"],
+    ),
     "loss-gpu": dict(
         path="head", tokens=[8192], vocab=[131072], hidden=[4096], dtype="bfloat16",
         methods=["headloss", "fusedloss"], chunk_sizes=[2048],
@@ -51,11 +66,11 @@ PRESETS = {
 }
 DEFAULTS = dict(
     path="logits", tokens=[1024, 2048, 4096, 8192], vocab=[32768], hidden=[512], dtype="float32",
-    methods=None, chunk_sizes=[512], repeats=3,
+    methods=None, chunk_sizes=[512], repeats=3, backends=["eager"],
 )
 QUICK = dict(
     path="both", tokens=[256, 1024], vocab=[8192], hidden=[256], dtype="float32",
-    methods=None, chunk_sizes=[256], repeats=1,
+    methods=None, chunk_sizes=[256], repeats=1, backends=["eager"],
 )
 
 
@@ -88,6 +103,8 @@ def add_arguments(p, positive_int, int_list, name_list) -> None:
                    help="subset of plain, clone, chunked, head (log-probs and entropy; the default: all that "
                         "apply to the path), or of chunkedloss, headloss, fusedloss (the policy loss: "
                         "chunked/fused head + chunked_entropy.losses, or the fused policy loss)")
+    g.add_argument("--backends", type=name_list, metavar="B1,...",
+                   help="per-block kernels of this library's methods: eager, compile, auto (default eager)")
     g.add_argument("--dtype", choices=sorted(plan.DTYPE_BYTES), help="dtype of the inputs (default float32)")
     g.add_argument("--device", default="cpu", help="cpu or cuda[:i] (default cpu)")
     r = p.add_argument_group("how")
@@ -111,7 +128,7 @@ def _settings(args) -> dict:
     if args.preset:
         base.update(PRESETS[args.preset])
         base.setdefault("repeats", 3)
-    for k in ("path", "tokens", "vocab", "hidden", "chunk_sizes", "methods", "dtype", "repeats"):
+    for k in ("path", "tokens", "vocab", "hidden", "chunk_sizes", "methods", "dtype", "repeats", "backends"):
         v = getattr(args, k)
         if v is not None:
             base[k] = v
@@ -131,9 +148,11 @@ def build_cases(s: dict, device: str) -> list:
                 for n in s["tokens"]:
                     group = []
                     for m in methods:
-                        for c in (s["chunk_sizes"] if m in ("chunked", "head") + LOSS_METHODS else [0]):
-                            group.append(Case(path=path, method=m, tokens=n, vocab=v, hidden=h, chunk=c,
-                                              dtype=s["dtype"], device=device))
+                        ours = m in ("chunked", "head") + LOSS_METHODS
+                        for c in (s["chunk_sizes"] if ours else [0]):
+                            for be in (s["backends"] if ours else ["eager"]):
+                                group.append(Case(path=path, method=m, tokens=n, vocab=v, hidden=h, chunk=c,
+                                                  dtype=s["dtype"], device=device, backend=be))
                     groups.append(group)
     return groups
 
@@ -261,13 +280,16 @@ def _summarise(case: Case, results: list) -> dict:
     row = dataclasses.asdict(case)
     row.update(label=case.label, logits_bytes=lb, plan_bytes=plan_bytes(case), repeats=len(results),
                peak_bytes=None, peak_x_logits=None, time_s=None, time_min=None, time_max=None,
-               cpu_user_s=None, cpu_sys_s=None, speed_vs_plain=None, status="ok" if ok else results[-1]["status"],
+               cpu_user_s=None, cpu_sys_s=None, speed_vs_plain=None, floor_s=None,
+               status="ok" if ok else results[-1]["status"],
                error="" if ok else results[-1].get("error", ""))
     if ok:
         peak = statistics.median(r["peak_bytes"] for r in ok)
         times = [r["time_s"] for r in ok]
         row.update(peak_bytes=int(peak), peak_x_logits=peak / lb, time_s=statistics.median(times),
                    time_min=min(times), time_max=max(times))
+        if all("floor_s" in r for r in ok):
+            row.update(floor_s=statistics.median(r["floor_s"] for r in ok))
         if all("cpu_user_s" in r for r in ok):  # not reported over several ranks
             row.update(cpu_user_s=statistics.median(r["cpu_user_s"] for r in ok),
                        cpu_sys_s=statistics.median(r["cpu_sys_s"] for r in ok))
@@ -277,16 +299,18 @@ def _summarise(case: Case, results: list) -> dict:
 def markdown_table(rows: list) -> str:
     head_cols = any(r["path"] == "head" for r in rows)
     cols = ["path", "tokens", "vocab"] + (["hidden"] if head_cols else []) + [
-        "method", "peak extra memory", "x logits", "plan", "time fwd+bwd (median)", "speed vs plain"]
+        "method", "peak extra memory", "x logits", "plan", "time fwd+bwd (median)", "speed vs plain", "floor", "x floor"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "|".join("---:" if i > 3 else "---" for i in range(len(cols))) + "|"]
     for r in rows:
         if r["status"] == "ok":
             spread = f" ({r['time_min']:.2f}-{r['time_max']:.2f})" if r["repeats"] > 1 else ""
+            floor = r.get("floor_s")
             vals = [plan.fmt_bytes(r["peak_bytes"]), f"{r['peak_x_logits']:.3f}", plan.fmt_bytes(r["plan_bytes"]),
                     f"{r['time_s']:.3f} s{spread}",
-                    f"{r['speed_vs_plain']:.2f}x" if r["speed_vs_plain"] else "-"]
+                    f"{r['speed_vs_plain']:.2f}x" if r["speed_vs_plain"] else "-",
+                    f"{floor:.3f} s" if floor else "-", f"{r['time_s'] / floor:.2f}" if floor else "-"]
         else:
-            vals = [f"{r['status']}: {r['error']}".strip(": "), "-", plan.fmt_bytes(r["plan_bytes"]), "-", "-"]
+            vals = [f"{r['status']}: {r['error']}".strip(": "), "-", plan.fmt_bytes(r["plan_bytes"]), "-", "-", "-", "-"]
         cells = [r["path"], str(r["tokens"]), str(r["vocab"])] + ([str(r["hidden"] or "-")] if head_cols else [])
         lines.append("| " + " | ".join(cells + [r["label"]] + vals) + " |")
     return "\n".join(lines)
@@ -406,6 +430,9 @@ def run(args) -> int:
     check_out_dir(args.out)
     if args.plot:
         check_plot_available(args.plot)
+    for be in s["backends"]:
+        if be not in ("eager", "compile", "auto"):
+            raise BenchError(f"--backends: unknown backend {be!r}; expected some of eager, compile, auto")
     known = sorted(set(METHODS["head"]) | set(METHODS["logits"]))
     for m in s["methods"] or []:
         if m not in known:
