@@ -36,7 +36,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 PATHS = ("logits", "head")
 METHODS = {
     "logits": ("plain", "clone", "chunked", "chunkedloss", "fusedloss"),
-    "head": ("plain", "clone", "chunked", "head", "headloss", "fusedloss"),
+    "head": ("plain", "clone", "chunked", "head", "headloss", "fusedloss", "liger"),
 }
 #: What a sweep measures when --methods is not given: log-probs and entropy, every way.
 DEFAULT_METHODS = {"logits": ("plain", "clone", "chunked"), "head": ("plain", "clone", "chunked", "head")}
@@ -69,6 +69,7 @@ class Case:
     tp: int = 1
     seed: int = 0
     backend: str = "eager"
+    warm: bool = False
 
     @property
     def label(self) -> str:
@@ -80,6 +81,7 @@ class Case:
             "chunkedloss": f"chunked + losses, chunk {self.chunk}",
             "headloss": f"fused head + losses, chunk {self.chunk}",
             "fusedloss": f"fused policy loss, chunk {self.chunk}",
+            "liger": "Liger fused linear cross entropy (log-probs only)",
         }[self.method]
         if self.path == "head" and self.method in ("plain", "clone", "chunked"):
             name = "matmul + " + name
@@ -180,6 +182,12 @@ def policy_loss(case: Case, inp: Inputs, group):
 
 def loss_of(case: Case, inp: Inputs, group):
     """The scalar whose backward we time: ``sum(g_lp * log_prob + g_h * entropy)``, or the policy loss."""
+    if case.method == "liger":  # a peer, when installed: its fused linear cross entropy (no entropy)
+        try:
+            from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+        except ImportError:
+            raise RuntimeError("liger-kernel is not installed") from None
+        return LigerFusedLinearCrossEntropyLoss(reduction="sum")(inp.weight, inp.hidden, inp.labels)
     if case.method in LOSS_METHODS:
         return policy_loss(case, inp, group)
     lp, ent = outputs(case, inp, group)
@@ -345,6 +353,11 @@ def measure(case: Case, group=None, rank: int = 0, world: int = 1) -> dict:
     res = {"peak_bytes": int(peak), "time_s": clock.seconds,
            # CPU time of all threads, user and kernel (the kernel's share is mostly page faults on fresh memory)
            "cpu_user_s": r1.ru_utime - r0.ru_utime, "cpu_sys_s": r1.ru_stime - r0.ru_stime}
+    if case.warm:  # a training loop's later steps: the time of a second forward+backward in this process
+        inp.clear_grads()
+        with _Clock(device) as clock:
+            loss_of(case, inp, group).backward()
+        res.update(time_first_s=res["time_s"], time_s=clock.seconds)
     if case.method in ("chunked", "head", "fusedloss") and group is None:
         inp.clear_grads()
         res["floor_s"] = floor_seconds(case, inp)

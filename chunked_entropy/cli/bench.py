@@ -56,8 +56,11 @@ PRESETS = {
     # with --device cuda: the logits path at a 152k vocabulary (one rank, and one rank's shard of TP=8),
     # the fused head at the shape peers publish, plain torch alongside
     "gpu": dict(
-        path="both", tokens=[16384], vocab=[152064, 19008], hidden=[4096], dtype="bfloat16",
-        methods=["plain", "chunked", "head"], chunk_sizes=[1024], backends=["eager", "compile"],
+        dtype="bfloat16", chunk_sizes=[1024], backends=["eager", "compile"], repeats=3,
+        parts=[
+            dict(path="logits", tokens=[16384], vocab=[152064, 19008], methods=["plain", "chunked"]),
+            dict(path="head", tokens=[8192], vocab=[131072], hidden=[4096], methods=["plain", "head", "liger"]),
+        ],
     ),
     "loss-gpu": dict(
         path="head", tokens=[8192], vocab=[131072], hidden=[4096], dtype="bfloat16",
@@ -112,6 +115,9 @@ def add_arguments(p, positive_int, int_list, name_list) -> None:
                    help="rounds; every case runs once per round in a fresh process (default 3; 1 with --quick)")
     r.add_argument("--timeout", type=positive_int, default=1800, metavar="SECONDS",
                    help="give up on a case after this long (default 1800)")
+    r.add_argument("--warm", action="store_true",
+                   help="time a second forward+backward in each case's process (a training loop's later steps: "
+                        "kernels loaded, memory reused); the memory columns stay those of the first")
     r.add_argument("--force", action="store_true",
                    help="run cases even when the plan's estimate exceeds the memory available")
     r.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
@@ -152,7 +158,8 @@ def build_cases(s: dict, device: str) -> list:
                         for c in (s["chunk_sizes"] if ours else [0]):
                             for be in (s["backends"] if ours else ["eager"]):
                                 group.append(Case(path=path, method=m, tokens=n, vocab=v, hidden=h, chunk=c,
-                                                  dtype=s["dtype"], device=device, backend=be))
+                                                  dtype=s["dtype"], device=device, backend=be,
+                                                  warm=bool(s.get("warm"))))
                     groups.append(group)
     return groups
 
@@ -161,7 +168,7 @@ def plan_bytes(case: Case) -> int:
     """The plan's estimate of the case's peak over its inputs."""
     shape = plan.Shape(case.tokens, case.vocab, case.hidden, 1, case.dtype)
     # a policy loss needs what its log-probs and entropy need (the fused one: no more)
-    method = {"chunkedloss": "chunked", "headloss": "head"}.get(case.method, case.method)
+    method = {"chunkedloss": "chunked", "headloss": "head", "liger": "head"}.get(case.method, case.method)
     if method == "fusedloss":
         method = "head" if case.path == "head" else "chunked"
     e = plan.estimate(method, shape, case.chunk)
@@ -426,6 +433,7 @@ def _check_device(device: str) -> None:
 
 def run(args) -> int:
     s = _settings(args)
+    s["warm"] = args.warm
     _check_device(args.device)
     check_out_dir(args.out)
     if args.plot:
@@ -442,7 +450,8 @@ def run(args) -> int:
     for name in ("tokens", "vocab", "hidden", "chunk_sizes"):
         if any(x < 1 for x in s[name]):
             raise BenchError(f"--{name.replace('_', '-')}: values must be >= 1")
-    groups = build_cases(s, args.device)
+    parts = PRESETS[args.preset].get("parts") if args.preset else None
+    groups = [g for part in (parts or [{}]) for g in build_cases({**s, **part}, args.device)]
     if not groups:
         raise BenchError("nothing to measure: --methods selects none of the methods of --path")
     n_cases = sum(len(g) for g in groups)
