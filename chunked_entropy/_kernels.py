@@ -10,8 +10,9 @@ statistics read the block once and write per-row vectors; the gradient reads
 it once and writes the gradient block. ``"auto"`` compiles where that works
 and falls back to eager, once, with one warning, where it does not.
 
-One kernel of each kind serves every call with the same input dtype and logit
-transform: the kernels always compute every statistic and every gradient
+One kernel of each kind serves every call with the same input dtype and the
+same presence of a soft-cap (its value is a tensor, not a constant of the
+kernel): the kernels always compute every statistic and every gradient
 term (zeros stand for an absent one: a few flops per element in a pass bound
 by reading the block), take the temperature as a per-row column, and get
 contiguous per-row inputs and at least two rows.
@@ -61,34 +62,52 @@ class _Compiled:
             if self._fns is None:
                 opts = dict(dynamic=True, fullgraph=True)
                 self._fns = tuple(_no_duck_shapes(torch.compile(f, **opts))
-                                  for f in (_stats.stats_of_block, _stats.grad_of_block))
+                                  for f in (_stats.stats_of_block, _stats.grad_of_block, _stats.grad_of_block_))
             return self._fns
 
     def stats(self, z, tf, k, target, v0, want_w, want_q, dtype):
         n = z.shape[0]
         z, k, target = _rows_of(n, z.detach(), k_column(k, n, dtype, z.device), target)
-        st = self.fns()[0](z, tf.softcap, tf.logit_scale, k, target, v0, dtype)
+        st = self.fns()[0](z, _cap_factor(tf, dtype, z.device), k, target, v0, dtype)
         keep = (True, True, True, want_w, want_q, True)
         return _stats.BlockStats(*(t[:n] if on else None for t, on in zip(st, keep)))
 
     def grad(self, z, out, tf, k, row, target, v0, co, dtype):
-        n = z.shape[0]
+        n, z_in = z.shape[0], z
         zero = lambda: torch.zeros(n, dtype=dtype, device=z.device)  # noqa: E731 - one each: no aliasing guard
         per_row = [row.m, row.ls, _or(row.ws, zero), _or(row.s2, zero), target, *(_or(t, zero) for t in co)]
         z, k, *per_row = _rows_of(n, z.detach(), k_column(k, n, dtype, z.device), *per_row)
         m, ls, ws, s2, target, c, b, a = per_row
+        args = (_cap_factor(tf, dtype, z.device), k, m, ls, ws, s2, target, v0, c, b, a, dtype)
+        if n > 1 and out is z_in:  # the fused head's buffer, overwritten with its gradient
+            self.fns()[2](out, *args)
+            return out
         dst = out if n > 1 else out.new_empty((2,) + tuple(out.shape[1:]))
-        self.fns()[1](z, dst, tf.softcap, tf.logit_scale, k, m, ls, ws, s2, target, v0, c, b, a, dtype)
+        self.fns()[1](z, dst, *args)
         return out if n > 1 else out.copy_(dst[:1])
 
 
+def _cap_factor(tf, dtype, device):
+    """``logit_scale / softcap`` as a 0-d tensor (a value, not a constant of the kernel), or None."""
+    if tf.softcap is None:
+        return None
+    return torch.tensor((tf.logit_scale or 1.0) / tf.softcap, dtype=dtype, device=device)
+
+
+#: Kernels one process may need: input dtypes x compute dtypes x capped or not x the CPU reduction
+#: strategy for narrow/wide blocks; above dynamo's default of 8 per function.
+RECOMPILE_LIMIT = 64
+
+
 def _no_duck_shapes(fn):
-    """Trace without "duck sizing": equal sizes seen at the first call (a view's base of ``chunk_size``
-    rows and the chunk itself, say) must not become guards that recompile later calls."""
+    """Trace without "duck sizing" (equal sizes seen at the first call, a view's base of ``chunk_size``
+    rows and the chunk itself, say, must not become guards that recompile later calls), and allow
+    our functions the kernels they may need (:data:`RECOMPILE_LIMIT`)."""
+    from torch._dynamo import config as dynamo_config
     from torch.fx.experimental import _config as fx_config
 
     def call(*args):
-        with fx_config.patch(use_duck_shape=False):
+        with fx_config.patch(use_duck_shape=False), dynamo_config.patch(recompile_limit=RECOMPILE_LIMIT):
             return fn(*args)
 
     return call

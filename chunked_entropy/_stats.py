@@ -381,9 +381,10 @@ def grad_from_offsets_(
 # temperature).
 
 
-def _u(z: torch.Tensor, softcap, logit_scale, dtype) -> torch.Tensor:
+def _u(z: torch.Tensor, cap_factor, dtype) -> torch.Tensor:
+    """``u``: ``tanh(z * logit_scale / softcap)`` with ``cap_factor`` (a 0-d tensor) that factor, else ``z``."""
     u = z.to(dtype)
-    return torch.tanh(u * ((logit_scale or 1.0) / softcap)) if softcap is not None else u
+    return torch.tanh(u * cap_factor) if cap_factor is not None else u
 
 
 def _offsets(u: torch.Tensor, m: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -391,13 +392,14 @@ def _offsets(u: torch.Tensor, m: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     return ((u - shift) * k).clamp(min=NEG_FLOOR)
 
 
-def stats_of_block(z, softcap, logit_scale, k, target, v0: int, dtype) -> BlockStats:
+def stats_of_block(z, cap_factor, k, target, v0: int, dtype) -> BlockStats:
     """:func:`block_stats` of the raw block ``z`` (read only), for ``torch.compile``; ``w`` and ``q`` always.
 
-    The transform comes as its two floats (constants of the compiled kernel),
-    not as a :class:`Transform` object (a new object would be a new kernel).
+    The transform comes as tensors, not constants (a new value would be a new
+    kernel): ``cap_factor = logit_scale / softcap`` (None without a cap), and
+    the rest of it is in the per-row ``k`` (see :class:`Transform`).
     """
-    u = _u(z, softcap, logit_scale, dtype)
+    u = _u(z, cap_factor, dtype)
     m = u.amax(dim=1)
     y = _offsets(u, m, k)
     e = torch.exp(y)
@@ -409,18 +411,23 @@ def stats_of_block(z, softcap, logit_scale, k, target, v0: int, dtype) -> BlockS
     )
 
 
-def grad_of_block(z, out, softcap, logit_scale, k, m, ls, ws, s2, target, v0: int, c, b, a, dtype) -> None:
+def grad_of_block(z, out, cap_factor, k, m, ls, ws, s2, target, v0: int, c, b, a, dtype) -> None:
     """:func:`block_grad` of the raw block ``z`` (read only) written into ``out``, for ``torch.compile``.
 
     Every per-row input is a tensor (zeros for an absent term): one kernel
     serves every combination of outputs with a gradient.
     """
-    u = _u(z, softcap, logit_scale, dtype)
+    u = _u(z, cap_factor, dtype)
     y = _offsets(u, m, k)
     p = torch.exp(y - ls.unsqueeze(1))
     inner = b.unsqueeze(1) * (ws.unsqueeze(1) - y) - c.unsqueeze(1) + a.unsqueeze(1) * (p - s2.unsqueeze(1))
     col = torch.arange(u.shape[1], device=u.device).unsqueeze(0)
     g = p * inner + torch.where(col == (target - v0).unsqueeze(1), c.unsqueeze(1), 0.0)
-    if softcap is not None:
+    if cap_factor is not None:
         g = g * (1.0 - u * u)
     out.copy_(g)
+
+
+def grad_of_block_(x, cap_factor, k, m, ls, ws, s2, target, v0: int, c, b, a, dtype) -> None:
+    """:func:`grad_of_block` with the block overwritten by its gradient (one input: no aliased pair)."""
+    grad_of_block(x, x, cap_factor, k, m, ls, ws, s2, target, v0, c, b, a, dtype)

@@ -95,6 +95,22 @@ def _check(hidden, weight, bias, labels, *, tol=F32, call_kw=None, ref_kw=None, 
             continue
         assert got.dtype == (hidden if name == "hidden" else weight).dtype, name
         _close(got, want, **tol)
+    # the compiled kernels, on the same inputs: the same tolerances against float64
+    for t in (hidden, weight, bias):
+        if t is not None:
+            t.grad = None
+    out_c, grads_c = _run(
+        lambda: linear_log_probs_and_entropy(
+            hidden, weight, labels, bias=bias, compute_entropy=compute_entropy, backend="compile", **ref_kw, **call_kw
+        ),
+        hidden, weight, bias, labels, upstream, compute_entropy=compute_entropy,
+    )
+    _close(out_c.log_probs, lp_ref, **tol)
+    if compute_entropy:
+        _close(out_c.entropy, ent_ref, **tol)
+    for got, want in zip(grads_c, grads_ref):
+        if want is not None:
+            _close(got, want, **tol)
     return out
 
 

@@ -18,6 +18,8 @@ from tests.helpers import reference
 # quantities summed over the vocabulary (V <= 64 here).
 VAL = dict(rtol=1e-5, atol=1e-5)
 GRAD = dict(rtol=1e-5, atol=1e-6)
+# compiled against eager kernels: the same float32 math in another order
+COMPILED = dict(rtol=2e-6, atol=2e-6)
 
 
 def _gen(seed):
@@ -69,6 +71,7 @@ def check(base, labels, *, view=lambda t: t, val=VAL, grad=GRAD, use=("lp", "h")
     g_lp, g_h = _upstream(labels.shape, seed)
     g_lp = g_lp if "lp" in use else None
     g_h = g_h if "h" in use else None
+    kw_call = dict(kw)
     out, gx = _ours(base, view, labels, g_lp, g_h, **kw)
     kw.pop("chunk_size", None)
     kw.pop("compute_entropy", None)
@@ -82,6 +85,14 @@ def check(base, labels, *, view=lambda t: t, val=VAL, grad=GRAD, use=("lp", "h")
     assert gx.dtype == base.dtype and gx.shape == base.shape
     assert torch.isfinite(gx).all()
     torch.testing.assert_close(gx.double(), gref, **grad)
+    # the compiled kernels: float32 rounding of the eager results, and the same float64 tolerances
+    out_c, gx_c = _ours(base, view, labels, g_lp, g_h, backend="compile", **kw_call)
+    for ours_c, ours_e, ref in ((out_c.log_probs, out.log_probs, lp), (out_c.entropy, out.entropy, h), (gx_c, gx, gref)):
+        if ours_e is None:
+            assert ours_c is None
+            continue
+        torch.testing.assert_close(ours_c.double(), ours_e.double(), **(COMPILED if ours_e.dtype == torch.float32 else grad))
+        torch.testing.assert_close(ours_c.double(), ref, **(grad if ours_c is gx_c else val))
     return out, gx
 
 
