@@ -209,20 +209,23 @@ def _bits(x: Optional[float]) -> int:
     return -1 if x is None else struct.unpack("<q", struct.pack("<d", float(x)))[0]
 
 
-def _fingerprint(ids: torch.Tensor) -> int:
-    """An int64 fingerprint of a flat integer tensor: any single change alters it."""
+def _fingerprint(ids: torch.Tensor) -> torch.Tensor:
+    """An int64 fingerprint (0-d, on the tensor's device: no host sync) of a flat integer tensor.
+
+    Any single change alters it.
+    """
     weights = torch.arange(ids.numel(), device=ids.device) % 65521 + 1
-    return int((ids * weights).sum())
+    return (ids * weights).sum()
 
 
-def fingerprint_floats(t: Optional[torch.Tensor]) -> int:
+def fingerprint_floats(t: Optional[torch.Tensor]):
     """An int64 fingerprint of a float tensor's float32 values (None: -1); any single change alters it."""
     if t is None:
         return -1
     return _fingerprint(t.detach().reshape(-1).to(torch.float32).view(torch.int32).to(torch.int64))
 
 
-def _fingerprint_scale(inv_t) -> int:
+def _fingerprint_scale(inv_t):
     if isinstance(inv_t, torch.Tensor):
         return fingerprint_floats(inv_t)
     return _bits(1.0 if inv_t is None else inv_t)

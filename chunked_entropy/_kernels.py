@@ -19,9 +19,7 @@ contiguous per-row inputs and at least two rows.
 
 Shapes are compiled as dynamic (rows, columns, the block's first column), so
 chunk sizes, the last partial chunk, vocabulary blocks, token counts and
-temperatures (always passed as a per-row column) reuse one compilation; each
-combination of outputs (entropy, sum_pi_squared), gradient terms and
-soft-capping is its own kernel, compiled on first use in the process.
+temperatures reuse one compilation, made on first use in the process.
 Collectives stay outside: the kernels see one rank's block.
 """
 

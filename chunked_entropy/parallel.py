@@ -62,15 +62,16 @@ def reduce_stats(st: BlockStats, group, k) -> BlockStats:
 def check_same_on_every_rank(group, fields: dict, device) -> None:
     """Raise the same ValueError on every rank of ``group`` where ``fields`` differ across ranks.
 
-    ``fields`` maps a description to an int (settings, sizes, fingerprints of
-    the per-token inputs). Costs one all-gather of ``len(fields)`` int64 (and,
-    on an accelerator, one host sync); without a group it does nothing.
+    ``fields`` maps a description to an int or a 0-d int64 tensor (settings,
+    sizes, fingerprints of the per-token inputs, computed on the device).
+    Costs one all-gather of ``len(fields)`` int64 and, on an accelerator, one
+    host sync; without a group it does nothing.
     """
     if not _active(group):
         return
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     names = list(fields)
-    local = torch.tensor([int(fields[n]) for n in names], dtype=torch.int64, device=device)
+    local = torch.stack([torch.as_tensor(fields[n], dtype=torch.int64, device=device).reshape(()) for n in names])
     every = local.new_empty(world * len(names))
     _all_gather_single(every, local, group=group)
     every = every.view(world, len(names)).tolist()
