@@ -21,7 +21,7 @@ with warnings.catch_warnings():
     from datasets import Dataset
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
 from chunked_entropy.integrations import trl as ce_trl
 from tests.helpers import reference
@@ -148,8 +148,8 @@ def _reward(completions, **kwargs):
     return [len(c) / 10 for c in completions]
 
 
-def _train(tmp_path, patch, **config):
-    """Two GRPO steps (with a reference model, temperature and entropy bonus); the logged metrics."""
+def _train(tmp_path, patch, *, rloo=False, **config):
+    """Two GRPO (or RLOO) steps, with a reference model and temperature (GRPO: and an entropy bonus)."""
     tok = _tokenizer()
     path = tmp_path / "model"
     if not path.exists():
@@ -160,13 +160,16 @@ def _train(tmp_path, patch, **config):
         Qwen2ForCausalLM(cfg).save_pretrained(path)
         tok.save_pretrained(path)
     data = Dataset.from_dict({"prompt": [" ".join(f"w{(i * 7 + j) % 60}" for j in range(4)) for i in range(8)]})
-    args = GRPOConfig(
+    config_cls, trainer_cls = (RLOOConfig, RLOOTrainer) if rloo else (GRPOConfig, GRPOTrainer)
+    if not rloo:
+        config.setdefault("entropy_coef", 0.05)
+    args = config_cls(
         output_dir=str(tmp_path / ("patched" if patch else "trl")), per_device_train_batch_size=4,
         num_generations=2, max_completion_length=6, max_steps=2, logging_steps=1, learning_rate=1e-2,
-        report_to="none", use_cpu=True, seed=0, temperature=0.8, entropy_coef=0.05, beta=0.04,
+        report_to="none", use_cpu=True, seed=0, temperature=0.8, beta=0.04,
         save_strategy="no", bf16=False, model_init_kwargs={"dtype": torch.float32}, disable_tqdm=True, **config,
     )
-    trainer = GRPOTrainer(model=str(path), reward_funcs=_reward, args=args, train_dataset=data, processing_class=tok)
+    trainer = trainer_cls(model=str(path), reward_funcs=_reward, args=args, train_dataset=data, processing_class=tok)
     kernel = ce_trl.patch_trainer(trainer, chunk_size=3) if patch else None
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]
@@ -189,6 +192,19 @@ def test_two_grpo_steps_match_trls_own_path(tmp_path, config):
     assert ce_trl.patch_trainer(trainer) is kernel
     ce_trl.unpatch_trainer(trainer)
     assert "_get_per_token_logps_and_entropies" not in trainer.__dict__
+
+
+def test_two_rloo_steps_match_trls_own_path(tmp_path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        theirs, _, _ = _train(tmp_path, patch=False, rloo=True)
+        ours, kernel, _ = _train(tmp_path, patch=True, rloo=True)
+    assert len(ours) == len(theirs) == 2 and kernel.calls >= 4
+    for a, b in zip(ours, theirs):
+        assert {"loss", "grad_norm", "kl"} <= set(b)
+        for key in ("loss", "grad_norm", "entropy", "kl"):
+            if key in b:
+                assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), (key, a[key], b[key])
 
 
 def test_batch_size_and_compute_entropy_are_honoured(tmp_path):
