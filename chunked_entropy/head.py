@@ -180,6 +180,25 @@ def _live_group(ref):
     return group
 
 
+def main_grad_of(weight, gradient_accumulation_fusion: Optional[bool]):
+    """The tensor the weight gradient accumulates into (Megatron's ``main_grad``), or None; checked now.
+
+    ``gradient_accumulation_fusion=None`` means "when ``weight`` has ``main_grad``".
+    """
+    if gradient_accumulation_fusion is None:
+        gradient_accumulation_fusion = hasattr(weight, "main_grad")
+    if not (gradient_accumulation_fusion and weight.requires_grad):
+        return None
+    main_grad = getattr(weight, "main_grad", None)
+    if not isinstance(main_grad, torch.Tensor) or main_grad.shape != weight.shape:
+        raise ValueError(
+            f"gradient_accumulation_fusion=True needs weight.main_grad with the weight's shape {tuple(weight.shape)}"
+        )
+    if not main_grad.is_floating_point():
+        raise TypeError(f"weight.main_grad must be a float tensor, got {main_grad.dtype}")
+    return main_grad
+
+
 def _main_grad_result(ctx):
     """What Megatron's linear layers return for the weight once ``main_grad`` holds the gradient."""
     weight = ctx.weight_param
@@ -308,18 +327,7 @@ def linear_log_probs_and_entropy(
     sequence_parallel = check_flag("sequence_parallel", sequence_parallel)
     v_local = weight.shape[0]
     cdt = compute_dtype(weight.dtype)
-    if gradient_accumulation_fusion is None:
-        gradient_accumulation_fusion = hasattr(weight, "main_grad")
-    main_grad = None
-    if gradient_accumulation_fusion and weight.requires_grad:
-        main_grad = getattr(weight, "main_grad", None)
-        if not isinstance(main_grad, torch.Tensor) or main_grad.shape != weight.shape:
-            raise ValueError(
-                "gradient_accumulation_fusion=True needs weight.main_grad with the weight's shape "
-                f"{tuple(weight.shape)}"
-            )
-        if not main_grad.is_floating_point():
-            raise TypeError(f"weight.main_grad must be a float tensor, got {main_grad.dtype}")
+    main_grad = main_grad_of(weight, gradient_accumulation_fusion)
     grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
     plan = _Plan(
         chunk_size=chunk_size,

@@ -28,12 +28,13 @@ import torch
 from . import losses
 from ._autograd import once_differentiable
 from ._inputs import Rows, Tokens, check_chunk, check_float, compute_dtype, fingerprint_floats, prepare_tokens
+from ._kernels import check_backend, use_compiled
 from ._loop import loss_grad_blocks
 from ._stats import RowStats, Transform, Want
 from .head import (
-    _check_head_args, _filler, _forward_stats, _main_grad_result, _Plan, linear_grads, reduce_hidden_grad,
+    _check_head_args, _filler, _forward_stats, _main_grad_result, _Plan, linear_grads, main_grad_of,
+    reduce_hidden_grad,
 )
-from ._kernels import check_backend, use_compiled
 from .logits import _forward_stats as _logits_forward_stats
 from .logits import _source as _logits_source
 from .logits import check_flag
@@ -338,13 +339,7 @@ def linear_policy_loss(
     plan = _Plan(chunk_size=chunk_size, vocab_chunk_size=min(vocab_chunk_size or v_local, v_local),
                  group=process_group, sequence_parallel=sequence_parallel, want=Want(),
                  compiled=use_compiled(check_backend(backend), hidden.device))
-    if gradient_accumulation_fusion is None:
-        gradient_accumulation_fusion = hasattr(weight, "main_grad")
-    main_grad = getattr(weight, "main_grad", None) if gradient_accumulation_fusion and weight.requires_grad else None
-    if gradient_accumulation_fusion and weight.requires_grad and (
-        not isinstance(main_grad, torch.Tensor) or main_grad.shape != weight.shape or not main_grad.is_floating_point()
-    ):
-        raise ValueError(f"gradient_accumulation_fusion=True needs a float weight.main_grad of shape {tuple(weight.shape)}")
+    main_grad = main_grad_of(weight, gradient_accumulation_fusion)
     tok = prepare_tokens(
         labels, lead, v_local, process_group=process_group, label_mask=loss_mask != 0, ignore_index=-100,
         temperature=temperature, device=hidden.device, dtype=cdt, transform=Transform(softcap, logit_scale),
