@@ -10,9 +10,11 @@ Public API:
   PPO/GRPO loss of the output layer, gradients formed in the forward pass.
 """
 
+from ._outputs import LogProbsEntropy
 from .config import ChunkedEntropyConfig
-from .head import ChunkedVocabParallelHead, linear_log_probs_and_entropy
-from .logits import LogProbsEntropy, log_probs_and_entropy
+from .head import ChunkedVocabParallelHead
+from .linear import linear_log_probs_and_entropy
+from .logits import log_probs_and_entropy
 from .policy import linear_policy_loss, policy_loss_from_logits
 
 __all__ = [

@@ -17,30 +17,10 @@ import torch
 from ._stats import Coefficients, RowStats, Transform, Want
 from .parallel import check_same_on_every_rank, group_rank_size
 
-FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """float64 stays float64 (for gradcheck); everything else is computed in float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def check_float(name: str, t, *, dim: Optional[int] = None) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in FLOAT_DTYPES:
-        raise TypeError(
-            f"{name} must be float32, bfloat16, float16 or float64, got {t.dtype}"
-        )
-    if dim is not None and t.dim() != dim:
-        raise ValueError(f"{name} must be {dim}-D, got shape {tuple(t.shape)}")
-
-
-def check_chunk(name: str, value, *, optional: bool = False) -> None:
-    if optional and value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -134,7 +114,7 @@ def prepare_tokens(
     device: torch.device,
     dtype: torch.dtype,
     labels_name: str = "labels",
-    transform: Transform = Transform(),
+    transform: Optional[Transform] = None,
     settings: Optional[dict] = None,
 ) -> Tokens:
     """Check labels, mask and temperature against ``lead_shape``; build :class:`Tokens`.
@@ -155,6 +135,7 @@ def prepare_tokens(
         )
     if labels.device != device:
         raise ValueError(f"{labels_name} is on {labels.device} but the input is on {device}")
+    transform = Transform() if transform is None else transform
     rank, world = group_rank_size(process_group)
     v_global = v_local * world
     flat = labels.reshape(-1).to(torch.int64)
@@ -249,12 +230,16 @@ def prepare_temperature(temperature, lead_shape, device, dtype):
         ok = (inv_t > 0) & torch.isfinite(inv_t) & torch.isfinite(t.reshape(-1, 1))
         if device.type == "cpu":
             if not bool(ok.all()):
-                raise ValueError(f"temperature must be finite and > 0 (with 1/temperature finite in {dtype}) everywhere")
+                raise ValueError(
+                    f"temperature must be finite and > 0 (with 1/temperature finite in {dtype}) everywhere"
+                )
         else:
             torch._assert_async(ok.all(), "temperature must be finite and > 0 everywhere")
         return inv_t
     if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
         raise TypeError(f"temperature must be a float > 0 or a tensor, got {type(temperature).__name__}")
     if not (math.isfinite(temperature) and temperature > 0 and 1.0 / temperature < torch.finfo(dtype).max):
-        raise ValueError(f"temperature must be finite and > 0 (with 1/temperature finite in {dtype}), got {temperature!r}")
+        raise ValueError(
+            f"temperature must be finite and > 0 (with 1/temperature finite in {dtype}), got {temperature!r}"
+        )
     return None if temperature == 1 else 1.0 / float(temperature)

@@ -68,7 +68,7 @@ class _Compiled:
         z, k, target = _rows_of(n, z.detach(), k_column(k, n, dtype, z.device), target)
         st = self.fns()[0](z, _cap_factor(tf, dtype, z.device), k, target, v0, dtype)
         keep = (True, True, True, want_w, want_q, True)
-        return _stats.BlockStats(*(t[:n] if on else None for t, on in zip(st, keep)))
+        return _stats.BlockStats(*(t[:n] if on else None for t, on in zip(st, keep, strict=True)))
 
     def grad(self, z, out, tf, k, row, target, v0, co, dtype):
         n, z_in = z.shape[0], z

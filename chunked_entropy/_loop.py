@@ -17,8 +17,8 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from ._inputs import Tokens, chunks
 from . import _stats
+from ._inputs import Tokens, chunks
 from ._kernels import COMPILED
 from .parallel import reduce_stats
 
@@ -78,7 +78,7 @@ def row_stats(
                 )
             st = _stats.merge_stats(st, blk, k)
         r = _stats.RowStats.from_block(reduce_stats(st, group, k), k)
-        for dst, src in zip(out, r):
+        for dst, src in zip(out, r, strict=True):
             if dst is not None:
                 dst[a:b] = src
     return out
@@ -153,11 +153,12 @@ def loss_grad_blocks(
     if block < width:
         full = row_stats(tok, fill, width=width, block=block, chunk_size=chunk_size, group=group,
                          want=want, dtype=dtype, device=device, compiled=compiled, view=view)
-        for dst, src in zip(stats, full):
+        for dst, src in zip(stats, full, strict=True):
             if dst is not None:
                 dst.copy_(src)
         parts = [token_grads(a, b, _rows(stats, a, b)) for a, b in chunks(n, chunk_size)]
-        ups = [None if p[0] is None else torch.cat(p) for p in zip(*parts)]  # None: that output has no term
+        # None: that output has no term
+        ups = [None if p[0] is None else torch.cat(p) for p in zip(*parts, strict=True)]
         yield from grad_blocks(tok, fill, width=width, block=block, chunk_size=chunk_size, stats=stats,
                                grads=(ups[0], ups[1], None), dtype=dtype, device=device, into=into,
                                compiled=compiled, view=view)
@@ -180,7 +181,7 @@ def loss_grad_blocks(
                                        want_q=want.sum_pi_squared, aux=aux)
         merged = reduce_stats(local, group, k)
         rows = _stats.RowStats.from_block(merged, k)
-        for dst, src in zip(stats, rows):
+        for dst, src in zip(stats, rows, strict=True):
             if dst is not None:
                 dst[a:b] = src
         g_lp, g_h = token_grads(a, b, rows)

@@ -75,6 +75,8 @@ from typing import NamedTuple, Optional, Union
 
 import torch
 
+from ._checks import check_positive
+
 #: Offsets are clamped from below to this value: finite, so that ``0 * y`` is 0,
 #: and so far below 0 that ``exp(y)`` is exactly 0 in float32 and float64.
 NEG_FLOOR = -1e30
@@ -87,14 +89,6 @@ def _times(f: Scale, c: float) -> Scale:
     if c == 1:
         return f
     return c if f is None else f * c
-
-
-def _check_positive(name: str, value) -> Optional[float]:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be a finite float > 0 or None, got {value!r}")
-    return float(value)
 
 
 @dataclass(frozen=True)
@@ -111,8 +105,8 @@ class Transform:
     logit_scale: Optional[float] = None
 
     def __post_init__(self):
-        object.__setattr__(self, "softcap", _check_positive("softcap", self.softcap))
-        object.__setattr__(self, "logit_scale", _check_positive("logit_scale", self.logit_scale))
+        object.__setattr__(self, "softcap", check_positive("softcap", self.softcap))
+        object.__setattr__(self, "logit_scale", check_positive("logit_scale", self.logit_scale))
 
     def to_u_(self, z: torch.Tensor) -> torch.Tensor:
         """``z <- u`` in place: ``tanh(logit_scale * z / softcap)``, or ``z`` itself without softcap."""

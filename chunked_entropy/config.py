@@ -200,10 +200,11 @@ class ChunkedEntropyConfig:
                 e.g. ``chunked_entropy.chunk_size``.
 
         Example:
-            >>> ChunkedEntropyConfig.from_actor_config(
+            >>> cfg = ChunkedEntropyConfig.from_actor_config(
             ...     {"entropy_coeff": 0.0, "chunked_entropy": {"chunk_size": 512}}
             ... )
-            ChunkedEntropyConfig(chunk_size=512, max_chunk_bytes=1073741824, vocab_chunk_size=None, fused_head=False, temperature=1.0, compute_entropy=False, backend='eager')
+            >>> cfg.chunk_size, cfg.compute_entropy
+            (512, False)
         """
         if not isinstance(cfg, Mapping):
             raise TypeError(

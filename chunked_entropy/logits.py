@@ -1,72 +1,29 @@
-"""Chunked log-probs and entropy from given logits (possibly a vocabulary shard)."""
+"""Chunked log-probs and entropy from given logits (possibly a vocabulary shard).
+
+Floor 4 (an op): :func:`log_probs_and_entropy` over an autograd Function that
+walks the rows of the caller's logits with the chunk loop.
+"""
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
+
 from ._autograd import once_differentiable
-
-from ._inputs import Rows, Tokens, check_chunk, check_float, compute_dtype, prepare_tokens
+from ._blocks import logits_row_stats, logits_source
+from ._checks import check_chunk, check_flag, check_float
+from ._inputs import Tokens, compute_dtype, prepare_tokens
 from ._kernels import check_backend, use_compiled
+from ._loop import grad_blocks
+from ._outputs import LogProbsEntropy, empty_outputs, pack_outputs, run_outputs, unpack_grads
 from ._stats import RowStats, Transform, Want
-from ._loop import grad_blocks, row_stats
-
-
-class _Pair(NamedTuple):
-    log_probs: torch.Tensor
-    entropy: Optional[torch.Tensor]
-
-
-class LogProbsEntropy(_Pair):
-    """Per-token outputs; unpacks as ``log_probs, entropy``.
-
-    ``entropy`` is None when it was not computed (``compute_entropy=False``).
-    ``sum_pi_squared`` (an attribute, not unpacked) is ``sum_j p_j**2`` per
-    token when ``compute_sum_pi_squared=True`` was asked, else None.
-    """
-
-    def __new__(cls, log_probs, entropy, sum_pi_squared=None):
-        self = super().__new__(cls, log_probs, entropy)
-        self.sum_pi_squared = sum_pi_squared
-        return self
-
-    def __repr__(self):
-        extra = "" if self.sum_pi_squared is None else f", sum_pi_squared={self.sum_pi_squared!r}"
-        return f"LogProbsEntropy(log_probs={self.log_probs!r}, entropy={self.entropy!r}{extra})"
-
-
-def pack_outputs(outs, want: Want):
-    """The tensors an autograd Function returns: the log-probs and each wanted output."""
-    return tuple(t for t, on in zip(outs, (True, *want)) if on)
-
-
-def unpack_grads(grads, want: Want):
-    """Upstream gradients in ``(log_probs, entropy, sum_pi_squared)`` order, None where not computed."""
-    it = iter(grads)
-    return tuple(next(it) if on else None for on in (True, *want))
-
-
-def _source(logits):
-    """``fill`` (copy a chunk of rows into our buffer) and ``view`` (the rows themselves, for the compiled kernels)."""
-    rows = Rows(logits)
-    return (lambda x, a, b, v0, v1: x.copy_(rows(a, b))), (lambda a, b, v0, v1: rows(a, b))
-
-
-def _forward_stats(logits, tok: Tokens, chunk_size, group, want: Want, compiled: bool = False):
-    """Per-token :class:`~chunked_entropy._stats.RowStats`, one chunk of rows at a time."""
-    fill, view = _source(logits)
-    v = logits.shape[-1]
-    return row_stats(
-        tok, fill, width=v, block=v, chunk_size=chunk_size, group=group, want=want,
-        dtype=compute_dtype(logits.dtype), device=logits.device, compiled=compiled, view=view,
-    )
 
 
 class _LogitsFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, tok: Tokens, chunk_size: int, group, want: Want, compiled: bool):
-        r = _forward_stats(logits, tok, chunk_size, group, want, compiled)
+        r = logits_row_stats(logits, tok, chunk_size, group, want, compiled)
         # Saved: the input reference (no copy) and two to four float32 per token.
         ctx.save_for_backward(logits, r.m, r.ls, r.ws, r.s2)
         ctx.tok, ctx.chunk_size, ctx.want, ctx.compiled = tok, chunk_size, want, compiled
@@ -83,7 +40,7 @@ class _LogitsFunction(torch.autograd.Function):
         n, v = ctx.tok.n, logits.shape[-1]
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         gflat = grad.view(n, v)
-        fill, view = _source(logits)
+        fill, view = logits_source(logits)
         # The gradient's own rows are the working buffer when they hold the compute dtype, and
         # always for the compiled kernels (they write the gradient in its own dtype).
         direct = logits.dtype == ls.dtype or ctx.compiled
@@ -96,35 +53,6 @@ class _LogitsFunction(torch.autograd.Function):
             if not direct:
                 gflat[a:b].copy_(g)
         return grad, None, None, None, None, None
-
-
-def run_outputs(apply, forward, tok: Tokens, want: Want, shape, grads: bool) -> LogProbsEntropy:
-    """Call the autograd Function (``apply``) or, without gradients, the bare forward; shape the outputs."""
-    if grads:
-        outs = apply()
-        outs = unpack_grads(outs if isinstance(outs, tuple) else (outs,), want)
-    else:
-        outs = tok.outputs(forward(), want)
-    return LogProbsEntropy(*(None if t is None else t.view(shape) for t in outs))
-
-
-def empty_outputs(shape, want: Want, dtype, device, inputs) -> LogProbsEntropy:
-    """Outputs for zero tokens, connected to ``inputs`` (zero gradients) when grad is enabled."""
-    outs = []
-    for on in (True, *want):
-        t = torch.zeros(shape, dtype=dtype, device=device) if on else None
-        if t is not None and torch.is_grad_enabled():
-            for x in inputs:
-                if x is not None and x.requires_grad:
-                    t = t + x.sum() * 0
-        outs.append(t)
-    return LogProbsEntropy(*outs)
-
-
-def check_flag(name: str, value) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool (True/False), got {value!r}")
-    return value
 
 
 def log_probs_and_entropy(
@@ -222,7 +150,8 @@ def log_probs_and_entropy(
     if logits.dim() < 1 or logits.shape[-1] < 1:
         raise ValueError(f"logits must be [..., V_local] with V_local >= 1, got shape {tuple(logits.shape)}")
     check_chunk("chunk_size", chunk_size)
-    want = Want(check_flag("compute_entropy", compute_entropy), check_flag("compute_sum_pi_squared", compute_sum_pi_squared))
+    want = Want(check_flag("compute_entropy", compute_entropy),
+                check_flag("compute_sum_pi_squared", compute_sum_pi_squared))
     compiled = use_compiled(check_backend(backend), logits.device)
     cdt = compute_dtype(logits.dtype)
     grads = torch.is_grad_enabled() and logits.requires_grad
@@ -237,6 +166,6 @@ def log_probs_and_entropy(
         return empty_outputs(labels.shape, want, cdt, logits.device, [logits])
     return run_outputs(
         lambda: _LogitsFunction.apply(logits, tok, chunk_size, process_group, want, compiled),
-        lambda: _forward_stats(logits, tok, chunk_size, process_group, want, compiled),
+        lambda: logits_row_stats(logits, tok, chunk_size, process_group, want, compiled),
         tok, want, labels.shape, grads,
     )

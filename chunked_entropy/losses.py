@@ -12,17 +12,18 @@ few element-wise ops, and no ``[tokens, vocab]`` tensor is involved.
 Masking: ``loss_mask`` is a bool (or 0/1, or non-negative weight) tensor of
 the loss's shape. Masked positions are *selected away* (``torch.where``), not
 multiplied by 0, so a NaN or inf there (padding) never reaches the loss value,
-and the aggregation passes a zero gradient to every masked position. Every mean guards its count: an all-masked batch gives a loss of 0
-(with zero gradient) instead of NaN.
+and the aggregation passes a zero gradient to every masked position. Every
+mean guards its count: an all-masked batch gives a loss of 0 (with zero
+gradient) instead of NaN.
 """
 
 from __future__ import annotations
 
-import math
-import numbers
 from typing import Optional
 
 import torch
+
+from ._checks import check_real, is_real
 
 __all__ = [
     "AGG_MODES", "KL_KINDS", "agg_loss", "agg_weights", "entropy_bonus", "kl_penalty", "kl_penalty_grad",
@@ -44,29 +45,29 @@ _K3_CLAMP = 10.0
 # ---------------------------------------------------------------- checks
 
 
-def _check_tensor(name: str, t, *, floating: bool = True) -> None:
+def check_tensor(name: str, t, *, floating: bool = True) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if floating and not t.is_floating_point():
         raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
 
 
-def _check_same_shape(ref_name: str, ref: torch.Tensor, **others) -> None:
+def check_same_shape(ref_name: str, ref: torch.Tensor, **others) -> None:
     for name, t in others.items():
-        _check_tensor(name, t)
+        check_tensor(name, t)
         if t.shape != ref.shape:
             raise ValueError(
                 f"{name} must have the shape of {ref_name}, {tuple(ref.shape)}, got {tuple(t.shape)}"
             )
 
 
-def _check_mode(name: str, mode) -> None:
+def check_mode(name: str, mode) -> None:
     if mode not in AGG_MODES:
         raise ValueError(f"{name} must be one of {', '.join(map(repr, AGG_MODES))}; got {mode!r}")
 
 
-def _check_mask(loss_mask, loss_mat: torch.Tensor, of: str = "loss_mat") -> None:
-    _check_tensor("loss_mask", loss_mask, floating=False)
+def check_mask(loss_mask, loss_mat: torch.Tensor, of: str = "loss_mat") -> None:
+    check_tensor("loss_mask", loss_mask, floating=False)
     if loss_mask.dtype.is_complex:
         raise TypeError(f"loss_mask must be a bool or real tensor, got {loss_mask.dtype}")
     if loss_mask.shape != loss_mat.shape:
@@ -78,13 +79,11 @@ def _check_mask(loss_mask, loss_mat: torch.Tensor, of: str = "loss_mat") -> None
         raise ValueError(f"{of} must be at least 1-D ([..., response_length]), got a scalar")
 
 
-def _check_real(name: str, value, *, low: float, high: float = math.inf, low_open: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
-    if value < low or (low_open and value == low) or value > high:
-        lo = "(" if low_open else "["
-        raise ValueError(f"{name} must be in {lo}{low}, {high}], got {value!r}")
-    return float(value)
+def check_clip_ratio_c(value) -> Optional[float]:
+    """The dual-clip bound: a number > 1, or None (no dual clip)."""
+    if value is not None and not (is_real(value) and value > 1 and value < float("inf")):
+        raise ValueError(f"clip_ratio_c must be a finite number > 1 (the dual-clip bound) or None, got {value!r}")
+    return None if value is None else float(value)
 
 
 # ---------------------------------------------------------------- aggregation
@@ -105,7 +104,7 @@ def _safe_div(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
     return num / torch.where(den != 0, den, torch.ones_like(den))
 
 
-def _masked_mean(values: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+def masked_mean(values: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
     w = _weights(loss_mask, values.dtype)
     return _safe_div(_masked_sum(values, w), w.sum())
 
@@ -153,11 +152,11 @@ def agg_loss(
             ``loss_scale_factor``.
         TypeError: a non-tensor or non-floating ``loss_mat``.
     """
-    _check_tensor("loss_mat", loss_mat)
-    _check_mask(loss_mask, loss_mat)
-    _check_mode("mode", mode)
+    check_tensor("loss_mat", loss_mat)
+    check_mask(loss_mask, loss_mat)
+    check_mode("mode", mode)
     if loss_scale_factor is not None:
-        _check_real("loss_scale_factor", loss_scale_factor, low=0.0, low_open=True)
+        check_real("loss_scale_factor", loss_scale_factor, low=0.0, low_open=True)
     return _aggregate(loss_mat, loss_mask, mode, loss_scale_factor)
 
 
@@ -258,17 +257,15 @@ def policy_loss(
         ValueError: shape mismatch (naming the argument), an unknown
             ``loss_agg_mode``, clip ratios out of range, ``clip_ratio_c <= 1``.
     """
-    _check_tensor("log_probs", log_probs)
-    _check_same_shape("log_probs", log_probs, old_log_probs=old_log_probs, advantages=advantages)
-    _check_mask(loss_mask, log_probs, "log_probs")
-    low = _check_real("clip_ratio_low", clip_ratio_low, low=0.0, high=1.0)
-    high = _check_real("clip_ratio_high", clip_ratio_high, low=0.0)
-    if clip_ratio_c is not None:
-        if isinstance(clip_ratio_c, bool) or not isinstance(clip_ratio_c, numbers.Real) or not clip_ratio_c > 1:
-            raise ValueError(f"clip_ratio_c must be a number > 1 (the dual-clip bound) or None, got {clip_ratio_c!r}")
-    _check_mode("loss_agg_mode", loss_agg_mode)
+    check_tensor("log_probs", log_probs)
+    check_same_shape("log_probs", log_probs, old_log_probs=old_log_probs, advantages=advantages)
+    check_mask(loss_mask, log_probs, "log_probs")
+    low = check_real("clip_ratio_low", clip_ratio_low, low=0.0, high=1.0)
+    high = check_real("clip_ratio_high", clip_ratio_high, low=0.0)
+    clip_ratio_c = check_clip_ratio_c(clip_ratio_c)
+    check_mode("loss_agg_mode", loss_agg_mode)
     if loss_scale_factor is not None:
-        _check_real("loss_scale_factor", loss_scale_factor, low=0.0, low_open=True)
+        check_real("loss_scale_factor", loss_scale_factor, low=0.0, low_open=True)
 
     # Masked positions are selected away *before* any arithmetic: a NaN there (an
     # advantage or log-prob of padding) would otherwise turn into 0 * NaN in backward.
@@ -295,9 +292,9 @@ def policy_loss(
     with torch.no_grad():
         dtype = torch.promote_types(log_ratio.dtype, torch.float32)
         metrics = {
-            "pg_clipfrac": _masked_mean((l2 > l1).to(dtype), loss_mask),
-            "pg_clipfrac_lower": _masked_mean(lower.to(dtype), loss_mask),
-            "ppo_kl": _masked_mean(-log_ratio.to(dtype), loss_mask),
+            "pg_clipfrac": masked_mean((l2 > l1).to(dtype), loss_mask),
+            "pg_clipfrac_lower": masked_mean(lower.to(dtype), loss_mask),
+            "ppo_kl": masked_mean(-log_ratio.to(dtype), loss_mask),
         }
     return loss, metrics
 
@@ -332,8 +329,8 @@ def kl_penalty(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, kind: str =
     Raises:
         ValueError: unknown ``kind``, or ``ref_log_probs`` of another shape.
     """
-    _check_tensor("log_probs", log_probs)
-    _check_same_shape("log_probs", log_probs, ref_log_probs=ref_log_probs)
+    check_tensor("log_probs", log_probs)
+    check_same_shape("log_probs", log_probs, ref_log_probs=ref_log_probs)
     if not isinstance(kind, str) or kind not in _KL_ALIASES:
         raise ValueError(f"kind must be one of {', '.join(map(repr, KL_KINDS))}; got {kind!r}")
     kind = _KL_ALIASES[kind]
@@ -410,7 +407,11 @@ def policy_loss_grad(
 
 
 def entropy_bonus(
-    entropy: torch.Tensor, loss_mask: torch.Tensor, mode: str = "token-mean", *, loss_scale_factor: Optional[float] = None
+    entropy: torch.Tensor,
+    loss_mask: torch.Tensor,
+    mode: str = "token-mean",
+    *,
+    loss_scale_factor: Optional[float] = None,
 ) -> torch.Tensor:
     """The aggregated entropy, ``agg_loss(entropy, loss_mask, mode)``, to subtract from the loss.
 
@@ -429,9 +430,9 @@ def entropy_bonus(
     Raises:
         ValueError: unknown ``mode`` or ``loss_mask`` of another shape.
     """
-    _check_tensor("entropy", entropy)
-    _check_mask(loss_mask, entropy, "entropy")
-    _check_mode("mode", mode)
+    check_tensor("entropy", entropy)
+    check_mask(loss_mask, entropy, "entropy")
+    check_mode("mode", mode)
     if loss_scale_factor is not None:
-        _check_real("loss_scale_factor", loss_scale_factor, low=0.0, low_open=True)
+        check_real("loss_scale_factor", loss_scale_factor, low=0.0, low_open=True)
     return _aggregate(entropy, loss_mask, mode, loss_scale_factor)

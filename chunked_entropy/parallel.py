@@ -18,7 +18,6 @@ import torch.distributed as dist
 
 from ._stats import BlockStats, rescale
 
-
 # torch 2.13 renamed the single-tensor collectives (the old names warn on every call).
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor

@@ -18,7 +18,6 @@ sequence (GSPO's sequence ratio) are out of scope for this design: compute
 
 from __future__ import annotations
 
-import math
 import zlib
 from dataclasses import dataclass
 from typing import Optional
@@ -27,18 +26,27 @@ import torch
 
 from . import losses
 from ._autograd import once_differentiable
-from ._inputs import Rows, Tokens, check_chunk, check_float, compute_dtype, fingerprint_floats, prepare_tokens
+from ._blocks import (
+    Plan,
+    check_linear_args,
+    full_hidden,
+    linear_filler,
+    linear_grads,
+    linear_row_stats,
+    logits_row_stats,
+    logits_source,
+    main_grad_of,
+    main_grad_result,
+    reduce_hidden_grad,
+    token_major,
+    token_major_grad,
+)
+from ._checks import check_chunk, check_flag, check_float, check_real
+from ._inputs import Rows, Tokens, compute_dtype, fingerprint_floats, prepare_tokens
 from ._kernels import check_backend, use_compiled
 from ._loop import loss_grad_blocks
 from ._stats import RowStats, Transform, Want
-from .head import (
-    _check_head_args, _filler, _forward_stats, _main_grad_result, _Plan, linear_grads, main_grad_of,
-    reduce_hidden_grad,
-)
-from .logits import _forward_stats as _logits_forward_stats
-from .logits import _source as _logits_source
-from .logits import check_flag
-from .parallel import all_gather_dim0, group_rank_size
+from .parallel import group_rank_size
 
 __all__ = ["PolicyLossOptions", "linear_policy_loss", "policy_loss_from_logits"]
 
@@ -62,17 +70,20 @@ class PolicyLossOptions:
     kl_kind: str = "low_var_kl"
 
     def __post_init__(self):
-        real = losses._check_real
-        real("clip_ratio_low", self.clip_ratio_low, low=0.0, high=1.0)
-        real("clip_ratio_high", self.clip_ratio_high, low=0.0)
-        c = self.clip_ratio_c
-        if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float)) or not c > 1):
-            raise ValueError(f"clip_ratio_c must be a number > 1 (the dual-clip bound) or None, got {c!r}")
-        losses._check_mode("loss_agg_mode", self.loss_agg_mode)
+        # numbers of any kind (numpy's too) are stored as floats: the options compare equal across ranks
+        checked = dict(
+            clip_ratio_low=check_real("clip_ratio_low", self.clip_ratio_low, low=0.0, high=1.0),
+            clip_ratio_high=check_real("clip_ratio_high", self.clip_ratio_high, low=0.0),
+            clip_ratio_c=losses.check_clip_ratio_c(self.clip_ratio_c),
+            entropy_coeff=check_real("entropy_coeff", self.entropy_coeff),
+            kl_coef=check_real("kl_coef", self.kl_coef),
+        )
+        losses.check_mode("loss_agg_mode", self.loss_agg_mode)
         if self.loss_scale_factor is not None:
-            real("loss_scale_factor", self.loss_scale_factor, low=0.0, low_open=True)
-        real("entropy_coeff", self.entropy_coeff, low=-math.inf)
-        real("kl_coef", self.kl_coef, low=-math.inf)
+            checked["loss_scale_factor"] = check_real("loss_scale_factor", self.loss_scale_factor, low=0.0,
+                                                      low_open=True)
+        for name, value in checked.items():
+            object.__setattr__(self, name, value)
         if not isinstance(self.kl_kind, str) or self.kl_kind not in losses.KL_KINDS:
             raise ValueError(f"kl_kind must be one of {', '.join(map(repr, losses.KL_KINDS))}; got {self.kl_kind!r}")
 
@@ -85,16 +96,17 @@ class _Objective:
         self.shape = labels.shape
         for name, t in (("old_log_probs", old_log_probs), ("advantages", advantages)):
             check_float(name, t)
-        losses._check_same_shape("labels", labels, old_log_probs=old_log_probs, advantages=advantages)
-        losses._check_mask(loss_mask, old_log_probs, "labels")
+        losses.check_same_shape("labels", labels, old_log_probs=old_log_probs, advantages=advantages)
+        losses.check_mask(loss_mask, old_log_probs, "labels")
         if opts.kl_coef != 0 and ref_log_probs is None:
             raise ValueError("kl_coef != 0 needs ref_log_probs")
         if ref_log_probs is not None:
-            losses._check_same_shape("labels", labels, ref_log_probs=ref_log_probs)
+            losses.check_same_shape("labels", labels, ref_log_probs=ref_log_probs)
         flat = lambda t: None if t is None else t.detach().reshape(-1).to(dtype)  # noqa: E731
         self.old, self.adv, self.ref = flat(old_log_probs), flat(advantages), flat(ref_log_probs)
         self.mask = loss_mask.reshape(-1)
-        self.weights = losses.agg_weights(loss_mask, opts.loss_agg_mode, opts.loss_scale_factor, dtype=dtype).reshape(-1)
+        weights = losses.agg_weights(loss_mask, opts.loss_agg_mode, opts.loss_scale_factor, dtype=dtype)
+        self.weights = weights.reshape(-1)
         self.inputs = (old_log_probs, advantages, loss_mask, ref_log_probs)
         self.result = None  # (loss, metrics), set by the forward
 
@@ -141,7 +153,7 @@ class _Objective:
         )
         loss = pg - o.entropy_coeff * losses.entropy_bonus(ent, mask, o.loss_agg_mode,
                                                            loss_scale_factor=o.loss_scale_factor)
-        metrics = dict(metrics, pg_loss=pg.detach(), entropy=losses._masked_mean(ent, mask))
+        metrics = dict(metrics, pg_loss=pg.detach(), entropy=losses.masked_mean(ent, mask))
         if ref is not None:
             kl = losses.agg_loss(losses.kl_penalty(lp, ref.to(lp.dtype), o.kl_kind), mask, o.loss_agg_mode,
                                  loss_scale_factor=o.loss_scale_factor)
@@ -170,22 +182,22 @@ def _scale(t: Optional[torch.Tensor], g: torch.Tensor) -> Optional[torch.Tensor]
 
 class _HeadLossFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, tok: Tokens, plan: _Plan, objective: _Objective, main_grad):
+    def forward(ctx, hidden, weight, bias, tok: Tokens, plan: Plan, objective: _Objective, main_grad):
         need = ctx.needs_input_grad[:3]
         cdt = compute_dtype(weight.dtype)
-        h_full = all_gather_dim0(hidden, plan.group) if plan.sequence_parallel else hidden
-        rows = Rows(_token_major(h_full, plan))
+        h_full = full_hidden(hidden, plan)
+        rows = Rows(token_major(h_full, plan))
         n = tok.n
         stats = _new_stats(n, cdt, weight.device)
         blocks = loss_grad_blocks(
-            tok, _filler(rows, weight, bias), width=weight.shape[0], block=plan.vocab_chunk_size,
+            tok, linear_filler(rows, weight, bias), width=weight.shape[0], block=plan.vocab_chunk_size,
             chunk_size=plan.chunk_size, group=plan.group, want=plan.want, token_grads=objective.token_grads,
             stats=stats, dtype=cdt, device=weight.device, compiled=plan.compiled,
         )
         grad_h, gw, gb = linear_grads(blocks, rows, weight, n=n, hidden_dtype=hidden.dtype,
                                       chunk_size=plan.chunk_size, need=need)
         if grad_h is not None:
-            grad_h = reduce_hidden_grad(_token_major_grad(grad_h, h_full.shape, plan), h_full.shape, plan)
+            grad_h = reduce_hidden_grad(token_major_grad(grad_h, h_full.shape, plan), h_full.shape, plan)
         loss = objective.finish(tok, stats)
         # Saved: the gradients themselves (grad_hidden in hidden's dtype, the float32 weight and bias
         # gradients), allocated here instead of in backward; no reference to the inputs.
@@ -205,21 +217,9 @@ class _HeadLossFunction(torch.autograd.Function):
                 grad_weight = _scale(gw, g).to(ctx.dtypes[0])
             else:
                 ctx.main_grad.add_(_scale(gw, g).to(ctx.main_grad.dtype))
-                grad_weight = _main_grad_result(ctx)
+                grad_weight = main_grad_result(ctx.weight_param, ctx.main_grad)
         grad_bias = None if gb is None else _scale(gb, g).to(ctx.dtypes[1])
         return _scale(grad_h, g), grad_weight, grad_bias, None, None, None, None
-
-
-def _token_major(h_full: torch.Tensor, plan: _Plan) -> torch.Tensor:
-    """Hidden states in the per-token tensors' ``[B, T]`` order (Megatron's ``[T, B, H]`` under SP)."""
-    return h_full.transpose(0, 1) if plan.sequence_parallel else h_full
-
-
-def _token_major_grad(grad_h: torch.Tensor, full_shape, plan: _Plan) -> torch.Tensor:
-    if not plan.sequence_parallel:
-        return grad_h
-    t, b = full_shape[0], full_shape[1]
-    return grad_h.view(b, t, *full_shape[2:]).transpose(0, 1).contiguous()
 
 
 def linear_policy_loss(
@@ -317,7 +317,7 @@ def linear_policy_loss(
     """
     opts = PolicyLossOptions(clip_ratio_low, clip_ratio_high, clip_ratio_c, loss_agg_mode, loss_scale_factor,
                              entropy_coeff, kl_coef, kl_kind)
-    _check_head_args(hidden, weight, bias, labels, process_group, False, vocab_chunk_size)
+    check_linear_args(hidden, weight, bias, labels, 1, False, vocab_chunk_size)
     check_chunk("chunk_size", chunk_size)
     sequence_parallel = check_flag("sequence_parallel", sequence_parallel)
     lead = hidden.shape[:-1]
@@ -336,7 +336,7 @@ def linear_policy_loss(
     cdt = compute_dtype(weight.dtype)
     objective = _Objective(opts, labels, old_log_probs, advantages, loss_mask, ref_log_probs, cdt)
     grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
-    plan = _Plan(chunk_size=chunk_size, vocab_chunk_size=min(vocab_chunk_size or v_local, v_local),
+    plan = Plan(chunk_size=chunk_size, vocab_chunk_size=min(vocab_chunk_size or v_local, v_local),
                  group=process_group, sequence_parallel=sequence_parallel, want=Want(),
                  compiled=use_compiled(check_backend(backend), hidden.device))
     main_grad = main_grad_of(weight, gradient_accumulation_fusion)
@@ -352,8 +352,8 @@ def linear_policy_loss(
             zero = torch.zeros(0, dtype=cdt, device=hidden.device)
             lp = ent = zero
         else:
-            h_full = all_gather_dim0(hidden, process_group) if sequence_parallel else hidden
-            lp, ent = _outputs(tok, _forward_stats(_token_major(h_full, plan), weight, bias, tok, plan))
+            h_full = full_hidden(hidden, plan)
+            lp, ent = _outputs(tok, linear_row_stats(token_major(h_full, plan), weight, bias, tok, plan))
         loss, metrics = objective.value(lp, ent)
         if grads:  # zero tokens: a zero loss still connected to the inputs
             loss = loss + sum(t.sum() * 0 for t in (hidden, weight, bias) if t is not None and t.requires_grad)
@@ -367,7 +367,7 @@ class _LogitsLossFunction(torch.autograd.Function):
     def forward(ctx, logits, tok: Tokens, chunk_size: int, group, objective: _Objective, compiled: bool):
         n, v = tok.n, logits.shape[-1]
         cdt = compute_dtype(logits.dtype)
-        fill, view = _logits_source(logits)
+        fill, view = logits_source(logits)
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         gflat = grad.view(n, v)
         direct = logits.dtype == cdt or compiled  # the gradient's own rows are the working buffer
@@ -452,7 +452,7 @@ def policy_loss_from_logits(
     if tok.n == 0 or not grads:
         lp = ent = torch.zeros(0, dtype=cdt, device=logits.device)
         if tok.n:
-            lp, ent = _outputs(tok, _logits_forward_stats(logits, tok, chunk_size, process_group, Want(), compiled))
+            lp, ent = _outputs(tok, logits_row_stats(logits, tok, chunk_size, process_group, Want(), compiled))
         loss, metrics = objective.value(lp, ent)
         return (loss + logits.sum() * 0 if grads else loss), metrics
     loss = _LogitsLossFunction.apply(logits, tok, chunk_size, process_group, objective, compiled)

@@ -267,9 +267,9 @@ def grpo_loss(model: TinyCausalLM, batch: Rollout, *, fused: bool = True):
 def loss_and_grads(model: TinyCausalLM, batch: Rollout, *, fused: bool = True):
     """``(loss, metrics, {name: grad})`` at the current parameters; ``.grad`` is left untouched."""
     loss, metrics = grpo_loss(model, batch, fused=fused)
-    names, params = zip(*[(n, p) for n, p in model.named_parameters() if p.requires_grad])
+    names, params = zip(*[(n, p) for n, p in model.named_parameters() if p.requires_grad], strict=True)
     grads = torch.autograd.grad(loss, params)
-    return loss.item(), metrics, dict(zip(names, grads))
+    return loss.item(), metrics, dict(zip(names, grads, strict=True))
 
 
 @dataclass

@@ -15,10 +15,13 @@ import torch
 import torch.distributed as dist
 
 from chunked_entropy import (
-    ChunkedVocabParallelHead, linear_log_probs_and_entropy, linear_policy_loss, log_probs_and_entropy,
+    ChunkedVocabParallelHead,
+    _kernels,
+    linear_log_probs_and_entropy,
+    linear_policy_loss,
+    log_probs_and_entropy,
     policy_loss_from_logits,
 )
-from chunked_entropy import _kernels
 from tests.helpers import reference, run_distributed
 
 V = 61  # all vocabulary widths here stay on one side of inductor's 4097-column reduction switch
@@ -28,14 +31,14 @@ def _run(fn, leaves, ups):
     leaves = [t.clone().requires_grad_() for t in leaves]
     out = fn(*leaves)
     outs = [o for o in (out.log_probs, out.entropy, out.sum_pi_squared) if o is not None]
-    sum((o.float() * u).sum() for o, u in zip(outs, ups)).backward()
+    sum((o.float() * u).sum() for o, u in zip(outs, ups[: len(outs)], strict=True)).backward()
     return [o.detach() for o in outs] + [t.grad for t in leaves]
 
 
 def _both(fn, leaves, ups, tol):
     eager = _run(lambda *x: fn(*x, backend="eager"), leaves, ups)
     compiled = _run(lambda *x: fn(*x, backend="compile"), leaves, ups)
-    for a, b in zip(eager, compiled):
+    for a, b in zip(eager, compiled, strict=True):
         torch.testing.assert_close(b.float(), a.float(), **tol)
     return compiled
 
@@ -55,7 +58,7 @@ def test_logits_path_matches_eager_and_float64(dtype, extra):
     outs = _both(fn, [z], ups, tol)
     ref = reference(z.double(), labels, temperature=t.double(), sum_pi_squared=True,
                     **{k: v for k, v in extra.items() if k != "compute_sum_pi_squared"})
-    for o, r in zip(outs[:-1], ref):
+    for o, r in zip(outs[:-1], ref[: len(outs) - 1], strict=True):
         torch.testing.assert_close(o.double(), r, rtol=1e-5, atol=1e-5)
 
 
@@ -88,7 +91,7 @@ def test_fused_policy_loss_matches_eager(path):
                                               clip_ratio_c=3.0, backend=backend)
         loss.backward()
         results.append((loss.detach(), h.grad, w.grad))
-    for a, b in zip(*results):
+    for a, b in zip(*results, strict=True):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
 
 

@@ -5,9 +5,8 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from omegaconf import OmegaConf
-
 import torch
+from omegaconf import OmegaConf
 
 from chunked_entropy import ChunkedEntropyConfig, log_probs_and_entropy
 

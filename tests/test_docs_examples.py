@@ -30,7 +30,7 @@ _TITLE = re.compile(r'title="([^"]+)"')
 
 def _blocks(page: str):
     text = (ROOT / page).read_text()
-    for i, m in enumerate(_FENCE.finditer(text)):
+    for m in _FENCE.finditer(text):
         title = _TITLE.search(m.group(1))
         line = text.count("\n", 0, m.start()) + 1
         yield pytest.param(page, text, title.group(1) if title else None, m.group(2), id=f"{page}:{line}")

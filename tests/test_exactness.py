@@ -91,7 +91,7 @@ def test_fused_head_confident_rows_at_a_large_bias():
     refs = (gz @ weight.double(), gz.T @ hidden.double(), gz.sum(0))
     torch.testing.assert_close(lp.double(), lp_r.detach(), rtol=1e-5, atol=1e-5)
     assert _rel_err(h[h_r > 1e-7], h_r.detach()[h_r > 1e-7]) < 1e-4
-    for ours, ref in zip(leaves, refs):
+    for ours, ref in zip(leaves, refs, strict=True):
         torch.testing.assert_close(ours.grad.double(), ref, rtol=1e-4, atol=1e-4)
 
 
@@ -109,14 +109,14 @@ def _run_logits(z, labels, ups, **kw):
     x = z.clone().requires_grad_()
     out = log_probs_and_entropy(x, labels, **kw)
     outs = (out.log_probs, out.entropy, out.sum_pi_squared)
-    sum(((o * u).sum() for o, u in zip(outs, ups) if o is not None), torch.zeros(())).backward()
+    sum(((o * u).sum() for o, u in zip(outs, ups, strict=True) if o is not None), torch.zeros(())).backward()
     return outs, x.grad
 
 
 def _run_ref(z, labels, ups, **kw):
     x = z.double().requires_grad_()
     outs = reference(x, labels, sum_pi_squared=True, **kw)
-    sum((o * u.double()).sum() for o, u in zip(outs, ups)).backward()
+    sum((o * u.double()).sum() for o, u in zip(outs, ups, strict=True)).backward()
     return [o.detach() for o in outs], x.grad
 
 
@@ -151,13 +151,13 @@ def test_transforms_values_and_gradients_fused_head(tf, vocab_chunk_size):
         temperature=t, compute_sum_pi_squared=True, **tf,
     )
     outs = (out.log_probs, out.entropy, out.sum_pi_squared)
-    sum((o * u).sum() for o, u in zip(outs, ups)).backward()
+    sum((o * u).sum() for o, u in zip(outs, ups, strict=True)).backward()
     refs = [x.double().requires_grad_() for x in (hidden, weight, bias)]
     outs_r = reference(refs[0] @ refs[1].T + refs[2], labels, temperature=t, sum_pi_squared=True, **tf)
-    sum((o * u.double()).sum() for o, u in zip(outs_r, ups)).backward()
-    for ours, ref in zip(outs, outs_r):
+    sum((o * u.double()).sum() for o, u in zip(outs_r, ups, strict=True)).backward()
+    for ours, ref in zip(outs, outs_r, strict=True):
         torch.testing.assert_close(ours.double(), ref.detach(), rtol=1e-5, atol=1e-5)
-    for ours, ref in zip(leaves, refs):
+    for ours, ref in zip(leaves, refs, strict=True):
         torch.testing.assert_close(ours.grad.double(), ref.grad, rtol=1e-4, atol=1e-4)
 
 

@@ -89,7 +89,7 @@ def _check(hidden, weight, bias, labels, *, tol=F32, call_kw=None, ref_kw=None, 
         _close(out.entropy, ent_ref, **tol)
     else:
         assert out.entropy is None
-    for name, got, want in zip(("hidden", "weight", "bias"), grads, grads_ref):
+    for name, got, want in zip(("hidden", "weight", "bias"), grads, grads_ref, strict=True):
         if want is None:
             assert got is None
             continue
@@ -108,7 +108,7 @@ def _check(hidden, weight, bias, labels, *, tol=F32, call_kw=None, ref_kw=None, 
     _close(out_c.log_probs, lp_ref, **tol)
     if compute_entropy:
         _close(out_c.entropy, ent_ref, **tol)
-    for got, want in zip(grads_c, grads_ref):
+    for got, want in zip(grads_c, grads_ref, strict=True):
         if want is not None:
             _close(got, want, **tol)
     return out
@@ -223,7 +223,7 @@ def test_no_grad_and_inputs_untouched():
     _close(out.entropy, ent_ref, **F32)
     out = linear_log_probs_and_entropy(hidden, weight, labels, bias=b, chunk_size=4)
     (out.log_probs.sum() + out.entropy.sum()).backward()
-    for t, s, ver in zip((hidden, weight, b), snapshot, versions):
+    for t, s, ver in zip((hidden, weight, b), snapshot, versions, strict=True):
         assert torch.equal(t.detach(), s)
         assert t._version == ver
 
@@ -263,7 +263,7 @@ def test_bfloat16(bias, vocab_chunk_size):
     ((out.log_probs * g_lp.float()).sum() + (out.entropy * g_h.float()).sum()).backward()
     _close(out.log_probs, lp_ref, **F32)
     _close(out.entropy, ent_ref, **F32)
-    for got, want in zip((hidden.grad, weight.grad, None if b is None else b.grad), grads_ref):
+    for got, want in zip((hidden.grad, weight.grad, None if b is None else b.grad), grads_ref, strict=True):
         if want is None:
             continue
         assert got.dtype == torch.bfloat16
@@ -274,7 +274,7 @@ def test_float64_gradcheck():
     hidden, weight, b, labels = _make(lead=(2, 3), h=5, v=9, dtype=torch.float64, seed=13)
     t = torch.tensor([[0.8], [1.7]], dtype=torch.float64)
     for vcs in (None, 4):
-        fn = lambda h, w, bb: tuple(  # noqa: E731
+        fn = lambda h, w, bb, vcs=vcs: tuple(  # noqa: E731
             linear_log_probs_and_entropy(h, w, labels, bias=bb, chunk_size=4, vocab_chunk_size=vcs, temperature=t)
         )
         assert torch.autograd.gradcheck(fn, (hidden, weight, b))
@@ -466,7 +466,7 @@ def test_saved_for_backward_is_references_and_per_token(bias):
         assert t.numel() <= n, f"saved a {tuple(t.shape)} tensor; only O(tokens) may be saved"
     is_ref = [any(_same_storage(t, x) for x in inputs) for t in saved]
     assert sum(is_ref) == len(inputs)
-    per_token = [t for t, r in zip(saved, is_ref) if not r]
+    per_token = [t for t, r in zip(saved, is_ref, strict=True) if not r]
     # the row max, log s and w / s: three float32 per token
     assert len(per_token) == 3 and sum(t.numel() for t in per_token) == 3 * n
 

@@ -109,7 +109,7 @@ def _compare(out, lp, ent, grads, model, what, *, entropy=True):
     got = _grads(model)
     assert got.keys() == grads.keys(), what
     for name in grads:
-        torch.testing.assert_close(got[name], grads[name], **GRADS, msg=lambda m: f"{what} grad {name}: {m}")
+        torch.testing.assert_close(got[name], grads[name], **GRADS, msg=lambda m, name=name: f"{what} grad {name}: {m}")
 
 
 def _untied(rank):

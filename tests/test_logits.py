@@ -87,11 +87,13 @@ def check(base, labels, *, view=lambda t: t, val=VAL, grad=GRAD, use=("lp", "h")
     torch.testing.assert_close(gx.double(), gref, **grad)
     # the compiled kernels: float32 rounding of the eager results, and the same float64 tolerances
     out_c, gx_c = _ours(base, view, labels, g_lp, g_h, backend="compile", **kw_call)
-    for ours_c, ours_e, ref in ((out_c.log_probs, out.log_probs, lp), (out_c.entropy, out.entropy, h), (gx_c, gx, gref)):
+    pairs = ((out_c.log_probs, out.log_probs, lp), (out_c.entropy, out.entropy, h), (gx_c, gx, gref))
+    for ours_c, ours_e, ref in pairs:
         if ours_e is None:
             assert ours_c is None
             continue
-        torch.testing.assert_close(ours_c.double(), ours_e.double(), **(COMPILED if ours_e.dtype == torch.float32 else grad))
+        tol = COMPILED if ours_e.dtype == torch.float32 else grad
+        torch.testing.assert_close(ours_c.double(), ours_e.double(), **tol)
         torch.testing.assert_close(ours_c.double(), ref, **(grad if ours_c is gx_c else val))
     return out, gx
 
@@ -335,7 +337,8 @@ def test_seed_scenario_shared_logits_one_backward():
 
     x = base.clone().requires_grad_(True)
     v0 = x._version
-    lp = log_probs_and_entropy(x, labels, chunk_size=4, compute_entropy=False, label_mask=mask, temperature=0.8).log_probs
+    lp = log_probs_and_entropy(x, labels, chunk_size=4, compute_entropy=False, label_mask=mask,
+                               temperature=0.8).log_probs
     h = log_probs_and_entropy(x, labels, chunk_size=5, temperature=0.8).entropy
     loss_of(x, lp, h).backward()
     assert x._version == v0
@@ -381,7 +384,7 @@ def test_inputs_bitwise_unchanged_and_version_unchanged(dtype):
     (h * g_h.float()).sum().backward()
     with torch.no_grad():
         log_probs_and_entropy(x, labels, chunk_size=4, temperature=temp, label_mask=mask)
-    for t, s, v in zip((x, labels, mask, temp), snap, vers):
+    for t, s, v in zip((x, labels, mask, temp), snap, vers, strict=True):
         assert t._version == v
         assert torch.equal(t.detach(), s)  # bitwise (equal -inf counts as equal)
     # and the same with a per-row temperature that broadcasts (a view of the caller's tensor)

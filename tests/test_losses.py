@@ -36,7 +36,7 @@ def _agg_by_hand(loss, mask, mode, scale=None):
     ms = [[bool(x) for x in r] for r in mask]
     t = len(rows[0])
     n = [sum(r) for r in ms]
-    sums = [sum(x for x, m in zip(r, mr) if m) for r, mr in zip(rows, ms)]
+    sums = [sum(x for x, m in zip(r, mr, strict=True) if m) for r, mr in zip(rows, ms, strict=True)]
     nonempty = [i for i in range(len(rows)) if n[i] > 0]
     total = sum(n)
     grad = [[0.0] * t for _ in rows]
@@ -214,7 +214,8 @@ def test_policy_loss_matches_hand_loop(mode, low, high, c):
         assert loss.dtype == dtype
         assert loss.item() == pytest.approx(want, rel=rtol, abs=rtol)
         (2.5 * loss).backward()
-        torch.testing.assert_close(lp.grad.double(), 2.5 * torch.tensor(want_grad, dtype=torch.float64), rtol=rtol, atol=rtol * 1e-2)
+        want_g = 2.5 * torch.tensor(want_grad, dtype=torch.float64)
+        torch.testing.assert_close(lp.grad.double(), want_g, rtol=rtol, atol=rtol * 1e-2)
         for k, v in want_metrics.items():
             assert metrics[k].item() == pytest.approx(v, rel=rtol, abs=rtol), k
     # the branches the data must exercise, or this test proves little
@@ -235,7 +236,7 @@ def test_policy_loss_grads_for_every_input_and_no_writes():
         inputs,
     )
     policy_loss(lp, old, adv, mask, clip_ratio_c=3.0)
-    for before, after in zip(snapshot, (lp, old, adv, mask)):
+    for before, after in zip(snapshot, (lp, old, adv, mask), strict=True):
         assert torch.equal(before, after)
 
 
@@ -270,7 +271,7 @@ def test_kl_penalty_values_and_grads_by_hand(kind):
         gout = _rand((6, 5), 32)
         (got * gout.to(dtype)).sum().backward()
         val, dlp = [], []
-        for x, y in zip(lp64.flatten().tolist(), ref64.flatten().tolist()):
+        for x, y in zip(lp64.flatten().tolist(), ref64.flatten().tolist(), strict=True):
             d = x - y
             if kind in ("k1", "kl"):
                 v, g = d, 1.0
@@ -303,7 +304,8 @@ def test_entropy_bonus_is_aggregated_entropy(mode):
     want, want_grad = _agg_by_hand(ent64.float(), mask, mode)
     assert got.item() == pytest.approx(want, rel=2e-6)
     (-0.01 * got).backward()  # as in loss = pg_loss - entropy_coeff * bonus
-    torch.testing.assert_close(ent.grad.double(), -0.01 * torch.tensor(want_grad, dtype=torch.float64), rtol=2e-6, atol=0)
+    want_g = -0.01 * torch.tensor(want_grad, dtype=torch.float64)
+    torch.testing.assert_close(ent.grad.double(), want_g, rtol=2e-6, atol=0)
     # hand-worked: entropies 1, 3 | 2 with a two-token and a one-token sequence
     e = torch.tensor([[1.0, 3.0], [2.0, 9.0]])
     m = torch.tensor([[True, True], [True, False]])

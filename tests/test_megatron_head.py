@@ -87,7 +87,7 @@ def _output_layer_matches(rank, group, cfg):
         _close(out.log_probs, lp_ref, what + " log_probs vs float64")
         _close(out.entropy, ent_ref, what + " entropy vs float64")
         ours = (x.grad, layer.weight.grad, layer.bias.grad)
-        for name, got, want in zip(("hidden", "weight", "bias"), ours, grads_meg):
+        for name, got, want in zip(("hidden", "weight", "bias"), ours, grads_meg, strict=True):
             _close(got, want, f"{what} grad_{name}")
         layer.zero_grad()
 

@@ -14,7 +14,11 @@ import torch
 import torch.distributed as dist
 
 from chunked_entropy import (
-    ChunkedVocabParallelHead, linear_log_probs_and_entropy, linear_policy_loss, log_probs_and_entropy, losses,
+    ChunkedVocabParallelHead,
+    linear_log_probs_and_entropy,
+    linear_policy_loss,
+    log_probs_and_entropy,
+    losses,
     policy_loss_from_logits,
 )
 from tests.helpers import run_distributed
@@ -63,7 +67,7 @@ def _composition(d, *, path, temperature, opts, softcap=None):
         loss = loss + opts["kl_coef"] * kl
         metrics["kl"] = kl
     (loss * d["up"]).backward()
-    metrics["entropy"] = losses._masked_mean(ent.detach(), d["mask"])
+    metrics["entropy"] = losses.masked_mean(ent.detach(), d["mask"])
     return loss.detach(), metrics, {k: t.grad for k, t in leaves.items()}
 
 
@@ -106,7 +110,7 @@ def test_matches_the_composition_float32(opts, path, kw, temperature):
         assert not metrics[k].requires_grad
         torch.testing.assert_close(metrics[k].double(), ref_metrics[k].detach().double(), rtol=1e-5, atol=1e-5)
     for k, ref in ref_grads.items():
-        torch.testing.assert_close(grads[k].double(), ref, rtol=1e-4, atol=1e-6, msg=lambda m: f"{k}: {m}")
+        torch.testing.assert_close(grads[k].double(), ref, rtol=1e-4, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
         assert torch.isfinite(grads[k]).all()
 
 
@@ -120,7 +124,7 @@ def test_float64_equals_the_composition_to_rounding(path, ties):
     loss, _, grads = _fused(d, path=path, temperature=0.8, opts=opts, dtype=torch.float64, softcap=3.0, chunk_size=4)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-10, atol=1e-12)
     for k, ref in ref_grads.items():
-        torch.testing.assert_close(grads[k], ref, rtol=1e-8, atol=1e-10, msg=lambda m: f"{k}: {m}")
+        torch.testing.assert_close(grads[k], ref, rtol=1e-8, atol=1e-10, msg=lambda m, k=k: f"{k}: {m}")
 
 
 def test_head_method_is_the_function():

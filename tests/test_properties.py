@@ -55,7 +55,7 @@ def test_chunk_size_does_not_matter(seed, n, v, c1, c2, temperature):
     x, labels, g_lp, g_h = _case(seed, n, v)
     a = _run(x, labels, g_lp, g_h, chunk_size=c1, temperature=temperature)
     b = _run(x, labels, g_lp, g_h, chunk_size=c2, temperature=temperature)
-    for u, w, tol in zip(a, b, (SAME, SAME, SAME_GRAD)):
+    for u, w, tol in zip(a, b, (SAME, SAME, SAME_GRAD), strict=True):
         torch.testing.assert_close(u, w, **tol)
 
 
@@ -85,7 +85,7 @@ def test_adding_a_constant_to_a_row_changes_nothing(seed, n, v, shift, per_row_t
 def _split(v, cuts):
     """Block boundaries of ``range(v)`` from a list of cut points."""
     edges = sorted({0, v, *(k % (v + 1) for k in cuts)})
-    return list(zip(edges[:-1], edges[1:]))
+    return list(zip(edges[:-1], edges[1:], strict=True))
 
 
 def _sharded(x, labels, inv_t, blocks, compute_entropy):
@@ -179,7 +179,7 @@ def test_fused_head_vocab_blocks_do_not_matter(seed, n, v, vb):
         return lp.detach(), ent.detach(), h.grad, w.grad
 
     a, b = run(None), run(vb)
-    for u, w_ in zip(a, b):
+    for u, w_ in zip(a, b, strict=True):
         torch.testing.assert_close(u, w_, rtol=1e-5, atol=2e-5)
     # and the blocked head equals the logits path on the materialised logits
     lp, ent = log_probs_and_entropy(hidden @ weight.t(), labels, temperature=0.9)
@@ -224,5 +224,5 @@ def test_strides_do_not_matter(seed, b, s, v, chunk, view, masked):
 
     strided = run(VIEWS[view])
     copied = run(lambda t: VIEWS[view](t).contiguous())
-    for a, c in zip(strided, copied):
+    for a, c in zip(strided, copied, strict=True):
         assert torch.equal(a, c)

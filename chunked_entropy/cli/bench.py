@@ -306,7 +306,8 @@ def _summarise(case: Case, results: list) -> dict:
 def markdown_table(rows: list) -> str:
     head_cols = any(r["path"] == "head" for r in rows)
     cols = ["path", "tokens", "vocab"] + (["hidden"] if head_cols else []) + [
-        "method", "peak extra memory", "x logits", "plan", "time fwd+bwd (median)", "speed vs plain", "floor", "x floor"]
+        "method", "peak extra memory", "x logits", "plan", "time fwd+bwd (median)", "speed vs plain", "floor",
+        "x floor"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "|".join("---:" if i > 3 else "---" for i in range(len(cols))) + "|"]
     for r in rows:
         if r["status"] == "ok":
@@ -317,7 +318,8 @@ def markdown_table(rows: list) -> str:
                     f"{r['speed_vs_plain']:.2f}x" if r["speed_vs_plain"] else "-",
                     f"{floor:.3f} s" if floor else "-", f"{r['time_s'] / floor:.2f}" if floor else "-"]
         else:
-            vals = [f"{r['status']}: {r['error']}".strip(": "), "-", plan.fmt_bytes(r["plan_bytes"]), "-", "-", "-", "-"]
+            status = f"{r['status']}: {r['error']}".strip(": ")
+            vals = [status, "-", plan.fmt_bytes(r["plan_bytes"]), "-", "-", "-", "-"]
         cells = [r["path"], str(r["tokens"]), str(r["vocab"])] + ([str(r["hidden"] or "-")] if head_cols else [])
         lines.append("| " + " | ".join(cells + [r["label"]] + vals) + " |")
     return "\n".join(lines)

@@ -161,9 +161,9 @@ def demo_steps(args, rank, world, group, device) -> dict:
         _say(rank, "   -> RuntimeError: " + first[:400] + ".", "",
              _wrap(f"Why: naive_entropy saved the float32 logits (version 0) to rebuild its gradient. "
                    f"inplace_log_probs then overwrote that same tensor with the softmax, in place (it "
-                   f"saves a [tokens, V] buffer that way): its version counter went from 0 to {version} in forward (its own "
-                   f"backward, which reuses the buffer, bumps it again before the check). In backward, "
-                   f"autograd checks the version of every saved tensor and refuses to compute a gradient "
+                   f"saves a [tokens, V] buffer that way): its version counter went from 0 to {version} in "
+                   f"forward (its own backward, which reuses the buffer, bumps it again before the check). In "
+                   f"backward, autograd checks the version of every saved tensor and refuses to compute a gradient "
                    f"from data that changed. Had the entropy come second, nothing would raise: it would "
                    f"silently be the entropy of the softmax. The usual fix is a clone (step 2)."), "")
     else:

@@ -41,9 +41,10 @@ from dataclasses import dataclass, field
 from typing import Optional, Union
 
 import torch
+from einops import rearrange
 
+from .._outputs import LogProbsEntropy
 from ..head import ChunkedVocabParallelHead
-from ..logits import LogProbsEntropy
 from ..parallel import default_tp_group, group_rank_size
 
 __all__ = [
@@ -317,9 +318,9 @@ def _to_sb(name, t, b, s, *, per_sample=True):
     if not isinstance(t, torch.Tensor) or (per_sample and t.dim() == 0):
         return t
     if per_sample and t.dim() == 1 and t.shape[0] == b:
-        return t.view(1, b)
+        return rearrange(t, "b -> 1 b")
     if t.dim() == 2 and (t.shape == (b, s) or (per_sample and t.shape == (b, 1))):
-        return t.t()
+        return rearrange(t, "b s -> s b")
     kinds = "per sample [B] or [B, 1], or per token " if per_sample else ""
     raise ValueError(f"{name} must be {kinds}[B, S] = [{b}, {s}] like labels, got shape {tuple(t.shape)}")
 
@@ -343,10 +344,10 @@ def _log_probs(gpt, hidden_states, labels, loss_mask, context) -> LogProbsEntrop
     mask = opts["label_mask"] if opts["label_mask"] is not None else loss_mask
     out = head(
         hidden_states,
-        labels.t(),
+        rearrange(labels, "b s -> s b"),
         temperature=_to_sb("temperature", opts["temperature"], b, s),
         compute_entropy=opts["compute_entropy"],
         label_mask=None if mask is None else _to_sb("label_mask", mask, b, s, per_sample=False).bool(),
     )
-    entropy = None if out.entropy is None else out.entropy.t().contiguous()
-    return LogProbsEntropy(out.log_probs.t().contiguous(), entropy)
+    to_bs = lambda t: None if t is None else rearrange(t, "s b -> b s").contiguous()  # noqa: E731
+    return LogProbsEntropy(to_bs(out.log_probs), to_bs(out.entropy))

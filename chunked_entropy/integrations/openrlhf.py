@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from .trl import _check_ids, _check_logits
 from ..logits import log_probs_and_entropy
+from .trl import check_ids, check_logits
 
 __all__ = ["compute_entropy", "log_probs_from_logits"]
 
@@ -46,8 +46,8 @@ def log_probs_from_logits(
         token. Forward allocates one float32 ``[chunk_size, vocab]`` buffer;
         backward allocates the gradient and at most one such buffer.
     """
-    _check_logits(logits)
-    _check_ids("labels", labels, logits)
+    check_logits(logits)
+    check_ids("labels", labels, logits)
     return log_probs_and_entropy(
         logits, labels, chunk_size=chunk_size, temperature=temperature, compute_entropy=False
     ).log_probs
@@ -68,6 +68,6 @@ def compute_entropy(logits: torch.Tensor, *, chunk_size: int = 1024) -> torch.Te
         token. Forward allocates two float32 ``[chunk_size, vocab]`` buffers;
         backward allocates the gradient and at most two such buffers.
     """
-    _check_logits(logits)
+    check_logits(logits)
     no_label = torch.full(logits.shape[:-1], -100, dtype=torch.int64, device=logits.device)
     return log_probs_and_entropy(logits, no_label, chunk_size=chunk_size).entropy

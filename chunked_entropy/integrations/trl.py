@@ -30,9 +30,10 @@ from typing import Optional
 
 import torch
 
-from .._inputs import check_chunk
-from ..head import linear_log_probs_and_entropy
+from .._checks import check_chunk
+from ..linear import linear_log_probs_and_entropy
 from ..logits import log_probs_and_entropy
+from ._common import check_ids, check_logits
 
 __all__ = [
     "FusedHeadKernel",
@@ -44,28 +45,10 @@ __all__ = [
 ]
 
 
-def _check_logits(logits) -> None:
-    if not isinstance(logits, torch.Tensor):
-        raise TypeError(f"logits must be a torch.Tensor (..., num_classes), got {type(logits).__name__}")
-    if logits.dim() < 1 or logits.shape[-1] < 1:
-        raise ValueError(f"logits must be (..., num_classes) with num_classes >= 1, got shape {tuple(logits.shape)}")
-
-
-def _check_ids(name: str, ids, logits) -> None:
-    """``ids`` must be an id tensor shaped like ``logits`` without its last dim (named in the error)."""
-    if not isinstance(ids, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor of int64 ids, got {type(ids).__name__}")
-    if ids.shape != logits.shape[:-1]:
-        raise ValueError(
-            f"{name} must have the shape of logits without its last dim, {tuple(logits.shape[:-1])}, "
-            f"got {tuple(ids.shape)}"
-        )
-
-
 def _check_index(index, logits, *, allow_k: bool) -> bool:
     """Whether ``index`` is ``(..., K)`` (True) or ``(...)`` (False); a clear error otherwise."""
     if not (allow_k and isinstance(index, torch.Tensor) and index.dim() == logits.dim()):
-        _check_ids("index", index, logits)
+        check_ids("index", index, logits)
         return False
     lead = logits.shape[:-1]
     if index.shape[:-1] == lead and index.shape[-1] >= 1:
@@ -118,7 +101,7 @@ def selective_log_softmax(
         for ``K > 1``, the ``K`` gathered logits). Forward allocates one
         float32 ``[chunk_size, num_classes]`` buffer.
     """
-    _check_logits(logits)
+    check_logits(logits)
     has_k = _check_index(index, logits, allow_k=True)
     keep = _check_row_mask(row_mask, index)
     _check_temperature(temperature)
@@ -149,7 +132,7 @@ def entropy_from_logits(logits: torch.Tensor, chunk_size: int = 128) -> torch.Te
         row. Forward allocates two float32 ``[chunk_size, num_classes]``
         buffers; backward allocates the gradient and at most two such buffers.
     """
-    _check_logits(logits)
+    check_logits(logits)
     check_chunk("chunk_size", chunk_size)
     # No label: every row's label is ignore_index, so only the entropy is computed.
     no_label = torch.full(logits.shape[:-1], -100, dtype=torch.int64, device=logits.device)
@@ -178,7 +161,7 @@ def selective_log_softmax_and_entropy(
     Returns:
         ``(log_probs, entropy)``, float32, shaped like ``index``.
     """
-    _check_logits(logits)
+    check_logits(logits)
     _check_index(index, logits, allow_k=False)
     keep = _check_row_mask(row_mask, index)
     _check_temperature(temperature)

@@ -1,0 +1,212 @@
+"""Fused head: log-probs and entropy from hidden states; the logits never exist whole.
+
+Floor 4 (an op): :func:`linear_log_probs_and_entropy`. The lm_head matmul is
+folded into the chunk loop: forward computes one chunk (and, optionally, one
+vocabulary block) of logits at a time, reduces it to the per-token statistics
+of :mod:`chunked_entropy._stats`, and drops it; backward recomputes the chunk
+and turns its logit gradient straight into gradients for the hidden states,
+the weight and the bias (:func:`chunked_entropy._blocks.linear_grads`).
+:class:`~chunked_entropy.ChunkedVocabParallelHead` is the ``nn.Module`` over it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Optional
+
+import torch
+
+from ._autograd import once_differentiable
+from ._blocks import (
+    Plan,
+    check_linear_args,
+    full_hidden,
+    linear_filler,
+    linear_grads,
+    linear_row_stats,
+    live_group,
+    main_grad_of,
+    main_grad_result,
+    reduce_hidden_grad,
+    weak_group,
+)
+from ._checks import check_chunk, check_flag
+from ._inputs import Rows, Tokens, compute_dtype, prepare_tokens
+from ._kernels import check_backend, use_compiled
+from ._loop import grad_blocks
+from ._outputs import LogProbsEntropy, empty_outputs, pack_outputs, run_outputs, unpack_grads
+from ._stats import RowStats, Transform, Want
+from .parallel import group_rank_size
+
+__all__ = ["linear_log_probs_and_entropy"]
+
+
+class _HeadFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, tok: Tokens, plan: Plan, main_grad):
+        h_full = full_hidden(hidden, plan)
+        r = linear_row_stats(h_full, weight, bias, tok, plan)
+        # Saved: references to hidden (this rank's slice under sequence
+        # parallelism; re-gathered in backward), weight, bias, and two to four
+        # float32 per token.
+        ctx.save_for_backward(hidden, weight, bias, r.m, r.ls, r.ws, r.s2)
+        ctx.tok, ctx.plan, ctx.group = tok, replace(plan, group=None), weak_group(plan.group)
+        ctx.main_grad = main_grad
+        ctx.weight_param = weight if main_grad is not None else None
+        ctx.set_materialize_grads(False)
+        return pack_outputs(tok.outputs(r, plan.want), plan.want)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, *grads):
+        hidden, weight, bias, m, ls, ws, s2 = ctx.saved_tensors
+        tok, plan = ctx.tok, replace(ctx.plan, group=live_group(ctx.group))
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        grads = unpack_grads(grads, plan.want)
+        if all(g is None for g in grads):
+            return (None,) * 6
+        cdt = ls.dtype
+        h_full = full_hidden(hidden, plan)
+        n, v = tok.n, weight.shape[0]
+        rows = Rows(h_full)
+        dev = weight.device
+        # main_grad in the compute dtype is accumulated into directly; a half-precision
+        # main_grad (Megatron allows bf16/fp16 ones) gets one float32 sum, added at the end.
+        into_main = need_w and ctx.main_grad is not None and ctx.main_grad.dtype == cdt
+        blocks = grad_blocks(
+            tok, linear_filler(rows, weight, bias), width=v, block=plan.vocab_chunk_size,
+            chunk_size=plan.chunk_size, stats=RowStats(m, ls, ws, s2, None), grads=grads, dtype=cdt, device=dev,
+            compiled=plan.compiled,
+        )
+        grad_h, gw, gb = linear_grads(
+            blocks, rows, weight, n=n, hidden_dtype=hidden.dtype, chunk_size=plan.chunk_size,
+            need=(need_h, need_w, need_b), gw=ctx.main_grad if into_main else None,
+        )
+        grad_hidden = None if grad_h is None else reduce_hidden_grad(grad_h, h_full.shape, plan)
+        grad_weight = None
+        if need_w:
+            if ctx.main_grad is None:
+                grad_weight = gw.to(weight.dtype)
+            else:
+                if not into_main:
+                    ctx.main_grad.add_(gw)
+                grad_weight = main_grad_result(ctx.weight_param, ctx.main_grad)
+        grad_bias = gb.to(bias.dtype) if need_b else None
+        return grad_hidden, grad_weight, grad_bias, None, None, None
+
+
+def linear_log_probs_and_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    bias: Optional[torch.Tensor] = None,
+    chunk_size: int = 1024,
+    temperature=1.0,
+    process_group=None,
+    sequence_parallel: bool = False,
+    compute_entropy: bool = True,
+    label_mask: Optional[torch.Tensor] = None,
+    ignore_index: int = -100,
+    vocab_chunk_size: Optional[int] = None,
+    gradient_accumulation_fusion: Optional[bool] = None,
+    softcap: Optional[float] = None,
+    logit_scale: Optional[float] = None,
+    compute_sum_pi_squared: bool = False,
+    backend: str = "eager",
+) -> LogProbsEntropy:
+    """Log-probs and entropy of ``softmax((hidden @ weight.T + bias) / temperature)``, fused.
+
+    Same outputs and semantics as
+    :func:`~chunked_entropy.log_probs_and_entropy` applied to the logits
+    ``hidden @ weight.T + bias``, without ever allocating them.
+
+    Args:
+        hidden: ``[..., H]`` hidden states (``[S/P, B, H]``, this rank's
+            slice, with ``sequence_parallel=True``), same dtype as ``weight``.
+        weight: ``[V_local, H]``, this rank's vocabulary shard (Megatron's
+            output layer, a tied embedding, or an ``nn.Linear`` lm_head).
+        labels: ``[...]`` int64 *global* vocabulary ids; with sequence
+            parallelism, for the full gathered sequence.
+        bias: ``[V_local]`` or None.
+        chunk_size: tokens per chunk.
+        temperature: as in :func:`~chunked_entropy.log_probs_and_entropy`.
+        label_mask: as in :func:`~chunked_entropy.log_probs_and_entropy`.
+        ignore_index: as in :func:`~chunked_entropy.log_probs_and_entropy`.
+        compute_entropy: as in :func:`~chunked_entropy.log_probs_and_entropy`.
+        process_group: the tensor-parallel group over which ``weight`` is
+            sharded by rows, or None. ``hidden`` is replicated over it, so its
+            gradient is summed over the group (as ColumnParallelLinear does).
+        sequence_parallel: ``hidden`` arrives split along dim 0; forward
+            all-gathers it, outputs cover the full sequence on every rank,
+            backward reduce-scatters its gradient to the slice.
+        vocab_chunk_size: also block the vocabulary (merging statistics with
+            an online softmax), so that the per-chunk buffers are
+            ``chunk_size * vocab_chunk_size`` instead of ``chunk_size * V_local``.
+        gradient_accumulation_fusion: accumulate the weight gradient into
+            ``weight.main_grad`` (float32), as Megatron's linear layers do with
+            that option; None means "when ``weight`` has ``main_grad``".
+        softcap: as in :func:`~chunked_entropy.log_probs_and_entropy`.
+        logit_scale: as in :func:`~chunked_entropy.log_probs_and_entropy`.
+        compute_sum_pi_squared: as in :func:`~chunked_entropy.log_probs_and_entropy`.
+        backend: as in :func:`~chunked_entropy.log_probs_and_entropy`; the
+            matmuls stay cuBLAS/BLAS calls, the compiled kernels fuse the
+            work on each block of their output.
+
+    Raises:
+        ValueError / TypeError: as :func:`~chunked_entropy.log_probs_and_entropy`;
+            under a process group the ranks must also agree on the
+            sequence-parallel slice length, ``vocab_chunk_size``, whether a
+            bias is given and whether gradients are computed.
+
+    Memory:
+        Saved for backward: references to ``hidden``, ``weight`` and ``bias``
+        and two to four float32 per token. No ``[tokens, V_local]`` tensor is
+        ever allocated: forward and backward each hold one or two float32
+        ``[chunk_size, vocab_chunk_size]`` buffers (a third in backward with
+        ``softcap``; plus the half-precision matmul output when the weight is
+        bf16/fp16). Backward also allocates
+        the gradients: ``grad_hidden`` ``[tokens, H]``, a float32 ``[V_local, H]``
+        weight-gradient accumulator (none with ``main_grad``) and a float32
+        ``[V_local]`` bias accumulator. Sequence parallelism gathers the
+        hidden states once in forward and once in backward (``[S, B, H]``).
+    """
+    sequence_parallel = check_flag("sequence_parallel", sequence_parallel)
+    lead = check_linear_args(hidden, weight, bias, labels, group_rank_size(process_group)[1], sequence_parallel,
+                             vocab_chunk_size)
+    check_chunk("chunk_size", chunk_size)
+    want = Want(check_flag("compute_entropy", compute_entropy),
+                check_flag("compute_sum_pi_squared", compute_sum_pi_squared))
+    v_local = weight.shape[0]
+    cdt = compute_dtype(weight.dtype)
+    main_grad = main_grad_of(weight, gradient_accumulation_fusion)
+    grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
+    plan = Plan(
+        chunk_size=chunk_size,
+        vocab_chunk_size=min(vocab_chunk_size or v_local, v_local),
+        group=process_group,
+        sequence_parallel=sequence_parallel,
+        want=want,
+        compiled=use_compiled(check_backend(backend), hidden.device),
+    )
+    tok = prepare_tokens(
+        labels, lead, v_local, process_group=process_group, label_mask=label_mask,
+        ignore_index=ignore_index, temperature=temperature, device=hidden.device, dtype=cdt,
+        transform=Transform(softcap, logit_scale),
+        settings={
+            "chunk_size": chunk_size, "vocab_chunk_size": plan.vocab_chunk_size,
+            "compute_entropy": want.entropy, "compute_sum_pi_squared": want.sum_pi_squared,
+            "sequence_parallel": sequence_parallel, "hidden.shape[0] (sequence-parallel slice)": hidden.shape[0],
+            "whether gradients are computed": grads, "bias is not None": bias is not None,
+        },
+    )
+    if tok.n == 0:
+        return empty_outputs(labels.shape, want, cdt, hidden.device, [hidden, weight, bias])
+
+    def forward():
+        return linear_row_stats(full_hidden(hidden, plan), weight, bias, tok, plan)
+
+    return run_outputs(
+        lambda: _HeadFunction.apply(hidden, weight, bias, tok, plan, main_grad), forward, tok, want, labels.shape,
+        grads,
+    )
