@@ -6,6 +6,7 @@ import os
 import socket
 import tempfile
 import traceback
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -43,6 +44,31 @@ def reference(
     if sum_pi_squared:
         return lp, ent, (p * p).sum(-1)
     return lp, ent
+
+
+def require(*modules: str) -> None:
+    """Skip the calling test module, with a reason naming what to install, unless ``modules`` import.
+
+    Call it at module level before importing a framework: a framework that
+    cannot be installed on some platform skips its tests instead of failing
+    the collection of the whole suite.
+    """
+    import importlib
+
+    import pytest
+
+    for name in modules:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                importlib.import_module(name)
+        except ImportError as e:
+            pytest.skip(
+                f"{name} is not importable ({type(e).__name__}: {e}); the README's first command installs it "
+                "(pip install -e '.[megatron,test,plot,docs,frameworks]' && pip install --no-deps verl==0.9.1 "
+                "openrlhf==0.11.2)",
+                allow_module_level=True,
+            )
 
 
 def _free_port() -> int:

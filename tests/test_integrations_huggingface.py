@@ -15,24 +15,34 @@ import warnings
 import pytest
 import torch
 
+from chunked_entropy import ChunkedVocabParallelHead
+from tests.helpers import require
+
+require("transformers")
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     import transformers
     from transformers import (
-        CohereConfig, CohereForCausalLM, Gemma2Config, Gemma2ForCausalLM, GraniteConfig, GraniteForCausalLM,
-        Qwen2Config, Qwen2ForCausalLM,
+        CohereConfig,
+        CohereForCausalLM,
+        Gemma2Config,
+        Gemma2ForCausalLM,
+        GraniteConfig,
+        GraniteForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
     )
-
-from chunked_entropy import ChunkedVocabParallelHead
 
 assert transformers.__version__ == "5.24.0", transformers.__version__
 
 COMMON = dict(vocab_size=60, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
               num_key_value_heads=1, max_position_embeddings=32)
 MODELS = {
-    "qwen2_untied": (Qwen2Config, Qwen2ForCausalLM, dict(tie_word_embeddings=False), dict(softcap=None, logit_scale=None)),
+    "qwen2_untied": (Qwen2Config, Qwen2ForCausalLM, dict(tie_word_embeddings=False),
+                     dict(softcap=None, logit_scale=None)),
     "qwen2_tied": (Qwen2Config, Qwen2ForCausalLM, dict(tie_word_embeddings=True), dict(softcap=None, logit_scale=None)),
-    "gemma2": (Gemma2Config, Gemma2ForCausalLM, dict(final_logit_softcapping=2.0, head_dim=8), dict(softcap=2.0, logit_scale=None)),
+    "gemma2": (Gemma2Config, Gemma2ForCausalLM, dict(final_logit_softcapping=2.0, head_dim=8),
+               dict(softcap=2.0, logit_scale=None)),
     "cohere": (CohereConfig, CohereForCausalLM, dict(logit_scale=0.25, pad_token_id=0, bos_token_id=1, eos_token_id=2),
                dict(softcap=None, logit_scale=0.25)),
     "granite": (GraniteConfig, GraniteForCausalLM, dict(logits_scaling=4.0), dict(softcap=None, logit_scale=0.25)),
@@ -82,7 +92,8 @@ def test_head_equals_the_models_own_logits_values_and_every_gradient(name, tempe
     torch.testing.assert_close(h, h_ref.detach(), rtol=1e-4, atol=1e-5)
     theirs = dict(model.named_parameters())
     for pname, p in twin.named_parameters():
-        torch.testing.assert_close(p.grad, theirs[pname].grad, rtol=1e-4, atol=1e-5, msg=lambda m: f"{pname}: {m}")
+        torch.testing.assert_close(p.grad, theirs[pname].grad, rtol=1e-4, atol=1e-5,
+                                   msg=lambda m, pname=pname: f"{pname}: {m}")
 
 
 def test_bf16_qwen2():

@@ -14,6 +14,10 @@ import warnings
 import pytest
 import torch
 
+from chunked_entropy.integrations import trl as ce_trl
+from tests.helpers import reference, require
+
+require("transformers", "trl")
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     import trl
@@ -22,9 +26,6 @@ with warnings.catch_warnings():
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
     from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
-
-from chunked_entropy.integrations import trl as ce_trl
-from tests.helpers import reference
 
 assert trl.__version__ == "1.16.0", trl.__version__
 
@@ -40,7 +41,7 @@ def _grads(fn, logits, *args, ups, **kw):
     x = logits.clone().requires_grad_()
     outs = fn(x, *args, **kw)
     outs = outs if isinstance(outs, tuple) else (outs,)
-    sum((o.float() * u).sum() for o, u in zip(outs, ups) if o is not None and o.requires_grad).backward()
+    sum((o.float() * u).sum() for o, u in zip(outs, ups, strict=True) if o is not None and o.requires_grad).backward()
     return [o.detach() for o in outs], x.grad
 
 
@@ -88,7 +89,7 @@ def test_selective_log_softmax_and_entropy_matches_trl(dtype, entropy_requires_g
     args = (index, entropy_requires_grad, 0.8, row_mask)
     ours, g_ours = _grads(ce_trl.selective_log_softmax_and_entropy, logits, *args, ups=ups)
     theirs, g_theirs = _grads(trl_utils.selective_log_softmax_and_entropy, logits, *args, ups=ups)
-    for a, b in zip(ours, theirs):
+    for a, b in zip(ours, theirs, strict=True):
         torch.testing.assert_close(a, b.float(), **TOL[dtype])
     torch.testing.assert_close(g_ours.float(), g_theirs.float(), **TOL[dtype])
 
@@ -108,7 +109,8 @@ def test_drop_ins_reject_bad_input_naming_it():
 def test_fused_head_kernel_matches_trls_kernel():
     """The stand-in against TRL's ChunkedLogProbFunction itself: softcap, logit scale, temperature, bias."""
     g = torch.Generator().manual_seed(3)
-    hidden, weight, bias = torch.randn(19, 8, generator=g), torch.randn(50, 8, generator=g), torch.randn(50, generator=g)
+    hidden, weight = torch.randn(19, 8, generator=g), torch.randn(50, 8, generator=g)
+    bias = torch.randn(50, generator=g)
     targets = torch.randint(0, 50, (19,), generator=g)
     ups = [torch.randn(19, generator=g) for _ in range(2)]
     args = (targets, 0.7, 16, 5.0, 0.5, ("log_probs", "entropy", "log_sum_sq_probs"))
@@ -121,10 +123,10 @@ def test_fused_head_kernel_matches_trls_kernel():
 
     ours, g_ours = run(ce_trl.FusedHeadKernel(chunk_size=4))
     theirs, g_theirs = run(trl_utils._ChunkedLogProbFunction)
-    for a, b in zip(ours[:3], theirs[:3]):
+    for a, b in zip(ours[:3], theirs[:3], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     assert ours[3] is None and ours[4] is None
-    for a, b in zip(g_ours, g_theirs):
+    for a, b in zip(g_ours, g_theirs, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     # and the transform against float64 from its definition
     lp, h = reference(hidden.double() @ weight.double().T + bias.double(), targets, temperature=0.7,
@@ -176,7 +178,9 @@ def _train(tmp_path, patch, *, rloo=False, **config):
     return logs, kernel, trainer
 
 
-@pytest.mark.parametrize("config", [{}, {"cast_lm_head_to_fp32": True, "num_iterations": 2}], ids=["default", "fp32_head"])
+@pytest.mark.parametrize(
+    "config", [{}, {"cast_lm_head_to_fp32": True, "num_iterations": 2}], ids=["default", "fp32_head"]
+)
 def test_two_grpo_steps_match_trls_own_path(tmp_path, config):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -185,7 +189,7 @@ def test_two_grpo_steps_match_trls_own_path(tmp_path, config):
     assert len(ours) == len(theirs) == 2
     # policy (loss step) and reference model each call the head every step; old log-probs too with 2 iterations
     assert kernel.calls >= 4
-    for a, b in zip(ours, theirs):
+    for a, b in zip(ours, theirs, strict=True):
         for key in ("loss", "grad_norm", "entropy", "kl"):
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), (key, a[key], b[key])
     # patch_trainer is idempotent and undone by unpatch_trainer
@@ -200,7 +204,7 @@ def test_two_rloo_steps_match_trls_own_path(tmp_path):
         theirs, _, _ = _train(tmp_path, patch=False, rloo=True)
         ours, kernel, _ = _train(tmp_path, patch=True, rloo=True)
     assert len(ours) == len(theirs) == 2 and kernel.calls >= 4
-    for a, b in zip(ours, theirs):
+    for a, b in zip(ours, theirs, strict=True):
         assert {"loss", "grad_norm", "kl"} <= set(b)
         for key in ("loss", "grad_norm", "entropy", "kl"):
             if key in b:
@@ -224,7 +228,7 @@ def test_batch_size_and_compute_entropy_are_honoured(tmp_path):
     )
     assert kernel.calls == 3  # batch_size=2 over 5 sequences: three calls of the head
     assert len(ours) == 3 and ours[2] is None
-    for a, b in zip(ours[:2], theirs[:2]):
+    for a, b in zip(ours[:2], theirs[:2], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     logps, entropies, _ = trainer._get_per_token_logps_and_entropies(trainer.model, input_ids, attention_mask, 4)
     assert entropies is None and logps.shape == (5, 4)

@@ -19,16 +19,16 @@ import warnings
 import pytest
 import torch
 
-from tests.helpers import reference, run_distributed
+from chunked_entropy import ChunkedEntropyConfig
+from chunked_entropy.integrations import verl as ce_verl
+from tests.helpers import reference, require, run_distributed
 
+require("megatron.core", "verl")
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     import verl  # noqa: F401
     from verl.workers.config import McoreEngineConfig
     from verl.workers.engine.megatron import transformer_impl
-
-from chunked_entropy import ChunkedEntropyConfig
-from chunked_entropy.integrations import verl as ce_verl
 
 VERL_METHOD = transformer_impl.MegatronEngineWithLMHead.__dict__["_lm_head_logits_processor"]
 
@@ -92,7 +92,8 @@ def _compare(rank, world, fmt, dtype):
     keep = ~pad  # padding rows (t = 1e-8) are dropped by verl's postprocess
     for k in ours:
         assert ours[k].shape == label.shape, k
-        torch.testing.assert_close(ours[k].float()[keep], theirs[k].float()[keep], **tol, msg=lambda m: f"{k}: {m}")
+        torch.testing.assert_close(ours[k].float()[keep], theirs[k].float()[keep], **tol,
+                                   msg=lambda m, k=k: f"{k}: {m}")
         assert torch.isfinite(ours[k]).all(), k
     torch.testing.assert_close(g_ours.float(), g_theirs.float(), **tol)
 
@@ -106,7 +107,7 @@ def _compare(rank, world, fmt, dtype):
         ref = ref.detach()
         torch.testing.assert_close(ours[k].double()[keep], ref[keep], rtol=1e-5, atol=1e-5)
         if dtype == torch.bfloat16:  # where verl's arithmetic is the bf16 one, ours is the closer
-            err = lambda o: (o[k].double()[keep] - ref[keep]).abs().sum()  # noqa: E731
+            err = lambda o, k=k, ref=ref: (o[k].double()[keep] - ref[keep]).abs().sum()  # noqa: E731
             assert err(ours) < err(theirs), k
     g_ref = full.grad[..., rank * v_local : (rank + 1) * v_local]
     gtol = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=2**-7, atol=1e-3)
@@ -198,14 +199,16 @@ def test_config_from_verls_own_actor_config_follows_verls_entropy_rule():
     overrides = ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
                  "actor_rollout_ref.actor.entropy_from_logits_chunk_size=1024"]
     with initialize_config_dir(config_dir=cfgdir, version_base=None):
-        cfg = compose(config_name="ppo_megatron_trainer", overrides=overrides + ["actor_rollout_ref.actor.entropy_coeff=0.01"])
+        cfg = compose(config_name="ppo_megatron_trainer",
+                      overrides=overrides + ["actor_rollout_ref.actor.entropy_coeff=0.01"])
         off = compose(config_name="ppo_megatron_trainer", overrides=overrides)
     actor = cfg.actor_rollout_ref.actor
     assert actor.calculate_entropy is False and actor.entropy_coeff == 0.01  # verl's YAML as shipped
     for section in (actor, omega_conf_to_dataclass(actor)):  # the DictConfig and verl's McoreActorConfig
         c = ChunkedEntropyConfig.from_actor_config(section)
         assert c.compute_entropy is True and c.chunk_size == 1024
-    assert ChunkedEntropyConfig.from_actor_config(omega_conf_to_dataclass(off.actor_rollout_ref.actor)).compute_entropy is False
+    off_cfg = ChunkedEntropyConfig.from_actor_config(omega_conf_to_dataclass(off.actor_rollout_ref.actor))
+    assert off_cfg.compute_entropy is False
 
 
 _PLUGIN_CHECK = r"""
@@ -215,7 +218,6 @@ import verl
 {load}
 assert "verl.workers.engine.megatron.transformer_impl" not in sys.modules, "the plugin imported verl's engine"
 from verl.workers.engine.megatron import transformer_impl as t
-from chunked_entropy.integrations import verl as ce
 assert t.MegatronEngineWithLMHead._lm_head_logits_processor is ce.lm_head_logits_processor
 print("PATCHED")
 """
