@@ -218,6 +218,7 @@ import verl
 {load}
 assert "verl.workers.engine.megatron.transformer_impl" not in sys.modules, "the plugin imported verl's engine"
 from verl.workers.engine.megatron import transformer_impl as t
+from chunked_entropy.integrations import verl as ce
 assert t.MegatronEngineWithLMHead._lm_head_logits_processor is ce.lm_head_logits_processor
 print("PATCHED")
 """
