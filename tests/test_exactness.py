@@ -258,3 +258,56 @@ def test_temperature_that_overflows_z_over_t_gives_the_finite_answer(dtype, t):
     torch.testing.assert_close(h.double(), ref_h, atol=1e-6, rtol=1e-6)
     (lp.sum() + h.sum()).backward()
     assert torch.isfinite(x.grad).all()
+
+
+# ------------------------------------------------------------ real vocabularies
+
+
+def _torch_float32_entropy(z):
+    logp = torch.log_softmax(z, -1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+@pytest.mark.parametrize("backend", ["eager", "compile"])
+@pytest.mark.parametrize("v,n", [(152064, 48), (262144, 24)])
+@pytest.mark.parametrize("offset", [0.0, 1e3, 3e4])
+def test_entropy_at_real_vocabularies_no_worse_than_float32_torch(v, n, offset, backend):
+    """The softmax-weighted offset sum over 150k-260k terms: accumulated as precisely as torch's own sum."""
+    g = _gen(int(offset) + v)
+    z = (torch.randn(n, v, generator=g, dtype=torch.float64) * 2 + offset).float()
+    labels = torch.randint(0, v, (n,), generator=g)
+    lp_ref, h_ref = reference(z.double(), labels)
+    x = z.clone().requires_grad_()
+    lp, h = log_probs_and_entropy(x, labels, chunk_size=16, backend=backend)
+    assert _rel_err(h, h_ref) <= _rel_err(_torch_float32_entropy(z), h_ref)
+    if backend == "eager":  # torch's pairwise sum: the float32 rounding of the entropy itself
+        assert _rel_err(h, h_ref) < 2e-7
+    torch.testing.assert_close(lp.double(), lp_ref, rtol=2e-7, atol=2e-6)
+    # the gradient (per element: no long accumulation) against float64, on a slice of rows
+    g_lp, g_h = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    ((lp * g_lp).sum() + (h * g_h).sum()).backward()
+    xr = z[:4].double().requires_grad_()
+    lr, hr = reference(xr, labels[:4])
+    ((lr * g_lp[:4].double()).sum() + (hr * g_h[:4].double()).sum()).backward()
+    xt = z[:4].clone().requires_grad_()  # plain float32 torch, the bar to clear
+    logp = torch.log_softmax(xt, -1)
+    lt, ht = logp.gather(-1, labels[:4, None]).squeeze(-1), -(logp.exp() * logp).sum(-1)
+    ((lt * g_lp[:4]).sum() + (ht * g_h[:4]).sum()).backward()
+    err = lambda grad: (grad.double() - xr.grad).abs().max().item()  # noqa: E731
+    assert err(x.grad[:4]) <= max(err(xt.grad), 1e-9)
+
+
+@pytest.mark.parametrize("backend", ["eager", "compile"])
+@pytest.mark.parametrize("offset", [0.0, 1e3])
+def test_fused_head_entropy_at_a_152k_vocabulary(offset, backend):
+    g = _gen(7)
+    n, hdim, v = 40, 16, 152064
+    hidden = torch.randn(n, hdim, generator=g)
+    weight = torch.randn(v, hdim, generator=g) * 0.5
+    bias = torch.full((v,), offset) + torch.randn(v, generator=g)
+    labels = torch.randint(0, v, (n,), generator=g)
+    z = torch.addmm(bias, hidden, weight.t())  # the float32 logits torch computes; the reference starts there
+    lp_ref, h_ref = reference(z.double(), labels)
+    lp, h = linear_log_probs_and_entropy(hidden, weight, labels, bias=bias, chunk_size=16, backend=backend)
+    assert _rel_err(h, h_ref) <= _rel_err(_torch_float32_entropy(z), h_ref)
+    torch.testing.assert_close(lp.double(), lp_ref, rtol=1e-6, atol=2e-5)
