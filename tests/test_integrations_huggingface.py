@@ -29,6 +29,10 @@ with warnings.catch_warnings():
         Gemma2ForCausalLM,
         GraniteConfig,
         GraniteForCausalLM,
+        HyperCLOVAXConfig,
+        HyperCLOVAXForCausalLM,
+        MptConfig,
+        MptForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
     )
@@ -46,7 +50,16 @@ MODELS = {
     "cohere": (CohereConfig, CohereForCausalLM, dict(logit_scale=0.25, pad_token_id=0, bos_token_id=1, eos_token_id=2),
                dict(softcap=None, logit_scale=0.25)),
     "granite": (GraniteConfig, GraniteForCausalLM, dict(logits_scaling=4.0), dict(softcap=None, logit_scale=0.25)),
+    # multiplies by logits_scaling where Granite divides
+    "hyperclovax": (HyperCLOVAXConfig, HyperCLOVAXForCausalLM, dict(logits_scaling=0.5),
+                    dict(softcap=None, logit_scale=0.5)),
 }
+# MPT's config has a logit_scale (a number or "inv_sqrt_d_model") that its model never applies
+MPT = dict(d_model=16, n_heads=2, n_layers=1, vocab_size=60, max_seq_len=32, expansion_ratio=2)
+MODELS.update({
+    f"mpt_{name}": (MptConfig, MptForCausalLM, dict(logit_scale=value), dict(softcap=None, logit_scale=None))
+    for name, value in (("number", 0.25), ("inv_sqrt_d_model", "inv_sqrt_d_model"))
+})
 
 
 def _model(name, dtype=torch.float32):
@@ -54,7 +67,7 @@ def _model(name, dtype=torch.float32):
     torch.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = model_cls(config_cls(**COMMON, **extra))
+        model = model_cls(config_cls(**(MPT if config_cls is MptConfig else COMMON), **extra))
     with torch.no_grad():  # large enough logits that the cap and the scale matter
         model.get_output_embeddings().weight.mul_(8)
     return model.to(dtype)

@@ -102,8 +102,16 @@ def test_drop_ins_reject_bad_input_naming_it():
         ce_trl.selective_log_softmax(logits, index, row_mask=torch.ones(2))
     with pytest.raises(ValueError, match="temperature"):
         ce_trl.selective_log_softmax(logits, index, 0.0)
-    with pytest.raises(ValueError, match="labels"):  # an id outside the vocabulary
-        ce_trl.selective_log_softmax(logits, torch.full_like(index, 41))
+    # an id outside the vocabulary, -1 and -100 included: TRL's gather raises for each, and so do we, naming index
+    for bad in (41, -1, -100):
+        wrong = index.clone()
+        wrong[1, 2] = bad
+        with pytest.raises((RuntimeError, IndexError)):
+            trl_utils.selective_log_softmax(logits, wrong)
+        with pytest.raises(ValueError, match=rf"index must hold class ids in \[0, 41\); found {bad}"):
+            ce_trl.selective_log_softmax(logits, wrong)
+        with pytest.raises(ValueError, match="index"):
+            ce_trl.selective_log_softmax_and_entropy(logits, wrong)
 
 
 def test_fused_head_kernel_matches_trls_kernel():

@@ -171,6 +171,20 @@ def test_entropy_off_distillation_keys_and_log_probs_only():
     run_distributed(_distillation, 1)
 
 
+def test_a_nan_or_infinite_temperature_is_refused_not_hidden():
+    """verl's padding temperatures (<= 0) read as 1e-8; a NaN used to read as 1e-8 too (log-probs of -1e8)."""
+    logits, label, temperature, _, _ = _inputs("thd", torch.float32, 13, seed=3)
+    for bad in (float("nan"), float("inf")):
+        t = temperature.clone()
+        t[0, 4] = bad
+        with pytest.raises(ValueError, match="temperature"):
+            ce_verl.lm_head_logits_processor(
+                _engine(8), logits, label, t, calculate_entropy=True, calculate_sum_pi_squared=False,
+                distillation_use_topk=False, distillation_only=False, logits_processor_func=None, batch=None,
+                data_format="thd",
+            )
+
+
 def test_install_uninstall_and_a_failed_patch_leaves_verl_as_it_was(monkeypatch):
     cls = transformer_impl.MegatronEngineWithLMHead
     try:

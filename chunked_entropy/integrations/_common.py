@@ -25,3 +25,19 @@ def check_ids(name: str, ids, logits) -> None:
             f"{name} must have the shape of logits without its last dim, {tuple(logits.shape[:-1])}, "
             f"got {tuple(ids.shape)}"
         )
+
+
+def check_id_range(name: str, ids: torch.Tensor, num_classes: int) -> None:
+    """Every id in ``[0, num_classes)``, as a gather over the classes requires (named in the error).
+
+    Checked at once on the CPU; on an accelerator with an asynchronous
+    device-side assertion (no host sync).
+    """
+    bad = (ids < 0) | (ids >= num_classes)
+    if ids.device.type != "cpu":
+        torch._assert_async(~bad.any(), f"{name} must hold class ids in [0, {num_classes})")
+    elif bool(bad.any()):
+        i = int(bad.reshape(-1).nonzero()[0, 0])
+        raise ValueError(
+            f"{name} must hold class ids in [0, {num_classes}); found {int(ids.reshape(-1)[i])} at flat position {i}"
+        )

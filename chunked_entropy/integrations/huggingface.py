@@ -2,24 +2,28 @@
 
 :func:`head_from_model` (also ``ChunkedVocabParallelHead.from_hf_model``)
 wraps a model's output embedding (tied to the input embedding or not) and
-reads the transform the model applies to its logits from its config:
+reads the transform the model applies to its logits from its config, for the
+architectures whose code applies it (the text config's ``model_type``):
 
-==============================  ===========================  ==================================
-config attribute                 models                       argument
-==============================  ===========================  ==================================
-``final_logit_softcapping``      Gemma 2, Gemma 3             ``softcap``
-``logit_scale``                  Cohere, Cohere 2             ``logit_scale``
-``logits_scaling`` (a divisor)   Granite, Granite MoE         ``logit_scale = 1 / logits_scaling``
-==============================  ===========================  ==================================
+==================================  ==========================================  =====================================
+config attribute                     architectures (Transformers 5.24)            argument
+==================================  ==========================================  =====================================
+``final_logit_softcapping``          Gemma 2/3/3n/4, VaultGemma, NanoChat, ...    ``softcap``
+``logit_scale``                      Cohere, Cohere 2 (MoE), Cohere Compass       ``logit_scale``
+``logits_scaling`` (a divisor)       Granite (MoE, hybrid, SWA), MiniCPM3         ``logit_scale = 1 / logits_scaling``
+``logits_scaling`` (a multiplier)    HyperCLOVA X                                 ``logit_scale = logits_scaling``
+==================================  ==========================================  =====================================
 
 so that the head's log-probs equal ``log_softmax(model(...).logits / T)``.
-Because a model can transform its logits in ways no table lists, the head is
-checked once against the model itself: a two-token forward, comparing the
-model's logits with what the head would take the softmax of. A mismatch
-raises instead of returning something else.
+Another architecture's attribute of the same name is not read (MPT's config
+has a ``logit_scale`` its model never applies). Because a model can
+transform its logits in ways no table lists, the head is checked once
+against the model itself: a two-token forward, comparing the model's logits
+with what the head would take the softmax of. A mismatch raises instead of
+returning something else.
 
 Tested with Transformers 5.24.0 (Qwen2 tied and untied, Gemma 2, Cohere,
-Granite).
+Granite, HyperCLOVA X, MPT).
 """
 
 from __future__ import annotations
@@ -29,17 +33,35 @@ from torch import nn
 
 __all__ = ["head_from_model", "logit_transform"]
 
+# The text config's model_type of each causal LM whose forward applies the attribute (read from
+# Transformers 5.24.0's modeling code: ``logits / cap -> tanh -> * cap``, ``logits * logit_scale``,
+# ``logits / logits_scaling`` (MiniCPM3: the hidden states, before a bias-free lm_head), ``* logits_scaling``).
+SOFTCAP_MODELS = frozenset({
+    "gemma2", "gemma3", "gemma3_text", "gemma3n", "gemma3n_text", "gemma4", "gemma4_text", "gemma4_unified",
+    "gemma4_unified_text", "vaultgemma", "nanochat", "beam", "inkling2_text", "inkling2_loop_text",
+})
+LOGIT_SCALE_MODELS = frozenset({"cohere", "cohere2", "cohere2_moe", "cohere_compass_text"})
+DIVIDED_BY_LOGITS_SCALING = frozenset({
+    "granite", "granite_swa", "granitemoe", "granitemoe_swa", "granitemoehybrid", "granitemoeshared", "minicpm3",
+})
+MULTIPLIED_BY_LOGITS_SCALING = frozenset({"hyperclovax"})
+
 
 def logit_transform(config) -> dict:
-    """``{"softcap": ..., "logit_scale": ...}`` for a Transformers config (values None when absent)."""
+    """``{"softcap": ..., "logit_scale": ...}`` for a Transformers config (values None when not applied).
+
+    Reads each attribute only for the architectures (``model_type``) whose
+    causal LM applies it; see the module doc.
+    """
     cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
-    softcap = getattr(cfg, "final_logit_softcapping", None)
-    scale = getattr(cfg, "logit_scale", None)
-    divisor = getattr(cfg, "logits_scaling", None)
-    if divisor is not None and divisor != 1:
-        if scale is not None:
-            raise ValueError(f"{type(cfg).__name__} has both logit_scale and logits_scaling; which applies is unknown")
-        scale = 1.0 / divisor
+    kind = getattr(cfg, "model_type", None)
+    softcap = getattr(cfg, "final_logit_softcapping", None) if kind in SOFTCAP_MODELS else None
+    scale = getattr(cfg, "logit_scale", None) if kind in LOGIT_SCALE_MODELS else None
+    factor = getattr(cfg, "logits_scaling", None)
+    if kind in DIVIDED_BY_LOGITS_SCALING and factor is not None:
+        scale = 1.0 / factor
+    elif kind in MULTIPLIED_BY_LOGITS_SCALING and factor is not None:
+        scale = float(factor)
     return {"softcap": softcap, "logit_scale": None if scale == 1 else scale}
 
 

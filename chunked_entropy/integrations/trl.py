@@ -33,7 +33,7 @@ import torch
 from .._checks import check_chunk
 from ..linear import linear_log_probs_and_entropy
 from ..logits import log_probs_and_entropy
-from ._common import check_ids, check_logits
+from ._common import check_id_range, check_ids, check_logits
 
 __all__ = [
     "FusedHeadKernel",
@@ -105,9 +105,10 @@ def selective_log_softmax(
     has_k = _check_index(index, logits, allow_k=True)
     keep = _check_row_mask(row_mask, index)
     _check_temperature(temperature)
+    check_id_range("index", index, logits.shape[-1])  # as TRL's gather: every id, masked rows too
     first = index[..., 0] if has_k else index
     lp = log_probs_and_entropy(
-        logits, first, chunk_size=chunk_size, temperature=temperature, compute_entropy=False, ignore_index=-1
+        logits, first, chunk_size=chunk_size, temperature=temperature, compute_entropy=False
     ).log_probs
     if has_k:
         # log p_k = log p_0 + (z_k - z_0) / t: one pass over the vocabulary for all K ids.
@@ -167,7 +168,8 @@ def selective_log_softmax_and_entropy(
     _check_temperature(temperature)
     if not isinstance(entropy_requires_grad, bool):
         raise TypeError(f"entropy_requires_grad must be a bool, got {entropy_requires_grad!r}")
-    lp, ent = log_probs_and_entropy(logits, index, chunk_size=chunk_size, temperature=temperature, ignore_index=-1)
+    check_id_range("index", index, logits.shape[-1])
+    lp, ent = log_probs_and_entropy(logits, index, chunk_size=chunk_size, temperature=temperature)
     if not entropy_requires_grad:
         ent = ent.detach()
     if keep is not None:

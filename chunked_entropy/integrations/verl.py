@@ -85,7 +85,9 @@ def lm_head_logits_processor(
         label: global token ids, the logits' shape without the last dim.
         temperature: per token, the label's shape (verl passes float32; 0 at
             packing-padding rows). Never written: non-positive values are
-            read as verl's ``1e-8``, as verl does.
+            read as verl's ``1e-8``, as verl does. NaN and inf raise a
+            ValueError (``log_probs_and_entropy``'s rule): verl's own method
+            fails on NaN, and gives a uniform distribution for inf.
         calculate_sum_pi_squared: also return ``sum_pi_squared``.
         calculate_entropy: also return ``entropy``.
         distillation_use_topk: call verl's ``logits_processor_func`` for its
@@ -112,7 +114,9 @@ def lm_head_logits_processor(
     """
     if not isinstance(temperature, torch.Tensor):
         temperature = torch.as_tensor(temperature, dtype=torch.float32, device=logits.device)
-    t = torch.where(temperature > 0, temperature, torch.full_like(temperature, PADDING_TEMPERATURE))
+    # verl's padding rows (t <= 0) read as verl's 1e-8; a NaN stays NaN, so it is refused (as verl fails on it),
+    # and so is inf (verl's own arithmetic would give a uniform distribution there)
+    t = torch.where(temperature <= 0, torch.full_like(temperature, PADDING_TEMPERATURE), temperature)
     ret = {}
     want_lp = not distillation_only
     if want_lp or calculate_entropy or calculate_sum_pi_squared:
