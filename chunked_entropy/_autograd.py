@@ -45,3 +45,16 @@ def once_differentiable(backward):
         return wrapped if isinstance(outputs, tuple) else wrapped[0]
 
     return wrapper
+
+
+def graph_is_kept() -> bool:
+    """Whether the backward running now keeps its graph (``retain_graph`` / ``create_graph``).
+
+    A backward that hands over a tensor it saved (the fused loss's stored
+    gradients) may do so only when the graph is freed after it: otherwise a
+    later backward through the same graph would return the same tensor,
+    possibly modified in place by its new owner. torch exposes this only
+    privately; when it is missing, say "kept" (then the caller copies).
+    """
+    query = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return True if query is None else bool(query())

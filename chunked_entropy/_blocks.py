@@ -19,7 +19,7 @@ import torch
 from einops import rearrange
 
 from ._checks import check_chunk, check_float
-from ._inputs import Rows, Tokens, compute_dtype
+from ._inputs import Rows, Tokens, compute_dtype, dtype_code
 from ._loop import row_stats
 from ._stats import Want
 from .parallel import all_gather_dim0, all_reduce_sum_, reduce_scatter_dim0
@@ -96,6 +96,22 @@ def check_linear_args(hidden, weight, bias, labels, world: int, sequence_paralle
                 f"{tuple(lead)} (the full sequence), got {tuple(labels.shape)}"
             )
     return lead
+
+
+def linear_settings(hidden, weight, bias, plan: Plan, grads: bool) -> dict:
+    """What every rank of the group must agree on in an op over hidden states (beyond the per-token inputs).
+
+    The hidden size and the dtype too: ranks that differ there would otherwise
+    meet in a collective with tensors of different sizes.
+    """
+    return {
+        "chunk_size": plan.chunk_size, "vocab_chunk_size": plan.vocab_chunk_size,
+        "compute_entropy": plan.want.entropy, "compute_sum_pi_squared": plan.want.sum_pi_squared,
+        "sequence_parallel": plan.sequence_parallel, "hidden.shape[0] (sequence-parallel slice)": hidden.shape[0],
+        "the hidden size H (weight.shape[1])": weight.shape[1],
+        "weight.dtype (0 float32, 1 bfloat16, 2 float16, 3 float64)": dtype_code(weight.dtype),
+        "whether gradients are computed": grads, "bias is not None": bias is not None,
+    }
 
 
 def full_hidden(hidden: torch.Tensor, plan: Plan) -> torch.Tensor:

@@ -7,15 +7,15 @@ Everything here runs before any chunk is touched, so a bad argument raises
 from __future__ import annotations
 
 import math
-import numbers
 import struct
 from dataclasses import dataclass
 from typing import Optional, Union
 
 import torch
 
+from ._checks import FLOAT_DTYPES, is_int, is_real
 from ._stats import Coefficients, RowStats, Transform, Want
-from .parallel import check_same_on_every_rank, group_rank_size
+from .parallel import CallCheck, fingerprint, fingerprint_floats
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -107,7 +107,7 @@ def prepare_tokens(
     lead_shape: torch.Size,
     v_local: int,
     *,
-    process_group,
+    call: CallCheck,
     label_mask,
     ignore_index: int,
     temperature,
@@ -115,14 +115,15 @@ def prepare_tokens(
     dtype: torch.dtype,
     labels_name: str = "labels",
     transform: Optional[Transform] = None,
-    settings: Optional[dict] = None,
 ) -> Tokens:
     """Check labels, mask and temperature against ``lead_shape``; build :class:`Tokens`.
 
-    With a process group of several ranks, also check that every rank makes
-    the same call: ``settings`` (name -> int), the shard width, the token
-    count and fingerprints of the labels, mask and temperatures (see
-    :func:`~chunked_entropy.parallel.check_same_on_every_rank`).
+    Runs inside the op's :func:`~chunked_entropy.parallel.agreed_call`
+    (``call``): device-side conditions (labels in range, temperatures valid)
+    are recorded there, and so is what every rank of a process group must
+    agree on: the shard width, the token count, the compute dtype, the
+    transform and fingerprints of the labels (after the mask) and of the
+    temperatures.
     """
     if not isinstance(labels, torch.Tensor):
         raise TypeError(f"{labels_name} must be a torch.Tensor of int64 ids, got {type(labels).__name__}")
@@ -135,12 +136,13 @@ def prepare_tokens(
         )
     if labels.device != device:
         raise ValueError(f"{labels_name} is on {labels.device} but the input is on {device}")
+    if not is_int(ignore_index):
+        raise TypeError(f"ignore_index must be an int (the label id meaning 'no label'), got {ignore_index!r}")
     transform = Transform() if transform is None else transform
-    rank, world = group_rank_size(process_group)
-    v_global = v_local * world
+    v_global = v_local * call.world
     flat = labels.reshape(-1).to(torch.int64)
 
-    valid = flat != ignore_index
+    valid = flat != int(ignore_index)
     if label_mask is not None:
         if not isinstance(label_mask, torch.Tensor):
             raise TypeError(f"label_mask must be a bool tensor or None, got {type(label_mask).__name__}")
@@ -156,33 +158,32 @@ def prepare_tokens(
         valid &= label_mask.reshape(-1).to(device=device, dtype=torch.bool)
 
     bad = valid & ((flat < 0) | (flat >= v_global))
-    if device.type == "cpu":
-        if bool(bad.any()):
-            i = int(bad.nonzero()[0, 0])
-            raise ValueError(
-                f"{labels_name} must be vocabulary ids in [0, {v_global}) or ignore_index={ignore_index}; "
-                f"found {int(flat[i])} at flat position {i}"
-            )
-    else:  # no host sync on accelerators: an asynchronous device-side assertion
-        torch._assert_async(
-            ~bad.any(), f"{labels_name} must be vocabulary ids in [0, {v_global}) or ignore_index"
-        )
+    expected = f"{labels_name} must be vocabulary ids in [0, {v_global}) or ignore_index={ignore_index}"
 
-    local = flat - rank * v_local
+    def where_bad():  # on the CPU only: the first bad label, at no cost when there is none
+        i = int(bad.nonzero()[0, 0])
+        return f"{expected}; found {int(flat[i])} at flat position {i}"
+
+    call.require(~bad.any(), where_bad if device.type == "cpu" else expected)
+    local = flat - call.rank * v_local
     target = torch.where(valid & (local >= 0) & (local < v_local), local, -1)
-    inv_t = prepare_temperature(temperature, lead_shape, device, dtype)
-    if world > 1:
-        fields = {
-            "the vocabulary shard width (V_local)": v_local,
-            f"the token count ({labels_name}.numel())": flat.numel(),
-            f"{labels_name} (with label_mask and ignore_index applied)": _fingerprint(torch.where(valid, flat, -1)),
-            "temperature": _fingerprint_scale(inv_t),
-            "softcap": _bits(transform.softcap),
-            "logit_scale": _bits(transform.logit_scale),
-        }
-        fields.update(settings or {})
-        check_same_on_every_rank(process_group, fields, device)
+    inv_t = prepare_temperature(temperature, lead_shape, device, dtype, call)
+    check_transform_scale(transform, inv_t, dtype, call)
+    call.agree("the vocabulary shard width (V_local)", v_local)
+    call.agree(f"the token count ({labels_name}.numel())", flat.numel())
+    call.agree("the compute dtype (bits: 32 for float32, 64 for float64)", torch.finfo(dtype).bits)
+    if call.world > 1:
+        call.agree(f"{labels_name} (with label_mask and ignore_index applied)",
+                   fingerprint(torch.where(valid, flat, -1)))
+        call.agree("temperature", _fingerprint_scale(inv_t))
+    call.agree("softcap", _bits(transform.softcap))
+    call.agree("logit_scale", _bits(transform.logit_scale))
     return Tokens(lead_shape, valid, target, inv_t, transform)
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    """A float dtype as a small int, for :meth:`~chunked_entropy.parallel.CallCheck.agree`."""
+    return FLOAT_DTYPES.index(dtype) if dtype in FLOAT_DTYPES else -1
 
 
 def _bits(x: Optional[float]) -> int:
@@ -190,29 +191,13 @@ def _bits(x: Optional[float]) -> int:
     return -1 if x is None else struct.unpack("<q", struct.pack("<d", float(x)))[0]
 
 
-def _fingerprint(ids: torch.Tensor) -> torch.Tensor:
-    """An int64 fingerprint (0-d, on the tensor's device: no host sync) of a flat integer tensor.
-
-    Any single change alters it.
-    """
-    weights = torch.arange(ids.numel(), device=ids.device) % 65521 + 1
-    return (ids * weights).sum()
-
-
-def fingerprint_floats(t: Optional[torch.Tensor]):
-    """An int64 fingerprint of a float tensor's float32 values (None: -1); any single change alters it."""
-    if t is None:
-        return -1
-    return _fingerprint(t.detach().reshape(-1).to(torch.float32).view(torch.int32).to(torch.int64))
-
-
 def _fingerprint_scale(inv_t):
     if isinstance(inv_t, torch.Tensor):
         return fingerprint_floats(inv_t)
-    return _bits(1.0 if inv_t is None else inv_t)
+    return _bits(1.0 if inv_t is None else inv_t), 0
 
 
-def prepare_temperature(temperature, lead_shape, device, dtype):
+def prepare_temperature(temperature, lead_shape, device, dtype, call: CallCheck):
     """``1 / temperature`` as None (exactly 1), a float, or a [N, 1] column in ``dtype``."""
     if isinstance(temperature, torch.Tensor):
         if not temperature.is_floating_point():
@@ -228,18 +213,33 @@ def prepare_temperature(temperature, lead_shape, device, dtype):
         inv_t = t.reshape(-1, 1).to(dtype).reciprocal()
         # t > 0 and 1/t finite: rejects t <= 0, inf, nan, and t so small that 1/t overflows.
         ok = (inv_t > 0) & torch.isfinite(inv_t) & torch.isfinite(t.reshape(-1, 1))
-        if device.type == "cpu":
-            if not bool(ok.all()):
-                raise ValueError(
-                    f"temperature must be finite and > 0 (with 1/temperature finite in {dtype}) everywhere"
-                )
-        else:
-            torch._assert_async(ok.all(), "temperature must be finite and > 0 everywhere")
+        call.require(ok.all(), f"temperature must be finite and > 0 (with 1/temperature finite in {dtype}) everywhere")
         return inv_t
-    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
+    if not is_real(temperature):
         raise TypeError(f"temperature must be a float > 0 or a tensor, got {type(temperature).__name__}")
     if not (math.isfinite(temperature) and temperature > 0 and 1.0 / temperature < torch.finfo(dtype).max):
         raise ValueError(
             f"temperature must be finite and > 0 (with 1/temperature finite in {dtype}), got {temperature!r}"
         )
     return None if temperature == 1 else 1.0 / float(temperature)
+
+
+def check_transform_scale(tf: Transform, inv_t, dtype, call: CallCheck) -> None:
+    """The transform's factors must be finite in ``dtype``: ``softcap / t``, ``logit_scale / t`` and
+    ``logit_scale / softcap`` can overflow although each value is fine on its own."""
+    big = torch.finfo(dtype).max
+    named = [("softcap / temperature", tf.softcap), ("logit_scale / temperature", tf.logit_scale)]
+    if tf.softcap is not None and tf.logit_scale is not None and not tf.logit_scale / tf.softcap < big:
+        raise ValueError(
+            f"logit_scale / softcap = {tf.logit_scale} / {tf.softcap} overflows {dtype}; "
+            "use a smaller logit_scale or a larger softcap"
+        )
+    for name, factor in named:
+        if factor is None:
+            continue
+        if isinstance(inv_t, torch.Tensor):
+            call.require(torch.isfinite(inv_t * factor).all(), f"{name} overflows {dtype} for some rows; use a "
+                         "larger temperature or a smaller factor")
+        elif not factor * (1.0 if inv_t is None else inv_t) < big:
+            raise ValueError(f"{name} = {factor} * {1.0 if inv_t is None else inv_t} (1/temperature) overflows "
+                             f"{dtype}; use a larger temperature or a smaller factor")

@@ -24,6 +24,7 @@ from ._blocks import (
     linear_filler,
     linear_grads,
     linear_row_stats,
+    linear_settings,
     live_group,
     main_grad_of,
     main_grad_result,
@@ -36,7 +37,7 @@ from ._kernels import check_backend, use_compiled
 from ._loop import grad_blocks
 from ._outputs import LogProbsEntropy, empty_outputs, pack_outputs, run_outputs, unpack_grads
 from ._stats import RowStats, Transform, Want
-from .parallel import group_rank_size
+from .parallel import agreed_call
 
 __all__ = ["linear_log_probs_and_entropy"]
 
@@ -171,35 +172,29 @@ def linear_log_probs_and_entropy(
         ``[V_local]`` bias accumulator. Sequence parallelism gathers the
         hidden states once in forward and once in backward (``[S, B, H]``).
     """
-    sequence_parallel = check_flag("sequence_parallel", sequence_parallel)
-    lead = check_linear_args(hidden, weight, bias, labels, group_rank_size(process_group)[1], sequence_parallel,
-                             vocab_chunk_size)
-    check_chunk("chunk_size", chunk_size)
-    want = Want(check_flag("compute_entropy", compute_entropy),
-                check_flag("compute_sum_pi_squared", compute_sum_pi_squared))
-    v_local = weight.shape[0]
-    cdt = compute_dtype(weight.dtype)
-    main_grad = main_grad_of(weight, gradient_accumulation_fusion)
-    grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
-    plan = Plan(
-        chunk_size=chunk_size,
-        vocab_chunk_size=min(vocab_chunk_size or v_local, v_local),
-        group=process_group,
-        sequence_parallel=sequence_parallel,
-        want=want,
-        compiled=use_compiled(check_backend(backend), hidden.device),
-    )
-    tok = prepare_tokens(
-        labels, lead, v_local, process_group=process_group, label_mask=label_mask,
-        ignore_index=ignore_index, temperature=temperature, device=hidden.device, dtype=cdt,
-        transform=Transform(softcap, logit_scale),
-        settings={
-            "chunk_size": chunk_size, "vocab_chunk_size": plan.vocab_chunk_size,
-            "compute_entropy": want.entropy, "compute_sum_pi_squared": want.sum_pi_squared,
-            "sequence_parallel": sequence_parallel, "hidden.shape[0] (sequence-parallel slice)": hidden.shape[0],
-            "whether gradients are computed": grads, "bias is not None": bias is not None,
-        },
-    )
+    with agreed_call(process_group) as call:  # every rank validates; a refused call raises on all of them
+        sequence_parallel = check_flag("sequence_parallel", sequence_parallel)
+        lead = check_linear_args(hidden, weight, bias, labels, call.world, sequence_parallel, vocab_chunk_size)
+        check_chunk("chunk_size", chunk_size)
+        want = Want(check_flag("compute_entropy", compute_entropy),
+                    check_flag("compute_sum_pi_squared", compute_sum_pi_squared))
+        v_local = weight.shape[0]
+        cdt = compute_dtype(weight.dtype)
+        main_grad = main_grad_of(weight, gradient_accumulation_fusion)
+        grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
+        plan = Plan(
+            chunk_size=chunk_size,
+            vocab_chunk_size=min(vocab_chunk_size or v_local, v_local),
+            group=process_group,
+            sequence_parallel=sequence_parallel,
+            want=want,
+            compiled=use_compiled(check_backend(backend), hidden.device),
+        )
+        tok = prepare_tokens(
+            labels, lead, v_local, call=call, label_mask=label_mask, ignore_index=ignore_index,
+            temperature=temperature, device=hidden.device, dtype=cdt, transform=Transform(softcap, logit_scale),
+        )
+        call.agree_all(linear_settings(hidden, weight, bias, plan, grads))
     if tok.n == 0:
         return empty_outputs(labels.shape, want, cdt, hidden.device, [hidden, weight, bias])
 

@@ -13,11 +13,12 @@ import torch
 from ._autograd import once_differentiable
 from ._blocks import logits_row_stats, logits_source
 from ._checks import check_chunk, check_flag, check_float
-from ._inputs import Tokens, compute_dtype, prepare_tokens
+from ._inputs import Tokens, compute_dtype, dtype_code, prepare_tokens
 from ._kernels import check_backend, use_compiled
 from ._loop import grad_blocks
 from ._outputs import LogProbsEntropy, empty_outputs, pack_outputs, run_outputs, unpack_grads
 from ._stats import RowStats, Transform, Want
+from .parallel import agreed_call
 
 
 class _LogitsFunction(torch.autograd.Function):
@@ -146,22 +147,24 @@ def log_probs_and_entropy(
         >>> log_probs, entropy = log_probs_and_entropy(logits, labels, chunk_size=4)
         >>> (log_probs.sum() + 0.01 * entropy.sum()).backward()
     """
-    check_float("logits", logits)
-    if logits.dim() < 1 or logits.shape[-1] < 1:
-        raise ValueError(f"logits must be [..., V_local] with V_local >= 1, got shape {tuple(logits.shape)}")
-    check_chunk("chunk_size", chunk_size)
-    want = Want(check_flag("compute_entropy", compute_entropy),
-                check_flag("compute_sum_pi_squared", compute_sum_pi_squared))
-    compiled = use_compiled(check_backend(backend), logits.device)
-    cdt = compute_dtype(logits.dtype)
-    grads = torch.is_grad_enabled() and logits.requires_grad
-    tok = prepare_tokens(
-        labels, logits.shape[:-1], logits.shape[-1], process_group=process_group,
-        label_mask=label_mask, ignore_index=ignore_index, temperature=temperature,
-        device=logits.device, dtype=cdt, transform=Transform(softcap, logit_scale),
-        settings={"chunk_size": chunk_size, "compute_entropy": want.entropy,
-                  "compute_sum_pi_squared": want.sum_pi_squared, "logits.requires_grad": grads},
-    )
+    with agreed_call(process_group) as call:  # every rank validates; a refused call raises on all of them
+        check_float("logits", logits)
+        if logits.dim() < 1 or logits.shape[-1] < 1:
+            raise ValueError(f"logits must be [..., V_local] with V_local >= 1, got shape {tuple(logits.shape)}")
+        check_chunk("chunk_size", chunk_size)
+        want = Want(check_flag("compute_entropy", compute_entropy),
+                    check_flag("compute_sum_pi_squared", compute_sum_pi_squared))
+        compiled = use_compiled(check_backend(backend), logits.device)
+        cdt = compute_dtype(logits.dtype)
+        grads = torch.is_grad_enabled() and logits.requires_grad
+        tok = prepare_tokens(
+            labels, logits.shape[:-1], logits.shape[-1], call=call, label_mask=label_mask,
+            ignore_index=ignore_index, temperature=temperature, device=logits.device, dtype=cdt,
+            transform=Transform(softcap, logit_scale),
+        )
+        call.agree_all({"chunk_size": chunk_size, "compute_entropy": want.entropy,
+                        "compute_sum_pi_squared": want.sum_pi_squared, "logits.requires_grad": grads,
+                        "logits.dtype (0 float32, 1 bfloat16, 2 float16, 3 float64)": dtype_code(logits.dtype)})
     if tok.n == 0:
         return empty_outputs(labels.shape, want, cdt, logits.device, [logits])
     return run_outputs(

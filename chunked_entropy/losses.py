@@ -19,18 +19,22 @@ gradient) instead of NaN.
 
 from __future__ import annotations
 
-from typing import Optional
+import struct
+import zlib
+from dataclasses import dataclass
+from typing import Optional, Union
 
 import torch
 
-from ._checks import check_real, is_real
+from ._checks import check_real, is_int, is_real
+from .parallel import fingerprint_floats
 
 __all__ = [
-    "AGG_MODES", "KL_KINDS", "agg_loss", "agg_weights", "entropy_bonus", "kl_penalty", "kl_penalty_grad",
-    "policy_loss", "policy_loss_grad",
+    "AGG_MODES", "KL_KINDS", "Aggregation", "agg_loss", "agg_weights", "entropy_bonus", "kl_penalty",
+    "kl_penalty_grad", "masked_mean", "policy_loss", "policy_loss_grad",
 ]
 
-AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 """Loss-aggregation modes of :func:`agg_loss` (verl's ``actor.loss_agg_mode`` values)."""
 
 _KL_ALIASES = {"k1": "k1", "kl": "k1", "k2": "k2", "mse": "k2", "k3": "k3", "low_var_kl": "k3", "abs": "abs"}
@@ -67,6 +71,11 @@ def check_mode(name: str, mode) -> None:
 
 
 def check_mask(loss_mask, loss_mat: torch.Tensor, of: str = "loss_mat") -> None:
+    """``loss_mask``: bool, or real weights >= 0 (finite), shaped like ``loss_mat``.
+
+    The weights' sign is checked on the CPU at once; on an accelerator with an
+    asynchronous device-side assertion (no host sync).
+    """
     check_tensor("loss_mask", loss_mask, floating=False)
     if loss_mask.dtype.is_complex:
         raise TypeError(f"loss_mask must be a bool or real tensor, got {loss_mask.dtype}")
@@ -77,6 +86,14 @@ def check_mask(loss_mask, loss_mat: torch.Tensor, of: str = "loss_mat") -> None:
         )
     if loss_mat.dim() < 1:
         raise ValueError(f"{of} must be at least 1-D ([..., response_length]), got a scalar")
+    if loss_mask.dtype != torch.bool:
+        ok = ((loss_mask >= 0) & torch.isfinite(loss_mask) if loss_mask.is_floating_point() else loss_mask >= 0).all()
+        message = "loss_mask must be bool or hold finite weights >= 0"
+        if loss_mask.device.type == "cpu":
+            if not bool(ok):
+                raise ValueError(f"{message}; got a minimum of {loss_mask.min().item()!r}")
+        else:
+            torch._assert_async(ok, message)
 
 
 def check_clip_ratio_c(value) -> Optional[float]:
@@ -89,24 +106,114 @@ def check_clip_ratio_c(value) -> Optional[float]:
 # ---------------------------------------------------------------- aggregation
 
 
-def _weights(loss_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return loss_mask.to(dtype)
-
-
 def _masked_sum(values: torch.Tensor, weights: torch.Tensor, dim=None) -> torch.Tensor:
     """``sum(values * weights)`` with masked (weight 0) positions selected away, not multiplied."""
     picked = torch.where(weights != 0, values * weights, torch.zeros((), dtype=values.dtype, device=values.device))
     return picked.sum() if dim is None else picked.sum(dim=dim)
 
 
-def _safe_div(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
+def _safe_div(num: torch.Tensor, den) -> torch.Tensor:
     """``num / den``, with 0 where ``den == 0`` (then ``num`` is 0 too: nothing was selected)."""
+    if not isinstance(den, torch.Tensor):
+        return num / den if den else torch.zeros_like(num)
     return num / torch.where(den != 0, den, torch.ones_like(den))
 
 
 def masked_mean(values: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
-    w = _weights(loss_mask, values.dtype)
+    """The mean of ``values`` over the mask (weights multiply); 0 for an empty mask."""
+    w = loss_mask.to(values.dtype)
     return _safe_div(_masked_sum(values, w), w.sum())
+
+
+def _count(name: str, value):
+    """A global count (``batch_num_tokens``, ``global_batch_size``): None, a number > 0, or a 1-element tensor."""
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.dtype.is_complex or value.dtype == torch.bool:
+            raise ValueError(f"{name} must be a number > 0 or a 1-element real tensor, got {tuple(value.shape)} "
+                             f"{value.dtype}")
+        value = value.detach().reshape(())
+        if value.device.type == "cpu" and not bool(value > 0):
+            raise ValueError(f"{name} must be > 0, got {value.item()!r}")
+        return value
+    return check_real(name, value, low=0.0, low_open=True)
+
+
+@dataclass(frozen=True, eq=False)
+class Aggregation:
+    """How a per-token loss becomes one number: verl 0.9.1's ``agg_loss`` arguments, checked.
+
+    Attributes:
+        mode: one of :data:`AGG_MODES`.
+        loss_scale_factor: the divisor of ``"seq-mean-token-sum-norm"`` (> 0);
+            None means the response length ``T``.
+        dp_size: the data-parallel size. Each rank's loss is multiplied by
+            it, so that the *average* of the ranks' gradients (what DDP and
+            FSDP form) is the gradient of the loss over the global batch.
+        batch_num_tokens: the number of valid tokens in the global batch
+            (``"token-mean"``; required when ``dp_size > 1``), a number or a
+            1-element tensor (not synchronized to the host).
+        global_batch_size: the number of non-empty sequences in the global
+            batch (the ``"seq-mean-*"`` modes; required when ``dp_size > 1``).
+    """
+
+    mode: str = "token-mean"
+    loss_scale_factor: Optional[float] = None
+    dp_size: int = 1
+    batch_num_tokens: Union[None, float, torch.Tensor] = None
+    global_batch_size: Union[None, float, torch.Tensor] = None
+
+    def __post_init__(self):
+        check_mode("loss_agg_mode", self.mode)
+        if self.loss_scale_factor is not None:
+            object.__setattr__(self, "loss_scale_factor", check_real("loss_scale_factor", self.loss_scale_factor,
+                                                                     low=0.0, low_open=True))
+        if not (is_int(self.dp_size) and self.dp_size >= 1):
+            raise ValueError(f"dp_size must be an int >= 1, got {self.dp_size!r}")
+        object.__setattr__(self, "dp_size", int(self.dp_size))
+        object.__setattr__(self, "batch_num_tokens", _count("batch_num_tokens", self.batch_num_tokens))
+        object.__setattr__(self, "global_batch_size", _count("global_batch_size", self.global_batch_size))
+        if self.dp_size > 1:
+            if self.mode == "token-mean" and self.batch_num_tokens is None:
+                raise ValueError("batch_num_tokens (the valid tokens of the global batch) is required with "
+                                 "loss_agg_mode='token-mean' and dp_size > 1")
+            if self.mode.startswith("seq-mean") and self.global_batch_size is None:
+                raise ValueError("global_batch_size (the non-empty sequences of the global batch) is required with "
+                                 f"loss_agg_mode={self.mode!r} and dp_size > 1")
+
+    def weights(self, loss_mask: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+        """Per-token weights ``W`` with ``agg_loss(L) == sum(W * L)`` (every mode is linear in the losses)."""
+        m = loss_mask.to(dtype)
+        dp = self.dp_size
+        if self.mode == "token-mean":
+            n = m.sum() if self.batch_num_tokens is None else self.batch_num_tokens
+            return _safe_div(m * dp, n.to(dtype) if isinstance(n, torch.Tensor) else n)
+        if self.mode == "token-sum":
+            return m * dp
+        n = m.sum(dim=-1, keepdim=True)  # tokens per sequence
+        has_tokens = (n > 0).to(dtype)  # fully masked sequences do not count
+        per_seq = _safe_div(has_tokens, n) if self.mode == "seq-mean-token-mean" else has_tokens
+        g = has_tokens.sum() if self.global_batch_size is None else self.global_batch_size
+        w = _safe_div(m * per_seq * dp, g.to(dtype) if isinstance(g, torch.Tensor) else g)
+        if self.mode == "seq-mean-token-sum-norm":
+            scale = loss_mask.shape[-1] if self.loss_scale_factor is None else self.loss_scale_factor
+            w = w / scale if scale else w  # T == 0: no tokens, no weights
+        return w
+
+    def keywords(self) -> dict:
+        """The keyword arguments of :func:`agg_loss` (and :func:`policy_loss`) that make this aggregation."""
+        return dict(loss_agg_mode=self.mode, loss_scale_factor=self.loss_scale_factor, dp_size=self.dp_size,
+                    batch_num_tokens=self.batch_num_tokens, global_batch_size=self.global_batch_size)
+
+    def fingerprint(self) -> tuple:
+        """What ranks of a tensor-parallel group must agree on: the options, the counts' values."""
+        def count(v):
+            if isinstance(v, torch.Tensor):
+                return fingerprint_floats(v)
+            return (-1, -1) if v is None else (struct.unpack("<q", struct.pack("<d", v))[0], 0)
+        return (zlib.crc32(repr((self.mode, self.loss_scale_factor, self.dp_size)).encode()),
+                *count(self.batch_num_tokens), *count(self.global_batch_size))
 
 
 def agg_loss(
@@ -115,90 +222,112 @@ def agg_loss(
     mode: str = "token-mean",
     *,
     loss_scale_factor: Optional[float] = None,
+    dp_size: int = 1,
+    batch_num_tokens=None,
+    global_batch_size=None,
 ) -> torch.Tensor:
-    r"""Aggregate a per-token loss matrix into a scalar, as verl's ``agg_loss``.
+    r"""Aggregate a per-token loss matrix into a scalar, as verl 0.9.1's ``agg_loss``.
 
     With ``m`` the mask, ``L`` the loss, ``i`` the sequence and ``t`` the token,
-    ``T`` the response length (``loss_mask.shape[-1]``) and ``n_i = sum_t m_it``:
+    ``T`` the response length (``loss_mask.shape[-1]``), ``n_i = sum_t m_it``,
+    ``D = dp_size``, ``N`` the valid tokens (``batch_num_tokens``, default
+    ``sum_it m_it``) and ``S`` the non-empty sequences (``global_batch_size``,
+    default the number of ``i`` with ``n_i > 0``):
 
-    - ``"token-mean"``: ``sum_it m_it L_it / sum_it m_it`` (every valid token
-      weighs the same; DAPO).
-    - ``"seq-mean-token-sum"``: mean over sequences with ``n_i > 0`` of
-      ``sum_t m_it L_it``.
-    - ``"seq-mean-token-mean"``: mean over sequences with ``n_i > 0`` of
-      ``sum_t m_it L_it / n_i`` (every sequence weighs the same; original GRPO).
-    - ``"seq-mean-token-sum-norm"``: ``sum_it m_it L_it / loss_scale_factor``,
-      where ``loss_scale_factor`` defaults to ``T = loss_mask.shape[-1]`` (Dr.
-      GRPO's constant normalizer; pass a fixed value, e.g. the maximum
-      response length, to keep it constant across batches).
+    - ``"token-mean"``: ``D * sum_it m_it L_it / N`` (every valid token weighs
+      the same; DAPO).
+    - ``"token-sum"``: ``D * sum_it m_it L_it``.
+    - ``"seq-mean-token-sum"``: ``D * sum_i (sum_t m_it L_it) / S``.
+    - ``"seq-mean-token-mean"``: ``D * sum_{i: n_i > 0} (sum_t m_it L_it / n_i) / S``
+      (every sequence weighs the same; original GRPO).
+    - ``"seq-mean-token-sum-norm"``: ``D * sum_i (sum_t m_it L_it) / S / loss_scale_factor``,
+      ``loss_scale_factor`` defaulting to ``T`` (Dr. GRPO's constant normalizer;
+      pass a fixed value, e.g. the maximum response length, to keep it
+      constant across batches).
 
-    Fully masked sequences are excluded from the sequence means, and an empty
-    selection gives 0 (not NaN), as in current verl.
+    With ``dp_size > 1`` pass the global counts (as verl does): each rank's
+    loss is then ``D`` times its share of the global loss, so the *average*
+    of the ranks' gradients (DDP, FSDP) is the gradient of the loss over the
+    global batch. Fully masked sequences are excluded from the sequence
+    means. An empty selection gives 0 with zero gradients, where verl 0.9.1's
+    ``"token-mean"`` divides 0 by 0 (NaN) and its ``"seq-mean-token-mean"``
+    adds 1e-8 to each count (below float32 resolution for counts >= 1; the
+    values agree).
 
     Args:
         loss_mat: ``[..., T]`` per-token losses; all leading dims are sequences
             (typically ``[batch, response_length]``).
         loss_mask: ``[..., T]``, the shape of ``loss_mat``: bool, or 0/1 (a
-            non-negative weight is multiplied in and counted as its value).
+            finite weight >= 0 is multiplied in and counted as its value).
         mode: one of :data:`AGG_MODES`.
         loss_scale_factor: the divisor of ``"seq-mean-token-sum-norm"`` (> 0);
             ``None`` means ``loss_mask.shape[-1]``. Ignored by the other modes.
+        dp_size: the data-parallel size (an int >= 1).
+        batch_num_tokens: the valid tokens of the global batch (``"token-mean"``),
+            a number or a 1-element tensor; required when ``dp_size > 1``.
+        global_batch_size: the non-empty sequences of the global batch (the
+            ``"seq-mean-*"`` modes); required when ``dp_size > 1``.
 
     Returns:
         A 0-dim tensor in ``loss_mat``'s dtype, differentiable w.r.t. ``loss_mat``.
 
     Raises:
-        ValueError: unknown ``mode``, ``loss_mask`` of another shape, or a bad
-            ``loss_scale_factor``.
+        ValueError: unknown ``mode``, ``loss_mask`` of another shape or with a
+            negative weight, a bad count or ``loss_scale_factor``, or a
+            missing global count with ``dp_size > 1``.
         TypeError: a non-tensor or non-floating ``loss_mat``.
     """
     check_tensor("loss_mat", loss_mat)
     check_mask(loss_mask, loss_mat)
-    check_mode("mode", mode)
-    if loss_scale_factor is not None:
-        check_real("loss_scale_factor", loss_scale_factor, low=0.0, low_open=True)
-    return _aggregate(loss_mat, loss_mask, mode, loss_scale_factor)
+    agg = Aggregation(mode, loss_scale_factor, dp_size, batch_num_tokens, global_batch_size)
+    return aggregate(loss_mat, loss_mask, agg)
 
 
-def _aggregate(loss_mat, loss_mask, mode, loss_scale_factor=None):
-    # Sums and token counts in at least float32 (a float16 count overflows at 65504
-    # tokens); the result is returned in the loss's dtype.
+def aggregate(loss_mat: torch.Tensor, loss_mask: torch.Tensor, agg: Aggregation) -> torch.Tensor:
+    """:func:`agg_loss` with checked arguments: ``sum(W * L)``, in at least float32, returned in ``L``'s dtype.
+
+    Sums and token counts are formed in at least float32 (a float16 count
+    overflows at 65504 tokens).
+    """
     acc = torch.promote_types(loss_mat.dtype, torch.float32)
-    return _aggregate_in(loss_mat.to(acc), loss_mask, mode, loss_scale_factor).to(loss_mat.dtype)
-
-
-def _aggregate_in(loss_mat, loss_mask, mode, loss_scale_factor):
-    return _masked_sum(loss_mat, agg_weights(loss_mask, mode, loss_scale_factor, dtype=loss_mat.dtype))
+    return _masked_sum(loss_mat.to(acc), agg.weights(loss_mask, acc)).to(loss_mat.dtype)
 
 
 def agg_weights(
-    loss_mask: torch.Tensor, mode: str = "token-mean", loss_scale_factor: Optional[float] = None, *, dtype=torch.float32
+    loss_mask: torch.Tensor,
+    mode: str = "token-mean",
+    loss_scale_factor: Optional[float] = None,
+    *,
+    dtype=torch.float32,
+    dp_size: int = 1,
+    batch_num_tokens=None,
+    global_batch_size=None,
 ) -> torch.Tensor:
-    """The per-token weights of :func:`agg_loss`: ``agg_loss(L, loss_mask, mode) == sum(W * L)``.
+    """The per-token weights of :func:`agg_loss`: ``agg_loss(L, loss_mask, mode, ...) == sum(W * L)``.
 
     Every aggregation mode is linear in the losses with weights that depend
-    only on the mask (see :func:`agg_loss` for each), which is what lets the
-    fused policy loss form its gradient per token. Masked tokens weigh 0.
+    only on the mask and the global counts (see :func:`agg_loss` for each),
+    which is what lets the fused policy loss form its gradient per token.
+    Masked tokens weigh 0.
 
     Args:
-        loss_mask: ``[..., T]`` bool (or 0/1, or non-negative weights).
+        loss_mask: ``[..., T]`` bool (or finite weights >= 0).
         mode: one of :data:`AGG_MODES`.
         loss_scale_factor: as in :func:`agg_loss`.
         dtype: of the weights (at least float32 is advised: counts).
+        dp_size: as in :func:`agg_loss`.
+        batch_num_tokens: as in :func:`agg_loss`.
+        global_batch_size: as in :func:`agg_loss`.
 
     Returns:
         ``[..., T]`` weights.
+
+    Raises:
+        ValueError / TypeError: as :func:`agg_loss`.
     """
-    m = loss_mask.to(dtype)
-    if mode == "token-mean":
-        return _safe_div(m, m.sum())
-    if mode == "seq-mean-token-sum-norm":
-        scale = loss_mask.shape[-1] if loss_scale_factor is None else loss_scale_factor
-        return m / scale if scale else m  # T == 0: no tokens, no weights
-    n = m.sum(dim=-1, keepdim=True)  # tokens per sequence
-    has_tokens = (n > 0).to(dtype)  # fully masked sequences do not count
-    per_seq = has_tokens if mode == "seq-mean-token-sum" else _safe_div(has_tokens, n)
-    return _safe_div(m * per_seq, has_tokens.sum())
+    check_tensor("loss_mask", loss_mask, floating=False)
+    check_mask(loss_mask, loss_mask)
+    return Aggregation(mode, loss_scale_factor, dp_size, batch_num_tokens, global_batch_size).weights(loss_mask, dtype)
 
 
 # ---------------------------------------------------------------- policy loss
@@ -215,6 +344,9 @@ def policy_loss(
     clip_ratio_c: Optional[float] = None,
     loss_agg_mode: str = "token-mean",
     loss_scale_factor: Optional[float] = None,
+    dp_size: int = 1,
+    batch_num_tokens=None,
+    global_batch_size=None,
 ):
     r"""PPO clipped surrogate loss, with optional dual clip (verl's ``compute_policy_loss``).
 
@@ -244,6 +376,9 @@ def policy_loss(
             (verl's default is 3.0).
         loss_agg_mode: one of :data:`AGG_MODES`.
         loss_scale_factor: the divisor of ``"seq-mean-token-sum-norm"`` (see :func:`agg_loss`).
+        dp_size: as in :func:`agg_loss`.
+        batch_num_tokens: as in :func:`agg_loss`.
+        global_batch_size: as in :func:`agg_loss`.
 
     Returns:
         ``(loss, metrics)``: a 0-dim loss, and a dict of detached 0-dim float
@@ -263,9 +398,7 @@ def policy_loss(
     low = check_real("clip_ratio_low", clip_ratio_low, low=0.0, high=1.0)
     high = check_real("clip_ratio_high", clip_ratio_high, low=0.0)
     clip_ratio_c = check_clip_ratio_c(clip_ratio_c)
-    check_mode("loss_agg_mode", loss_agg_mode)
-    if loss_scale_factor is not None:
-        check_real("loss_scale_factor", loss_scale_factor, low=0.0, low_open=True)
+    agg = Aggregation(loss_agg_mode, loss_scale_factor, dp_size, batch_num_tokens, global_batch_size)
 
     # Masked positions are selected away *before* any arithmetic: a NaN there (an
     # advantage or log-prob of padding) would otherwise turn into 0 * NaN in backward.
@@ -287,7 +420,7 @@ def policy_loss(
         negative = advantages < 0
         losses = torch.where(negative, torch.minimum(clipped, l3), clipped)
         lower = negative & (clipped > l3)
-    loss = _aggregate(losses, loss_mask, loss_agg_mode, loss_scale_factor)
+    loss = aggregate(losses, loss_mask, agg)
 
     with torch.no_grad():
         dtype = torch.promote_types(log_ratio.dtype, torch.float32)
@@ -300,6 +433,14 @@ def policy_loss(
 
 
 # ---------------------------------------------------------------- KL and entropy
+
+
+def _check_kl(log_probs, ref_log_probs, kind) -> str:
+    check_tensor("log_probs", log_probs)
+    check_same_shape("log_probs", log_probs, ref_log_probs=ref_log_probs)
+    if not isinstance(kind, str) or kind not in _KL_ALIASES:
+        raise ValueError(f"kind must be one of {', '.join(map(repr, KL_KINDS))}; got {kind!r}")
+    return _KL_ALIASES[kind]
 
 
 def kl_penalty(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, kind: str = "low_var_kl") -> torch.Tensor:
@@ -329,11 +470,7 @@ def kl_penalty(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, kind: str =
     Raises:
         ValueError: unknown ``kind``, or ``ref_log_probs`` of another shape.
     """
-    check_tensor("log_probs", log_probs)
-    check_same_shape("log_probs", log_probs, ref_log_probs=ref_log_probs)
-    if not isinstance(kind, str) or kind not in _KL_ALIASES:
-        raise ValueError(f"kind must be one of {', '.join(map(repr, KL_KINDS))}; got {kind!r}")
-    kind = _KL_ALIASES[kind]
+    kind = _check_kl(log_probs, ref_log_probs, kind)
     d = log_probs - ref_log_probs
     if kind == "k1":
         return d
@@ -350,8 +487,11 @@ def kl_penalty_grad(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, kind: 
 
     Matches autograd of :func:`kl_penalty` exactly, clamps included (a
     clamped value passes no gradient; ``abs`` has gradient 0 at 0).
+
+    Raises:
+        ValueError: as :func:`kl_penalty`.
     """
-    kind = _KL_ALIASES[kind]
+    kind = _check_kl(log_probs, ref_log_probs, kind)
     d = log_probs - ref_log_probs
     if kind == "k1":
         return torch.ones_like(d)
@@ -386,8 +526,23 @@ def policy_loss_grad(
     does), and the dual clip ``min(., -A c)`` (where ``A < 0``) passes it
     where the clipped loss is the smaller (half on a tie). Masked tokens get
     0. Multiply by :func:`agg_weights` for the gradient of the loss.
+
+    Raises:
+        ValueError / TypeError: as :func:`policy_loss` (shapes, clip ratios).
     """
-    keep = loss_mask != 0
+    check_tensor("log_probs", log_probs)
+    check_same_shape("log_probs", log_probs, old_log_probs=old_log_probs, advantages=advantages)
+    check_mask(loss_mask, log_probs, "log_probs")
+    return clipped_objective_grad(
+        log_probs, old_log_probs, advantages, loss_mask != 0,
+        check_real("clip_ratio_low", clip_ratio_low, low=0.0, high=1.0),
+        check_real("clip_ratio_high", clip_ratio_high, low=0.0), check_clip_ratio_c(clip_ratio_c),
+    )
+
+
+def clipped_objective_grad(log_probs, old_log_probs, advantages, keep, clip_ratio_low: float,
+                           clip_ratio_high: float, clip_ratio_c: Optional[float]) -> torch.Tensor:
+    """:func:`policy_loss_grad` of checked arguments (``keep``: the mask as bool), for callers that checked."""
     zero = torch.zeros((), dtype=log_probs.dtype, device=log_probs.device)
     lp, old, adv = (torch.where(keep, t, zero) for t in (log_probs, old_log_probs, advantages))
     d = lp - old
@@ -412,8 +567,11 @@ def entropy_bonus(
     mode: str = "token-mean",
     *,
     loss_scale_factor: Optional[float] = None,
+    dp_size: int = 1,
+    batch_num_tokens=None,
+    global_batch_size=None,
 ) -> torch.Tensor:
-    """The aggregated entropy, ``agg_loss(entropy, loss_mask, mode)``, to subtract from the loss.
+    """The aggregated entropy, ``agg_loss(entropy, loss_mask, mode, ...)``, to subtract from the loss.
 
     verl's actor loss is ``pg_loss - entropy_coeff * entropy_bonus(...) + kl_coef * kl_loss``.
 
@@ -423,16 +581,17 @@ def entropy_bonus(
         loss_mask: ``[B, T]`` bool (or 0/1) response mask.
         mode: one of :data:`AGG_MODES`.
         loss_scale_factor: the divisor of ``"seq-mean-token-sum-norm"`` (see :func:`agg_loss`).
+        dp_size: as in :func:`agg_loss`.
+        batch_num_tokens: as in :func:`agg_loss`.
+        global_batch_size: as in :func:`agg_loss`.
 
     Returns:
         A 0-dim tensor, differentiable w.r.t. ``entropy``.
 
     Raises:
-        ValueError: unknown ``mode`` or ``loss_mask`` of another shape.
+        ValueError: as :func:`agg_loss`.
     """
     check_tensor("entropy", entropy)
     check_mask(loss_mask, entropy, "entropy")
-    check_mode("mode", mode)
-    if loss_scale_factor is not None:
-        check_real("loss_scale_factor", loss_scale_factor, low=0.0, low_open=True)
-    return _aggregate(entropy, loss_mask, mode, loss_scale_factor)
+    return aggregate(entropy, loss_mask, Aggregation(mode, loss_scale_factor, dp_size, batch_num_tokens,
+                                                     global_batch_size))

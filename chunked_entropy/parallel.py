@@ -11,6 +11,8 @@ path needs none.
 
 from __future__ import annotations
 
+import contextlib
+import zlib
 from typing import Optional
 
 import torch
@@ -24,7 +26,12 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 
 
 def group_rank_size(group) -> tuple[int, int]:
-    """``(rank, world_size)`` of this process in ``group``; ``(0, 1)`` for None."""
+    """``(rank, world_size)`` of this process in ``group``; ``(0, 1)`` for None.
+
+    Raises a clear error when the group cannot be used by this process:
+    torch.distributed is not initialized, ``group`` is not a process group,
+    or this process is not one of its members.
+    """
     if group is None:
         return 0, 1
     if not (dist.is_available() and dist.is_initialized()):
@@ -32,7 +39,21 @@ def group_rank_size(group) -> tuple[int, int]:
             "process_group was given but torch.distributed is not initialized; "
             "call torch.distributed.init_process_group first, or pass process_group=None"
         )
-    return dist.get_rank(group), dist.get_world_size(group)
+    if group is dist.GroupMember.NON_GROUP_MEMBER:  # what new_group() returns on the ranks it leaves out
+        raise ValueError(
+            f"this process (global rank {dist.get_rank()}) is not a member of process_group "
+            "(torch.distributed.new_group returned GroupMember.NON_GROUP_MEMBER here); pass the "
+            "tensor-parallel group this rank belongs to"
+        )
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"process_group must be a torch.distributed ProcessGroup or None, got {type(group).__name__}")
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError(
+            f"this process (global rank {dist.get_rank()}) is not a member of process_group (its global ranks: "
+            f"{dist.get_process_group_ranks(group)}); pass the tensor-parallel group this rank belongs to"
+        )
+    return rank, dist.get_world_size(group)
 
 
 def _active(group) -> bool:
@@ -58,31 +79,193 @@ def reduce_stats(st: BlockStats, group, k) -> BlockStats:
     return BlockStats(m, packed[0], packed[1], w, q, packed[2])
 
 
-def check_same_on_every_rank(group, fields: dict, device) -> None:
-    """Raise the same ValueError on every rank of ``group`` where ``fields`` differ across ranks.
+#: Length of the vector every rank sends in the one all-gather of a call's check. Fixed, so that a rank
+#: whose arguments were refused early still sends as many numbers as its peers: never a size mismatch.
+CHECK_SLOTS = 128
 
-    ``fields`` maps a description to an int or a 0-d int64 tensor (settings,
-    sizes, fingerprints of the per-token inputs, computed on the device).
-    Costs one all-gather of ``len(fields)`` int64 and, on an accelerator, one
-    host sync; without a group it does nothing.
+
+class CallCheck:
+    """The checks of one call that every rank of its process group must pass, and agree on.
+
+    Made by :func:`agreed_call`. Inside the ``with`` block the call checks its
+    arguments (raising on a bad one, as it would without a group) and records
+
+    - :meth:`require`: a condition computed on the device (e.g. "every label
+      is in range"); on the CPU it is checked at once, on an accelerator it
+      joins the all-gather instead of costing a host sync of its own;
+    - :meth:`agree`: a value every rank must have the same (sizes, options,
+      fingerprints of the per-token inputs).
     """
-    if not _active(group):
-        return
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    names = list(fields)
-    local = torch.stack([torch.as_tensor(fields[n], dtype=torch.int64, device=device).reshape(()) for n in names])
-    every = local.new_empty(world * len(names))
-    _all_gather_single(every, local, group=group)
-    every = every.view(world, len(names)).tolist()
-    for i, name in enumerate(names):
-        values = [row[i] for row in every]
-        if len(set(values)) > 1:
-            seen = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
+
+    def __init__(self, group, rank: int, world: int):
+        self.group, self.rank, self.world = group, rank, world
+        self.requirements = []  # (ok: 0-d bool tensor, message)
+        self.fields = {}  # name -> int, 0-d int64 tensor, or a tuple of those
+
+    def require(self, ok: torch.Tensor, message) -> None:
+        """``ok`` (a 0-d bool tensor) must hold; ``message`` (a str, or a callable giving one) says what failed."""
+        if ok.device.type == "cpu":
+            if not bool(ok):
+                raise ValueError(message() if callable(message) else message)
+            return
+        text = message if isinstance(message, str) else "an argument failed a device-side check"
+        if self.world == 1:  # no collective to join: an asynchronous device-side assertion, no host sync
+            torch._assert_async(ok, text)
+        else:
+            self.requirements.append((ok, text))
+
+    def agree(self, name: str, value) -> None:
+        """Every rank must pass the same ``value`` (an int, a 0-d int64 tensor, or a tuple of them)."""
+        if self.world > 1:
+            self.fields[name] = value
+
+    def agree_all(self, fields: dict) -> None:
+        """:meth:`agree` on each ``name: value`` of ``fields``."""
+        for name, value in fields.items():
+            self.agree(name, value)
+
+    # ------------------------------------------------------------------ the exchange
+
+    def _values(self):
+        out = []
+        for v in self.fields.values():
+            out.extend(v if isinstance(v, tuple) else (v,))
+        return out
+
+    def _structure(self) -> int:
+        """A hash of what is checked: ranks that made different calls (different entry points) differ here."""
+        names = [f"{k}:{len(v) if isinstance(v, tuple) else 1}" for k, v in self.fields.items()]
+        return zlib.crc32(repr((names, [m for _, m in self.requirements])).encode()) & 0x7FFFFFFF
+
+    def exchange(self, error: Optional[BaseException]) -> None:
+        """The one all-gather of the call; raises the same error on every rank when any rank failed."""
+        device = collective_device(self.group)
+        vec = torch.zeros(CHECK_SLOTS, dtype=torch.int64, device=device)
+        values = [] if error is not None else self._values()
+        used = 2 + len(self.requirements) + len(values)
+        if error is None and used > CHECK_SLOTS:  # the same on every rank that made the same call
+            error = RuntimeError(f"chunked_entropy: {used} checks exceed CHECK_SLOTS={CHECK_SLOTS} (a bug)")
+        if error is not None:
+            vec[0] = 1
+        else:
+            vec[1] = self._structure()
+            flags = [(~ok).to(device=device, dtype=torch.int64).reshape(()) for ok, _ in self.requirements]
+            nums = [torch.as_tensor(v, dtype=torch.int64).to(device).reshape(()) for v in values]
+            if flags or nums:
+                vec[2:used] = torch.stack(flags + nums)
+        every = vec.new_empty(self.world * CHECK_SLOTS)
+        _all_gather_single(every, vec, group=self.group)
+        rows = every.view(self.world, CHECK_SLOTS).tolist()  # the call's one host sync
+        refused = [r for r in range(self.world) if rows[r][0] == 1]
+        if refused:
+            self._raise_refused(refused, error)
+        if len({row[1] for row in rows}) > 1:
             raise ValueError(
-                f"{name} differs across the {world} ranks of process_group ({seen}; this is rank {rank}). "
-                "Every rank of the tensor-parallel group must make the same call: the same tokens, "
-                "labels, temperatures and options, and vocabulary shards of the same size"
+                f"the {self.world} ranks of process_group made different calls (this is rank {self.rank}); every "
+                "rank of the tensor-parallel group must call the same function with the same options"
             )
+        for i, (_, message) in enumerate(self.requirements):
+            bad = [r for r in range(self.world) if rows[r][2 + i]]
+            if bad:
+                raise ValueError(
+                    f"{message} (failed on rank{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))} of the "
+                    f"{self.world} ranks of process_group; this is rank {self.rank})"
+                )
+        at = 2 + len(self.requirements)
+        for name, v in self.fields.items():
+            width = len(v) if isinstance(v, tuple) else 1
+            seen = [tuple(row[at:at + width]) for row in rows]
+            at += width
+            if len(set(seen)) > 1:
+                show = ", ".join(f"rank {r}: {x[0] if width == 1 else x}" for r, x in enumerate(seen))
+                raise ValueError(
+                    f"{name} differs across the {self.world} ranks of process_group ({show}; this is rank "
+                    f"{self.rank}). Every rank of the tensor-parallel group must make the same call: the same "
+                    "tokens, labels, temperatures and options, and vocabulary shards of the same size"
+                )
+
+    def _raise_refused(self, refused, error):
+        """Share the refused ranks' messages (a second collective, only on failure) and raise them everywhere."""
+        mine = None if error is None else (type(error).__name__, str(error))
+        every = [None] * self.world
+        dist.all_gather_object(every, mine, group=self.group)
+        kinds = {every[r][0] for r in refused}
+        cls = {"TypeError": TypeError}.get(kinds.pop(), ValueError) if len(kinds) == 1 else ValueError
+        said = "; ".join(f"rank {r}: {every[r][1]}" for r in refused)
+        which = f"rank{'s' if len(refused) > 1 else ''} {', '.join(map(str, refused))}"
+        err = cls(
+            f"{said} (the call was refused on {which} of the {self.world} ranks of process_group, so every rank "
+            f"raises this error; this is rank {self.rank})"
+        )
+        if error is not None:
+            raise err from error
+        raise err
+
+
+@contextlib.contextmanager
+def agreed_call(group):
+    """Check a call's arguments under ``group`` so that every rank either proceeds or raises the same error.
+
+    Yields a :class:`CallCheck`. Without a group (or with one rank) it only
+    runs the checks. With several ranks, leaving the block makes one
+    all-gather of :data:`CHECK_SLOTS` int64 (and one host sync): a rank
+    whose checks raised still joins it, flagged, so its peers never wait in
+    a later collective; then every rank raises the same error, naming the
+    rank(s) and what failed, and the group stays usable. Errors that make
+    the group itself unusable (not initialized, this process not a member)
+    are raised at once: there is no collective to join.
+    """
+    rank, world = group_rank_size(group)
+    call = CallCheck(group, rank, world)
+    if world == 1:
+        yield call
+        return
+    try:
+        yield call
+    except Exception as e:  # noqa: BLE001 - any failure of a rank's checks is shared with its peers
+        call.exchange(e)
+        raise  # exchange raised already; kept for readers
+    call.exchange(None)
+
+
+_P = 2_147_483_629  # a prime below 2**31: products of two residues fit in int64
+_A, _B = 1_103_515_245, 1_664_525  # position mixing constants below 2**31
+
+
+def fingerprint(ints: torch.Tensor):
+    """Two int64 fingerprints (0-d tensors on the input's device: no host sync) of a flat integer tensor.
+
+    Each element ``v`` at position ``i`` becomes ``x = (v * a_i + b_i) mod P``
+    with per-position multipliers; the fingerprints are ``sum(x)`` and
+    ``sum(x**2 mod P)``. A single changed element always changes the first
+    (``a_i`` is invertible mod ``P``); several changes that cancel in the
+    linear sum still change the quadratic one unless they also cancel there,
+    which for differences that are not constructed against this hash has a
+    chance of about ``1 / P`` (2**-31) per call. Values may be any int64
+    whose residue mod ``P`` identifies them (ids, float32 bit patterns).
+    """
+    ints = ints.reshape(-1).to(torch.int64)
+    i = torch.arange(ints.numel(), device=ints.device) % _P
+    a = (i * _A + 1) % _P + 1
+    b = (i * _B + 7) % _P
+    x = (torch.remainder(ints, _P) * a + b) % _P
+    return x.sum(), (x * x % _P).sum()
+
+
+def fingerprint_floats(t: Optional[torch.Tensor]):
+    """:func:`fingerprint` of a float tensor's float32 values (bit patterns); ``(-1, -1)`` for None."""
+    if t is None:
+        return -1, -1
+    return fingerprint(t.detach().reshape(-1).to(torch.float32).view(torch.int32))
+
+
+def collective_device(group) -> torch.device:
+    """The device of the tensors ``group``'s collectives take: the CPU for gloo, else the current accelerator."""
+    backend = str(dist.get_backend(group))
+    if "gloo" in backend or not torch.accelerator.is_available():
+        return torch.device("cpu")
+    acc = torch.accelerator.current_accelerator()
+    return torch.device(acc.type, torch.accelerator.current_device_index())
 
 
 def all_reduce_sum_(t: torch.Tensor, group) -> torch.Tensor:

@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 
 from . import losses
-from ._autograd import once_differentiable
+from ._autograd import graph_is_kept, once_differentiable
 from ._blocks import (
     Plan,
     check_linear_args,
@@ -33,6 +33,7 @@ from ._blocks import (
     linear_filler,
     linear_grads,
     linear_row_stats,
+    linear_settings,
     logits_row_stats,
     logits_source,
     main_grad_of,
@@ -42,35 +43,36 @@ from ._blocks import (
     token_major_grad,
 )
 from ._checks import check_chunk, check_flag, check_float, check_real
-from ._inputs import Rows, Tokens, compute_dtype, fingerprint_floats, prepare_tokens
+from ._inputs import Rows, Tokens, compute_dtype, dtype_code, prepare_tokens
 from ._kernels import check_backend, use_compiled
 from ._loop import loss_grad_blocks
 from ._stats import RowStats, Transform, Want
-from .parallel import group_rank_size
+from .parallel import agreed_call, fingerprint_floats
 
 __all__ = ["PolicyLossOptions", "linear_policy_loss", "policy_loss_from_logits"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class PolicyLossOptions:
     """The objective: ``pg - entropy_coeff * entropy_bonus + kl_coef * agg(kl_penalty)``.
 
-    Fields and defaults are those of :func:`chunked_entropy.losses.policy_loss`,
-    :func:`~chunked_entropy.losses.kl_penalty` and
-    :func:`~chunked_entropy.losses.agg_loss`; checked on construction.
+    Fields and defaults are those of :func:`chunked_entropy.losses.policy_loss`
+    and :func:`~chunked_entropy.losses.kl_penalty`; ``agg`` is the
+    aggregation of every term (:class:`~chunked_entropy.losses.Aggregation`,
+    verl's ``agg_loss`` arguments). Checked on construction; numbers of any
+    kind (numpy's too) are stored as floats, so the options of two ranks
+    compare equal.
     """
 
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.2
     clip_ratio_c: Optional[float] = None
-    loss_agg_mode: str = "token-mean"
-    loss_scale_factor: Optional[float] = None
     entropy_coeff: float = 0.0
     kl_coef: float = 0.0
     kl_kind: str = "low_var_kl"
+    agg: losses.Aggregation = losses.Aggregation()
 
     def __post_init__(self):
-        # numbers of any kind (numpy's too) are stored as floats: the options compare equal across ranks
         checked = dict(
             clip_ratio_low=check_real("clip_ratio_low", self.clip_ratio_low, low=0.0, high=1.0),
             clip_ratio_high=check_real("clip_ratio_high", self.clip_ratio_high, low=0.0),
@@ -78,14 +80,16 @@ class PolicyLossOptions:
             entropy_coeff=check_real("entropy_coeff", self.entropy_coeff),
             kl_coef=check_real("kl_coef", self.kl_coef),
         )
-        losses.check_mode("loss_agg_mode", self.loss_agg_mode)
-        if self.loss_scale_factor is not None:
-            checked["loss_scale_factor"] = check_real("loss_scale_factor", self.loss_scale_factor, low=0.0,
-                                                      low_open=True)
         for name, value in checked.items():
             object.__setattr__(self, name, value)
         if not isinstance(self.kl_kind, str) or self.kl_kind not in losses.KL_KINDS:
             raise ValueError(f"kl_kind must be one of {', '.join(map(repr, losses.KL_KINDS))}; got {self.kl_kind!r}")
+
+    def fingerprint(self) -> tuple:
+        """What the ranks of a tensor-parallel group must agree on."""
+        scalars = (self.clip_ratio_low, self.clip_ratio_high, self.clip_ratio_c, self.entropy_coeff, self.kl_coef,
+                   self.kl_kind)
+        return (zlib.crc32(repr(scalars).encode()), *self.agg.fingerprint())
 
 
 class _Objective:
@@ -105,17 +109,17 @@ class _Objective:
         flat = lambda t: None if t is None else t.detach().reshape(-1).to(dtype)  # noqa: E731
         self.old, self.adv, self.ref = flat(old_log_probs), flat(advantages), flat(ref_log_probs)
         self.mask = loss_mask.reshape(-1)
-        weights = losses.agg_weights(loss_mask, opts.loss_agg_mode, opts.loss_scale_factor, dtype=dtype)
-        self.weights = weights.reshape(-1)
+        self.keep = self.mask != 0
+        self.weights = opts.agg.weights(loss_mask, dtype).reshape(-1)
         self.inputs = (old_log_probs, advantages, loss_mask, ref_log_probs)
         self.result = None  # (loss, metrics), set by the forward
 
-    def settings(self, process_group) -> dict:
+    def settings(self, call) -> dict:
         """What every rank of a process group must agree on (see ``prepare_tokens``); nothing without one."""
-        if group_rank_size(process_group)[1] == 1:
+        if call.world == 1:
             return {}
         return {
-            "the loss options": zlib.crc32(repr(self.opts).encode()),
+            "the loss options": self.opts.fingerprint(),
             "old_log_probs": fingerprint_floats(self.old),
             "advantages": fingerprint_floats(self.adv),
             "ref_log_probs": fingerprint_floats(self.ref),
@@ -126,10 +130,8 @@ class _Objective:
         """Upstream gradients of ``(log_probs, entropy)`` for rows ``[a, b)`` (None: no entropy term)."""
         o, w = self.opts, self.weights[a:b]
         lp = rows.log_probs()
-        g = losses.policy_loss_grad(
-            lp, self.old[a:b], self.adv[a:b], self.mask[a:b], clip_ratio_low=o.clip_ratio_low,
-            clip_ratio_high=o.clip_ratio_high, clip_ratio_c=o.clip_ratio_c,
-        )
+        g = losses.clipped_objective_grad(lp, self.old[a:b], self.adv[a:b], self.keep[a:b], o.clip_ratio_low,
+                                          o.clip_ratio_high, o.clip_ratio_c)
         if o.kl_coef != 0:
             g = g + o.kl_coef * losses.kl_penalty_grad(lp, self.ref[a:b], o.kl_kind)
         g_lp = torch.where(w != 0, g * w, 0.0)
@@ -143,20 +145,17 @@ class _Objective:
 
     def value(self, log_probs: torch.Tensor, entropy: torch.Tensor):
         """``(loss, metrics)`` from the outputs, by the composition itself (no gradient)."""
-        o = self.opts
+        o, agg = self.opts, self.opts.agg
         old, adv, mask, ref = self.inputs
         lp, ent = log_probs.view(self.shape), entropy.view(self.shape)
         pg, metrics = losses.policy_loss(
             lp, old.to(lp.dtype), adv.to(lp.dtype), mask, clip_ratio_low=o.clip_ratio_low,
-            clip_ratio_high=o.clip_ratio_high, clip_ratio_c=o.clip_ratio_c, loss_agg_mode=o.loss_agg_mode,
-            loss_scale_factor=o.loss_scale_factor,
+            clip_ratio_high=o.clip_ratio_high, clip_ratio_c=o.clip_ratio_c, **agg.keywords(),
         )
-        loss = pg - o.entropy_coeff * losses.entropy_bonus(ent, mask, o.loss_agg_mode,
-                                                           loss_scale_factor=o.loss_scale_factor)
+        loss = pg - o.entropy_coeff * losses.aggregate(ent, mask, agg)
         metrics = dict(metrics, pg_loss=pg.detach(), entropy=losses.masked_mean(ent, mask))
         if ref is not None:
-            kl = losses.agg_loss(losses.kl_penalty(lp, ref.to(lp.dtype), o.kl_kind), mask, o.loss_agg_mode,
-                                 loss_scale_factor=o.loss_scale_factor)
+            kl = losses.aggregate(losses.kl_penalty(lp, ref.to(lp.dtype), o.kl_kind), mask, agg)
             loss = loss + o.kl_coef * kl
             metrics["kl"] = kl.detach()
         return loss.detach(), metrics
@@ -173,11 +172,20 @@ def _outputs(tok: Tokens, stats: RowStats):
     return lp, ent
 
 
-def _scale(t: Optional[torch.Tensor], g: torch.Tensor) -> Optional[torch.Tensor]:
-    """A stored gradient times the scalar upstream gradient (no copy when it is 1)."""
+def _hand_over(t: Optional[torch.Tensor], g: torch.Tensor) -> Optional[torch.Tensor]:
+    """A stored gradient times the scalar upstream gradient ``g``, as a tensor the caller owns.
+
+    When the graph is freed after this backward, the stored tensor itself is
+    handed over (scaled in place; no copy when ``g`` is 1). When it is kept
+    (``retain_graph``, ``create_graph``), a scaled copy is returned, so that
+    the caller may modify it and a later backward still finds the original.
+    """
     if t is None:
         return None
-    return t if bool(g == 1) else t * g.to(t.dtype)
+    g = g.to(t.dtype)
+    if graph_is_kept():
+        return t * g
+    return t if bool(g == 1) else t.mul_(g)
 
 
 class _HeadLossFunction(torch.autograd.Function):
@@ -214,12 +222,12 @@ class _HeadLossFunction(torch.autograd.Function):
         grad_weight = None
         if gw is not None:
             if ctx.main_grad is None:
-                grad_weight = _scale(gw, g).to(ctx.dtypes[0])
+                grad_weight = _hand_over(gw, g).to(ctx.dtypes[0])
             else:
-                ctx.main_grad.add_(_scale(gw, g).to(ctx.main_grad.dtype))
+                ctx.main_grad.add_(_hand_over(gw, g).to(ctx.main_grad.dtype))
                 grad_weight = main_grad_result(ctx.weight_param, ctx.main_grad)
-        grad_bias = None if gb is None else _scale(gb, g).to(ctx.dtypes[1])
-        return _scale(grad_h, g), grad_weight, grad_bias, None, None, None, None
+        grad_bias = None if gb is None else _hand_over(gb, g).to(ctx.dtypes[1])
+        return _hand_over(grad_h, g), grad_weight, grad_bias, None, None, None, None
 
 
 def linear_policy_loss(
@@ -240,6 +248,9 @@ def linear_policy_loss(
     clip_ratio_c: Optional[float] = None,
     loss_agg_mode: str = "token-mean",
     loss_scale_factor: Optional[float] = None,
+    dp_size: int = 1,
+    batch_num_tokens=None,
+    global_batch_size=None,
     temperature=1.0,
     chunk_size: int = 1024,
     vocab_chunk_size: Optional[int] = None,
@@ -283,6 +294,11 @@ def linear_policy_loss(
         clip_ratio_c: the dual-clip bound, as in :func:`~chunked_entropy.losses.policy_loss`.
         loss_agg_mode: as in :func:`~chunked_entropy.losses.agg_loss`.
         loss_scale_factor: as in :func:`~chunked_entropy.losses.agg_loss`.
+        dp_size: as in :func:`~chunked_entropy.losses.agg_loss`: the data-parallel size; with
+            ``dp_size > 1`` pass the global counts below, and the average of the ranks' gradients
+            (what DDP forms) is the gradient of the loss over the global batch.
+        batch_num_tokens: as in :func:`~chunked_entropy.losses.agg_loss` (``"token-mean"``).
+        global_batch_size: as in :func:`~chunked_entropy.losses.agg_loss` (the ``"seq-mean-*"`` modes).
         temperature: as in :func:`~chunked_entropy.linear_log_probs_and_entropy`.
         chunk_size: tokens per chunk.
         vocab_chunk_size: as in :func:`~chunked_entropy.linear_log_probs_and_entropy`
@@ -311,42 +327,45 @@ def linear_policy_loss(
         ``[tokens, V]`` ever exists. Under ``torch.no_grad()`` only the loss
         and metrics are computed (one matmul pass, no gradient buffers).
         ``loss.backward()`` scales the stored gradients by its upstream
-        gradient (any scalar: e.g. ``1 / grad_accum_steps``); a second
-        backward raises as autograd does; with ``main_grad`` the weight
-        gradient is added there in backward.
+        gradient (any scalar: e.g. ``1 / grad_accum_steps``) and hands them
+        over, scaled in place; under ``retain_graph=True`` it returns scaled
+        copies instead, so that a later backward is exact whatever the caller
+        did with the first results. A second backward without
+        ``retain_graph`` raises as autograd does; with ``main_grad`` the
+        weight gradient is added there in backward.
     """
-    opts = PolicyLossOptions(clip_ratio_low, clip_ratio_high, clip_ratio_c, loss_agg_mode, loss_scale_factor,
-                             entropy_coeff, kl_coef, kl_kind)
-    check_linear_args(hidden, weight, bias, labels, 1, False, vocab_chunk_size)
-    check_chunk("chunk_size", chunk_size)
-    sequence_parallel = check_flag("sequence_parallel", sequence_parallel)
-    lead = hidden.shape[:-1]
-    if sequence_parallel:
-        if hidden.dim() != 3:
-            raise ValueError(f"with sequence_parallel=True, hidden must be [T/P, B, H], got {tuple(hidden.shape)}")
-        world = group_rank_size(process_group)[1]
-        lead = torch.Size((hidden.shape[1], hidden.shape[0] * world))
-    if labels.shape != lead:
-        raise ValueError(
-            f"labels must have shape {tuple(lead)} ([B, T]"
-            + (", the full sequence: hidden is this rank's [T/P, B, H] slice)" if sequence_parallel else ")")
-            + f", got {tuple(labels.shape)}"
+    with agreed_call(process_group) as call:  # every rank validates; a refused call raises on all of them
+        opts = PolicyLossOptions(clip_ratio_low, clip_ratio_high, clip_ratio_c, entropy_coeff, kl_coef, kl_kind,
+                                 losses.Aggregation(loss_agg_mode, loss_scale_factor, dp_size, batch_num_tokens,
+                                                    global_batch_size))
+        check_linear_args(hidden, weight, bias, labels, 1, False, vocab_chunk_size)
+        check_chunk("chunk_size", chunk_size)
+        sequence_parallel = check_flag("sequence_parallel", sequence_parallel)
+        lead = hidden.shape[:-1]
+        if sequence_parallel:
+            if hidden.dim() != 3:
+                raise ValueError(f"with sequence_parallel=True, hidden must be [T/P, B, H], got {tuple(hidden.shape)}")
+            lead = torch.Size((hidden.shape[1], hidden.shape[0] * call.world))
+        if labels.shape != lead:
+            raise ValueError(
+                f"labels must have shape {tuple(lead)} ([B, T]"
+                + (", the full sequence: hidden is this rank's [T/P, B, H] slice)" if sequence_parallel else ")")
+                + f", got {tuple(labels.shape)}"
+            )
+        v_local = weight.shape[0]
+        cdt = compute_dtype(weight.dtype)
+        objective = _Objective(opts, labels, old_log_probs, advantages, loss_mask, ref_log_probs, cdt)
+        grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
+        plan = Plan(chunk_size=chunk_size, vocab_chunk_size=min(vocab_chunk_size or v_local, v_local),
+                    group=process_group, sequence_parallel=sequence_parallel, want=Want(),
+                    compiled=use_compiled(check_backend(backend), hidden.device))
+        main_grad = main_grad_of(weight, gradient_accumulation_fusion)
+        tok = prepare_tokens(
+            labels, lead, v_local, call=call, label_mask=loss_mask != 0, ignore_index=-100,
+            temperature=temperature, device=hidden.device, dtype=cdt, transform=Transform(softcap, logit_scale),
         )
-    v_local = weight.shape[0]
-    cdt = compute_dtype(weight.dtype)
-    objective = _Objective(opts, labels, old_log_probs, advantages, loss_mask, ref_log_probs, cdt)
-    grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
-    plan = Plan(chunk_size=chunk_size, vocab_chunk_size=min(vocab_chunk_size or v_local, v_local),
-                 group=process_group, sequence_parallel=sequence_parallel, want=Want(),
-                 compiled=use_compiled(check_backend(backend), hidden.device))
-    main_grad = main_grad_of(weight, gradient_accumulation_fusion)
-    tok = prepare_tokens(
-        labels, lead, v_local, process_group=process_group, label_mask=loss_mask != 0, ignore_index=-100,
-        temperature=temperature, device=hidden.device, dtype=cdt, transform=Transform(softcap, logit_scale),
-        settings={"chunk_size": chunk_size, "vocab_chunk_size": plan.vocab_chunk_size,
-                  "sequence_parallel": sequence_parallel, "whether gradients are computed": grads,
-                  "bias is not None": bias is not None, **objective.settings(process_group)},
-    )
+        call.agree_all(linear_settings(hidden, weight, bias, plan, grads))
+        call.agree_all(objective.settings(call))
     if tok.n == 0 or not grads:
         if tok.n == 0:
             zero = torch.zeros(0, dtype=cdt, device=hidden.device)
@@ -389,7 +408,7 @@ class _LogitsLossFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, g):
         (grad,) = ctx.saved_tensors
-        return _scale(grad, g), None, None, None, None, None
+        return _hand_over(grad, g), None, None, None, None, None
 
 
 def policy_loss_from_logits(
@@ -408,6 +427,9 @@ def policy_loss_from_logits(
     clip_ratio_c: Optional[float] = None,
     loss_agg_mode: str = "token-mean",
     loss_scale_factor: Optional[float] = None,
+    dp_size: int = 1,
+    batch_num_tokens=None,
+    global_batch_size=None,
     temperature=1.0,
     chunk_size: int = 1024,
     process_group=None,
@@ -430,25 +452,30 @@ def policy_loss_from_logits(
         and dtype), allocated in forward instead of backward; no reference to
         the logits. Per chunk, at most two float32 ``[chunk_size, V_local]``
         buffers (one fewer for float32 logits, three with ``softcap``).
-        ``loss.backward()`` with an upstream gradient other than 1 allocates
-        one more gradient-sized tensor (the scaled gradient).
+        ``loss.backward()`` hands the stored gradient over (scaled in place by
+        its upstream gradient); under ``retain_graph=True`` it returns a
+        scaled copy instead (one more gradient-sized tensor), so that the
+        caller may modify what it gets and a later backward is still exact.
     """
-    opts = PolicyLossOptions(clip_ratio_low, clip_ratio_high, clip_ratio_c, loss_agg_mode, loss_scale_factor,
-                             entropy_coeff, kl_coef, kl_kind)
-    check_float("logits", logits)
-    if logits.dim() < 1 or logits.shape[-1] < 1:
-        raise ValueError(f"logits must be [..., V_local] with V_local >= 1, got shape {tuple(logits.shape)}")
-    check_chunk("chunk_size", chunk_size)
-    cdt = compute_dtype(logits.dtype)
-    objective = _Objective(opts, labels, old_log_probs, advantages, loss_mask, ref_log_probs, cdt)
-    compiled = use_compiled(check_backend(backend), logits.device)
-    grads = torch.is_grad_enabled() and logits.requires_grad
-    tok = prepare_tokens(
-        labels, logits.shape[:-1], logits.shape[-1], process_group=process_group, label_mask=loss_mask != 0,
-        ignore_index=-100, temperature=temperature, device=logits.device, dtype=cdt,
-        transform=Transform(softcap, logit_scale),
-        settings={"chunk_size": chunk_size, "logits.requires_grad": grads, **objective.settings(process_group)},
-    )
+    with agreed_call(process_group) as call:  # every rank validates; a refused call raises on all of them
+        opts = PolicyLossOptions(clip_ratio_low, clip_ratio_high, clip_ratio_c, entropy_coeff, kl_coef, kl_kind,
+                                 losses.Aggregation(loss_agg_mode, loss_scale_factor, dp_size, batch_num_tokens,
+                                                    global_batch_size))
+        check_float("logits", logits)
+        if logits.dim() < 1 or logits.shape[-1] < 1:
+            raise ValueError(f"logits must be [..., V_local] with V_local >= 1, got shape {tuple(logits.shape)}")
+        check_chunk("chunk_size", chunk_size)
+        cdt = compute_dtype(logits.dtype)
+        objective = _Objective(opts, labels, old_log_probs, advantages, loss_mask, ref_log_probs, cdt)
+        compiled = use_compiled(check_backend(backend), logits.device)
+        grads = torch.is_grad_enabled() and logits.requires_grad
+        tok = prepare_tokens(
+            labels, logits.shape[:-1], logits.shape[-1], call=call, label_mask=loss_mask != 0, ignore_index=-100,
+            temperature=temperature, device=logits.device, dtype=cdt, transform=Transform(softcap, logit_scale),
+        )
+        call.agree_all({"chunk_size": chunk_size, "logits.requires_grad": grads,
+                        "logits.dtype (0 float32, 1 bfloat16, 2 float16, 3 float64)": dtype_code(logits.dtype)})
+        call.agree_all(objective.settings(call))
     if tok.n == 0 or not grads:
         lp = ent = torch.zeros(0, dtype=cdt, device=logits.device)
         if tok.n:

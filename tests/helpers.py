@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import os
 import socket
 import tempfile
@@ -77,10 +78,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, fn, args, errfile):
+def _worker(rank, world_size, port, fn, args, errfile, timeout_s=None):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    kw = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, **kw)
     try:
         fn(rank, world_size, *args)
     except BaseException:
@@ -91,16 +93,18 @@ def _worker(rank, world_size, port, fn, args, errfile):
         dist.destroy_process_group()
 
 
-def run_distributed(fn, world_size: int, *args) -> None:
+def run_distributed(fn, world_size: int, *args, timeout_s=None) -> None:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned gloo processes.
 
     ``fn`` must be a module-level function (it is pickled). A failure on any
-    rank fails the caller with that rank's traceback.
+    rank fails the caller with that rank's traceback. ``timeout_s`` bounds
+    every collective (gloo's default is 30 minutes): a test of "no hang"
+    then fails in seconds instead of waiting.
     """
     with tempfile.TemporaryDirectory() as d:
         errfile = os.path.join(d, "err")
         try:
-            mp.spawn(_worker, args=(world_size, _free_port(), fn, args, errfile), nprocs=world_size)
+            mp.spawn(_worker, args=(world_size, _free_port(), fn, args, errfile, timeout_s), nprocs=world_size)
         except Exception as e:
             msgs = []
             for r in range(world_size):

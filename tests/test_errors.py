@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -75,6 +76,17 @@ BAD = [
     ("compute_sum_pi_squared str", dict(compute_sum_pi_squared="yes"), TypeError, "compute_sum_pi_squared"),
     ("softcap 0", dict(softcap=0.0), ValueError, "softcap"),
     ("logit_scale negative", dict(logit_scale=-2.0), ValueError, "logit_scale"),
+    ("softcap numpy bool", dict(softcap=np.bool_(True)), ValueError, "softcap"),
+    ("ignore_index None", dict(ignore_index=None), TypeError, "ignore_index"),
+    ("ignore_index True", dict(ignore_index=True), TypeError, "ignore_index"),  # would ignore label 1
+    ("ignore_index float", dict(ignore_index=-100.0), TypeError, "ignore_index"),
+    # each value passes its own check; their ratio overflows float32 (gave NaN, or an internal error compiled)
+    ("softcap / temperature overflows", dict(softcap=1e30, temperature=1e-10), ValueError, "softcap / temperature"),
+    ("logit_scale / temperature overflows", dict(logit_scale=1e30, temperature=1e-10), ValueError,
+     "logit_scale / temperature"),
+    ("softcap / per-row temperature overflows", dict(softcap=1e30, temperature=torch.full((2, 3), 1e-10)),
+     ValueError, "softcap / temperature"),
+    ("logit_scale / softcap overflows", dict(logit_scale=1e30, softcap=1e-10), ValueError, "logit_scale / softcap"),
 ]
 
 
@@ -122,3 +134,45 @@ def test_ignore_index_and_masked_labels_are_not_range_checked():
     assert lp[1] == 0
     # a valid int32 label tensor and an int temperature are accepted
     log_probs_and_entropy(x, torch.tensor([1, 2, 3, 4], dtype=torch.int32), temperature=2)
+
+
+@pytest.mark.parametrize("backend", ["eager", "compile"])
+def test_an_overflowing_transform_is_refused_by_both_backends(backend):
+    x = torch.randn(4, V)
+    labels = torch.tensor([1, 2, 3, 4])
+    with pytest.raises(ValueError, match="overflows"):
+        log_probs_and_entropy(x, labels, softcap=1e30, temperature=1e-10, backend=backend)
+    # the largest ratio that fits is computed, and finite
+    lp, h = log_probs_and_entropy(x, labels, softcap=1e30, temperature=1e-7, backend=backend)
+    assert torch.isfinite(lp).all() and torch.isfinite(h).all()
+
+
+def test_numpy_scalars_are_numbers_everywhere():
+    """np.float32 and np.float64 are accepted alike, and give the results of the Python floats."""
+    from chunked_entropy import ChunkedVocabParallelHead, linear_policy_loss
+
+    g = torch.Generator().manual_seed(9)
+    x, labels = torch.randn(4, V, generator=g), torch.tensor([1, 2, 3, 4])
+    want = log_probs_and_entropy(x, labels, softcap=3.0, logit_scale=0.5, temperature=0.7)
+    for cast in (np.float32, np.float64):
+        got = log_probs_and_entropy(x, labels, softcap=cast(3.0), logit_scale=cast(0.5), temperature=cast(0.7))
+        torch.testing.assert_close(got.log_probs, want.log_probs, rtol=1e-6, atol=1e-7)
+    hidden, weight = torch.randn(2, 3, 5, generator=g), torch.randn(V, 5, generator=g)
+    old, adv, mask = torch.randn(2, 3, generator=g) - 2, torch.randn(2, 3, generator=g), torch.ones(2, 3, dtype=bool)
+    loss_ref, _ = linear_policy_loss(hidden, weight, torch.ones(2, 3, dtype=torch.long), old, adv, mask,
+                                     clip_ratio_c=3.0, entropy_coeff=0.01)
+    for cast in (np.float32, np.float64):
+        loss, _ = linear_policy_loss(hidden, weight, torch.ones(2, 3, dtype=torch.long), old, adv, mask,
+                                     clip_ratio_c=cast(3.0), entropy_coeff=cast(0.01))
+        torch.testing.assert_close(loss, loss_ref)
+        head = ChunkedVocabParallelHead(weight, softcap=cast(30.0), logit_scale=cast(0.5))
+        assert head.softcap == 30.0 and head.logit_scale == 0.5
+
+
+def test_head_flags_are_bools_as_in_the_functions():
+    from chunked_entropy import ChunkedVocabParallelHead
+
+    weight = torch.randn(V, 4)
+    for bad in ("no", 1, None):
+        with pytest.raises(TypeError, match="sequence_parallel"):
+            ChunkedVocabParallelHead(weight, sequence_parallel=bad)

@@ -55,10 +55,15 @@ def _agg_by_hand(loss, mask, mode, scale=None):
         for i in nonempty:
             for j in range(t):
                 grad[i][j] = (1.0 / (n[i] * len(nonempty))) if ms[i][j] else 0.0
-    else:
-        d = t if scale is None else scale
-        value = sum(sums) / d
+    elif mode == "token-sum":
+        value = sum(sums)
         for i in range(len(rows)):
+            for j in range(t):
+                grad[i][j] = 1.0 if ms[i][j] else 0.0
+    else:  # seq-mean-token-sum-norm: the sequence mean of the sums, over T (or the scale)
+        d = (t if scale is None else scale) * len(nonempty)
+        value = sum(sums[i] for i in nonempty) / d
+        for i in nonempty:
             for j in range(t):
                 grad[i][j] = (1.0 / d) if ms[i][j] else 0.0
     return value, grad
@@ -75,7 +80,8 @@ def test_agg_loss_hand_worked_numbers():
         "token-mean": (1 + 2 + 4) / 3,
         "seq-mean-token-sum": (3 + 4) / 2,  # the empty row does not count
         "seq-mean-token-mean": (1.5 + 4) / 2,
-        "seq-mean-token-sum-norm": (3 + 4) / 3,  # divisor: loss_mask.shape[-1] == 3
+        "seq-mean-token-sum-norm": (3 + 4) / 2 / 3,  # verl 0.9.1: the sequence mean, over loss_mask.shape[-1]
+        "token-sum": 1 + 2 + 4,
     }
     for mode, want in expected.items():
         x = loss.clone().requires_grad_(True)
@@ -85,7 +91,7 @@ def test_agg_loss_hand_worked_numbers():
         got.backward()
         assert torch.isfinite(x.grad).all(), mode
         assert (x.grad[~mask] == 0).all(), mode
-    assert agg_loss(loss, mask, "seq-mean-token-sum-norm", loss_scale_factor=7).item() == pytest.approx(1.0)
+    assert agg_loss(loss, mask, "seq-mean-token-sum-norm", loss_scale_factor=7).item() == pytest.approx(0.5)
     # the same numbers with a 0/1 float mask
     assert agg_loss(loss, mask.double(), "seq-mean-token-mean").item() == pytest.approx(2.75)
 
@@ -309,7 +315,8 @@ def test_entropy_bonus_is_aggregated_entropy(mode):
     # hand-worked: entropies 1, 3 | 2 with a two-token and a one-token sequence
     e = torch.tensor([[1.0, 3.0], [2.0, 9.0]])
     m = torch.tensor([[True, True], [True, False]])
-    hand = {"token-mean": 2.0, "seq-mean-token-sum": 3.0, "seq-mean-token-mean": 2.0, "seq-mean-token-sum-norm": 3.0}
+    hand = {"token-mean": 2.0, "seq-mean-token-sum": 3.0, "seq-mean-token-mean": 2.0,
+            "seq-mean-token-sum-norm": 1.5, "token-sum": 6.0}
     assert entropy_bonus(e, m, mode).item() == pytest.approx(hand[mode])
 
 
@@ -319,7 +326,7 @@ def test_entropy_bonus_is_aggregated_entropy(mode):
 def test_bad_input_names_the_argument():
     x, m = torch.zeros(2, 3), torch.ones(2, 3, dtype=torch.bool)
     with pytest.raises(ValueError, match="mode"):
-        agg_loss(x, m, "token-sum")
+        agg_loss(x, m, "token-max")
     with pytest.raises(ValueError, match="loss_mask"):
         agg_loss(x, m[:, :2], "token-mean")
     with pytest.raises(ValueError, match="loss_scale_factor"):
@@ -401,3 +408,28 @@ def test_seq_mean_token_sum_norm_with_no_tokens_is_zero():
     out = agg_loss(loss, torch.zeros(3, 0, dtype=torch.bool), "seq-mean-token-sum-norm")
     assert out.item() == 0.0
     out.backward()
+
+
+def test_the_gradient_helpers_and_weights_are_validated_like_the_losses():
+    x, m = torch.zeros(2, 3), torch.ones(2, 3, dtype=torch.bool)
+    with pytest.raises(ValueError, match="loss_agg_mode"):
+        losses.agg_weights(m, "token-max")  # was: silently another mode's weights
+    with pytest.raises(ValueError, match="kind"):
+        losses.kl_penalty_grad(x, x, "k4")  # was: a bare KeyError
+    with pytest.raises(ValueError, match="old_log_probs"):
+        losses.policy_loss_grad(x, x[:1], x, m)  # was: a broadcast error
+    with pytest.raises(ValueError, match="advantages"):
+        losses.policy_loss_grad(x, x, x[:, :2], m)
+    with pytest.raises(ValueError, match="clip_ratio_c"):
+        losses.policy_loss_grad(x, x, x, m, clip_ratio_c=0.5)
+
+
+def test_negative_mask_weights_are_refused():
+    x = torch.zeros(2, 3)
+    w = torch.tensor([[1.0, 0.5, 0.0], [2.0, -0.1, 1.0]])
+    for call in (lambda: agg_loss(x, w), lambda: policy_loss(x, x, x, w), lambda: entropy_bonus(x, w),
+                 lambda: losses.agg_weights(w), lambda: losses.agg_loss(x, w.masked_fill(w < 0, math.nan))):
+        with pytest.raises(ValueError, match="loss_mask"):
+            call()
+    # non-negative weights stay accepted
+    agg_loss(x, w.clamp(min=0))

@@ -8,10 +8,18 @@ and the group must still work afterwards (a correct call follows each case).
 
 from __future__ import annotations
 
+import re
+
+import pytest
 import torch
 import torch.distributed as dist
 
-from chunked_entropy import linear_log_probs_and_entropy, log_probs_and_entropy
+from chunked_entropy import (
+    linear_log_probs_and_entropy,
+    linear_policy_loss,
+    log_probs_and_entropy,
+    policy_loss_from_logits,
+)
 from tests.helpers import reference, run_distributed
 
 
@@ -81,3 +89,123 @@ def _cases(rank, world):
 
 def test_calls_that_differ_across_ranks_raise_on_every_rank():
     run_distributed(_cases, 2)
+
+
+# ------------------------------------------------------------ one rank's own arguments are refused: no hang
+
+
+def _same_error_everywhere(rank, world, what, call):
+    """``call()`` raises on every rank the same message (up to "this is rank r"), naming ``what``.
+
+    The message exchange is itself a collective: had the library left a peer
+    waiting, it would time out (the harness bounds every collective).
+    """
+    try:
+        call()
+        msg = None
+    except (ValueError, TypeError) as e:
+        msg = f"{type(e).__name__}: {e}"
+    every = [None] * world
+    dist.all_gather_object(every, msg)
+    assert all(m is not None for m in every), f"{what}: not every rank raised: {every}"
+    assert len({re.sub(r"this is rank \d+", "this is rank R", m) for m in every}) == 1, every
+    assert what in msg, msg
+
+
+def _refused_on_one_rank(rank, world):
+    group = dist.group.WORLD
+    bad = rank == world - 1  # only the last rank's arguments are wrong
+    g = torch.Generator().manual_seed(3)
+    v_local = 5
+    z = torch.randn(4, 3, v_local, generator=g)
+    labels = torch.randint(0, v_local * world, (4, 3), generator=g)
+    hidden, weight = torch.randn(4, 3, 6, generator=g), torch.randn(v_local, 6, generator=g)
+    old, adv = torch.randn(4, 3, generator=g) - 3, torch.randn(4, 3, generator=g)
+    mask = torch.ones(4, 3, dtype=torch.bool)
+
+    def out_of_range():
+        lab = labels.clone()
+        if bad:
+            lab[1, 2] = v_local * world + 3
+        return log_probs_and_entropy(z, lab, process_group=group)
+
+    cases = [
+        ("labels must be vocabulary ids", out_of_range),
+        ("temperature", lambda: log_probs_and_entropy(z, labels, process_group=group, temperature=0.0 if bad else 1.0)),
+        ("labels must have the leading shape",
+         lambda: log_probs_and_entropy(z, labels[:3] if bad else labels, process_group=group)),
+        ("old_log_probs", lambda: linear_policy_loss(hidden, weight, labels, old[:2] if bad else old, adv, mask,
+                                                     process_group=group)),
+        ("old_log_probs", lambda: policy_loss_from_logits(z, labels, old[:, :1] if bad else old, adv, mask,
+                                                          process_group=group)),
+        ("logits must be a torch.Tensor",
+         lambda: log_probs_and_entropy(z.tolist() if bad else z, labels, process_group=group)),
+        ("chunk_size", lambda: linear_log_probs_and_entropy(hidden, weight, labels, process_group=group,
+                                                            chunk_size=0 if bad else 4)),
+        ("ignore_index", lambda: log_probs_and_entropy(z, labels, process_group=group,
+                                                       ignore_index=None if bad else -100)),
+    ]
+    for what, call in cases:
+        _same_error_everywhere(rank, world, what, call)
+        _healthy_any(rank, world, group)
+
+
+def _healthy_any(rank, world, group):
+    full = torch.randn(6, 5 * world, generator=torch.Generator().manual_seed(0))
+    labels = torch.arange(6) * (world - 1)
+    lp, _ = log_probs_and_entropy(full[:, rank * 5: rank * 5 + 5], labels, process_group=group)
+    ref, _ = reference(full.double(), labels)
+    torch.testing.assert_close(lp.double(), ref)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_call_refused_on_one_rank_raises_the_same_error_on_every_rank(world):
+    run_distributed(_refused_on_one_rank, world, timeout_s=60)
+
+
+def _dtype_and_hidden_size(rank, world):
+    group = dist.group.WORLD
+    g = torch.Generator().manual_seed(4)
+    z = torch.randn(4, 6, generator=g)
+    labels = torch.randint(0, 6 * world, (4,), generator=g)
+    _expect_error(rank, "dtype", lambda: log_probs_and_entropy(z.double() if rank else z, labels, process_group=group))
+    h = 5 + rank  # a different hidden size on each rank
+    hidden, weight = torch.randn(4, h, generator=g), torch.randn(6, h, generator=g)
+    _expect_error(rank, "hidden size", lambda: linear_log_probs_and_entropy(hidden, weight, labels,
+                                                                           process_group=group))
+    _healthy(rank, group)
+
+
+def test_dtype_and_hidden_size_are_checked_across_ranks():
+    run_distributed(_dtype_and_hidden_size, 2, timeout_s=60)
+
+
+def _cancelling_labels(rank, world):
+    group = dist.group.WORLD
+    z = torch.randn(4, 10, generator=torch.Generator().manual_seed(5))
+    labels = torch.tensor([3, 5, 7, 9])
+    if rank == 1:
+        # the previous fingerprint was sum(id_i * (i + 1)): +2 at position 0 and -1 at position 1 cancel
+        labels = torch.tensor([5, 4, 7, 9])
+    _expect_error(rank, "labels", lambda: log_probs_and_entropy(z, labels, process_group=group))
+    _healthy(rank, group)
+
+
+def test_label_differences_that_cancel_linearly_are_caught():
+    run_distributed(_cancelling_labels, 2, timeout_s=60)
+
+
+def _not_a_member(rank, world):
+    only_rank_0 = dist.new_group([0])  # every rank creates it; only rank 0 belongs
+    z = torch.randn(3, 4)
+    labels = torch.tensor([0, 1, 2])
+    if rank == 0:
+        lp, _ = log_probs_and_entropy(z, labels, process_group=only_rank_0)  # a group of one: plain
+        torch.testing.assert_close(lp.double(), reference(z.double(), labels)[0])
+    else:
+        with pytest.raises(ValueError, match=r"this process \(global rank 1\) is not a member of process_group"):
+            log_probs_and_entropy(z, labels, process_group=only_rank_0)
+
+
+def test_a_group_without_this_rank_is_named():
+    run_distributed(_not_a_member, 2, timeout_s=60)

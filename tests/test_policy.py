@@ -242,3 +242,23 @@ def _composition_full(d, opts):
 
 def test_tensor_and_sequence_parallel():
     run_distributed(_parallel, 2)
+
+
+@pytest.mark.parametrize("path", ["head", "logits"])
+def test_gradients_handed_out_are_the_callers_own(path):
+    """An in-place edit of a result of autograd.grad(retain_graph=True) must not change a second backward."""
+    d = _data(seed=8)
+    hidden, weight = d["hidden"].float().requires_grad_(), d["weight"].float()
+    if path == "head":
+        loss, _ = linear_policy_loss(hidden, weight, d["labels"], d["old"], d["adv"], d["mask"], entropy_coeff=0.01)
+    else:  # the gradient of the logits themselves is the one the loss stores
+        hidden = (d["hidden"].float() @ weight.t()).requires_grad_()
+        loss, _ = policy_loss_from_logits(hidden, d["labels"], d["old"], d["adv"], d["mask"], entropy_coeff=0.01)
+    first = torch.autograd.grad(loss, hidden, retain_graph=True)[0]  # upstream 1: the stored tensor, if shared
+    want = first.clone()
+    first.mul_(0).add_(7)  # the caller owns it
+    second = torch.autograd.grad(loss * 0.5, hidden, retain_graph=True)[0]
+    torch.testing.assert_close(second, want * 0.5)
+    second.zero_()
+    third = torch.autograd.grad(loss, hidden)[0]  # the last backward: the stored gradient itself
+    torch.testing.assert_close(third, want)
