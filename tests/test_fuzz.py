@@ -1,0 +1,203 @@
+"""Property-based fuzzing of the public entry points against float64 (hypothesis).
+
+Each example draws shapes, a dtype, offsets and scales of the logits, masks
+and ignored labels, a scalar or per-token temperature, a soft-cap and a logit
+scale, chunk and vocabulary-block sizes, the backend, which outputs are asked
+for, and random upstream gradients; the library's values and gradients must
+match the float64 reference (``tests.helpers.reference``) built from the same
+inputs. The fused losses draw every aggregation mode, clip settings, KL and
+entropy terms and the global normalizers, against their composition from
+``chunked_entropy.losses`` on float64 outputs.
+
+``derandomize=True`` makes the examples the same on every run (CI is
+reproducible); the example counts keep the file to well under a minute.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from chunked_entropy import (
+    linear_log_probs_and_entropy,
+    linear_policy_loss,
+    log_probs_and_entropy,
+    losses,
+    policy_loss_from_logits,
+)
+from tests.helpers import reference
+
+FUZZ = settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+
+@st.composite
+def token_cases(draw):
+    """Everything but the logits themselves: shapes, per-token inputs, transform, options."""
+    lead = draw(st.lists(st.integers(1, 6), min_size=1, max_size=3))
+    v = draw(st.integers(1, 90))
+    c = dict(
+        lead=tuple(lead), v=v, seed=draw(st.integers(0, 2**31 - 1)),
+        dtype=draw(st.sampled_from(list(DTYPES))),
+        scale=draw(st.sampled_from([0.1, 1.0, 4.0, 12.0])),
+        offset=draw(st.sampled_from([0.0, -30.0, 500.0, 1e4])),
+        t_kind=draw(st.sampled_from(["one", "scalar", "per_token"])),
+        t=draw(st.floats(0.05, 3.0)),
+        softcap=draw(st.one_of(st.none(), st.floats(0.5, 50.0))),
+        logit_scale=draw(st.one_of(st.none(), st.floats(0.1, 3.0))),
+        chunk=draw(st.integers(1, 40)),
+        vocab_chunk=draw(st.one_of(st.none(), st.integers(1, v))),
+        mask=draw(st.sampled_from(["none", "random", "all_off"])),
+        ignored=draw(st.booleans()),
+        entropy=draw(st.booleans()),
+        sum_pi_squared=draw(st.booleans()),
+        backend=draw(st.sampled_from(["eager", "eager", "compile"])),
+    )
+    return c
+
+
+def _tokens(c, g):
+    labels = torch.randint(0, c["v"], c["lead"], generator=g)
+    if c["ignored"]:
+        labels.view(-1)[:: 3] = -100
+    mask = None
+    if c["mask"] == "random":
+        mask = torch.rand(c["lead"], generator=g) < 0.7
+    elif c["mask"] == "all_off":
+        mask = torch.zeros(c["lead"], dtype=torch.bool)
+    if c["t_kind"] == "one":
+        t = 1.0
+    elif c["t_kind"] == "scalar":
+        t = c["t"]
+    else:
+        t = torch.rand(c["lead"], generator=g) * 2 + 0.05
+    return labels, mask, t
+
+
+def _tol(ref: torch.Tensor, dtype) -> dict:
+    """Error relative to the answer's own size: float32 arithmetic (float64 for float64 inputs), and a
+    gradient returned in the input's dtype (bf16: its rounding, 2**-8)."""
+    big = 1.0 + ref.abs().max().item() if ref.numel() else 1.0
+    eps = {torch.float64: 1e-12, torch.bfloat16: 2**-8}.get(dtype, 3e-6)
+    return dict(rtol=eps * 10, atol=eps * 10 * big)
+
+
+def _check_outputs(out, ref, ups, leaves, refs, dtype):
+    ours = [out.log_probs, out.entropy, out.sum_pi_squared]
+    loss = sum((o.double() * u).sum() for o, u in zip(ours, ups, strict=True) if o is not None)
+    want = sum((r * u).sum() for o, r, u in zip(ours, ref, ups, strict=True) if o is not None)
+    values_dtype = torch.float64 if dtype == torch.float64 else torch.float32  # outputs are float32
+    for o, r in zip(ours, ref, strict=True):
+        if o is not None:
+            torch.testing.assert_close(o.double(), r.detach(), **_tol(r, values_dtype))
+    if not any(t.requires_grad for t in leaves):
+        return
+    loss.backward()
+    want.backward()
+    for leaf, r in zip(leaves, refs, strict=True):
+        torch.testing.assert_close(leaf.grad.double(), r.grad, **_tol(r.grad, dtype))
+
+
+@FUZZ
+@given(c=token_cases())
+def test_logits_path(c):
+    g = torch.Generator().manual_seed(c["seed"])
+    dtype = DTYPES[c["dtype"]]
+    labels, mask, t = _tokens(c, g)
+    z = (torch.randn(*c["lead"], c["v"], generator=g, dtype=torch.float64) * c["scale"] + c["offset"]).to(dtype)
+    x = z.clone().requires_grad_()
+    out = log_probs_and_entropy(
+        x, labels, chunk_size=c["chunk"], temperature=t, label_mask=mask, softcap=c["softcap"],
+        logit_scale=c["logit_scale"], compute_entropy=c["entropy"], compute_sum_pi_squared=c["sum_pi_squared"],
+        backend=c["backend"],
+    )
+    xr = z.double().requires_grad_()
+    t64 = t.double() if isinstance(t, torch.Tensor) else t
+    ref = reference(xr, labels, temperature=t64, label_mask=mask, softcap=c["softcap"],
+                    logit_scale=c["logit_scale"], sum_pi_squared=True)
+    ups = [torch.randn(c["lead"], generator=g, dtype=torch.float64) for _ in range(3)]
+    assert z.equal(x.detach())  # never written
+    _check_outputs(out, ref, ups, [x], [xr], dtype)
+
+
+@FUZZ
+@given(c=token_cases(), h=st.integers(1, 12), bias=st.booleans())
+def test_fused_head(c, h, bias):
+    g = torch.Generator().manual_seed(c["seed"])
+    dtype = DTYPES[c["dtype"]]
+    labels, mask, t = _tokens(c, g)
+    hidden = torch.randn(*c["lead"], h, generator=g, dtype=torch.float64)
+    weight = torch.randn(c["v"], h, generator=g, dtype=torch.float64) * c["scale"] / math.sqrt(h)
+    b = torch.randn(c["v"], generator=g, dtype=torch.float64) + c["offset"] if bias else None
+    leaves = [x.to(dtype).requires_grad_() for x in (hidden, weight, *([b] if bias else []))]
+    out = linear_log_probs_and_entropy(
+        leaves[0], leaves[1], labels, bias=leaves[2] if bias else None, chunk_size=c["chunk"],
+        vocab_chunk_size=c["vocab_chunk"], temperature=t, label_mask=mask, softcap=c["softcap"],
+        logit_scale=c["logit_scale"], compute_entropy=c["entropy"], compute_sum_pi_squared=c["sum_pi_squared"],
+        backend=c["backend"],
+    )
+    refs = [x.detach().double().requires_grad_() for x in leaves]
+    z = refs[0] @ refs[1].t() + (refs[2] if bias else 0)
+    t64 = t.double() if isinstance(t, torch.Tensor) else t
+    ref = reference(z, labels, temperature=t64, label_mask=mask, softcap=c["softcap"],
+                    logit_scale=c["logit_scale"], sum_pi_squared=True)
+    ups = [torch.randn(c["lead"], generator=g, dtype=torch.float64) for _ in range(3)]
+    if dtype == torch.float64:
+        _check_outputs(out, ref, ups, leaves, refs, dtype)
+    else:  # the logits themselves are rounded to float32 (or formed in bf16) before our exact arithmetic
+        tol = dict(rtol=2e-2 if dtype == torch.bfloat16 else 1e-4, atol=2e-2 if dtype == torch.bfloat16 else 1e-4)
+        torch.testing.assert_close(out.log_probs.double(), ref[0].detach(),
+                                   **{k: v * (1 + ref[0].abs().max().item()) for k, v in tol.items()})
+
+
+@FUZZ
+@given(
+    c=token_cases(),
+    mode=st.sampled_from(losses.AGG_MODES),
+    clip=st.sampled_from([(0.2, 0.2, None), (0.2, 0.28, 3.0), (0.1, 0.5, 1.5)]),
+    entropy_coeff=st.sampled_from([0.0, 0.01, -0.3]),
+    kl=st.sampled_from([(0.0, "low_var_kl"), (0.1, "k1"), (0.2, "k2"), (0.05, "abs")]),
+    dp=st.sampled_from([1, 2]),
+    path=st.sampled_from(["head", "logits"]),
+)
+def test_fused_loss(c, mode, clip, entropy_coeff, kl, dp, path):
+    g = torch.Generator().manual_seed(c["seed"])
+    b, t_len = c["lead"][0], (c["lead"][1] if len(c["lead"]) > 1 else 3)
+    labels = torch.randint(0, c["v"], (b, t_len), generator=g)
+    old = -torch.rand(b, t_len, generator=g, dtype=torch.float64) * 3 - 1
+    adv = torch.randn(b, t_len, generator=g, dtype=torch.float64)
+    ref_lp = -torch.rand(b, t_len, generator=g, dtype=torch.float64) * 3 - 1
+    mask = torch.rand(b, t_len, generator=g) < 0.7
+    norm = dict(dp_size=dp, batch_num_tokens=int(mask.sum()) + 3, global_batch_size=b + 1) if dp > 1 else {}
+    temperature = c["t"] if c["t_kind"] != "one" else 1.0
+    hidden = torch.randn(b, t_len, 6, generator=g, dtype=torch.float64)
+    weight = torch.randn(c["v"], 6, generator=g, dtype=torch.float64) * c["scale"] / 2.5
+    kw = dict(clip_ratio_low=clip[0], clip_ratio_high=clip[1], clip_ratio_c=clip[2], loss_agg_mode=mode,
+              entropy_coeff=entropy_coeff, kl_coef=kl[0], kl_kind=kl[1], ref_log_probs=ref_lp,
+              temperature=temperature, softcap=c["softcap"], chunk_size=c["chunk"], backend=c["backend"], **norm)
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    if path == "head":
+        loss, _ = linear_policy_loss(h, w, labels, old, adv, mask, vocab_chunk_size=c["vocab_chunk"], **kw)
+    else:
+        loss, _ = policy_loss_from_logits(h @ w.t(), labels, old, adv, mask, **kw)
+    loss.backward()
+    h64, w64 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    lp, ent = reference(h64 @ w64.t(), labels, temperature=temperature, softcap=c["softcap"])
+    agg = dict(loss_agg_mode=mode, **norm)
+    pg, _ = losses.policy_loss(lp, old, adv, mask, clip_ratio_low=clip[0], clip_ratio_high=clip[1],
+                               clip_ratio_c=clip[2], **agg)
+    agg = dict(agg, mode=agg.pop("loss_agg_mode"))
+    want = pg - entropy_coeff * losses.agg_loss(ent, mask, **agg)
+    want = want + kl[0] * losses.agg_loss(losses.kl_penalty(lp, ref_lp, kl[1]), mask, **agg)
+    if want.requires_grad:
+        want.backward()
+    torch.testing.assert_close(loss, want.detach(), rtol=1e-9, atol=1e-10)
+    for ours, theirs in ((h.grad, h64.grad), (w.grad, w64.grad)):
+        if theirs is None:  # nothing selected: no gradient at all on the composition's side
+            assert ours is None or (ours == 0).all()
+        else:
+            torch.testing.assert_close(ours, theirs, rtol=1e-8, atol=1e-10)
