@@ -14,6 +14,7 @@ from typing import Optional, Union
 import torch
 
 from ._checks import FLOAT_DTYPES, is_int, is_real
+from ._keep import Kept, parse_keep
 from ._stats import Coefficients, RowStats, Transform, Want
 from .parallel import CallCheck, fingerprint, fingerprint_floats
 
@@ -37,6 +38,7 @@ class Tokens:
     target: torch.Tensor
     inv_t: Union[None, float, torch.Tensor]
     transform: Transform = Transform()
+    keep: Optional[Kept] = None  # sampling replay: the kept sets (see chunked_entropy._keep)
 
     @property
     def n(self) -> int:
@@ -55,10 +57,11 @@ class Tokens:
         The log-prob is 0 where the label is masked.
         """
         log_probs = torch.where(self.valid, r.log_probs(), 0.0)
+        of_kept = self.keep is not None and self.keep.of_kept
         return (
             log_probs,
-            r.entropy() if want.entropy else None,
-            r.s2 if want.sum_pi_squared else None,
+            r.entropy(of_kept) if want.entropy else None,
+            r.sum_pi_squared(of_kept) if want.sum_pi_squared else None,
         )
 
     def coefficients(self, a: int, b: int, g_lp, g_h, g_q) -> Coefficients:
@@ -115,6 +118,8 @@ def prepare_tokens(
     dtype: torch.dtype,
     labels_name: str = "labels",
     transform: Optional[Transform] = None,
+    keep=None,
+    entropy_of: str = "full",
 ) -> Tokens:
     """Check labels, mask and temperature against ``lead_shape``; build :class:`Tokens`.
 
@@ -123,7 +128,8 @@ def prepare_tokens(
     are recorded there, and so is what every rank of a process group must
     agree on: the shard width, the token count, the compute dtype, the
     transform and fingerprints of the labels (after the mask) and of the
-    temperatures.
+    temperatures. ``keep`` and ``entropy_of`` are sampling replay's (see
+    :func:`chunked_entropy._keep.parse_keep`).
     """
     if not isinstance(labels, torch.Tensor):
         raise TypeError(f"{labels_name} must be a torch.Tensor of int64 ids, got {type(labels).__name__}")
@@ -178,7 +184,9 @@ def prepare_tokens(
         call.agree("temperature", _fingerprint_scale(inv_t))
     call.agree("softcap", _bits(transform.softcap))
     call.agree("logit_scale", _bits(transform.logit_scale))
-    return Tokens(lead_shape, valid, target, inv_t, transform)
+    kept = parse_keep(keep, lead_shape=lead_shape, v_local=v_local, labels=flat, valid=valid, entropy_of=entropy_of,
+                      device=device, call=call)
+    return Tokens(lead_shape, valid, target, inv_t, transform, kept)
 
 
 def dtype_code(dtype: torch.dtype) -> int:

@@ -17,7 +17,7 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from . import _stats
+from . import _keep, _stats
 from ._inputs import Tokens, chunks
 from ._kernels import COMPILED
 from .parallel import reduce_stats
@@ -52,40 +52,77 @@ class Buffers:
         return tuple(None if t is None else t[:k].view(rows, cols) for t in self.bufs)
 
 
+def new_row_stats(n: int, want: _stats.Want, dtype, device, kept=None) -> _stats.RowStats:
+    """Full-length :class:`~chunked_entropy._stats.RowStats` for the chunk loop to fill."""
+    new = lambda on=True: torch.empty(n, dtype=dtype, device=device) if on else None  # noqa: E731
+    r = _stats.RowStats(new(), new(), new(want.entropy), new(want.sum_pi_squared), new())
+    if kept is None:
+        return r
+    of = kept.of_kept
+    ks = _stats.RowStats(new(), new(), new(want.entropy and of), new(want.sum_pi_squared and of), new())
+    return r.with_kept(ks, torch.empty(n, dtype=torch.bool, device=device))
+
+
+def _store(out: _stats.RowStats, r: _stats.RowStats, a: int, b: int) -> None:
+    for dst, src in zip(out[:5], r[:5], strict=True):
+        if dst is not None:
+            dst[a:b] = src
+    if out.kept is not None:
+        _store(out.kept, r.kept, a, b)
+        out.truncated[a:b] = r.truncated
+
+
+def _rows_of_chunk(st, kst, count, group, k, kept) -> tuple:
+    """A chunk's statistics merged over ``group`` (kept sets included): ``(RowStats, the merged BlockStats)``."""
+    st, kst, count = reduce_stats(st, group, k, kst, count)
+    rows = _stats.RowStats.from_block(st, k)
+    if kst is None:
+        return rows, st
+    kr = _stats.RowStats.from_block(kst._replace(zl=st.zl), k)  # the label's u is the whole row's
+    if not kept.of_kept:
+        kr = kr._replace(ws=None, s2=None)
+    return rows.with_kept(kr, count > 0), st
+
+
+def _block_kept(kept, ent, z, v0, tf, k, dtype):
+    """The kept entries of a block (gathered before the block is overwritten), or None without replay."""
+    return None if kept is None else _keep.gather(z, ent, v0, tf, dtype)
+
+
 def row_stats(
     tok: Tokens, fill: Fill, *, width: int, block: int, chunk_size: int, group,
     want: _stats.Want, dtype, device, compiled: bool = False, view: View = None,
 ) -> _stats.RowStats:
-    """Forward: the per-token statistics of every row, merged over blocks and over ``group``."""
-    n = tok.n
+    """Forward: the per-token statistics of every row, merged over blocks and over ``group``.
+
+    With sampling replay (``tok.keep``) also those of each row's kept set.
+    """
+    n, kept = tok.n, tok.keep
     view = view if compiled else None
     bufs = Buffers(min(chunk_size, n), block, dtype, device, work=view is None,
                    scratch=want.scratch and not compiled)
-    new = lambda on=True: torch.empty(n, dtype=dtype, device=device) if on else None  # noqa: E731
-    out = _stats.RowStats(new(), new(), new(want.entropy), new(want.sum_pi_squared), new())
+    out = new_row_stats(n, want, dtype, device, kept)
     for a, b in chunks(n, chunk_size):
         k, target = tok.k_rows(a, b), tok.target[a:b]
-        st = None
+        ent = None if kept is None else kept.chunk(a, b, n, chunk_size)
+        st = kst = count = None
         for v0, v1 in chunks(width, block):
             x, scratch, _ = bufs.get(b - a, v1 - v0)
+            z = _read(fill, view, x, a, b, v0, v1)
+            g = _block_kept(kept, ent, z, v0, tok.transform, k, dtype)
             if compiled:
-                z = _read(fill, view, x, a, b, v0, v1)
                 blk = COMPILED.stats(z, tok.transform, k, target, v0, want.entropy, want.sum_pi_squared, dtype)
             else:
-                fill(x, a, b, v0, v1)
                 blk = _stats.block_stats(
-                    x, tok.transform, k, target, v0, scratch, want_w=want.entropy, want_q=want.sum_pi_squared
+                    z, tok.transform, k, target, v0, scratch, want_w=want.entropy, want_q=want.sum_pi_squared
                 )
             st = _stats.merge_stats(st, blk, k)
-        r = _stats.RowStats.from_block(reduce_stats(st, group, k), k)
-        for dst, src in zip(out, r, strict=True):
-            if dst is not None:
-                dst[a:b] = src
+            if g is not None:
+                kb, kc = _keep.block_stats(g, ent, b - a, k, dtype)
+                kst = _stats.merge_stats(kst, kb, k)
+                count = kc if count is None else count + kc
+        _store(out, _rows_of_chunk(st, kst, count, group, k, kept)[0], a, b)
     return out
-
-
-def _rows(r: _stats.RowStats, a: int, b: int) -> _stats.RowStats:
-    return _stats.RowStats(*(None if t is None else t[a:b] for t in r))
 
 
 def grad_blocks(
@@ -100,9 +137,10 @@ def grad_blocks(
     rows of the gradient itself, saving a buffer; the compiled kernels write
     it in its own dtype). ``grads`` are the upstream gradients of
     ``(log_probs, entropy, sum_pi_squared)`` (None: that output has none, and
-    costs nothing).
+    costs nothing). With sampling replay the kept sets' sparse term is added
+    to each block (see :mod:`chunked_entropy._keep`).
     """
-    n = tok.n
+    n, kept = tok.n, tok.keep
     g_lp, g_h, g_q = (None if g is None else g.reshape(-1).to(dtype) for g in grads)
     softcap = tok.transform.softcap is not None
     view = view if compiled else None
@@ -112,22 +150,31 @@ def grad_blocks(
     )
     for a, b in chunks(n, chunk_size):
         co = tok.coefficients(a, b, *(None if g is None else g[a:b] for g in (g_lp, g_h, g_q)))
-        k, target, rows = tok.k_rows(a, b), tok.target[a:b], _rows(stats, a, b)
+        k, target, rows = tok.k_rows(a, b), tok.target[a:b], stats.rows(a, b)
+        ent = co_k = None
+        if kept is not None:
+            ent = kept.chunk(a, b, n, chunk_size)
+            co, co_k = _keep.split(co, rows.truncated, kept.of_kept)
         for v0, v1 in chunks(width, block):
             x, scratch, aux = bufs.get(b - a, v1 - v0)
             if compiled:
                 z = _read(fill, view, x, a, b, v0, v1)
+                gk = _block_kept(kept, ent, z, v0, tok.transform, k, dtype)
                 out = x if into is None else into(a, b)
-                yield a, b, v0, v1, COMPILED.grad(z, out, tok.transform, k, rows, target, v0, co, dtype)
-                continue
-            if into is not None:
-                x = into(a, b)
-            fill(x, a, b, v0, v1)
-            g = _stats.block_grad(x, tok.transform, k, rows, target, v0, co, scratch, aux)
+                g = COMPILED.grad(z, out, tok.transform, k, rows, target, v0, co, dtype)
+            else:
+                if into is not None:
+                    x = into(a, b)
+                fill(x, a, b, v0, v1)
+                gk = _block_kept(kept, ent, x, v0, tok.transform, k, dtype)
+                g = _stats.block_grad(x, tok.transform, k, rows, target, v0, co, scratch, aux)
+            if gk is not None:
+                _keep.add_grad_(g, gk, ent, rows.kept, rows.truncated, co_k, tok.transform, k)
             yield a, b, v0, v1, g
 
 
-TokenGrads = Callable[[int, int, _stats.RowStats], tuple]
+#: ``token_grads(a, b, log_probs)``: the upstream gradients of ``(log_probs, entropy)`` of rows ``[a, b)``.
+TokenGrads = Callable[[int, int, torch.Tensor], tuple]
 
 
 def loss_grad_blocks(
@@ -138,9 +185,10 @@ def loss_grad_blocks(
     """Forward of a loss whose per-token upstream gradients follow from each token's own outputs.
 
     Yields ``(a, b, v0, v1, g)`` as :func:`grad_blocks` does, and fills
-    ``stats`` (full-length :class:`~chunked_entropy._stats.RowStats` arrays)
-    on the way. ``token_grads(a, b, rows)`` gives the upstream gradients of
-    ``(log_probs, entropy)`` for rows ``[a, b)`` from their statistics.
+    ``stats`` (full-length :class:`~chunked_entropy._stats.RowStats` arrays,
+    from :func:`new_row_stats`) on the way. ``token_grads(a, b, log_probs)``
+    gives the upstream gradients of ``(log_probs, entropy)`` for rows
+    ``[a, b)`` from their log-probs (over the kept sets with replay).
 
     Without vocabulary blocks (``block == width``) each chunk's logits are
     filled once: the statistics and then the gradient come from the same
@@ -149,14 +197,12 @@ def loss_grad_blocks(
     only after its last block, so a statistics pass runs first and the
     gradient pass refills each block.
     """
-    n = tok.n
+    n, kept = tok.n, tok.keep
     if block < width:
         full = row_stats(tok, fill, width=width, block=block, chunk_size=chunk_size, group=group,
                          want=want, dtype=dtype, device=device, compiled=compiled, view=view)
-        for dst, src in zip(stats, full, strict=True):
-            if dst is not None:
-                dst.copy_(src)
-        parts = [token_grads(a, b, _rows(stats, a, b)) for a, b in chunks(n, chunk_size)]
+        _store(stats, full, 0, n)
+        parts = [token_grads(a, b, stats.rows(a, b).log_probs()) for a, b in chunks(n, chunk_size)]
         # None: that output has no term
         ups = [None if p[0] is None else torch.cat(p) for p in zip(*parts, strict=True)]
         yield from grad_blocks(tok, fill, width=width, block=block, chunk_size=chunk_size, stats=stats,
@@ -169,26 +215,33 @@ def loss_grad_blocks(
                    scratch=not compiled, aux=softcap and not compiled)
     for a, b in chunks(n, chunk_size):
         k, target = tok.k_rows(a, b), tok.target[a:b]
+        ent = None if kept is None else kept.chunk(a, b, n, chunk_size)
         x, scratch, aux = bufs.get(b - a, width)
         if compiled:  # the kernels only read the block: statistics, then the gradient, from the same one
             z = _read(fill, view, x, a, b, 0, width)
+            gk = _block_kept(kept, ent, z, 0, tok.transform, k, dtype)
             local = COMPILED.stats(z, tok.transform, k, target, 0, want.entropy, want.sum_pi_squared, dtype)
         else:
             if into is not None:
                 x = into(a, b)
             fill(x, a, b, 0, width)
+            gk = _block_kept(kept, ent, x, 0, tok.transform, k, dtype)
             local = _stats.block_stats(x, tok.transform, k, target, 0, scratch, want_w=want.entropy,
                                        want_q=want.sum_pi_squared, aux=aux)
-        merged = reduce_stats(local, group, k)
-        rows = _stats.RowStats.from_block(merged, k)
-        for dst, src in zip(stats, rows, strict=True):
-            if dst is not None:
-                dst[a:b] = src
-        g_lp, g_h = token_grads(a, b, rows)
+        kb, kc = (None, None) if gk is None else _keep.block_stats(gk, ent, b - a, k, dtype)
+        rows, merged = _rows_of_chunk(local, kb, kc, group, k, kept)
+        _store(stats, rows, a, b)
+        g_lp, g_h = token_grads(a, b, rows.log_probs())
         co = tok.coefficients(a, b, g_lp, g_h, None)
+        co_k = None
+        if kept is not None:
+            co, co_k = _keep.split(co, rows.truncated, kept.of_kept)
         if compiled:
             out = x if into is None else into(a, b)
-            yield a, b, 0, width, COMPILED.grad(z, out, tok.transform, k, rows, target, 0, co, dtype)
-            continue
-        y = _stats.shift_offsets_(x, local.m, merged.m, k) if merged is not local else x
-        yield a, b, 0, width, _stats.grad_from_offsets_(y, tok.transform, rows, target, 0, co, scratch, aux)
+            g = COMPILED.grad(z, out, tok.transform, k, rows, target, 0, co, dtype)
+        else:
+            y = _stats.shift_offsets_(x, local.m, merged.m, k) if merged is not local else x
+            g = _stats.grad_from_offsets_(y, tok.transform, rows, target, 0, co, scratch, aux)
+        if gk is not None:
+            _keep.add_grad_(g, gk, ent, rows.kept, rows.truncated, co_k, tok.transform, k)
+        yield a, b, 0, width, g

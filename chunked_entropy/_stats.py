@@ -225,7 +225,9 @@ def block_stats(
 
 def _shift(m_from: torch.Tensor, m_to: torch.Tensor, k: Scale) -> torch.Tensor:
     """``k * (m_from - m_to)`` clamped at :data:`NEG_FLOOR`: how far a block's offsets move to a larger maximum."""
-    d = m_from - m_to  # <= 0; -inf for a block of -inf; NaN for a row of -inf
+    # <= 0. A block with no finite entry (m_from = -inf: padding, or no kept id of the row in it) moves by
+    # -inf: it adds nothing, also next to another such block (m_from - m_to would be NaN there)
+    d = torch.where(m_from == -math.inf, -math.inf, m_from - m_to)
     if k is not None:
         d = d * _flat(k)
     return d.clamp(min=NEG_FLOOR)
@@ -276,6 +278,10 @@ class RowStats(NamedTuple):
     ws: Optional[torch.Tensor]
     s2: Optional[torch.Tensor]
     yl: torch.Tensor
+    #: Sampling replay: the same statistics over each row's kept set, relative to the kept set's own
+    #: maximum, and which rows are truncated to it (the others use the whole row). None without one.
+    kept: Optional["RowStats"] = None
+    truncated: Optional[torch.Tensor] = None
 
     @staticmethod
     def from_block(st: BlockStats, k: Scale) -> "RowStats":
@@ -289,11 +295,42 @@ class RowStats(NamedTuple):
             yl = yl * _flat(k)
         return RowStats(st.m, ls, ws, s2, yl)
 
-    def log_probs(self) -> torch.Tensor:
-        return self.yl - self.ls
+    def with_kept(self, kept: "RowStats", truncated: torch.Tensor) -> "RowStats":
+        return self._replace(kept=kept, truncated=truncated)
 
-    def entropy(self) -> torch.Tensor:
-        return self.ls - self.ws
+    def saved(self) -> tuple:
+        """What backward needs, for ``save_for_backward`` (the label offsets are not: c carries the label)."""
+        k = self.kept
+        tail = (None,) * 5 if k is None else (k.m, k.ls, k.ws, k.s2, self.truncated)
+        return (self.m, self.ls, self.ws, self.s2) + tail
+
+    @staticmethod
+    def from_saved(t) -> "RowStats":
+        m, ls, ws, s2, km, kls, kws, ks2, truncated = t
+        r = RowStats(m, ls, ws, s2, None)
+        return r if km is None else r.with_kept(RowStats(km, kls, kws, ks2, None), truncated)
+
+    def rows(self, a: int, b: int) -> "RowStats":
+        """The statistics of rows ``[a, b)``."""
+        cut = lambda t: None if t is None else t[a:b]  # noqa: E731
+        kept = None if self.kept is None else self.kept.rows(a, b)
+        return RowStats(*(cut(t) for t in self[:5]), kept, cut(self.truncated))
+
+    def _of(self, full: torch.Tensor, kept: Optional[torch.Tensor]) -> torch.Tensor:
+        return full if kept is None else torch.where(self.truncated, kept, full)
+
+    def log_probs(self) -> torch.Tensor:
+        """``y_label - log s``: over the kept set where the row is truncated to it."""
+        return self._of(self.yl - self.ls, None if self.kept is None else self.kept.yl - self.kept.ls)
+
+    def entropy(self, of_kept: bool = False) -> torch.Tensor:
+        """``log s - w / s``: of the whole row, or (``of_kept``) of the kept set where there is one."""
+        kept = self.kept if of_kept else None
+        return self._of(self.ls - self.ws, None if kept is None else kept.ls - kept.ws)
+
+    def sum_pi_squared(self, of_kept: bool = False) -> torch.Tensor:
+        kept = self.kept if of_kept else None
+        return self._of(self.s2, None if kept is None else kept.s2)
 
 
 class Coefficients(NamedTuple):

@@ -110,8 +110,14 @@ class ChunkedVocabParallelHead(nn.Module):
         label_mask: Optional[torch.Tensor] = None,
         ignore_index: int = -100,
         compute_sum_pi_squared: bool = False,
+        keep=None,
+        entropy_of: str = "full",
     ) -> LogProbsEntropy:
-        """:func:`linear_log_probs_and_entropy` with this head's weight, bias and settings."""
+        """:func:`linear_log_probs_and_entropy` with this head's weight, bias and settings.
+
+        ``keep`` (the rollout's kept sets, for sampling replay) and
+        ``entropy_of`` are as in :func:`~chunked_entropy.log_probs_and_entropy`.
+        """
         return linear_log_probs_and_entropy(
             hidden, self.weight, labels, bias=self.bias, chunk_size=self.chunk_size,
             temperature=temperature, process_group=self.process_group,
@@ -120,14 +126,14 @@ class ChunkedVocabParallelHead(nn.Module):
             vocab_chunk_size=self.vocab_chunk_size,
             gradient_accumulation_fusion=self.gradient_accumulation_fusion,
             softcap=self.softcap, logit_scale=self.logit_scale,
-            compute_sum_pi_squared=compute_sum_pi_squared, backend=self.backend,
+            compute_sum_pi_squared=compute_sum_pi_squared, backend=self.backend, keep=keep, entropy_of=entropy_of,
         )
 
     def policy_loss(self, hidden: torch.Tensor, labels: torch.Tensor, old_log_probs, advantages, loss_mask, **kw):
         """:func:`~chunked_entropy.linear_policy_loss` with this head's weight, bias and settings: ``(loss, metrics)``.
 
         Keywords are those of :func:`~chunked_entropy.linear_policy_loss`
-        (the loss options, ``temperature``, ``ref_log_probs``).
+        (the loss options, ``temperature``, ``ref_log_probs``, ``keep``, ``entropy_of``).
         """
         for key, value in (("bias", self.bias), ("chunk_size", self.chunk_size), ("process_group", self.process_group),
                            ("sequence_parallel", self.sequence_parallel), ("vocab_chunk_size", self.vocab_chunk_size),

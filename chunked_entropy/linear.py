@@ -50,7 +50,7 @@ class _HeadFunction(torch.autograd.Function):
         # Saved: references to hidden (this rank's slice under sequence
         # parallelism; re-gathered in backward), weight, bias, and two to four
         # float32 per token.
-        ctx.save_for_backward(hidden, weight, bias, r.m, r.ls, r.ws, r.s2)
+        ctx.save_for_backward(hidden, weight, bias, *r.saved())
         ctx.tok, ctx.plan, ctx.group = tok, replace(plan, group=None), weak_group(plan.group)
         ctx.main_grad = main_grad
         ctx.weight_param = weight if main_grad is not None else None
@@ -60,13 +60,14 @@ class _HeadFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, *grads):
-        hidden, weight, bias, m, ls, ws, s2 = ctx.saved_tensors
+        hidden, weight, bias, *saved = ctx.saved_tensors
+        stats = RowStats.from_saved(saved)
         tok, plan = ctx.tok, replace(ctx.plan, group=live_group(ctx.group))
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         grads = unpack_grads(grads, plan.want)
         if all(g is None for g in grads):
             return (None,) * 6
-        cdt = ls.dtype
+        cdt = stats.ls.dtype
         h_full = full_hidden(hidden, plan)
         n, v = tok.n, weight.shape[0]
         rows = Rows(h_full)
@@ -76,7 +77,7 @@ class _HeadFunction(torch.autograd.Function):
         into_main = need_w and ctx.main_grad is not None and ctx.main_grad.dtype == cdt
         blocks = grad_blocks(
             tok, linear_filler(rows, weight, bias), width=v, block=plan.vocab_chunk_size,
-            chunk_size=plan.chunk_size, stats=RowStats(m, ls, ws, s2, None), grads=grads, dtype=cdt, device=dev,
+            chunk_size=plan.chunk_size, stats=stats, grads=grads, dtype=cdt, device=dev,
             compiled=plan.compiled,
         )
         grad_h, gw, gb = linear_grads(
@@ -115,6 +116,8 @@ def linear_log_probs_and_entropy(
     logit_scale: Optional[float] = None,
     compute_sum_pi_squared: bool = False,
     backend: str = "eager",
+    keep=None,
+    entropy_of: str = "full",
 ) -> LogProbsEntropy:
     """Log-probs and entropy of ``softmax((hidden @ weight.T + bias) / temperature)``, fused.
 
@@ -153,6 +156,11 @@ def linear_log_probs_and_entropy(
         backend: as in :func:`~chunked_entropy.log_probs_and_entropy`; the
             matmuls stay cuBLAS/BLAS calls, the compiled kernels fuse the
             work on each block of their output.
+        keep: sampling replay's kept sets, as in
+            :func:`~chunked_entropy.log_probs_and_entropy`, over the tokens in
+            the order of the flattened ``labels`` (with sequence parallelism:
+            the full ``[S, B]`` labels, so row ``s * B + b``).
+        entropy_of: as in :func:`~chunked_entropy.log_probs_and_entropy`.
 
     Raises:
         ValueError / TypeError: as :func:`~chunked_entropy.log_probs_and_entropy`;
@@ -171,6 +179,7 @@ def linear_log_probs_and_entropy(
         weight-gradient accumulator (none with ``main_grad``) and a float32
         ``[V_local]`` bias accumulator. Sequence parallelism gathers the
         hidden states once in forward and once in backward (``[S, B, H]``).
+        ``keep`` adds what it adds to :func:`~chunked_entropy.log_probs_and_entropy`.
     """
     with agreed_call(process_group) as call:  # every rank validates; a refused call raises on all of them
         sequence_parallel = check_flag("sequence_parallel", sequence_parallel)
@@ -193,6 +202,7 @@ def linear_log_probs_and_entropy(
         tok = prepare_tokens(
             labels, lead, v_local, call=call, label_mask=label_mask, ignore_index=ignore_index,
             temperature=temperature, device=hidden.device, dtype=cdt, transform=Transform(softcap, logit_scale),
+            keep=keep, entropy_of=entropy_of,
         )
         call.agree_all(linear_settings(hidden, weight, bias, plan, grads))
     if tok.n == 0:

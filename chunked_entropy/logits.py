@@ -25,8 +25,9 @@ class _LogitsFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, tok: Tokens, chunk_size: int, group, want: Want, compiled: bool):
         r = logits_row_stats(logits, tok, chunk_size, group, want, compiled)
-        # Saved: the input reference (no copy) and two to four float32 per token.
-        ctx.save_for_backward(logits, r.m, r.ls, r.ws, r.s2)
+        # Saved: the input reference (no copy) and two to four float32 per token (twice that and a
+        # flag with kept sets, whose entries the Tokens hold).
+        ctx.save_for_backward(logits, *r.saved())
         ctx.tok, ctx.chunk_size, ctx.want, ctx.compiled = tok, chunk_size, want, compiled
         ctx.set_materialize_grads(False)
         return pack_outputs(tok.outputs(r, want), want)
@@ -34,7 +35,8 @@ class _LogitsFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, *grads):
-        logits, m, ls, ws, s2 = ctx.saved_tensors
+        logits, *saved = ctx.saved_tensors
+        stats = RowStats.from_saved(saved)
         grads = unpack_grads(grads, ctx.want)
         if all(g is None for g in grads):
             return None, None, None, None, None, None
@@ -44,11 +46,12 @@ class _LogitsFunction(torch.autograd.Function):
         fill, view = logits_source(logits)
         # The gradient's own rows are the working buffer when they hold the compute dtype, and
         # always for the compiled kernels (they write the gradient in its own dtype).
-        direct = logits.dtype == ls.dtype or ctx.compiled
+        cdt = stats.ls.dtype
+        direct = logits.dtype == cdt or ctx.compiled
         blocks = grad_blocks(
-            ctx.tok, fill, width=v, block=v, chunk_size=ctx.chunk_size, stats=RowStats(m, ls, ws, s2, None),
-            grads=grads, dtype=ls.dtype, device=logits.device, into=(lambda a, b: gflat[a:b]) if direct else None,
-            compiled=ctx.compiled, view=view,
+            ctx.tok, fill, width=v, block=v, chunk_size=ctx.chunk_size, stats=stats, grads=grads, dtype=cdt,
+            device=logits.device, into=(lambda a, b: gflat[a:b]) if direct else None, compiled=ctx.compiled,
+            view=view,
         )
         for a, b, _, _, g in blocks:
             if not direct:
@@ -70,6 +73,8 @@ def log_probs_and_entropy(
     logit_scale: Optional[float] = None,
     compute_sum_pi_squared: bool = False,
     backend: str = "eager",
+    keep=None,
+    entropy_of: str = "full",
 ) -> LogProbsEntropy:
     """Per-token log-prob of ``labels`` and entropy of ``softmax(transform(logits) / temperature)``.
 
@@ -116,6 +121,23 @@ def log_probs_and_entropy(
             compiled on first use) or ``"auto"`` (compiled where
             ``torch.compile`` works on this device, else eager, with one
             warning). See :mod:`chunked_entropy._kernels`.
+        keep: sampling replay: the rollout's kept set of each token (top-k /
+            top-p), or None. The log-prob is then taken over the softmax
+            restricted to the row's kept set; the label always counts as
+            kept, a repeated id once, and a row with an empty set is not
+            truncated. Either a ``(token_ids, offsets)`` pair of 1-D integer
+            tensors in vLLM's CSR layout (row ``i``, in the order of the
+            flattened labels, keeps the *global* ids
+            ``token_ids[offsets[i]:offsets[i+1]]``; ``offsets`` has
+            ``n_tokens + 1`` entries, from 0 to ``len(token_ids)``), any
+            object with ``.token_ids`` and ``.offsets`` (vLLM's
+            ``SamplingMask``; lists too), or a bool ``[..., V_local]`` mask of
+            this rank's shard in the labels' leading shape. Under a process
+            group every rank passes the same CSR pair (or its own shard of a
+            dense mask). See the "Sampling replay" section of the concepts.
+        entropy_of: ``"full"`` (default): the entropy and ``sum_pi_squared``
+            are of the whole row, as without ``keep``; ``"kept"``: of the
+            kept distribution where the row is truncated (gradients follow).
 
     Returns:
         :class:`LogProbsEntropy` of tensors shaped like ``labels``, float32
@@ -139,7 +161,10 @@ def log_probs_and_entropy(
         less for float32 logits: the gradient's rows are the working
         buffer). An output that receives no gradient costs no backward work.
         With the compiled kernels no buffer is allocated: forward reads the
-        logits in place, backward writes straight into the gradient.
+        logits in place, backward writes straight into the gradient. With
+        ``keep``: the kept sets as entries (five int64/bool per kept id and
+        per token, held until backward) and two to four more float32 per
+        token; nothing of size ``[tokens, V]`` (a dense mask is read once).
 
     Example:
         >>> logits = torch.randn(2, 5, 11, requires_grad=True)
@@ -160,7 +185,7 @@ def log_probs_and_entropy(
         tok = prepare_tokens(
             labels, logits.shape[:-1], logits.shape[-1], call=call, label_mask=label_mask,
             ignore_index=ignore_index, temperature=temperature, device=logits.device, dtype=cdt,
-            transform=Transform(softcap, logit_scale),
+            transform=Transform(softcap, logit_scale), keep=keep, entropy_of=entropy_of,
         )
         call.agree_all({"chunk_size": chunk_size, "compute_entropy": want.entropy,
                         "compute_sum_pi_squared": want.sum_pi_squared, "logits.requires_grad": grads,

@@ -60,23 +60,34 @@ def _active(group) -> bool:
     return group is not None and dist.get_world_size(group) > 1
 
 
-def reduce_stats(st: BlockStats, group, k) -> BlockStats:
+def reduce_stats(st: BlockStats, group, k, kept: Optional[BlockStats] = None, count=None):
     """Merge per-shard statistics over ``group``: one MAX, then one SUM all-reduce.
 
     ``k`` is the rows' multiplier ``x = k * u`` (see :mod:`chunked_entropy._stats`).
+    With sampling replay, ``kept`` (the statistics of the rows' kept sets, see
+    :mod:`chunked_entropy._keep`) and ``count`` (their recorded ids) travel in
+    the same two collectives. Returns ``(st, kept, count)``.
     """
     if not _active(group):
-        return st
-    m = st.m.clone()
+        return st, kept, count
+    m = st.m if kept is None else torch.stack([st.m, kept.m])
+    m = m.clone()
     dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
-    st = rescale(st, m, k)
+    st = rescale(st, m if kept is None else m[0], k)
     parts = [st.ones, st.rest, st.zl] + [t for t in (st.w, st.q) if t is not None]
+    if kept is not None:
+        kept = rescale(kept, m[1], k)
+        parts += [kept.ones, kept.rest, kept.w, kept.q, count]
     packed = torch.stack(parts)
     dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
     it = iter(packed[3:])
     w = None if st.w is None else next(it)
     q = None if st.q is None else next(it)
-    return BlockStats(m, packed[0], packed[1], w, q, packed[2])
+    out = BlockStats(m if kept is None else m[0], packed[0], packed[1], w, q, packed[2])
+    if kept is not None:
+        kept = BlockStats(m[1], next(it), next(it), next(it), next(it), kept.zl)
+        count = next(it)
+    return out, kept, count
 
 
 #: Length of the vector every rank sends in the one all-gather of a call's check. Fixed, so that a rank
@@ -273,6 +284,15 @@ def all_reduce_sum_(t: torch.Tensor, group) -> torch.Tensor:
     if _active(group):
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
     return t
+
+
+def all_reduce_with_grad(t: torch.Tensor, group) -> torch.Tensor:
+    """SUM over ``group``, differentiable (the gradient is all-reduced too); ``t`` itself is not written."""
+    if not _active(group):
+        return t
+    from torch.distributed.nn.functional import all_reduce
+
+    return all_reduce(t, op=dist.ReduceOp.SUM, group=group)
 
 
 def all_gather_dim0(t: torch.Tensor, group) -> torch.Tensor:

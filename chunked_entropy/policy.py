@@ -45,7 +45,7 @@ from ._blocks import (
 from ._checks import check_chunk, check_flag, check_float, check_real
 from ._inputs import Rows, Tokens, compute_dtype, dtype_code, prepare_tokens
 from ._kernels import check_backend, use_compiled
-from ._loop import loss_grad_blocks
+from ._loop import loss_grad_blocks, new_row_stats
 from ._stats import RowStats, Transform, Want
 from .parallel import agreed_call, fingerprint_floats
 
@@ -126,10 +126,10 @@ class _Objective:
             "loss_mask": fingerprint_floats(self.mask),
         }
 
-    def token_grads(self, a: int, b: int, rows: RowStats):
-        """Upstream gradients of ``(log_probs, entropy)`` for rows ``[a, b)`` (None: no entropy term)."""
+    def token_grads(self, a: int, b: int, lp: torch.Tensor):
+        """Upstream gradients of ``(log_probs, entropy)`` for rows ``[a, b)`` from their log-probs
+        (None: no entropy term)."""
         o, w = self.opts, self.weights[a:b]
-        lp = rows.log_probs()
         g = losses.clipped_objective_grad(lp, self.old[a:b], self.adv[a:b], self.keep[a:b], o.clip_ratio_low,
                                           o.clip_ratio_high, o.clip_ratio_c)
         if o.kl_coef != 0:
@@ -161,12 +161,6 @@ class _Objective:
         return loss.detach(), metrics
 
 
-def _new_stats(n: int, dtype, device) -> RowStats:
-    """Full-length statistics the chunk loop fills: ``m``, ``log s``, ``w / s`` and the label offset."""
-    new = lambda: torch.empty(n, dtype=dtype, device=device)  # noqa: E731
-    return RowStats(new(), new(), new(), None, new())
-
-
 def _outputs(tok: Tokens, stats: RowStats):
     lp, ent, _ = tok.outputs(stats, Want())
     return lp, ent
@@ -196,7 +190,7 @@ class _HeadLossFunction(torch.autograd.Function):
         h_full = full_hidden(hidden, plan)
         rows = Rows(token_major(h_full, plan))
         n = tok.n
-        stats = _new_stats(n, cdt, weight.device)
+        stats = new_row_stats(n, Want(), cdt, weight.device, tok.keep)
         blocks = loss_grad_blocks(
             tok, linear_filler(rows, weight, bias), width=weight.shape[0], block=plan.vocab_chunk_size,
             chunk_size=plan.chunk_size, group=plan.group, want=plan.want, token_grads=objective.token_grads,
@@ -260,6 +254,8 @@ def linear_policy_loss(
     logit_scale: Optional[float] = None,
     gradient_accumulation_fusion: Optional[bool] = None,
     backend: str = "eager",
+    keep=None,
+    entropy_of: str = "full",
 ):
     """The PPO/GRPO loss of the output layer, fused: ``(loss, metrics)`` from hidden states.
 
@@ -310,6 +306,13 @@ def linear_policy_loss(
         gradient_accumulation_fusion: add the weight gradient to ``weight.main_grad``
             in backward (None: when the weight has one).
         backend: as in :func:`~chunked_entropy.log_probs_and_entropy`.
+        keep: sampling replay's kept sets, as in
+            :func:`~chunked_entropy.linear_log_probs_and_entropy` (rows in the
+            order of the flattened ``[B, T]`` labels): the ratio, the KL and the
+            metrics use the log-probs over each token's kept set.
+        entropy_of: the entropy bonus's entropy: ``"full"`` (the whole
+            distribution) or ``"kept"``, as in
+            :func:`~chunked_entropy.log_probs_and_entropy`.
 
     Returns:
         ``(loss, metrics)``: a 0-dim float32 loss; ``metrics`` holds detached
@@ -363,6 +366,7 @@ def linear_policy_loss(
         tok = prepare_tokens(
             labels, lead, v_local, call=call, label_mask=loss_mask != 0, ignore_index=-100,
             temperature=temperature, device=hidden.device, dtype=cdt, transform=Transform(softcap, logit_scale),
+            keep=keep, entropy_of=entropy_of,
         )
         call.agree_all(linear_settings(hidden, weight, bias, plan, grads))
         call.agree_all(objective.settings(call))
@@ -390,7 +394,7 @@ class _LogitsLossFunction(torch.autograd.Function):
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         gflat = grad.view(n, v)
         direct = logits.dtype == cdt or compiled  # the gradient's own rows are the working buffer
-        stats = _new_stats(n, cdt, logits.device)
+        stats = new_row_stats(n, Want(), cdt, logits.device, tok.keep)
         blocks = loss_grad_blocks(
             tok, fill, width=v, block=v, chunk_size=chunk_size, group=group, want=Want(),
             token_grads=objective.token_grads, stats=stats, dtype=cdt, device=logits.device,
@@ -436,6 +440,8 @@ def policy_loss_from_logits(
     softcap: Optional[float] = None,
     logit_scale: Optional[float] = None,
     backend: str = "eager",
+    keep=None,
+    entropy_of: str = "full",
 ):
     """The PPO/GRPO loss from given logits: :func:`linear_policy_loss`'s twin, one read of the logits.
 
@@ -472,6 +478,7 @@ def policy_loss_from_logits(
         tok = prepare_tokens(
             labels, logits.shape[:-1], logits.shape[-1], call=call, label_mask=loss_mask != 0, ignore_index=-100,
             temperature=temperature, device=logits.device, dtype=cdt, transform=Transform(softcap, logit_scale),
+            keep=keep, entropy_of=entropy_of,
         )
         call.agree_all({"chunk_size": chunk_size, "logits.requires_grad": grads,
                         "logits.dtype (0 float32, 1 bfloat16, 2 float16, 3 float64)": dtype_code(logits.dtype)})

@@ -188,6 +188,19 @@ def test_bench_quick_writes_csv_json_and_png(capsys, tmp_path):
     assert "14/14" in err  # the progress bar (plain lines: stderr is not a terminal here)
 
 
+def test_bench_replays_kept_sets_beside_the_dense_route(capsys, tmp_path):
+    code, out, err = _run(capsys, "bench", "--tokens", "64", "--vocab", "512", "--methods", "chunked,densekeep",
+                          "--keep", "0,8", "--chunk-sizes", "16", "--repeats", "1", "--no-progress",
+                          "--out", str(tmp_path))
+    assert code == 0, err
+    rows = {r["label"]: r for r in csv.DictReader(open(tmp_path / "results.csv"))}
+    assert set(rows) == {"chunked, chunk 16", "chunked, chunk 16, keep 8/token",
+                         "dense keep mask + masked_fill copy + plain torch, keep 8/token"}
+    assert {r["status"] for r in rows.values()} == {"ok"}
+    code, _, err = _run(capsys, "bench", "--keep", "-1")
+    assert code == 2 and "--keep" in err
+
+
 def test_bench_preset_is_the_issue_case(capsys):
     from chunked_entropy.cli import bench
 

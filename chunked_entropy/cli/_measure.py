@@ -35,8 +35,8 @@ import torch.distributed as dist
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PATHS = ("logits", "head")
 METHODS = {
-    "logits": ("plain", "clone", "chunked", "chunkedloss", "fusedloss"),
-    "head": ("plain", "clone", "chunked", "head", "headloss", "fusedloss", "liger"),
+    "logits": ("plain", "clone", "chunked", "chunkedloss", "fusedloss", "densekeep"),
+    "head": ("plain", "clone", "chunked", "head", "headloss", "fusedloss", "liger", "densekeep"),
 }
 #: What a sweep measures when --methods is not given: log-probs and entropy, every way.
 DEFAULT_METHODS = {"logits": ("plain", "clone", "chunked"), "head": ("plain", "clone", "chunked", "head")}
@@ -70,6 +70,7 @@ class Case:
     seed: int = 0
     backend: str = "eager"
     warm: bool = False
+    keep: int = 0  # sampling replay: kept ids per token (0: none)
 
     @property
     def label(self) -> str:
@@ -82,9 +83,12 @@ class Case:
             "headloss": f"fused head + losses, chunk {self.chunk}",
             "fusedloss": f"fused policy loss, chunk {self.chunk}",
             "liger": "Liger fused linear cross entropy (log-probs only)",
+            "densekeep": "dense keep mask + masked_fill copy + plain torch",
         }[self.method]
-        if self.path == "head" and self.method in ("plain", "clone", "chunked"):
+        if self.path == "head" and self.method in ("plain", "clone", "chunked", "densekeep"):
             name = "matmul + " + name
+        if self.keep:
+            name += f", keep {self.keep}/token"
         if self.backend != "eager":
             name += f" [{self.backend}]"
         return name
@@ -116,6 +120,11 @@ class Inputs:
         self.old = (-torch.rand(1, n, generator=g, device=dev) * 4 - 6)
         self.adv = torch.randn(1, n, generator=g, device=dev)
         self.mask = torch.rand(1, n, generator=g, device=dev) > 0.1
+        # sampling replay: case.keep kept ids per token, global, in vLLM's CSR layout (the same on every rank)
+        self.keep = None
+        if case.keep:
+            ids = torch.randint(0, v, (n * case.keep,), generator=g, device=dev)
+            self.keep = (ids, torch.arange(0, n * case.keep + 1, case.keep, device=dev))
         self.logits = self.hidden = self.weight = None
         if case.path == "logits":
             full = torch.randn(n, v, generator=g, device=dev).mul_(2.0)
@@ -144,9 +153,14 @@ def outputs(case: Case, inp: Inputs, group):
 
     if case.method == "head":
         return linear_log_probs_and_entropy(
-            inp.hidden, inp.weight, inp.labels, chunk_size=case.chunk, process_group=group, backend=case.backend
+            inp.hidden, inp.weight, inp.labels, chunk_size=case.chunk, process_group=group, backend=case.backend,
+            keep=inp.keep,
         )
     logits = inp.logits if case.path == "logits" else inp.hidden @ inp.weight.t()
+    if case.method == "densekeep":
+        if group is not None:
+            raise ValueError("the dense-mask route has no vocabulary parallelism here; use tp=1")
+        return baselines.dense_keep_log_probs_and_entropy(logits, inp.labels, *inp.keep)
     if case.method == "plain":
         if group is not None:
             raise ValueError("plain torch has no vocabulary parallelism; use tp=1")
@@ -156,7 +170,7 @@ def outputs(case: Case, inp: Inputs, group):
     if case.method != "chunked":
         raise ValueError(f"unknown method {case.method!r}; expected one of {METHODS[case.path]}")
     return log_probs_and_entropy(logits, inp.labels, chunk_size=case.chunk, process_group=group,
-                                 backend=case.backend)
+                                 backend=case.backend, keep=inp.keep)
 
 
 def policy_loss(case: Case, inp: Inputs, group):

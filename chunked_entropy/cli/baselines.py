@@ -15,6 +15,9 @@ measured against:
   backward turns that same buffer into the gradient.
 * :func:`clone_workaround`: the stop-gap: the in-place log-prob runs on
   ``logits.clone()``, one more ``[tokens, V]`` float32 tensor.
+* :func:`dense_keep_log_probs_and_entropy`: sampling replay the way slime
+  does it today: a dense ``[tokens, V]`` bool keep mask, ``masked_fill`` on a
+  copy of the logits, then ``log_softmax``; the entropy of the whole row.
 
 Running :func:`naive_entropy` and then :func:`inplace_log_probs` on the *same*
 logits is the seed failure: the entropy's backward finds its saved logits
@@ -132,6 +135,26 @@ def plain_log_probs_and_entropy(logits, labels):
     log_probs = logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
     p = logp.exp()
     return log_probs, -(p * logp).sum(dim=-1)
+
+
+def dense_keep_log_probs_and_entropy(logits, labels, token_ids, offsets):
+    """Log-probs over the kept sets through a dense mask (slime's route), plain torch; entropy of the whole row.
+
+    ``token_ids`` / ``offsets`` are the kept sets in vLLM's CSR layout; the
+    label counts as kept, and a row with no kept id keeps the whole row.
+    """
+    n, v = logits.shape
+    counts = offsets.diff()
+    rows = torch.repeat_interleave(torch.arange(n, device=logits.device), counts)
+    keep = torch.zeros(n, v, dtype=torch.bool, device=logits.device)
+    keep[rows, token_ids] = True
+    keep[torch.arange(n, device=logits.device), labels] = True
+    keep |= (counts == 0).unsqueeze(1)
+    x = logits.float()
+    kept_logp = torch.log_softmax(x.masked_fill(~keep, float("-inf")), dim=-1)
+    log_probs = kept_logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    logp = torch.log_softmax(x, dim=-1)
+    return log_probs, -(logp.exp() * logp).sum(dim=-1)
 
 
 def reference_float64(logits, labels, g_lp, g_h):

@@ -66,15 +66,36 @@ PRESETS = {
         path="head", tokens=[8192], vocab=[131072], hidden=[4096], dtype="bfloat16",
         methods=["headloss", "fusedloss"], chunk_sizes=[2048],
     ),
+    # sampling replay: 64 kept ids per token against none, and the dense-mask route (slime's) on the same input
+    "replay": dict(
+        dtype="float32", chunk_sizes=[512], keep=[0, 64],
+        parts=[
+            dict(path="logits", tokens=[8192], vocab=[32768], methods=["chunked", "densekeep"]),
+            dict(path="head", tokens=[8192], vocab=[32768], hidden=[512], methods=["head", "densekeep"]),
+        ],
+    ),
 }
 DEFAULTS = dict(
     path="logits", tokens=[1024, 2048, 4096, 8192], vocab=[32768], hidden=[512], dtype="float32",
-    methods=None, chunk_sizes=[512], repeats=3, backends=["eager"],
+    methods=None, chunk_sizes=[512], repeats=3, backends=["eager"], keep=[0],
 )
 QUICK = dict(
     path="both", tokens=[256, 1024], vocab=[8192], hidden=[256], dtype="float32",
-    methods=None, chunk_sizes=[256], repeats=1, backends=["eager"],
+    methods=None, chunk_sizes=[256], repeats=1, backends=["eager"], keep=[0],
 )
+
+
+def _counts(text: str) -> list:
+    """``"0,64"`` -> ``[0, 64]`` (non-negative integers)."""
+    try:
+        values = [int(p) for p in text.replace(" ", "").split(",") if p]
+    except ValueError:
+        values = []
+    if not values or min(values) < 0:
+        import argparse
+
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 0, got {text!r}")
+    return values
 
 
 class BenchError(Exception):
@@ -106,6 +127,9 @@ def add_arguments(p, positive_int, int_list, name_list) -> None:
                    help="subset of plain, clone, chunked, head (log-probs and entropy; the default: all that "
                         "apply to the path), or of chunkedloss, headloss, fusedloss (the policy loss: "
                         "chunked/fused head + chunked_entropy.losses, or the fused policy loss)")
+    g.add_argument("--keep", type=_counts, metavar="K1,...",
+                   help="sampling replay: kept ids per token, in vLLM's CSR layout, for this library's methods "
+                        "and the dense-mask route densekeep (0: no replay; default 0)")
     g.add_argument("--backends", type=name_list, metavar="B1,...",
                    help="per-block kernels of this library's methods: eager, compile, auto (default eager)")
     g.add_argument("--dtype", choices=sorted(plan.DTYPE_BYTES), help="dtype of the inputs (default float32)")
@@ -134,7 +158,7 @@ def _settings(args) -> dict:
     if args.preset:
         base.update(PRESETS[args.preset])
         base.setdefault("repeats", 3)
-    for k in ("path", "tokens", "vocab", "hidden", "chunk_sizes", "methods", "dtype", "repeats", "backends"):
+    for k in ("path", "tokens", "vocab", "hidden", "chunk_sizes", "methods", "dtype", "repeats", "backends", "keep"):
         v = getattr(args, k)
         if v is not None:
             base[k] = v
@@ -155,11 +179,16 @@ def build_cases(s: dict, device: str) -> list:
                     group = []
                     for m in methods:
                         ours = m in ("chunked", "head") + LOSS_METHODS
+                        # replay: ours at every --keep value, the dense-mask route at the non-zero ones
+                        keeps = s["keep"] if m in ("chunked", "head") else [0]
+                        if m == "densekeep":
+                            keeps = [k for k in s["keep"] if k]
                         for c in (s["chunk_sizes"] if ours else [0]):
                             for be in (s["backends"] if ours else ["eager"]):
-                                group.append(Case(path=path, method=m, tokens=n, vocab=v, hidden=h, chunk=c,
-                                                  dtype=s["dtype"], device=device, backend=be,
-                                                  warm=bool(s.get("warm"))))
+                                for kk in keeps:
+                                    group.append(Case(path=path, method=m, tokens=n, vocab=v, hidden=h, chunk=c,
+                                                      dtype=s["dtype"], device=device, backend=be,
+                                                      warm=bool(s.get("warm")), keep=kk))
                     groups.append(group)
     return groups
 
@@ -168,12 +197,19 @@ def plan_bytes(case: Case) -> int:
     """The plan's estimate of the case's peak over its inputs."""
     shape = plan.Shape(case.tokens, case.vocab, case.hidden, 1, case.dtype)
     # a policy loss needs what its log-probs and entropy need (the fused one: no more)
-    method = {"chunkedloss": "chunked", "headloss": "head", "liger": "head"}.get(case.method, case.method)
+    method = {"chunkedloss": "chunked", "headloss": "head", "liger": "head", "densekeep": "plain"}.get(
+        case.method, case.method)
     if method == "fusedloss":
         method = "head" if case.path == "head" else "chunked"
     e = plan.estimate(method, shape, case.chunk)
+    # replay: the kept sets' entries (the ids and one label per token; int64 row and column, two flags, and the
+    # sort that orders them); the dense route also holds its [N, V] bool mask and the masked float32 copy
+    extra = case.tokens * (case.keep + 1) * 24 if case.keep and case.method != "densekeep" else 0
+    if case.method == "densekeep":
+        extra = case.tokens * case.vocab * (1 + 4)
     if case.path == "logits":
-        return e.over_logits
+        return e.over_logits + extra
+    e = dataclasses.replace(e, total=e.total + extra)
     # over hidden and weight: the total, and the lm_head's gradients when they come last
     grads = case.hidden * (case.tokens + case.vocab) * 4
     return max(e.total, grads) if method != "head" else e.total

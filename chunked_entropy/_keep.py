@@ -1,0 +1,289 @@
+"""Sampling replay: the rollout's kept sets (top-k / top-p), without a ``[tokens, V]`` mask.
+
+Floor 1 (with the per-token inputs of :mod:`chunked_entropy._inputs`). A
+rollout sampled with top-k and/or top-p draws each token from the softmax
+renormalized over a *kept set*; replaying it, the trainer's log-prob of the
+token is taken over the same set:
+
+    log_prob = y_label - log sum_{j in K'} exp(y_j)        K' = K ∪ {label}
+
+The label always counts as kept (the result is finite even where float
+rounding on the trainer's side would have excluded it); a row whose recorded
+set is empty is not truncated (prompt tokens, rows sampled without
+truncation); a repeated id counts once. The entropy and ``sum_j p_j**2`` stay
+of the whole row unless ``entropy_of="kept"``.
+
+**Representation.** Once per call the kept sets become *entries*, pairs
+``(row, id)`` sorted by row: the recorded ids and one entry per valid label,
+with repeats marked dead rather than removed (so that no size depends on the
+data beyond one host read of the chunk boundaries). Each rank keeps the
+columns of its vocabulary shard. Memory: five int64/bool per entry.
+
+**Statistics.** In each block of the chunk loop the entries that fall in it
+are gathered from the raw logits (before the block is overwritten) and
+reduced per row to the same :class:`~chunked_entropy._stats.BlockStats` as the
+whole row, relative to the kept set's own maximum, plus the count of recorded
+ids; they merge over blocks and ranks exactly like the whole row's (and in
+the same two collectives). A row is truncated where the count is not 0.
+
+**Gradient.** With ``p^K_j = exp(y_j - m_K - log s_K)`` on the kept set:
+
+    d log_prob / dx_j = [j == label] - p^K_j          (j in K', else 0)
+
+so on truncated rows the log-prob's term of the dense per-block gradient is
+dropped (its coefficient set to 0) and :func:`add_grad_` adds this sparse term
+at the entries; likewise the entropy's and ``sum p**2``'s with
+``entropy_of="kept"``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import NamedTuple, Optional
+
+import torch
+
+from ._stats import NEG_FLOOR, BlockStats, Coefficients, RowStats, Transform
+from .parallel import fingerprint
+
+ENTROPY_OF = ("full", "kept")
+
+#: What the ranks of a group agree on: the form of ``keep`` (they exchange statistics of it).
+FORMS = {None: 0, "csr": 1, "dense": 2}
+
+
+@dataclass(frozen=True, eq=False)
+class Kept:
+    """A call's kept sets, as entries sorted by row (see the module doc).
+
+    ``row``: the entry's row; ``col``: its column in this rank's shard, or -1
+    (on another shard, a repeat, or no label); ``counted``: a recorded id, the
+    first of its repeats, on this shard; ``is_label``: the row's label.
+    """
+
+    row: torch.Tensor
+    col: torch.Tensor
+    counted: torch.Tensor
+    is_label: torch.Tensor
+    entropy_of: str
+    form: str
+    _bounds: dict = field(default_factory=dict)
+
+    @property
+    def of_kept(self) -> bool:
+        return self.entropy_of == "kept"
+
+    def bounds(self, n: int, chunk_size: int) -> list:
+        """The first entry of each chunk's rows (one host read per call and chunk size)."""
+        if chunk_size not in self._bounds:
+            starts = torch.arange(0, n + chunk_size, chunk_size, device=self.row.device).clamp_(max=n)
+            self._bounds[chunk_size] = torch.searchsorted(self.row, starts).tolist()
+        return self._bounds[chunk_size]
+
+    def chunk(self, a: int, b: int, n: int, chunk_size: int) -> "Entries":
+        """The entries of rows ``[a, b)`` (``a`` a chunk boundary), rows made relative to ``a``."""
+        i = a // chunk_size
+        lo, hi = self.bounds(n, chunk_size)[i:i + 2]
+        return Entries(self.row[lo:hi] - a, self.col[lo:hi], self.counted[lo:hi], self.is_label[lo:hi])
+
+
+class Entries(NamedTuple):
+    """A chunk's entries (see :class:`Kept`), rows relative to the chunk."""
+
+    row: torch.Tensor
+    col: torch.Tensor
+    counted: torch.Tensor
+    is_label: torch.Tensor
+
+
+# ----------------------------------------------------------------------------- parsing
+
+
+def _as_ids(name: str, value, device) -> torch.Tensor:
+    if isinstance(value, (list, tuple)):
+        value = torch.as_tensor(value, dtype=torch.int64, device=device)
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a 1-D integer tensor or a list of ints, got {type(value).__name__}")
+    if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
+        raise TypeError(f"{name} must hold integers, got {value.dtype}")
+    if value.dim() != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {tuple(value.shape)}")
+    if value.device != device:
+        raise ValueError(f"{name} is on {value.device} but the input is on {device}")
+    return value.to(torch.int64)
+
+
+def parse_keep(keep, *, lead_shape, v_local: int, labels: torch.Tensor, valid: torch.Tensor, entropy_of,
+               device, call) -> Optional[Kept]:
+    """``keep`` (a ``(token_ids, offsets)`` pair, an object with ``.token_ids`` and ``.offsets``, or a bool
+    ``[..., V_local]`` mask) as :class:`Kept`, checked; None when ``keep`` is None.
+
+    ``labels`` and ``valid`` are the flat global labels and whether each
+    counts. Runs inside the op's :func:`~chunked_entropy.parallel.agreed_call`.
+    """
+    if entropy_of not in ENTROPY_OF:
+        raise ValueError(f"entropy_of must be 'full' or 'kept', got {entropy_of!r}")
+    n = labels.numel()
+    if keep is None:
+        if entropy_of != "full":
+            raise ValueError("entropy_of='kept' needs keep= (the kept sets)")
+        call.agree("keep (0: none, 1: token_ids/offsets, 2: a dense mask)", 0)
+        return None
+    v_global = v_local * call.world
+    if isinstance(keep, torch.Tensor):
+        if keep.dtype != torch.bool:
+            raise TypeError(f"keep as a dense mask must be a bool tensor, got {keep.dtype}")
+        want = tuple(lead_shape) + (v_local,)
+        if tuple(keep.shape) != want:
+            raise ValueError(
+                f"keep as a dense mask must be [..., V_local] = {want} (the labels' shape and this rank's "
+                f"vocabulary shard), got {tuple(keep.shape)}"
+            )
+        if keep.device != device:
+            raise ValueError(f"keep is on {keep.device} but the input is on {device}")
+        nz = keep.reshape(n, v_local).nonzero()  # the mask's ids: one read of it (and one host sync)
+        row, ids, form = nz[:, 0], nz[:, 1] + call.rank * v_local, "dense"
+    else:
+        if isinstance(keep, (tuple, list)) and len(keep) == 2:
+            token_ids, offsets = keep
+        elif hasattr(keep, "token_ids") and hasattr(keep, "offsets"):
+            token_ids, offsets = keep.token_ids, keep.offsets
+        else:
+            raise TypeError(
+                "keep must be a (token_ids, offsets) pair, an object with .token_ids and .offsets (vLLM's "
+                f"SamplingMask), or a bool [..., V_local] tensor; got {type(keep).__name__}"
+            )
+        ids = _as_ids("keep's token_ids", token_ids, device)
+        offsets = _as_ids("keep's offsets", offsets, device)
+        if offsets.numel() != n + 1:
+            raise ValueError(
+                f"keep's offsets must have n_tokens + 1 = {n + 1} entries (the tokens in the order of the "
+                f"flattened labels), got {offsets.numel()}"
+            )
+        counts = offsets.diff()
+        call.require((offsets[0] == 0) & (offsets[-1] == ids.numel()) & (counts >= 0).all(),
+                     f"keep's offsets must start at 0, never decrease, and end at len(token_ids) = {ids.numel()}")
+        call.require(((ids >= 0) & (ids < v_global)).all(),
+                     f"keep's token_ids must be vocabulary ids in [0, {v_global})")
+        if call.world > 1:
+            call.agree("keep's token_ids", fingerprint(ids))
+            call.agree("keep's offsets", fingerprint(offsets))
+        row = torch.repeat_interleave(torch.arange(n, device=device), counts.clamp(min=0), output_size=ids.numel())
+        form = "csr"
+    call.agree("keep (0: none, 1: token_ids/offsets, 2: a dense mask)", FORMS[form])
+    call.agree("entropy_of (0: full, 1: kept)", ENTROPY_OF.index(entropy_of))
+    return _entries(row, ids, labels, valid, v_local, v_global, call.rank, entropy_of, form)
+
+
+def _entries(row, ids, labels, valid, v_local, v_global, rank, entropy_of, form) -> Kept:
+    """Recorded ids plus one entry per valid label, sorted by row; repeats marked dead (static sizes)."""
+    n = labels.numel()
+    device = labels.device
+    label_ids = torch.where(valid, labels, -1)
+    row = torch.cat([row, torch.arange(n, device=device)])
+    ids = torch.cat([ids, label_ids])
+    recorded = torch.cat([torch.ones(row.numel() - n, dtype=torch.bool, device=device),
+                          torch.zeros(n, dtype=torch.bool, device=device)])
+    # sort by (row, id), a recorded id before the same id added as the label: the survivor of a repeat is counted
+    key = (row * (v_global + 1) + ids + 1) * 2 + (~recorded).to(torch.int64)
+    key, order = torch.sort(key)
+    row, ids, recorded = row[order], ids[order], recorded[order]
+    first = torch.ones_like(recorded)
+    first[1:] = (key[1:] // 2) != (key[:-1] // 2)
+    local = ids - rank * v_local
+    live = first & (ids >= 0) & (local >= 0) & (local < v_local)
+    col = torch.where(live, local, -1)
+    is_label = live & (ids == labels[row]) & valid[row]
+    return Kept(row, col, live & recorded, is_label, entropy_of, form)
+
+
+# ----------------------------------------------------------------------------- per block
+
+
+class Gathered(NamedTuple):
+    """The chunk's entries that fall in one block, with their ``u`` (transformed logits)."""
+
+    inside: torch.Tensor  # bool per entry
+    row: torch.Tensor  # the entry's row in the chunk
+    col: torch.Tensor  # its column in the block (clamped where not inside)
+    u: torch.Tensor  # transformed logit (-inf where not inside)
+
+
+def gather(z: torch.Tensor, ent: Entries, v0: int, tf: Transform, dtype) -> Gathered:
+    """Read the entries of a block of raw logits ``z`` (rows of the chunk, columns ``[v0, v0 + width)``).
+
+    Must run before the block is overwritten; reads ``z`` only.
+    """
+    width = z.shape[1]
+    inside = (ent.col >= v0) & (ent.col < v0 + width)
+    col = (ent.col - v0).clamp_(0, width - 1)
+    u = tf.to_u_(z[ent.row, col].to(dtype))  # advanced indexing: a new tensor of the entries, any strides
+    return Gathered(inside, ent.row, col, torch.where(inside, u, -math.inf))
+
+
+def _per_row(k, rows: torch.Tensor):
+    """The multiplier ``k`` (None, a float, or an ``[n, 1]`` column) at each entry's row."""
+    return k[rows, 0] if isinstance(k, torch.Tensor) else (1.0 if k is None else k)
+
+
+def block_stats(g: Gathered, ent: Entries, n_rows: int, k, dtype) -> tuple:
+    """``(BlockStats, count)`` of the kept entries of one block; ``zl`` is left 0 (the whole row's is used)."""
+    device = g.u.device
+    zeros = lambda: torch.zeros(n_rows, dtype=dtype, device=device)  # noqa: E731
+    m = torch.full((n_rows,), -math.inf, dtype=dtype, device=device).scatter_reduce_(0, g.row, g.u, "amax")
+    mr = m[g.row]
+    finite = g.inside & (mr > -math.inf)  # where the row's kept entries here are all -inf, -inf - (-inf) is NaN
+    y = torch.where(finite, (g.u - torch.where(finite, mr, 0.0)) * _per_row(k, g.row), NEG_FLOOR).clamp_(min=NEG_FLOOR)
+    e = torch.exp(y)
+    top = g.inside & (y == 0)
+    ones = zeros().index_add_(0, g.row, top.to(dtype))
+    rest = zeros().index_add_(0, g.row, torch.where(top, 0.0, e))
+    w = zeros().index_add_(0, g.row, e * y)
+    q = zeros().index_add_(0, g.row, e * e)
+    count = zeros().index_add_(0, g.row, (g.inside & ent.counted).to(dtype))
+    return BlockStats(m, ones, rest, w, q, zeros()), count
+
+
+def split(co: Coefficients, truncated: torch.Tensor, of_kept: bool) -> tuple:
+    """``(dense, sparse)`` coefficients: the log-prob's (and, ``of_kept``, the entropy's and ``sum p**2``'s)
+    move to the sparse term on truncated rows."""
+    def part(t, moves):
+        if t is None or not moves:
+            return t, None
+        return torch.where(truncated, 0.0, t), torch.where(truncated, t, 0.0)
+
+    (c, c_k), (b, b_k), (a, a_k) = part(co.c, True), part(co.b, of_kept), part(co.a, of_kept)
+    return Coefficients(c, b, a), Coefficients(c_k, b_k, a_k)
+
+
+def add_grad_(grad: torch.Tensor, g: Gathered, ent: Entries, kept: RowStats, truncated: torch.Tensor,
+              co: Coefficients, tf: Transform, k) -> torch.Tensor:
+    """Add the kept sets' term of the gradient w.r.t. a block's raw logits into ``grad`` (see the module doc).
+
+    ``kept`` and ``truncated`` are the chunk's rows; ``co`` the sparse
+    coefficients of :func:`split` (0 on rows that are not truncated).
+    """
+    if co.c is None and co.b is None and co.a is None:
+        return grad
+    r = g.row
+    # only truncated rows have kept statistics (the others' maximum is -inf: their arithmetic would be NaN)
+    on = g.inside & truncated[r] & (g.u > -math.inf)
+    zero = torch.zeros((), dtype=g.u.dtype, device=g.u.device)
+    pick = lambda t: torch.where(on, t[r], zero)  # noqa: E731
+    y = torch.where(on, (g.u - pick(kept.m)) * _per_row(k, r), zero)
+    p = torch.where(on, torch.exp(y - pick(kept.ls)), zero)
+    inner = torch.zeros_like(p)
+    if co.c is not None:
+        inner -= co.c[r]
+    if co.b is not None:
+        inner += co.b[r] * (pick(kept.ws) - y)
+    if co.a is not None:
+        inner += co.a[r] * (p - pick(kept.s2))
+    val = p * inner
+    if co.c is not None:
+        val = val + torch.where(ent.is_label & g.inside & truncated[r], co.c[r], zero)
+    if tf.softcap is not None:  # the cap's derivative 1 - u**2 at each entry
+        val = val * (1.0 - torch.where(on, g.u, zero) ** 2)
+    grad.index_put_((r, g.col), torch.where(g.inside, val, zero).to(grad.dtype), accumulate=True)
+    return grad
