@@ -1,12 +1,24 @@
-"""What the adapters share: checks of the tensors other frameworks hand over.
+"""What the adapters share: checks of the tensors other frameworks hand over, and patching their modules.
 
 Adapters sit apart from the core and import it as users do; this module is
-theirs alone.
+theirs alone. :class:`Patch` replaces functions in another framework's
+modules (verl, slime, Miles) without editing them: checked first, all or
+nothing, now or when the module is imported.
 """
 
 from __future__ import annotations
 
+import importlib.abc
+import inspect
+import logging
+import sys
+import threading
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
+
+logger = logging.getLogger("chunked_entropy.integrations")
 
 
 def check_logits(logits) -> None:
@@ -41,3 +53,155 @@ def check_id_range(name: str, ids: torch.Tensor, num_classes: int) -> None:
         raise ValueError(
             f"{name} must hold class ids in [0, {num_classes}); found {int(ids.reshape(-1)[i])} at flat position {i}"
         )
+
+
+# ----------------------------------------------------------------------------- patching another framework's modules
+
+
+@dataclass(frozen=True)
+class Target:
+    """One attribute to replace: ``holder(module).attr = replacement``, after ``check(original)`` passed.
+
+    ``holder`` gives the object that holds the attribute (the module itself,
+    or a class in it); ``check`` raises when the original does not have the
+    contract the replacement was written for.
+    """
+
+    module: str
+    attr: str
+    replacement: Callable
+    check: Callable[[object], None]
+    holder: Callable[[object], object] = lambda module: module
+
+
+class Patch:
+    """Replacements in another framework's modules, without editing them; all or nothing.
+
+    :meth:`install` checks every target whose module is imported, then (only
+    if all pass) replaces them; the targets of modules not imported yet are
+    replaced as soon as those are (a post-import hook: the plugin never
+    imports them itself). A failed check raises and leaves the framework as
+    it was. One log line says what was patched.
+    """
+
+    def __init__(self, name: str, targets, message: str):
+        self.name, self.targets, self.message = name, tuple(targets), message
+        self._lock = threading.RLock()
+        self._originals = {}  # id of the target -> (holder, original)
+        self._own = {}  # attribute -> the framework's own function, the first seen
+        self._hook = None
+        self._logged = False
+
+    def installed(self) -> bool:
+        """Whether any target is currently replaced."""
+        return bool(self._originals)
+
+    def original(self, attr: str):
+        """The framework's own function replaced under ``attr`` (None before it was seen)."""
+        return self._own.get(attr)
+
+    def install(self) -> None:
+        with self._lock:
+            if self.installed() or self._hook is not None:
+                return
+            present = [t for t in self.targets if t.module in sys.modules]
+            self._apply([(t, sys.modules[t.module]) for t in present])
+            pending = {t.module for t in self.targets} - {t.module for t in present}
+            if pending:
+                self._hook = _PatchOnImport(pending, self._imported)
+                sys.meta_path.insert(0, self._hook)
+
+    def uninstall(self) -> None:
+        """Put every original back and drop a pending hook."""
+        with self._lock:
+            self._drop_hook()
+            for t in self.targets:
+                held = self._originals.pop(id(t), None)
+                if held is not None:
+                    setattr(held[0], t.attr, held[1])
+
+    def _apply(self, pairs) -> None:
+        checked, seen = [], {}
+        for t, module in pairs:  # every check first: nothing is replaced unless all pass
+            holder = t.holder(module)
+            original = getattr(holder, t.attr, None) if holder is not None else None
+            if original is None:
+                raise RuntimeError(f"chunked_entropy's {self.name} integration needs {t.module}.{t.attr}; this "
+                                   f"{self.name} has none. Nothing was patched.")
+            if original is t.replacement:  # imported by name from a module patched already: ours
+                original = self._own.get(t.attr, seen.get(t.attr))
+                if original is None:
+                    continue
+            else:
+                t.check(original)
+                seen.setdefault(t.attr, original)
+            checked.append((t, holder, original))
+        for attr, original in seen.items():
+            self._own.setdefault(attr, original)
+        for t, holder, original in checked:
+            self._originals[id(t)] = (holder, original)
+            setattr(holder, t.attr, t.replacement)
+        if checked and not self._logged:
+            self._logged = True
+            logger.warning("chunked_entropy: %s", self.message)
+
+    def _imported(self, module) -> None:
+        with self._lock:
+            self._apply([(t, module) for t in self.targets if t.module == module.__name__])
+            if self._hook is not None:
+                self._hook.pending.discard(module.__name__)
+                if not self._hook.pending:
+                    self._drop_hook()
+
+    def _drop_hook(self) -> None:
+        if self._hook is not None and self._hook in sys.meta_path:
+            sys.meta_path.remove(self._hook)
+        self._hook = None
+
+
+class _Loader(importlib.abc.Loader):
+    """Runs the real loader, then hands the freshly executed module over."""
+
+    def __init__(self, inner, done):
+        self.inner, self.done = inner, done
+
+    def create_module(self, spec):
+        return self.inner.create_module(spec)
+
+    def exec_module(self, module):
+        self.inner.exec_module(module)
+        self.done(module)
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """A post-import hook for a set of module names."""
+
+    def __init__(self, pending, done):
+        self.pending, self.done = set(pending), done
+
+    def find_spec(self, name, path, target=None):
+        if name not in self.pending:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None:
+                if spec.loader is not None:
+                    spec.loader = _Loader(spec.loader, self.done)
+                return spec
+        return None
+
+
+def check_parameters(where: str, expected: tuple, framework: str) -> Callable[[object], None]:
+    """A ``Target.check``: the original's parameters are ``expected`` (names, in order)."""
+
+    def check(original) -> None:
+        params = tuple(inspect.signature(original).parameters)
+        if params != expected:
+            raise RuntimeError(
+                f"{where} has the parameters {params}; chunked_entropy's {framework} integration was written for "
+                f"{expected}. Nothing was patched."
+            )
+
+    return check

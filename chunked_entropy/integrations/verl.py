@@ -28,22 +28,15 @@ Tested with verl 0.9.1 and megatron-core 0.16.1.
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.util
-import inspect
-import logging
-import sys
-import threading
 from typing import Callable
 
 import torch
 
 from ..logits import log_probs_and_entropy
 from ..parallel import default_tp_group
+from ._common import Patch, Target, check_parameters
 
 __all__ = ["TARGET_MODULE", "install", "installed", "lm_head_logits_processor", "uninstall"]
-
-logger = logging.getLogger(__name__)
 
 #: The verl module whose ``MegatronEngineWithLMHead`` is patched.
 TARGET_MODULE = "verl.workers.engine.megatron.transformer_impl"
@@ -56,9 +49,6 @@ _EXPECTED = (
 )
 #: verl replaces non-positive (packing-padding) temperatures by this value.
 PADDING_TEMPERATURE = 1e-8
-
-_lock = threading.Lock()
-_state = {"original": None, "hook": None}
 
 
 def lm_head_logits_processor(
@@ -142,74 +132,18 @@ def lm_head_logits_processor(
     return ret
 
 
-def _check_target(module) -> type:
-    """The class to patch, after checking that it has verl 0.9's contract; a clear error otherwise."""
-    cls = getattr(module, _CLASS, None)
-    method = getattr(cls, _METHOD, None) if cls is not None else None
-    if method is None:
-        raise RuntimeError(
-            f"chunked_entropy's verl integration needs {TARGET_MODULE}.{_CLASS}.{_METHOD} (verl 0.9); "
-            f"this verl has none. Nothing was patched."
-        )
-    params = tuple(inspect.signature(method).parameters)
-    if params != _EXPECTED:
-        raise RuntimeError(
-            f"{_CLASS}.{_METHOD} has the parameters {params}; chunked_entropy's verl integration was "
-            f"written for verl 0.9's {_EXPECTED}. Nothing was patched."
-        )
-    return cls
+def _method_of(module):
+    """The engine class, whose method is replaced (None when this verl has none)."""
+    return getattr(module, _CLASS, None)
 
 
-def _patch(module) -> None:
-    with _lock:
-        if _state["original"] is not None:
-            return
-        cls = _check_target(module)
-        _state["original"] = cls.__dict__[_METHOD]
-        setattr(cls, _METHOD, lm_head_logits_processor)
-    logger.warning(
-        "chunked_entropy: verl's %s.%s now computes log-probs, entropy and sum_pi_squared chunked, "
-        "without div_ or clone (chunk size: entropy_from_logits_chunk_size)", _CLASS, _METHOD,
-    )
-
-
-class _Loader(importlib.abc.Loader):
-    """Runs the real loader, then patches the freshly executed module."""
-
-    def __init__(self, inner):
-        self.inner = inner
-
-    def create_module(self, spec):
-        return self.inner.create_module(spec)
-
-    def exec_module(self, module):
-        self.inner.exec_module(module)
-        _remove_hook()
-        _patch(module)
-
-
-class _PatchOnImport(importlib.abc.MetaPathFinder):
-    """A post-import hook for :data:`TARGET_MODULE` (the plugin must not import verl's engine itself)."""
-
-    def find_spec(self, name, path, target=None):
-        if name != TARGET_MODULE:
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(name, path, target)
-            if spec is not None:
-                if spec.loader is not None:
-                    spec.loader = _Loader(spec.loader)
-                return spec
-        return None
-
-
-def _remove_hook() -> None:
-    hook = _state["hook"]
-    if hook is not None and hook in sys.meta_path:
-        sys.meta_path.remove(hook)
-    _state["hook"] = None
+_PATCH = Patch(
+    "verl",
+    [Target(TARGET_MODULE, _METHOD, lm_head_logits_processor,
+            check_parameters(f"{_CLASS}.{_METHOD}", _EXPECTED, "verl (written for verl 0.9)"), holder=_method_of)],
+    f"verl's {_CLASS}.{_METHOD} now computes log-probs, entropy and sum_pi_squared chunked, without div_ or "
+    "clone (chunk size: entropy_from_logits_chunk_size)",
+)
 
 
 def install() -> None:
@@ -220,28 +154,14 @@ def install() -> None:
     RuntimeError, leaving verl as it was, when verl's method does not have
     verl 0.9's signature.
     """
-    module = sys.modules.get(TARGET_MODULE)
-    if module is not None:
-        _patch(module)
-        return
-    with _lock:
-        if _state["hook"] is None and _state["original"] is None:
-            _state["hook"] = _PatchOnImport()
-            sys.meta_path.insert(0, _state["hook"])
+    _PATCH.install()
 
 
 def uninstall() -> None:
     """Restore verl's own method (and drop a pending post-import hook)."""
-    with _lock:
-        _remove_hook()
-        original = _state["original"]
-        if original is None:
-            return
-        module = sys.modules[TARGET_MODULE]
-        setattr(getattr(module, _CLASS), _METHOD, original)
-        _state["original"] = None
+    _PATCH.uninstall()
 
 
 def installed() -> bool:
     """Whether verl's method is currently replaced."""
-    return _state["original"] is not None
+    return _PATCH.installed()
