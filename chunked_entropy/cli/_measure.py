@@ -235,7 +235,7 @@ def _honest_malloc() -> None:
         pass
 
 
-class _CpuMemory:
+class CpuMemory:
     """Peak resident memory of this process, measured from a baseline."""
 
     def __init__(self):
@@ -264,7 +264,7 @@ class _CpuMemory:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale - self.base
 
 
-class _CudaMemory:
+class CudaMemory:
     def __init__(self, device):
         self.device = device
 
@@ -355,7 +355,7 @@ def measure(case: Case, group=None, rank: int = 0, world: int = 1) -> dict:
     inp = Inputs(tiny, rank, world)
     loss_of(tiny, inp, group).backward()
     del inp
-    mem = _CudaMemory(device) if device.type == "cuda" else _CpuMemory()
+    mem = CudaMemory(device) if device.type == "cuda" else CpuMemory()
     inp = Inputs(case, rank, world)
     gc.collect()
     mem.reset()

@@ -2,6 +2,9 @@
 
 - :mod:`chunked_entropy.integrations.verl`: verl's Megatron actor logits
   processor (replaces the block that needed ``logits.clone()``).
+- :mod:`chunked_entropy.integrations.slime` and
+  :mod:`chunked_entropy.integrations.miles`: the Megatron RL trainers' log-prob
+  and entropy functions (``--custom-megatron-init-path ...install``).
 - :mod:`chunked_entropy.integrations.megatron`: a megatron-core ``GPTModel``
   that returns log-probs and entropy from hidden states (the fused head).
 - :mod:`chunked_entropy.integrations.trl`: TRL's ``selective_log_softmax`` and

@@ -1,0 +1,204 @@
+"""Miles: the Megatron trainer's log-probs and entropy without per-chunk copies, saved softmaxes or a divided copy.
+
+Miles (radixark/miles) computes every training and old/ref log-prob and
+entropy per response in ``loss_hub.logit_processors.get_log_probs_and_entropy``,
+which divides the ``[T, V/tp]`` logits by the rollout temperature out of
+place (a copy its slices then keep alive until backward) and calls
+``loss_hub.math_utils.calculate_log_probs_and_entropy`` on each response's
+rows. Outside ``true_on_policy`` mode that function copies every chunk to
+float32 twice (Megatron's fused vocab-parallel cross entropy writes its input
+in forward, the entropy in backward) and saves each copy's softmax.
+
+:func:`install` replaces, wherever Miles looks them up, without editing Miles:
+
+- ``calculate_log_probs_and_entropy`` (in ``math_utils``, where it is
+  defined, and ``logit_processors``, which imports it by name) with
+  :func:`calculate_log_probs_and_entropy`: one chunked pass of
+  :func:`~chunked_entropy.log_probs_and_entropy`, no copy, no saved softmax;
+- ``get_log_probs_and_entropy`` (in ``logit_processors`` and the modules that
+  import it by name: ``training_utils.loss``, ``loss_hub.losses``, the
+  Megatron and FSDP actors) with :func:`get_log_probs_and_entropy`: Miles's
+  own ``get_responses`` slicing (packed ``thd`` and padded ``bshd``, context
+  parallelism, ``--allgather-cp`` and its redistribution, all Miles's code),
+  but with the temperature passed into the chunks instead of dividing a copy.
+
+``true_on_policy`` mode keeps Miles's own code in both: it must match the
+rollout engine bit for bit (a full-vocabulary gather and ``log_softmax`` in
+the engine's dtype), which a different, more precise arithmetic would not.
+``entropy_requires_grad`` is honoured (the entropy is detached without it).
+
+Use it with Miles's own hook, no source edit::
+
+    --custom-megatron-init-path chunked_entropy.integrations.miles.install
+
+Checked against Miles's code at commit 31f1ca96 (2026-08-21).
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from typing import Optional
+
+import torch
+
+from ..logits import log_probs_and_entropy
+from ._common import Patch, Target, check_parameters
+
+__all__ = ["DEFAULT_CHUNK_SIZE", "calculate_log_probs_and_entropy", "get_log_probs_and_entropy", "install",
+           "installed", "uninstall"]
+
+#: The chunk size used for Miles's ``--log-probs-chunk-size -1`` ("no chunking").
+DEFAULT_CHUNK_SIZE = 512
+
+_MATH = "miles.backends.training_utils.loss_hub.math_utils"
+_PROCESSORS = "miles.backends.training_utils.loss_hub.logit_processors"
+#: Modules that hold ``get_log_probs_and_entropy`` by name (besides where it is defined).
+GET_HOLDERS = (
+    _PROCESSORS,
+    "miles.backends.training_utils.loss",
+    "miles.backends.training_utils.loss_hub.losses",
+    "miles.backends.megatron_utils.actor",
+    "miles.backends.fsdp_utils.actor",
+)
+_CALC_PARAMS = ("logits", "tokens", "tp_group", "with_entropy", "entropy_requires_grad", "chunk_size",
+                "true_on_policy", "vocab_size")
+_GET_PARAMS = ("logits", "args", "unconcat_tokens", "total_lengths", "response_lengths", "with_entropy",
+               "entropy_requires_grad", "non_loss_data", "max_seq_lens")
+
+_WRITTEN_FOR = "Miles (written at commit 31f1ca96)"
+
+
+def calculate_log_probs_and_entropy(
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    tp_group,
+    with_entropy: bool = False,
+    entropy_requires_grad: bool = True,
+    chunk_size: int = -1,
+    true_on_policy: bool = False,
+    vocab_size: Optional[int] = None,
+    *,
+    temperature: float = 1.0,
+):
+    """Miles's ``calculate_log_probs_and_entropy`` outside ``true_on_policy`` mode, in one chunked pass.
+
+    Args:
+        logits: ``[R, V/tp]`` one response's rows of this rank's vocabulary
+            shard (float32 or bf16); never written.
+        tokens: ``[R]`` the response's token ids (global).
+        tp_group: the tensor-parallel group the vocabulary is sharded over.
+        with_entropy: also return the entropy.
+        entropy_requires_grad: whether the entropy carries a gradient.
+        chunk_size: rows per chunk; ``-1`` (Miles's "no chunking") means
+            :data:`DEFAULT_CHUNK_SIZE`.
+        true_on_policy: Miles's bit-exact mode: runs Miles's own function.
+        vocab_size: used by ``true_on_policy`` only.
+        temperature: applied inside the chunks (keyword only; Miles's own
+            callers divide the logits before calling and pass none).
+
+    Returns:
+        ``(log_prob [R, 1], entropy [R] or None)``, float32, as Miles returns
+        them (``[0]`` for no rows).
+    """
+    if true_on_policy:
+        return _PATCH.original("calculate_log_probs_and_entropy")(logits, tokens, tp_group, with_entropy=with_entropy,
+                                 entropy_requires_grad=entropy_requires_grad, chunk_size=chunk_size,
+                                 true_on_policy=True, vocab_size=vocab_size)
+    if logits.size(0) == 0:
+        return logits.new_zeros((0,)), (logits.new_zeros((0,)) if with_entropy else None)
+    out = log_probs_and_entropy(
+        logits, tokens, chunk_size=DEFAULT_CHUNK_SIZE if chunk_size is None or chunk_size <= 0 else int(chunk_size),
+        temperature=temperature, process_group=tp_group, compute_entropy=bool(with_entropy),
+    )
+    entropy = out.entropy
+    if entropy is not None and not entropy_requires_grad:
+        entropy = entropy.detach()
+    return out.log_probs.unsqueeze(-1), entropy
+
+
+def get_log_probs_and_entropy(
+    logits: torch.Tensor,
+    *,
+    args,
+    unconcat_tokens: list,
+    total_lengths: list,
+    response_lengths: list,
+    with_entropy: bool = False,
+    entropy_requires_grad: bool = True,
+    non_loss_data: bool = True,
+    max_seq_lens: Optional[list] = None,
+) -> dict:
+    """Miles's ``get_log_probs_and_entropy`` with the temperature applied inside the chunks.
+
+    The response rows come from Miles's own ``get_responses`` (run with a
+    temperature of 1, so it makes no divided copy); each goes through
+    :func:`calculate_log_probs_and_entropy` with ``temperature=``; under
+    ``--allgather-cp`` Miles's own ``allgather_cp_redistribute`` follows.
+    ``true_on_policy`` mode runs Miles's own function. Arguments and results
+    are Miles's.
+    """
+    if getattr(args, "true_on_policy_mode", False):
+        return _PATCH.original("get_log_probs_and_entropy")(
+            logits, args=args, unconcat_tokens=unconcat_tokens, total_lengths=total_lengths,
+            response_lengths=response_lengths, with_entropy=with_entropy,
+            entropy_requires_grad=entropy_requires_grad, non_loss_data=non_loss_data, max_seq_lens=max_seq_lens,
+        )
+    assert non_loss_data
+    miles = sys.modules[_PROCESSORS]  # Miles's own slicing and parallel state, looked up at call time
+    t = float(args.rollout_temperature)
+    temperature = t if logits.size(-1) > 1 and t > 0 else 1.0  # when Miles's get_responses would divide
+    untempered = copy.copy(args)
+    untempered.rollout_temperature = 1.0
+    tp_group = miles.get_parallel_state().tp.group
+    log_probs, entropies = [], []
+    for logits_chunk, tokens_chunk in miles.get_responses(
+        logits, args=untempered, unconcat_tokens=unconcat_tokens, total_lengths=total_lengths,
+        response_lengths=response_lengths, max_seq_lens=max_seq_lens,
+    ):
+        log_prob, entropy = calculate_log_probs_and_entropy(
+            logits_chunk, tokens_chunk, tp_group, with_entropy=with_entropy,
+            entropy_requires_grad=entropy_requires_grad, chunk_size=args.log_probs_chunk_size,
+            temperature=temperature,
+        )
+        log_probs.append(log_prob.squeeze(-1))
+        if with_entropy:
+            entropies.append(entropy)
+    res = {"log_probs": log_probs}
+    if with_entropy:
+        res["entropy"] = entropies
+    if args.allgather_cp:
+        miles.allgather_cp_redistribute(res, logits=logits, args=args, total_lengths=total_lengths,
+                                        response_lengths=response_lengths, max_seq_lens=max_seq_lens)
+    return res
+
+
+_PATCH = Patch(
+    "Miles",
+    [Target(m, "calculate_log_probs_and_entropy", calculate_log_probs_and_entropy,
+            check_parameters(f"{m}.calculate_log_probs_and_entropy", _CALC_PARAMS, _WRITTEN_FOR))
+     for m in (_MATH, _PROCESSORS)]
+    + [Target(m, "get_log_probs_and_entropy", get_log_probs_and_entropy,
+              check_parameters(f"{m}.get_log_probs_and_entropy", _GET_PARAMS, _WRITTEN_FOR)) for m in GET_HOLDERS],
+    "Miles's calculate_log_probs_and_entropy and get_log_probs_and_entropy now run chunked outside "
+    "true_on_policy mode: no float32 copies, no saved softmax, the temperature inside the chunks",
+)
+
+
+def install(args=None) -> None:
+    """Miles's ``--custom-megatron-init-path`` hook: replace both functions wherever Miles looks them up.
+
+    Idempotent. Checks every target already imported first; on a mismatch it
+    raises RuntimeError and leaves Miles as it was. ``args`` are read per
+    call, not here.
+    """
+    _PATCH.install()
+
+
+def uninstall() -> None:
+    """Restore Miles's own functions everywhere (and drop a pending hook)."""
+    _PATCH.uninstall()
+
+
+def installed() -> bool:
+    return _PATCH.installed()
