@@ -162,7 +162,7 @@ def log_probs_and_entropy(
         buffer). An output that receives no gradient costs no backward work.
         With the compiled kernels no buffer is allocated: forward reads the
         logits in place, backward writes straight into the gradient. With
-        ``keep``: the kept sets as entries (five int64/bool per kept id and
+        ``keep``: the kept sets as entries (two int64 and two flags per kept id and
         per token, held until backward) and two to four more float32 per
         token; nothing of size ``[tokens, V]`` (a dense mask is read once).
 
