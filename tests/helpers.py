@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 import tempfile
 import traceback
 import warnings
@@ -72,17 +71,11 @@ def require(*modules: str) -> None:
             )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank, world_size, port, fn, args, errfile, timeout_s=None):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _worker(rank, world_size, store_file, fn, args, errfile, timeout_s=None):
     torch.set_num_threads(1)
     kw = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, **kw)
+    # A file rendezvous: no port to pick, release and bind again, so two runs can never race for one.
+    dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=world_size, **kw)
     try:
         fn(rank, world_size, *args)
     except BaseException:
@@ -104,7 +97,8 @@ def run_distributed(fn, world_size: int, *args, timeout_s=None) -> None:
     with tempfile.TemporaryDirectory() as d:
         errfile = os.path.join(d, "err")
         try:
-            mp.spawn(_worker, args=(world_size, _free_port(), fn, args, errfile, timeout_s), nprocs=world_size)
+            store = os.path.join(d, "rendezvous")  # a fresh file per run: the group's store
+            mp.spawn(_worker, args=(world_size, store, fn, args, errfile, timeout_s), nprocs=world_size)
         except Exception as e:
             msgs = []
             for r in range(world_size):

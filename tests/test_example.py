@@ -7,7 +7,6 @@ import json
 import math
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -91,12 +90,6 @@ def _tp2_grads_vs_unfused(rank, world, cfg_kwargs, out_path):
             json.dump({"losses": result.losses, "metrics": result.metrics}, f)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 LINE = re.compile(
     r"^step (\d+) loss ([-+]\d+\.\d+) entropy (\d+\.\d+) reward (\d+\.\d+) "
     r"clipfrac (\d+\.\d+) ppo_kl ([-+]\d+\.\d+)$"
@@ -108,8 +101,9 @@ def test_example_tp2_gradients_match_unfused_and_torchrun_runs(tmp_path):
     # The real launcher, started first so that it runs while the spawned check does.
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-        "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+        # --standalone: the launcher's own store binds port 0 and tells the workers which port it got,
+        # so nothing picks a free port and releases it for another process to take first.
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
         str(EXAMPLE), "--steps", "2",
     ]
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
