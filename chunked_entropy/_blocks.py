@@ -102,8 +102,12 @@ def linear_settings(hidden, weight, bias, plan: Plan, grads: bool) -> dict:
     """What every rank of the group must agree on in an op over hidden states (beyond the per-token inputs).
 
     The hidden size and the dtype too: ranks that differ there would otherwise
-    meet in a collective with tensors of different sizes.
+    meet in a collective with tensors of different sizes. And whether the
+    hidden states need a gradient: only the ranks where they do all-reduce it
+    (in backward for the head, in forward for the fused loss), so ranks that
+    differ there would meet no peer in that collective.
     """
+    need_h = bool(grads and hidden.requires_grad)
     return {
         "chunk_size": plan.chunk_size, "vocab_chunk_size": plan.vocab_chunk_size,
         "compute_entropy": plan.want.entropy, "compute_sum_pi_squared": plan.want.sum_pi_squared,
@@ -111,6 +115,7 @@ def linear_settings(hidden, weight, bias, plan: Plan, grads: bool) -> dict:
         "the hidden size H (weight.shape[1])": weight.shape[1],
         "weight.dtype (0 float32, 1 bfloat16, 2 float16, 3 float64)": dtype_code(weight.dtype),
         "whether gradients are computed": grads, "bias is not None": bias is not None,
+        "hidden.requires_grad (under grad mode)": need_h,
     }
 
 

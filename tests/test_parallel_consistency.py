@@ -201,13 +201,36 @@ def _not_a_member(rank, world):
             log_probs_and_entropy(z, labels, process_group=only_rank_0)
 
 
+def _requires_grad_differs(rank, world):
+    """Ranks agree on every other argument, but only rank 1's hidden states need a gradient: only it would
+    all-reduce one (gloo aborted the process: "Received data size doesn't match expected size")."""
+    group = dist.group.WORLD
+    g = torch.Generator().manual_seed(6)
+    hidden = torch.randn(4, 3, 6, generator=g).requires_grad_(rank == 1)
+    weight = torch.randn(5, 6, generator=g, requires_grad=True)
+    labels = torch.randint(0, 5 * world, (4, 3), generator=torch.Generator().manual_seed(7))
+    old, adv, mask = torch.full((4, 3), -2.0), torch.ones(4, 3), torch.ones(4, 3, dtype=torch.bool)
+    what = "hidden.requires_grad (under grad mode) differs across the 2 ranks of process_group (rank 0: 0, rank 1: 1"
+    calls = [
+        lambda: linear_log_probs_and_entropy(hidden, weight, labels, process_group=group),
+        lambda: linear_log_probs_and_entropy(hidden[:2], weight, labels, process_group=group,  # sequence parallel
+                                             sequence_parallel=True),
+        lambda: linear_policy_loss(hidden, weight, labels, old, adv, mask, process_group=group),
+    ]
+    for call in calls:
+        _expect_error(rank, what, call)
+        _healthy(rank, group)
+
+
 def _two_rank_checks(rank, world):
+    _requires_grad_differs(rank, world)
     _dtype_and_hidden_size(rank, world)
     _cancelling_labels(rank, world)
     _not_a_member(rank, world)
 
 
 def test_dtypes_hidden_sizes_cancelling_labels_and_a_group_without_this_rank():
-    """A float64 rank beside a float32 one and unequal hidden sizes are named (they used to kill gloo); label
+    """Ranks that differ in whether the hidden states need a gradient, a float64 rank beside a float32 one and
+    unequal hidden sizes are named (they used to kill gloo); label
     differences that cancel in a linear fingerprint are caught; a group this rank is not in is named. One spawn."""
     run_distributed(_two_rank_checks, 2, timeout_s=60)
