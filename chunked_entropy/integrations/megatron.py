@@ -45,7 +45,7 @@ from einops import rearrange
 
 from .._outputs import LogProbsEntropy
 from ..head import ChunkedVocabParallelHead
-from ..parallel import default_tp_group, group_rank_size
+from ..parallel import agreed_call, default_tp_group
 
 __all__ = [
     "FusedLogProbsOptions",
@@ -328,26 +328,33 @@ def _to_sb(name, t, b, s, *, per_sample=True):
 def _log_probs(gpt, hidden_states, labels, loss_mask, context) -> LogProbsEntropy:
     state = gpt.__dict__[_STATE]
     head = state.head
-    opts = _options(state, context)
-    if not isinstance(labels, torch.Tensor) or labels.dim() != 2:
-        shape = tuple(labels.shape) if isinstance(labels, torch.Tensor) else type(labels).__name__
-        raise ValueError(f"labels must be a [B, S] tensor of token ids (Megatron's layout), got {shape}")
-    b, s = labels.shape
-    _, world = group_rank_size(head.process_group)
-    s_local = s // world if head.sequence_parallel else s
-    if hidden_states.dim() != 3 or hidden_states.shape[:2] != (s_local, b) or (head.sequence_parallel and s % world):
-        where = f" (this rank's 1/{world} of the sequence: sequence_parallel)" if head.sequence_parallel else ""
-        raise ValueError(
-            f"labels [B, S] = {(b, s)} do not match the decoder's hidden states {tuple(hidden_states.shape)}; "
-            f"expected hidden states [S, B, H] with S = {s_local}{where}"
-        )
-    mask = opts["label_mask"] if opts["label_mask"] is not None else loss_mask
+    # The adapter's own checks join an agreed call of the head's group: a rank whose options are refused
+    # here raises together with its peers, instead of leaving them in the head's collectives (one more
+    # all-gather of CHECK_SLOTS int64 per forward under TP; none without a group).
+    with agreed_call(head.process_group) as call:
+        opts = _options(state, context)
+        if not isinstance(labels, torch.Tensor) or labels.dim() != 2:
+            shape = tuple(labels.shape) if isinstance(labels, torch.Tensor) else type(labels).__name__
+            raise ValueError(f"labels must be a [B, S] tensor of token ids (Megatron's layout), got {shape}")
+        b, s = labels.shape
+        world = call.world
+        s_local = s // world if head.sequence_parallel else s
+        if (hidden_states.dim() != 3 or hidden_states.shape[:2] != (s_local, b)
+                or (head.sequence_parallel and s % world)):
+            where = f" (this rank's 1/{world} of the sequence: sequence_parallel)" if head.sequence_parallel else ""
+            raise ValueError(
+                f"labels [B, S] = {(b, s)} do not match the decoder's hidden states {tuple(hidden_states.shape)}; "
+                f"expected hidden states [S, B, H] with S = {s_local}{where}"
+            )
+        mask = opts["label_mask"] if opts["label_mask"] is not None else loss_mask
+        temperature = _to_sb("temperature", opts["temperature"], b, s)
+        mask = None if mask is None else _to_sb("label_mask", mask, b, s, per_sample=False).bool()
     out = head(
         hidden_states,
         rearrange(labels, "b s -> s b"),
-        temperature=_to_sb("temperature", opts["temperature"], b, s),
+        temperature=temperature,
         compute_entropy=opts["compute_entropy"],
-        label_mask=None if mask is None else _to_sb("label_mask", mask, b, s, per_sample=False).bool(),
+        label_mask=mask,
     )
     to_bs = lambda t: None if t is None else rearrange(t, "s b -> b s").contiguous()  # noqa: E731
     return LogProbsEntropy(to_bs(out.log_probs), to_bs(out.entropy))

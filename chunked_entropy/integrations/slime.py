@@ -58,7 +58,7 @@ import torch
 import torch.nn.functional as F
 
 from ..logits import log_probs_and_entropy
-from ..parallel import all_reduce_with_grad
+from ..parallel import agreed_call, all_reduce_with_grad
 from ._common import Patch, Target, check_parameters
 
 __all__ = ["DEFAULT_CHUNK_SIZE", "TARGETS", "get_log_probs_and_entropy", "install", "installed", "uninstall"]
@@ -234,19 +234,23 @@ def get_log_probs_and_entropy(
         buffers; backward the logits' gradient.
     """
     assert non_loss_data
-    if not (isinstance(logits, torch.Tensor) and logits.dim() == 3 and logits.size(0) == 1):
-        raise ValueError(f"logits must be slime's packed [1, T, V/tp], got {getattr(logits, 'shape', logits)}")
-    rows = logits.squeeze(0)  # a view whose backward is a view too (indexing, logits[0], would copy the gradient)
-    t_local, device = rows.shape[0], rows.device
-    layout = _Layout(args, t_local, total_lengths, response_lengths)
-    labels = layout.labels(unconcat_tokens, total_lengths, response_lengths, t_local, device)
-    keep = None
-    if top_p_token_ids is not None and top_p_token_offsets is not None:
-        keep = layout.kept_sets(top_p_token_ids, top_p_token_offsets, labels, t_local, device)
-    temperature = float(getattr(args, "rollout_temperature", 1.0))
+    tp_group = _mpu().get_tensor_model_parallel_group()
+    # The adapter's own checks join an agreed call: a rank refused here raises with its peers instead of
+    # leaving them in the library's collectives (one more small all-gather per call under TP).
+    with agreed_call(tp_group):
+        if not (isinstance(logits, torch.Tensor) and logits.dim() == 3 and logits.size(0) == 1):
+            raise ValueError(f"logits must be slime's packed [1, T, V/tp], got {getattr(logits, 'shape', logits)}")
+        rows = logits.squeeze(0)  # a view whose backward is a view too (indexing, logits[0], would copy the grad)
+        t_local, device = rows.shape[0], rows.device
+        layout = _Layout(args, t_local, total_lengths, response_lengths)
+        labels = layout.labels(unconcat_tokens, total_lengths, response_lengths, t_local, device)
+        keep = None
+        if top_p_token_ids is not None and top_p_token_offsets is not None:
+            keep = layout.kept_sets(top_p_token_ids, top_p_token_offsets, labels, t_local, device)
+        temperature = float(getattr(args, "rollout_temperature", 1.0))
     out = log_probs_and_entropy(
         rows, labels, chunk_size=_chunk_size(args), temperature=temperature,
-        process_group=_mpu().get_tensor_model_parallel_group(), compute_entropy=bool(with_entropy), keep=keep,
+        process_group=tp_group, compute_entropy=bool(with_entropy), keep=keep,
     )
     res = {"log_probs": layout.per_sample(out.log_probs)}
     if with_entropy:
