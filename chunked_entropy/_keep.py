@@ -17,8 +17,12 @@ of the whole row unless ``entropy_of="kept"``.
 ``(row, id)`` sorted by row: the recorded ids and one entry per valid label,
 with repeats marked dead rather than removed (so that no size depends on the
 data beyond one host read of the chunk boundaries). Each rank keeps the
-columns of its vocabulary shard. Memory: two int64 and two flags (18 bytes) per
-entry, about 24 bytes per kept id with the sort that orders them.
+columns of its vocabulary shard. A dense mask's row that holds the whole
+vocabulary (on every shard) is read as not truncated and adds no entries.
+Memory: two int64 and two flags (18 bytes) per entry, held through the call;
+while they are built, a peak of about 46 bytes per kept id for a CSR pair
+(about 64 for a dense mask, whose list of True positions comes first),
+measured by ``benchmarks/keep_memory.py``.
 
 **Statistics.** In each block of the chunk loop the entries that fall in it
 are gathered from the raw logits (before the block is overwritten) and
@@ -46,7 +50,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from ._stats import NEG_FLOOR, BlockStats, Coefficients, RowStats, Transform
-from .parallel import fingerprint
+from .parallel import all_reduce_min_flags, fingerprint
 
 ENTROPY_OF = ("full", "kept")
 
@@ -54,22 +58,28 @@ ENTROPY_OF = ("full", "kept")
 FORMS = {None: 0, "csr": 1, "dense": 2}
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(eq=False)
 class Kept:
     """A call's kept sets, as entries sorted by row (see the module doc).
 
     ``row``: the entry's row; ``col``: its column in this rank's shard, or -1
     (on another shard, a repeat, or no label); ``counted``: a recorded id, the
-    first of its repeats, on this shard; ``is_label``: the row's label.
+    first of its repeats, on this shard; ``is_label``: the row's label. A
+    dense mask's entries are filled in once the call is agreed (they need a
+    collective under a group), before the chunk loop reads them.
     """
 
-    row: torch.Tensor
-    col: torch.Tensor
-    counted: torch.Tensor
-    is_label: torch.Tensor
     entropy_of: str
     form: str
+    row: Optional[torch.Tensor] = None
+    col: Optional[torch.Tensor] = None
+    counted: Optional[torch.Tensor] = None
+    is_label: Optional[torch.Tensor] = None
     _bounds: dict = field(default_factory=dict)
+
+    def fill(self, row, col, counted, is_label) -> "Kept":
+        self.row, self.col, self.counted, self.is_label = row, col, counted, is_label
+        return self
 
     @property
     def of_kept(self) -> bool:
@@ -143,60 +153,104 @@ def parse_keep(keep, *, lead_shape, v_local: int, labels: torch.Tensor, valid: t
             )
         if keep.device != device:
             raise ValueError(f"keep is on {keep.device} but the input is on {device}")
-        nz = keep.reshape(n, v_local).nonzero()  # the mask's ids: one read of it (and one host sync)
-        row, ids, form = nz[:, 0], nz[:, 1] + call.rank * v_local, "dense"
+        mask = keep.reshape(n, v_local)
+        whole_here = mask.all(dim=1)  # rows that keep this whole shard: one read of the mask
+        kept = Kept(entropy_of, "dense")
+        call.agree("keep (0: none, 1: token_ids/offsets, 2: a dense mask)", FORMS["dense"])
+        call.agree("entropy_of (0: full, 1: kept)", ENTROPY_OF.index(entropy_of))
+
+        def dense_entries():  # once every rank passed its checks: under a group, one all-reduce of [n] flags
+            # A row whose mask holds the whole vocabulary (on every shard) is not truncated: no entries, so that
+            # the cost follows the kept ids of truncated rows, not the mask's True count (slime leaves rows
+            # without a recorded nucleus all True).
+            truncated = ~all_reduce_min_flags(whole_here, call.group)
+            rows = truncated.nonzero().squeeze(1)  # one host sync
+            # the mask's ids (another sync); where some rows are whole, first a copy of the others' mask rows
+            nz = (mask if rows.numel() == n else mask.index_select(0, rows)).nonzero()
+            key = _new_keys(nz.shape[0], n, device)
+            _record_keys_(key, rows[nz[:, 0]], nz[:, 1], v_global, call.rank * v_local)
+            del rows, nz
+            kept.fill(*_entries(key, labels, valid, v_local, v_global, call.rank))
+
+        call.then(dense_entries)
+        return kept
+    if isinstance(keep, (tuple, list)) and len(keep) == 2:
+        token_ids, offsets = keep
+    elif hasattr(keep, "token_ids") and hasattr(keep, "offsets"):
+        token_ids, offsets = keep.token_ids, keep.offsets
     else:
-        if isinstance(keep, (tuple, list)) and len(keep) == 2:
-            token_ids, offsets = keep
-        elif hasattr(keep, "token_ids") and hasattr(keep, "offsets"):
-            token_ids, offsets = keep.token_ids, keep.offsets
-        else:
-            raise TypeError(
-                "keep must be a (token_ids, offsets) pair, an object with .token_ids and .offsets (vLLM's "
-                f"SamplingMask), or a bool [..., V_local] tensor; got {type(keep).__name__}"
-            )
-        ids = _as_ids("keep's token_ids", token_ids, device)
-        offsets = _as_ids("keep's offsets", offsets, device)
-        if offsets.numel() != n + 1:
-            raise ValueError(
-                f"keep's offsets must have n_tokens + 1 = {n + 1} entries (the tokens in the order of the "
-                f"flattened labels), got {offsets.numel()}"
-            )
-        counts = offsets.diff()
-        call.require((offsets[0] == 0) & (offsets[-1] == ids.numel()) & (counts >= 0).all(),
-                     f"keep's offsets must start at 0, never decrease, and end at len(token_ids) = {ids.numel()}")
-        call.require(((ids >= 0) & (ids < v_global)).all(),
-                     f"keep's token_ids must be vocabulary ids in [0, {v_global})")
-        if call.world > 1:
-            call.agree("keep's token_ids", fingerprint(ids))
-            call.agree("keep's offsets", fingerprint(offsets))
-        row = torch.repeat_interleave(torch.arange(n, device=device), counts.clamp(min=0), output_size=ids.numel())
-        form = "csr"
-    call.agree("keep (0: none, 1: token_ids/offsets, 2: a dense mask)", FORMS[form])
+        raise TypeError(
+            "keep must be a (token_ids, offsets) pair, an object with .token_ids and .offsets (vLLM's "
+            f"SamplingMask), or a bool [..., V_local] tensor; got {type(keep).__name__}"
+        )
+    ids = _as_ids("keep's token_ids", token_ids, device)
+    offsets = _as_ids("keep's offsets", offsets, device)
+    if offsets.numel() != n + 1:
+        raise ValueError(
+            f"keep's offsets must have n_tokens + 1 = {n + 1} entries (the tokens in the order of the "
+            f"flattened labels), got {offsets.numel()}"
+        )
+    counts = offsets.diff()
+    call.require((offsets[0] == 0) & (offsets[-1] == ids.numel()) & (counts >= 0).all(),
+                 f"keep's offsets must start at 0, never decrease, and end at len(token_ids) = {ids.numel()}")
+    call.require(((ids >= 0) & (ids < v_global)).all(),
+                 f"keep's token_ids must be vocabulary ids in [0, {v_global})")
+    if call.world > 1:
+        call.agree("keep's token_ids", fingerprint(ids))
+        call.agree("keep's offsets", fingerprint(offsets))
+    call.agree("keep (0: none, 1: token_ids/offsets, 2: a dense mask)", FORMS["csr"])
     call.agree("entropy_of (0: full, 1: kept)", ENTROPY_OF.index(entropy_of))
-    return _entries(row, ids, labels, valid, v_local, v_global, call.rank, entropy_of, form)
+    key = _new_keys(ids.numel(), n, device)
+    row = torch.repeat_interleave(torch.arange(n, device=device), counts.clamp(min=0), output_size=ids.numel())
+    _record_keys_(key, row, ids, v_global, 0)
+    del row
+    return Kept(entropy_of, "csr").fill(*_entries(key, labels, valid, v_local, v_global, call.rank))
 
 
-def _entries(row, ids, labels, valid, v_local, v_global, rank, entropy_of, form) -> Kept:
-    """Recorded ids plus one entry per valid label, sorted by row; repeats marked dead (static sizes)."""
+def _new_keys(recorded: int, n: int, device) -> torch.Tensor:
+    """Room for one sort key per recorded id and per token (its label)."""
+    return torch.empty(recorded + n, dtype=torch.int64, device=device)
+
+
+def _record_keys_(key: torch.Tensor, row: torch.Tensor, ids: torch.Tensor, v_global: int, shift: int) -> None:
+    """Write the recorded ids' keys ``row * (V + 1) + id + 1`` (``id = ids + shift``) into ``key``'s first slots."""
+    head = key[: row.numel()]
+    torch.mul(row, v_global + 1, out=head)
+    head.add_(ids).add_(shift + 1)
+
+
+def _entries(key, labels, valid, v_local, v_global, rank) -> tuple:
+    """Recorded ids plus one entry per valid label, sorted by row; repeats marked dead (static sizes).
+
+    ``key`` holds ``row * (V + 1) + id + 1`` of the recorded ids in its first
+    slots (:func:`_record_keys_`) and room for the labels after them; it is
+    consumed. Each key is doubled, plus 1 for a label, so that one sort of
+    int64 orders the entries by row, then id, a recorded id before the same
+    id added as the label (the survivor of a repeat is counted); row and id
+    are read back from the sorted keys, with no gathers by the sort's order.
+    Peak: about 40 bytes per entry while sorting; kept: two int64 and two
+    flags (18 bytes) per entry. Returns the fields of :class:`Kept`:
+    ``(row, col, counted, is_label)``.
+    """
     n = labels.numel()
-    device = labels.device
-    label_ids = torch.where(valid, labels, -1)
-    row = torch.cat([row, torch.arange(n, device=device)])
-    ids = torch.cat([ids, label_ids])
-    recorded = torch.cat([torch.ones(row.numel() - n, dtype=torch.bool, device=device),
-                          torch.zeros(n, dtype=torch.bool, device=device)])
-    # sort by (row, id), a recorded id before the same id added as the label: the survivor of a repeat is counted
-    key = (row * (v_global + 1) + ids + 1) * 2 + (~recorded).to(torch.int64)
-    key, order = torch.sort(key)
-    row, ids, recorded = row[order], ids[order], recorded[order]
+    base = v_global + 1
+    tail = key[key.numel() - n:]
+    torch.mul(torch.arange(n, device=key.device), base, out=tail)
+    tail.add_(torch.where(valid, labels, -1) + 1)
+    key.mul_(2)
+    tail.add_(1)
+    key = torch.sort(key)[0]  # the unsorted keys and the sort's indices are freed here
+    recorded = (key & 1) == 0
+    key.bitwise_right_shift_(1)  # row * (V + 1) + id + 1
     first = torch.ones_like(recorded)
-    first[1:] = (key[1:] // 2) != (key[:-1] // 2)
-    local = ids - rank * v_local
-    live = first & (ids >= 0) & (local >= 0) & (local < v_local)
+    first[1:] = key[1:] != key[:-1]
+    ids = torch.remainder(key, base).sub_(1)  # -1: a row without a label
+    row = key.div_(base, rounding_mode="floor")
+    is_label = (ids == labels[row]) & valid[row]  # on the survivor of its repeats only, with ``live`` below
+    local = ids.sub_(rank * v_local)
+    live = first & (local >= 0) & (local < v_local)
     col = torch.where(live, local, -1)
-    is_label = live & (ids == labels[row]) & valid[row]
-    return Kept(row, col, live & recorded, is_label, entropy_of, form)
+    return row, col, live & recorded, live & is_label
 
 
 # ----------------------------------------------------------------------------- per block

@@ -163,8 +163,10 @@ def log_probs_and_entropy(
         With the compiled kernels no buffer is allocated: forward reads the
         logits in place, backward writes straight into the gradient. With
         ``keep``: the kept sets as entries (two int64 and two flags per kept id and
-        per token, held until backward) and two to four more float32 per
-        token; nothing of size ``[tokens, V]`` (a dense mask is read once).
+        per token, held until backward; about 46 bytes per kept id at the
+        peak while they are built, 64 from a dense mask) and two to four more
+        float32 per token; nothing of size ``[tokens, V]`` (a dense mask is
+        read once, and its rows that hold the whole vocabulary cost nothing).
 
     Example:
         >>> logits = torch.randn(2, 5, 11, requires_grad=True)

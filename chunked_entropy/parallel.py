@@ -112,6 +112,13 @@ class CallCheck:
         self.group, self.rank, self.world = group, rank, world
         self.requirements = []  # (ok: 0-d bool tensor, message)
         self.fields = {}  # name -> int, 0-d int64 tensor, or a tuple of those
+        self.deferred = []  # work to run once every rank passed: collectives of its own may follow
+
+    def then(self, fn) -> None:
+        """Run ``fn()`` when the call is agreed: after the exchange on every rank (at the block's end
+        without a group). The place for preparation that needs a collective of its own, which a rank
+        refused earlier would never reach."""
+        self.deferred.append(fn)
 
     def require(self, ok: torch.Tensor, message) -> None:
         """``ok`` (a 0-d bool tensor) must hold; ``message`` (a str, or a callable giving one) says what failed."""
@@ -224,19 +231,22 @@ def agreed_call(group):
     a later collective; then every rank raises the same error, naming the
     rank(s) and what failed, and the group stays usable. Errors that make
     the group itself unusable (not initialized, this process not a member)
-    are raised at once: there is no collective to join.
+    are raised at once: there is no collective to join. Work deferred with
+    :meth:`CallCheck.then` runs last, on every rank.
     """
     rank, world = group_rank_size(group)
     call = CallCheck(group, rank, world)
     if world == 1:
         yield call
-        return
-    try:
-        yield call
-    except Exception as e:  # noqa: BLE001 - any failure of a rank's checks is shared with its peers
-        call.exchange(e)
-        raise  # exchange raised already; kept for readers
-    call.exchange(None)
+    else:
+        try:
+            yield call
+        except Exception as e:  # noqa: BLE001 - any failure of a rank's checks is shared with its peers
+            call.exchange(e)
+            raise  # exchange raised already; kept for readers
+        call.exchange(None)
+    for fn in call.deferred:
+        fn()
 
 
 _P = 2_147_483_629  # a prime below 2**31: products of two residues fit in int64
@@ -277,6 +287,15 @@ def collective_device(group) -> torch.device:
         return torch.device("cpu")
     acc = torch.accelerator.current_accelerator()
     return torch.device(acc.type, torch.accelerator.current_device_index())
+
+
+def all_reduce_min_flags(flags: torch.Tensor, group) -> torch.Tensor:
+    """Per element, whether ``flags`` (bool) holds on every rank of ``group``; a new tensor on ``flags``' device."""
+    if not _active(group):
+        return flags.clone()
+    t = flags.to(device=collective_device(group), dtype=torch.int32)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    return t.to(device=flags.device, dtype=torch.bool)
 
 
 def all_reduce_sum_(t: torch.Tensor, group) -> torch.Tensor:

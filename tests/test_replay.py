@@ -221,6 +221,35 @@ def test_only_chunk_sized_buffers_and_the_entries_are_allocated():
     assert max(fwd.sizes) <= max(chunk * v, 4 * (ids.numel() + n)) < n * v
 
 
+def test_a_dense_mask_row_that_holds_the_whole_vocabulary_is_not_truncated_and_costs_no_entries():
+    """slime's mask builder leaves rows without a recorded nucleus all True: such a row means "the whole
+    vocabulary", is read as not truncated, and adds no entries (it used to add one per True element)."""
+    from tests.test_logits import _Allocations
+
+    n, v, chunk = 48, 301, 8
+    z, labels, ups = _case(lead=(n,), v=v, seed=40)
+    sets = _sets(z, labels, seed=41)
+    dense = torch.zeros(n, v, dtype=torch.bool)
+    for i, s in enumerate(sets):
+        dense[i, s] = True
+    whole = torch.arange(n) % 3 == 0  # every third row: all True (its set becomes "not truncated")
+    dense[whole] = True
+    sets = [[] if w else s for s, w in zip(sets, whole.tolist(), strict=True)]
+    x = z.clone().requires_grad_()
+    out = log_probs_and_entropy(x, labels, keep=dense, chunk_size=chunk, compute_sum_pi_squared=True,
+                                entropy_of="kept")
+    zr = z.clone().requires_grad_()
+    refs = reference(zr, labels, sets, entropy_of="kept")
+    _check([out.log_probs, out.entropy, out.sum_pi_squared], refs, ups, [x], [zr], dict(rtol=1e-10, atol=1e-10))
+    # an all-True mask costs what no keep costs: nothing of the mask's size is allocated
+    z32, every = z.float(), torch.ones(n, v, dtype=torch.bool)
+    with _Allocations() as fwd, torch.no_grad():
+        got = log_probs_and_entropy(z32, labels, keep=every, chunk_size=chunk)
+    assert max(fwd.sizes) <= chunk * v < n * v
+    plain = log_probs_and_entropy(z32, labels, chunk_size=chunk)
+    assert torch.equal(got.log_probs, plain.log_probs) and torch.equal(got.entropy, plain.entropy)
+
+
 # ------------------------------------------------------------ the fused head and the Module
 
 
@@ -353,6 +382,25 @@ def _tp_worker(rank, world):
             _loss(ours, ups).backward()
             _loss(refs, ups).backward()
             torch.testing.assert_close(x.grad, zr.grad[..., shard], rtol=1e-10, atol=1e-10)
+    # dense masks with whole rows: row 0 all True on every shard (not truncated), row 1 all True on rank 0's
+    # shard only (truncated: rank 0 keeps its whole shard, the others one id each)
+    dense = torch.zeros(*labels.shape, v, dtype=torch.bool)
+    for i, s in enumerate(sets):
+        dense.view(-1, v)[i, s] = True
+    flat = dense.view(-1, v)
+    flat[0] = True
+    flat[1] = False
+    flat[1, :v_local] = True
+    flat[1, v_local::v_local] = True
+    wsets = [[] if i == 0 else flat[i].nonzero().squeeze(1).tolist() if i == 1 else s for i, s in enumerate(sets)]
+    x = z[..., shard].clone().requires_grad_()
+    out = log_probs_and_entropy(x, labels, keep=dense[..., shard].clone(), chunk_size=3, process_group=group)
+    zr = z.clone().requires_grad_()
+    lp, ent, _ = reference(zr, labels, wsets)
+    torch.testing.assert_close(out.log_probs, lp.detach(), rtol=1e-10, atol=1e-10)
+    ((out.log_probs * ups[0]).sum() + (out.entropy * ups[1]).sum()).backward()
+    ((lp * ups[0]).sum() + (ent * ups[1]).sum()).backward()
+    torch.testing.assert_close(x.grad, zr.grad[..., shard], rtol=1e-10, atol=1e-10)
     # the fused head under sequence parallelism: hidden [S/P, B, H], labels and kept sets over the full [S, B]
     g = torch.Generator().manual_seed(30)
     s_len, b, hdim = 2 * world, 3, 4

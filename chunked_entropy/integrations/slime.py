@@ -229,8 +229,8 @@ def get_log_probs_and_entropy(
 
     Memory:
         Saved for backward: a reference to ``logits`` and two to four
-        float32 per local row, and the kept sets' entries (about 24 bytes per
-        kept id). Forward allocates one or two float32 ``[chunk, V/tp]``
+        float32 per local row, and the kept sets' entries (18 bytes per kept
+        id; about 46 at the peak while they are built). Forward allocates one or two float32 ``[chunk, V/tp]``
         buffers; backward the logits' gradient.
     """
     assert non_loss_data
