@@ -9,6 +9,7 @@ once as TRL ships it and once patched, with the same seed.
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import pytest
@@ -68,6 +69,38 @@ def test_selective_log_softmax_matches_trl(dtype, temperature, k):
     ref = torch.log_softmax(logits.double() / t, -1).gather(-1, index if k else index[..., None])
     ref = ref if k else ref[..., 0]
     torch.testing.assert_close(ours.double(), torch.where(row_mask != 0, ref, 0.0), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("masked", [-math.inf, torch.finfo(torch.float32).min, -1e30])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_selective_log_softmax_with_k_ids_and_masked_logits_matches_trl(masked, temperature):
+    """Masked logits (vocabulary padding, masked_fill) at the first of the K ids, and elsewhere in the row:
+    the other ids' log-probs used to come out 0.0 or NaN, read off the masked first id."""
+    logits, _, g = _case(shape=(4, 5), v=23)
+    index = torch.randint(0, 23, (4, 5, 4), generator=g)
+    logits[..., 20:] = masked  # padding columns
+    index[..., 0] = 21  # the first id of every row is masked
+    index[1, :, 2] = 22  # and another one further on
+    logits[2, 3, 5] = masked  # a masked logit inside the vocabulary too
+    index[2, 3, 1] = 5
+    ups = [torch.randn(index.shape, generator=g)]
+    (theirs,), g_theirs = _grads(trl_utils.selective_log_softmax, logits, index, temperature, ups=ups)
+    (ours,), g_ours = _grads(ce_trl.selective_log_softmax, logits, index, temperature, ups=ups)
+    finite = torch.isfinite(theirs)
+    assert (theirs > -1e20).sum() > index.numel() // 2  # most ids are not masked: ordinary log-probs to compare
+    assert torch.equal(finite, torch.isfinite(ours))
+    torch.testing.assert_close(ours[finite], theirs[finite], rtol=1e-5, atol=1e-5)
+    assert torch.equal(ours[~finite], theirs[~finite])
+    torch.testing.assert_close(g_ours, g_theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_drop_ins_name_a_float_index():
+    logits, index, _ = _case()
+    for idx in (index.float(), index[..., None].expand(3, 7, 2).float()):
+        with pytest.raises(TypeError, match=r"index must hold integer ids \(int64\), got torch.float32"):
+            ce_trl.selective_log_softmax(logits, idx)
+    with pytest.raises(TypeError, match="index must hold integer ids"):
+        ce_trl.selective_log_softmax_and_entropy(logits, index.float())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -30,13 +30,20 @@ def check_logits(logits) -> None:
 
 def check_ids(name: str, ids, logits) -> None:
     """``ids`` must be an id tensor shaped like ``logits`` without its last dim (named in the error)."""
-    if not isinstance(ids, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor of int64 ids, got {type(ids).__name__}")
+    check_id_dtype(name, ids)
     if ids.shape != logits.shape[:-1]:
         raise ValueError(
             f"{name} must have the shape of logits without its last dim, {tuple(logits.shape[:-1])}, "
             f"got {tuple(ids.shape)}"
         )
+
+
+def check_id_dtype(name: str, ids) -> None:
+    """``ids`` must be a tensor of integer ids (named in the error)."""
+    if not isinstance(ids, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of int64 ids, got {type(ids).__name__}")
+    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        raise TypeError(f"{name} must hold integer ids (int64), got {ids.dtype}")
 
 
 def check_id_range(name: str, ids: torch.Tensor, num_classes: int) -> None:

@@ -33,7 +33,7 @@ import torch
 from .._checks import check_chunk
 from ..linear import linear_log_probs_and_entropy
 from ..logits import log_probs_and_entropy
-from ._common import check_id_range, check_ids, check_logits
+from ._common import check_id_dtype, check_id_range, check_ids, check_logits
 
 __all__ = [
     "FusedHeadKernel",
@@ -50,6 +50,7 @@ def _check_index(index, logits, *, allow_k: bool) -> bool:
     if not (allow_k and isinstance(index, torch.Tensor) and index.dim() == logits.dim()):
         check_ids("index", index, logits)
         return False
+    check_id_dtype("index", index)
     lead = logits.shape[:-1]
     if index.shape[:-1] == lead and index.shape[-1] >= 1:
         return True
@@ -106,14 +107,17 @@ def selective_log_softmax(
     keep = _check_row_mask(row_mask, index)
     _check_temperature(temperature)
     check_id_range("index", index, logits.shape[-1])  # as TRL's gather: every id, masked rows too
-    first = index[..., 0] if has_k else index
+    # With K ids per row, every log-prob is read off the row's largest logit, whose own log-prob is finite
+    # whatever the others hold (a masked -inf or finfo.min id among the K would make an anchor of NaN or 0):
+    # log p_k = log p_max + (z_k - z_max) / t, one pass over the vocabulary for all K ids.
+    anchor = logits.argmax(dim=-1) if has_k else index
     lp = log_probs_and_entropy(
-        logits, first, chunk_size=chunk_size, temperature=temperature, compute_entropy=False
+        logits, anchor, chunk_size=chunk_size, temperature=temperature, compute_entropy=False
     ).log_probs
     if has_k:
-        # log p_k = log p_0 + (z_k - z_0) / t: one pass over the vocabulary for all K ids.
         z = logits.gather(-1, index).to(lp.dtype)
-        lp = lp.unsqueeze(-1) + (z - z[..., :1]) / temperature
+        z_max = logits.gather(-1, anchor.unsqueeze(-1)).to(lp.dtype)
+        lp = lp.unsqueeze(-1) + (z - z_max) / temperature
     return lp if keep is None else torch.where(keep, lp, torch.zeros((), dtype=lp.dtype, device=lp.device))
 
 
