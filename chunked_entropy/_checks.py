@@ -60,9 +60,16 @@ def check_chunk(name: str, value, *, optional: bool = False) -> None:
         raise ValueError(f"{name} must be an int >= 1, got {value!r}")
 
 
+def check_strided(name: str, t: torch.Tensor) -> None:
+    """A dense (strided) tensor: sparse and other layouts are refused by name, before any work."""
+    if t.layout != torch.strided:
+        raise TypeError(f"{name} must be a dense (strided) tensor, got layout {t.layout}; call .to_dense() first")
+
+
 def check_float(name: str, t, *, dim: Optional[int] = None) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    check_strided(name, t)
     if t.dtype not in FLOAT_DTYPES:
         raise TypeError(f"{name} must be float32, bfloat16, float16 or float64, got {t.dtype}")
     if dim is not None and t.dim() != dim:

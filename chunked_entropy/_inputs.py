@@ -13,7 +13,7 @@ from typing import Optional, Union
 
 import torch
 
-from ._checks import FLOAT_DTYPES, is_int, is_real
+from ._checks import FLOAT_DTYPES, check_strided, is_int, is_real
 from ._keep import Kept, parse_keep
 from ._stats import Coefficients, RowStats, Transform, Want
 from .parallel import CallCheck, fingerprint, fingerprint_floats
@@ -135,6 +135,7 @@ def prepare_tokens(
         raise TypeError(f"{labels_name} must be a torch.Tensor of int64 ids, got {type(labels).__name__}")
     if labels.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
         raise TypeError(f"{labels_name} must hold integer vocabulary ids (int64), got {labels.dtype}")
+    check_strided(labels_name, labels)
     if labels.shape != lead_shape:
         raise ValueError(
             f"{labels_name} must have the leading shape of the input, {tuple(lead_shape)}, "
@@ -144,6 +145,8 @@ def prepare_tokens(
         raise ValueError(f"{labels_name} is on {labels.device} but the input is on {device}")
     if not is_int(ignore_index):
         raise TypeError(f"ignore_index must be an int (the label id meaning 'no label'), got {ignore_index!r}")
+    if not -(2**63) <= ignore_index < 2**63:
+        raise ValueError(f"ignore_index must fit in int64 (the labels' dtype), got {ignore_index!r}")
     transform = Transform() if transform is None else transform
     v_global = v_local * call.world
     flat = labels.reshape(-1).to(torch.int64)
@@ -152,6 +155,7 @@ def prepare_tokens(
     if label_mask is not None:
         if not isinstance(label_mask, torch.Tensor):
             raise TypeError(f"label_mask must be a bool tensor or None, got {type(label_mask).__name__}")
+        check_strided("label_mask", label_mask)
         if label_mask.is_floating_point() or label_mask.is_complex():
             raise TypeError(
                 f"label_mask must be a bool (or 0/1 integer) tensor, got {label_mask.dtype}; "
@@ -210,6 +214,7 @@ def prepare_temperature(temperature, lead_shape, device, dtype, call: CallCheck)
     if isinstance(temperature, torch.Tensor):
         if not temperature.is_floating_point():
             raise TypeError(f"temperature must be a float or a float tensor, got {temperature.dtype}")
+        check_strided("temperature", temperature)
         try:
             t = torch.broadcast_to(temperature.detach().to(device), lead_shape)
         except RuntimeError:
@@ -237,10 +242,11 @@ def check_transform_scale(tf: Transform, inv_t, dtype, call: CallCheck) -> None:
     ``logit_scale / softcap`` can overflow although each value is fine on its own."""
     big = torch.finfo(dtype).max
     named = [("softcap / temperature", tf.softcap), ("logit_scale / temperature", tf.logit_scale)]
-    if tf.softcap is not None and tf.logit_scale is not None and not tf.logit_scale / tf.softcap < big:
+    if tf.softcap is not None and not (tf.logit_scale or 1.0) / tf.softcap < big:  # the cap's inner factor
+        what = "1 / softcap" if tf.logit_scale is None else "logit_scale / softcap"
         raise ValueError(
-            f"logit_scale / softcap = {tf.logit_scale} / {tf.softcap} overflows {dtype}; "
-            "use a smaller logit_scale or a larger softcap"
+            f"{what} = {tf.logit_scale or 1.0} / {tf.softcap} overflows {dtype}; "
+            + ("use a larger softcap" if tf.logit_scale is None else "use a smaller logit_scale or a larger softcap")
         )
     for name, factor in named:
         if factor is None:

@@ -26,7 +26,7 @@ from typing import Optional, Union
 
 import torch
 
-from ._checks import check_real, is_int, is_real
+from ._checks import check_real, check_strided, is_int, is_real
 from .parallel import fingerprint_floats
 
 __all__ = [
@@ -52,6 +52,7 @@ _K3_CLAMP = 10.0
 def check_tensor(name: str, t, *, floating: bool = True) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    check_strided(name, t)
     if floating and not t.is_floating_point():
         raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
 
@@ -134,8 +135,12 @@ def _count(name: str, value):
             raise ValueError(f"{name} must be a number > 0 or a 1-element real tensor, got {tuple(value.shape)} "
                              f"{value.dtype}")
         value = value.detach().reshape(())
-        if value.device.type == "cpu" and not bool(value > 0):
-            raise ValueError(f"{name} must be > 0, got {value.item()!r}")
+        ok = (value > 0) & torch.isfinite(value) if value.is_floating_point() else value > 0
+        if value.device.type == "cpu":
+            if not bool(ok):
+                raise ValueError(f"{name} must be a finite number > 0, got {value.item()!r}")
+        else:  # no host sync: an asynchronous device-side assertion
+            torch._assert_async(ok, f"{name} must be a finite number > 0")
         return value
     return check_real(name, value, low=0.0, low_open=True)
 

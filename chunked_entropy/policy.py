@@ -97,6 +97,8 @@ class _Objective:
 
     def __init__(self, opts: PolicyLossOptions, labels, old_log_probs, advantages, loss_mask, ref_log_probs, dtype):
         self.opts = opts
+        if not isinstance(labels, torch.Tensor):
+            raise TypeError(f"labels must be a torch.Tensor of int64 ids, got {type(labels).__name__}")
         self.shape = labels.shape
         for name, t in (("old_log_probs", old_log_probs), ("advantages", advantages)):
             check_float(name, t)

@@ -87,6 +87,14 @@ BAD = [
     ("softcap / per-row temperature overflows", dict(softcap=1e30, temperature=torch.full((2, 3), 1e-10)),
      ValueError, "softcap / temperature"),
     ("logit_scale / softcap overflows", dict(logit_scale=1e30, softcap=1e-10), ValueError, "logit_scale / softcap"),
+    ("1 / softcap overflows", dict(softcap=1e-40), ValueError, "1 / softcap"),  # gave NaN log-probs
+    ("ignore_index beyond int64", dict(ignore_index=2**70), ValueError, "ignore_index"),  # an OverflowError
+    ("logits sparse", dict(logits=torch.zeros(2, 3, V).to_sparse()), TypeError, "logits must be a dense"),
+    ("labels sparse", dict(labels=torch.zeros(2, 3, dtype=torch.long).to_sparse()), TypeError,
+     "labels must be a dense"),
+    ("label_mask sparse", dict(label_mask=torch.ones(2, 3, dtype=torch.bool).to_sparse()), TypeError,
+     "label_mask must be a dense"),
+    ("temperature sparse", dict(temperature=torch.ones(2, 3).to_sparse()), TypeError, "temperature must be a dense"),
 ]
 
 
@@ -96,7 +104,8 @@ def test_bad_input_raises_naming_the_argument_before_any_work(desc, over, exc, n
         assert not torch.distributed.is_initialized()  # tests spawn their groups in subprocesses
     args = {**_good(), **over}
     logits, labels = args.pop("logits"), args.pop("labels")
-    tensors = [t for t in [logits, labels, *args.values()] if isinstance(t, torch.Tensor) and t.device.type != "meta"]
+    tensors = [t for t in [logits, labels, *args.values()]
+               if isinstance(t, torch.Tensor) and t.device.type != "meta" and t.layout == torch.strided]
     snaps = [(t, t.detach().clone(), t._version) for t in tensors]
 
     work = []
@@ -176,3 +185,21 @@ def test_head_flags_are_bools_as_in_the_functions():
     for bad in ("no", 1, None):
         with pytest.raises(TypeError, match="sequence_parallel"):
             ChunkedVocabParallelHead(weight, sequence_parallel=bad)
+
+
+def test_the_losses_name_list_labels_and_a_non_finite_count():
+    """Found by the fuzz pass: list labels gave an AttributeError from inside, and a tensor count of inf was
+    accepted (a loss of 0), though the float inf is refused."""
+    from chunked_entropy import losses, policy_loss_from_logits
+
+    z, lab = torch.randn(2, 3, V), torch.randint(0, V, (2, 3))
+    old, adv, mask = torch.zeros(2, 3), torch.ones(2, 3), torch.ones(2, 3, dtype=torch.bool)
+    with pytest.raises(TypeError, match="labels must be a torch.Tensor of int64 ids, got list"):
+        policy_loss_from_logits(z, lab.tolist(), old, adv, mask)
+    for count in (torch.tensor(math.inf), torch.tensor(math.nan), torch.tensor(-2.0), math.inf):
+        with pytest.raises(ValueError, match="batch_num_tokens must be a finite number"):
+            losses.agg_loss(torch.randn(2, 3), mask, batch_num_tokens=count)
+        with pytest.raises(ValueError, match="batch_num_tokens must be a finite number"):
+            policy_loss_from_logits(z, lab, old, adv, mask, batch_num_tokens=count)
+    with pytest.raises(ValueError, match="global_batch_size must be a finite number > 0"):
+        losses.agg_loss(torch.randn(2, 3), mask, "seq-mean-token-mean", global_batch_size=torch.tensor(math.inf))
