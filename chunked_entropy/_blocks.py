@@ -56,6 +56,20 @@ class Plan:
     sequence_parallel: bool
     want: Want
     compiled: bool = False
+    float32_logits: bool = False  # half-precision weights: each block's matmul in float32 (logits_dtype=float32)
+
+
+def check_logits_dtype(logits_dtype, weight: torch.Tensor) -> bool:
+    """``logits_dtype``: None (the weight's dtype, as the model's own layer), the weight's dtype, or
+    ``torch.float32``. Returns whether half-precision blocks are computed in float32 instead."""
+    if logits_dtype is None or logits_dtype == weight.dtype:
+        return False
+    if logits_dtype == torch.float32 and weight.dtype in (torch.bfloat16, torch.float16):
+        return True
+    raise ValueError(
+        f"logits_dtype must be None (the weight's dtype, {weight.dtype}), {weight.dtype} or torch.float32, "
+        f"got {logits_dtype!r}"
+    )
 
 
 def check_linear_args(hidden, weight, bias, labels, world: int, sequence_parallel: bool, vocab_chunk_size):
@@ -115,7 +129,7 @@ def linear_settings(hidden, weight, bias, plan: Plan, grads: bool) -> dict:
         "the hidden size H (weight.shape[1])": weight.shape[1],
         "weight.dtype (0 float32, 1 bfloat16, 2 float16, 3 float64)": dtype_code(weight.dtype),
         "whether gradients are computed": grads, "bias is not None": bias is not None,
-        "hidden.requires_grad (under grad mode)": need_h,
+        "hidden.requires_grad (under grad mode)": need_h, "logits_dtype (1: float32 blocks)": plan.float32_logits,
     }
 
 
@@ -124,22 +138,33 @@ def full_hidden(hidden: torch.Tensor, plan: Plan) -> torch.Tensor:
     return all_gather_dim0(hidden, plan.group) if plan.sequence_parallel else hidden
 
 
-def _logits_block(h, w, bias, out):
-    """``out <- h @ w.T + bias`` in ``out``'s dtype; ``out`` is ours, ``h``/``w``/``bias`` are read only."""
+def _logits_block(h, w, bias, out, float32: bool = False):
+    """``out <- h @ w.T + bias`` in ``out``'s dtype; ``out`` is ours, ``h``/``w``/``bias`` are read only.
+
+    Half-precision ``h`` and ``w``: by default the matmul's output is rounded
+    to their dtype, as the model's own layer (and a vLLM rollout) computes it,
+    then widened; with ``float32`` it is accumulated and kept in float32 (CUDA:
+    ``torch.mm(..., out_dtype=torch.float32)``; elsewhere the block's rows are
+    cast to float32 first, a ``[rows + cols, H]`` float32 temporary).
+    """
     if h.dtype == out.dtype:
         torch.mm(h, w.t(), out=out)
-    else:  # half-precision matmul, as the model's own layer would do, then float32
+    elif not float32:  # half-precision matmul, as the model's own layer would do, then float32
         out.copy_(torch.mm(h, w.t()))
+    elif h.device.type == "cuda":
+        torch.mm(h, w.t(), out_dtype=out.dtype, out=out)
+    else:
+        torch.mm(h.to(out.dtype), w.t().to(out.dtype), out=out)
     if bias is not None:
         out.add_(bias)
     return out
 
 
-def linear_filler(rows: Rows, weight, bias):
+def linear_filler(rows: Rows, weight, bias, float32: bool = False):
     """``fill`` for the chunk loop: a block of logits computed from hidden rows and weight rows."""
 
     def fill(x, a, b, v0, v1):
-        _logits_block(rows(a, b), weight[v0:v1], None if bias is None else bias[v0:v1], x)
+        _logits_block(rows(a, b), weight[v0:v1], None if bias is None else bias[v0:v1], x, float32)
 
     return fill
 
@@ -147,13 +172,15 @@ def linear_filler(rows: Rows, weight, bias):
 def linear_row_stats(h_full, weight, bias, tok: Tokens, plan: Plan):
     """Per-token :class:`~chunked_entropy._stats.RowStats` of ``h_full @ weight.T + bias``, never formed whole."""
     return row_stats(
-        tok, linear_filler(Rows(h_full), weight, bias), width=weight.shape[0], block=plan.vocab_chunk_size,
+        tok, linear_filler(Rows(h_full), weight, bias, plan.float32_logits), width=weight.shape[0],
+        block=plan.vocab_chunk_size,
         chunk_size=plan.chunk_size, group=plan.group, want=plan.want,
         dtype=compute_dtype(weight.dtype), device=weight.device, compiled=plan.compiled,
     )
 
 
-def linear_grads(blocks, rows: Rows, weight, *, n: int, hidden_dtype, chunk_size: int, need, gw=None):
+def linear_grads(blocks, rows: Rows, weight, *, n: int, hidden_dtype, chunk_size: int, need, gw=None,
+                 float32: bool = False):
     """Turn the logit-gradient blocks of the chunk loop into gradients of hidden, weight and bias.
 
     ``blocks`` yields ``(a, b, v0, v1, g)`` with ``g = dL/dlogits`` of rows
@@ -161,7 +188,10 @@ def linear_grads(blocks, rows: Rows, weight, *, n: int, hidden_dtype, chunk_size
     ``(hidden, weight, bias)`` want a gradient. Returns ``(grad_h [n, H]`` in
     ``hidden_dtype``, the float32 weight-gradient accumulator ``[V, H]`` (or
     ``gw`` itself, accumulated into), the float32 bias gradient ``[V])``, each
-    None where not needed. Two matmuls per block: ``g @ W`` and ``g.T @ h``.
+    None where not needed. Two matmuls per block: ``g @ W`` and ``g.T @ h``;
+    with half-precision weights ``g @ W`` is a half-precision matmul, unless
+    ``float32`` (``logits_dtype=torch.float32``): then the block's weight rows
+    are cast to float32 for it.
     """
     need_h, need_w, need_b = need
     v, hdim = weight.shape
@@ -182,6 +212,8 @@ def linear_grads(blocks, rows: Rows, weight, *, n: int, hidden_dtype, chunk_size
         if need_h:
             if w.dtype == cdt:
                 gh_c.addmm_(g, w)
+            elif float32:
+                gh_c.addmm_(g, w.to(cdt))
             else:
                 gh_c.add_(torch.mm(g.to(w.dtype), w))
         if need_w:

@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from ._blocks import check_logits_dtype
 from ._checks import check_chunk, check_flag, check_float
 from ._kernels import check_backend
 from ._outputs import LogProbsEntropy
@@ -55,8 +56,11 @@ class ChunkedVocabParallelHead(nn.Module):
     :func:`linear_log_probs_and_entropy`. The parameters are shared, not
     copied: training the head trains the original layer. ``softcap`` and
     ``logit_scale`` are the model's logit transform (see
-    :func:`~chunked_entropy.log_probs_and_entropy`), fixed per head, and
-    ``backend`` chooses the eager or compiled per-block kernels.
+    :func:`~chunked_entropy.log_probs_and_entropy`), fixed per head,
+    ``backend`` chooses the eager or compiled per-block kernels, and
+    ``logits_dtype=torch.float32`` keeps a bf16/fp16 head's matmuls in float32
+    (see :func:`linear_log_probs_and_entropy`; the default rounds the logits to
+    the weight's dtype, as the model's own layer and a vLLM rollout do).
 
     Example:
         >>> lm_head = torch.nn.Linear(16, 50, bias=False)
@@ -79,6 +83,7 @@ class ChunkedVocabParallelHead(nn.Module):
         softcap: Optional[float] = None,
         logit_scale: Optional[float] = None,
         backend: str = "eager",
+        logits_dtype: Optional[torch.dtype] = None,
     ):
         super().__init__()
         check_float("weight", weight, dim=2)
@@ -99,6 +104,8 @@ class ChunkedVocabParallelHead(nn.Module):
         self.sequence_parallel = check_flag("sequence_parallel", sequence_parallel)
         self.vocab_chunk_size = vocab_chunk_size
         self.gradient_accumulation_fusion = gradient_accumulation_fusion
+        check_logits_dtype(logits_dtype, weight)
+        self.logits_dtype = logits_dtype
 
     def forward(
         self,
@@ -127,6 +134,7 @@ class ChunkedVocabParallelHead(nn.Module):
             gradient_accumulation_fusion=self.gradient_accumulation_fusion,
             softcap=self.softcap, logit_scale=self.logit_scale,
             compute_sum_pi_squared=compute_sum_pi_squared, backend=self.backend, keep=keep, entropy_of=entropy_of,
+            logits_dtype=self.logits_dtype,
         )
 
     def policy_loss(self, hidden: torch.Tensor, labels: torch.Tensor, old_log_probs, advantages, loss_mask, **kw):
@@ -138,7 +146,8 @@ class ChunkedVocabParallelHead(nn.Module):
         for key, value in (("bias", self.bias), ("chunk_size", self.chunk_size), ("process_group", self.process_group),
                            ("sequence_parallel", self.sequence_parallel), ("vocab_chunk_size", self.vocab_chunk_size),
                            ("gradient_accumulation_fusion", self.gradient_accumulation_fusion),
-                           ("softcap", self.softcap), ("logit_scale", self.logit_scale), ("backend", self.backend)):
+                           ("softcap", self.softcap), ("logit_scale", self.logit_scale), ("backend", self.backend),
+                           ("logits_dtype", self.logits_dtype)):
             kw.setdefault(key, value)
         return linear_policy_loss(hidden, self.weight, labels, old_log_probs, advantages, loss_mask, **kw)
 
@@ -204,4 +213,5 @@ class ChunkedVocabParallelHead(nn.Module):
             f"vocab_chunk_size={self.vocab_chunk_size}, sequence_parallel={self.sequence_parallel}"
             + (f", softcap={self.softcap}" if self.softcap is not None else "")
             + (f", logit_scale={self.logit_scale}" if self.logit_scale is not None else "")
+            + (f", logits_dtype={self.logits_dtype}" if self.logits_dtype is not None else "")
         )

@@ -20,6 +20,7 @@ from ._autograd import once_differentiable
 from ._blocks import (
     Plan,
     check_linear_args,
+    check_logits_dtype,
     full_hidden,
     linear_filler,
     linear_grads,
@@ -76,13 +77,13 @@ class _HeadFunction(torch.autograd.Function):
         # main_grad (Megatron allows bf16/fp16 ones) gets one float32 sum, added at the end.
         into_main = need_w and ctx.main_grad is not None and ctx.main_grad.dtype == cdt
         blocks = grad_blocks(
-            tok, linear_filler(rows, weight, bias), width=v, block=plan.vocab_chunk_size,
+            tok, linear_filler(rows, weight, bias, plan.float32_logits), width=v, block=plan.vocab_chunk_size,
             chunk_size=plan.chunk_size, stats=stats, grads=grads, dtype=cdt, device=dev,
             compiled=plan.compiled,
         )
         grad_h, gw, gb = linear_grads(
             blocks, rows, weight, n=n, hidden_dtype=hidden.dtype, chunk_size=plan.chunk_size,
-            need=(need_h, need_w, need_b), gw=ctx.main_grad if into_main else None,
+            need=(need_h, need_w, need_b), gw=ctx.main_grad if into_main else None, float32=plan.float32_logits,
         )
         grad_hidden = None if grad_h is None else reduce_hidden_grad(grad_h, h_full.shape, plan)
         grad_weight = None
@@ -118,6 +119,7 @@ def linear_log_probs_and_entropy(
     backend: str = "eager",
     keep=None,
     entropy_of: str = "full",
+    logits_dtype: Optional[torch.dtype] = None,
 ) -> LogProbsEntropy:
     """Log-probs and entropy of ``softmax((hidden @ weight.T + bias) / temperature)``, fused.
 
@@ -161,6 +163,15 @@ def linear_log_probs_and_entropy(
             the order of the flattened ``labels`` (with sequence parallelism:
             the full ``[S, B]`` labels, so row ``s * B + b``).
         entropy_of: as in :func:`~chunked_entropy.log_probs_and_entropy`.
+        logits_dtype: the dtype each block's matmul produces, for bf16/fp16
+            ``hidden`` and ``weight``. None (the default): their own dtype,
+            rounded as the model's own output layer rounds it (and as a vLLM
+            rollout does, which widens the bf16 logits to float32 only for
+            sampling), then widened for the float32 statistics.
+            ``torch.float32``: the matmul is kept in float32 (``out_dtype``
+            on CUDA; elsewhere each block's rows are cast to float32 first),
+            and so is ``grad @ weight`` in backward: as exact as plain float32
+            PyTorch on the same bf16 inputs, for a rollout with an fp32 LM head.
 
     Raises:
         ValueError / TypeError: as :func:`~chunked_entropy.log_probs_and_entropy`;
@@ -174,7 +185,8 @@ def linear_log_probs_and_entropy(
         ever allocated: forward and backward each hold one or two float32
         ``[chunk_size, vocab_chunk_size]`` buffers (a third in backward with
         ``softcap``; plus the half-precision matmul output when the weight is
-        bf16/fp16). Backward also allocates
+        bf16/fp16, or with ``logits_dtype=torch.float32`` off CUDA the block's
+        float32 hidden and weight rows). Backward also allocates
         the gradients: ``grad_hidden`` ``[tokens, H]``, a float32 ``[V_local, H]``
         weight-gradient accumulator (none with ``main_grad``) and a float32
         ``[V_local]`` bias accumulator. Sequence parallelism gathers the
@@ -198,6 +210,7 @@ def linear_log_probs_and_entropy(
             sequence_parallel=sequence_parallel,
             want=want,
             compiled=use_compiled(check_backend(backend), hidden.device),
+            float32_logits=check_logits_dtype(logits_dtype, weight),
         )
         tok = prepare_tokens(
             labels, lead, v_local, call=call, label_mask=label_mask, ignore_index=ignore_index,

@@ -29,6 +29,7 @@ from ._autograd import graph_is_kept, once_differentiable
 from ._blocks import (
     Plan,
     check_linear_args,
+    check_logits_dtype,
     full_hidden,
     linear_filler,
     linear_grads,
@@ -194,12 +195,13 @@ class _HeadLossFunction(torch.autograd.Function):
         n = tok.n
         stats = new_row_stats(n, Want(), cdt, weight.device, tok.keep)
         blocks = loss_grad_blocks(
-            tok, linear_filler(rows, weight, bias), width=weight.shape[0], block=plan.vocab_chunk_size,
+            tok, linear_filler(rows, weight, bias, plan.float32_logits), width=weight.shape[0],
+            block=plan.vocab_chunk_size,
             chunk_size=plan.chunk_size, group=plan.group, want=plan.want, token_grads=objective.token_grads,
             stats=stats, dtype=cdt, device=weight.device, compiled=plan.compiled,
         )
         grad_h, gw, gb = linear_grads(blocks, rows, weight, n=n, hidden_dtype=hidden.dtype,
-                                      chunk_size=plan.chunk_size, need=need)
+                                      chunk_size=plan.chunk_size, need=need, float32=plan.float32_logits)
         if grad_h is not None:
             grad_h = reduce_hidden_grad(token_major_grad(grad_h, h_full.shape, plan), h_full.shape, plan)
         loss = objective.finish(tok, stats)
@@ -258,6 +260,7 @@ def linear_policy_loss(
     backend: str = "eager",
     keep=None,
     entropy_of: str = "full",
+    logits_dtype: Optional[torch.dtype] = None,
 ):
     """The PPO/GRPO loss of the output layer, fused: ``(loss, metrics)`` from hidden states.
 
@@ -315,6 +318,8 @@ def linear_policy_loss(
         entropy_of: the entropy bonus's entropy: ``"full"`` (the whole
             distribution) or ``"kept"``, as in
             :func:`~chunked_entropy.log_probs_and_entropy`.
+        logits_dtype: as in :func:`~chunked_entropy.linear_log_probs_and_entropy`
+            (``torch.float32``: float32 matmuls for bf16/fp16 weights).
 
     Returns:
         ``(loss, metrics)``: a 0-dim float32 loss; ``metrics`` holds detached
@@ -363,7 +368,8 @@ def linear_policy_loss(
         grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
         plan = Plan(chunk_size=chunk_size, vocab_chunk_size=min(vocab_chunk_size or v_local, v_local),
                     group=process_group, sequence_parallel=sequence_parallel, want=Want(),
-                    compiled=use_compiled(check_backend(backend), hidden.device))
+                    compiled=use_compiled(check_backend(backend), hidden.device),
+                    float32_logits=check_logits_dtype(logits_dtype, weight))
         main_grad = main_grad_of(weight, gradient_accumulation_fusion)
         tok = prepare_tokens(
             labels, lead, v_local, call=call, label_mask=loss_mask != 0, ignore_index=-100,

@@ -590,3 +590,81 @@ def test_flags_must_be_bools(name, value):
     hidden, weight, _, labels = _make(lead=(3,), h=4, v=9, bias=False, seed=3)
     with pytest.raises(TypeError, match=name):
         linear_log_probs_and_entropy(hidden, weight, labels, **{name: value})
+
+
+# ------------------------------------------------------------ bf16 heads: logits_dtype=torch.float32
+
+
+def _bf16_case(n=48, h=64, v=300, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = (torch.randn(n, h, generator=g) * 0.9).bfloat16()
+    weight = (torch.randn(v, h, generator=g) * 0.9).bfloat16()  # logits of about 12 in size
+    labels = torch.randint(0, v, (n,), generator=g)
+    ups = [torch.randn(n, generator=g, dtype=torch.float64) for _ in range(2)]
+    return hidden, weight, labels, ups
+
+
+def _errors(lp, ent, gh, gw, ref):
+    r_lp, r_ent, r_gh, r_gw = ref
+    return [float((a.double() - b).abs().max()) for a, b in ((lp, r_lp), (ent, r_ent), (gh, r_gh), (gw, r_gw))]
+
+
+@pytest.mark.parametrize("backend", ["eager", "compile"])
+@pytest.mark.parametrize("logit_scale,temperature", [(None, 1.0), (2.0, 0.7)])
+def test_bf16_head_with_float32_logits_is_as_exact_as_plain_float32_torch(logit_scale, temperature, backend):
+    """The same bf16 hidden states and weight: float64 of them is the reference; plain float32 PyTorch
+    (widen, matmul, log_softmax; its gradients rounded to the parameters' bf16) is the bar. The default
+    rounds each block's logits to bf16, as the model's own layer does, and is off by far more."""
+    hidden, weight, labels, ups = _bf16_case()
+    scale = 1.0 if logit_scale is None else logit_scale
+
+    def run(dt, **kw):
+        h, w = hidden.to(dt).clone().requires_grad_(), weight.to(dt).clone().requires_grad_()
+        if kw.pop("plain", False):
+            logp = torch.log_softmax(h @ w.t() * scale / temperature, -1)
+            lp = logp.gather(1, labels[:, None]).squeeze(1)
+            ent = -(logp.exp() * logp).sum(-1)
+        else:
+            lp, ent = linear_log_probs_and_entropy(h, w, labels, chunk_size=16, logit_scale=logit_scale,
+                                                   temperature=temperature, backend=backend, **kw)
+        ((lp.double() * ups[0]).sum() + (ent.double() * ups[1]).sum()).backward()
+        return lp.detach(), ent.detach(), h.grad, w.grad
+
+    ref = [t.double() for t in run(torch.float64, plain=True)]
+    lp, ent, gh, gw = run(torch.float32, plain=True)
+    # a gradient comes back in its parameter's dtype: the bar for bf16 ones is plain float32's, rounded to bf16
+    plain = _errors(lp, ent, gh.bfloat16(), gw.bfloat16(), ref)
+    exact = _errors(*run(torch.bfloat16, logits_dtype=torch.float32), ref)
+    blocked = _errors(*run(torch.bfloat16, logits_dtype=torch.float32, vocab_chunk_size=64), ref)
+    rounded = _errors(*run(torch.bfloat16), ref)
+    for name, ours, bar in zip(("log_probs", "entropy", "grad hidden", "grad weight"), exact, plain, strict=True):
+        assert ours <= 2 * bar + 1e-6, (name, ours, bar)
+    for ours, bar in zip(blocked, plain, strict=True):
+        assert ours <= 2 * bar + 1e-6
+    assert rounded[0] > 20 * exact[0]  # the default: the bf16 logits' rounding, as the model's layer rounds
+
+
+def test_fused_loss_and_module_take_logits_dtype():
+    hidden, weight, labels, _ = _bf16_case(n=24, v=120, seed=1)
+    old, adv = torch.full((1, 24), -5.0), torch.randn(1, 24, generator=torch.Generator().manual_seed(2))
+    mask = torch.ones(1, 24, dtype=torch.bool)
+    head = ChunkedVocabParallelHead(weight, chunk_size=8, logits_dtype=torch.float32)
+    assert "logits_dtype=torch.float32" in repr(head)
+    lp, _ = head(hidden, labels)
+    want = torch.log_softmax(hidden.double() @ weight.double().t(), -1).gather(1, labels[:, None]).squeeze(1)
+    assert float((lp.double() - want).abs().max()) < 1e-4
+    h = hidden[None].clone().requires_grad_()
+    loss, _ = head.policy_loss(h, labels[None], old, adv, mask)
+    loss.backward()
+    h2 = hidden[None].clone().requires_grad_()
+    lp2, _ = head(h2, labels[None])
+    from chunked_entropy import losses
+    ref, _ = losses.policy_loss(lp2, old, adv, mask)
+    ref.backward()
+    torch.testing.assert_close(loss, ref.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(h.grad.float(), h2.grad.float(), rtol=1e-2, atol=1e-3)  # both bf16 gradients
+    for bad in (torch.float16, torch.float64, "float32"):
+        with pytest.raises(ValueError, match="logits_dtype must be None"):
+            linear_log_probs_and_entropy(hidden, weight, labels, logits_dtype=bad)
+    with pytest.raises(ValueError, match="logits_dtype"):
+        ChunkedVocabParallelHead(weight.float(), logits_dtype=torch.bfloat16)
