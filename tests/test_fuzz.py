@@ -201,3 +201,60 @@ def test_fused_loss(c, mode, clip, entropy_coeff, kl, dp, path):
             assert ours is None or (ours == 0).all()
         else:
             torch.testing.assert_close(ours, theirs, rtol=1e-8, atol=1e-10)
+
+
+# ------------------------------------------------------------ dense kept masks with whole rows (reliability round 4)
+
+
+@FUZZ
+@given(
+    n=st.integers(1, 30), v=st.integers(2, 60), seed=st.integers(0, 2**31 - 1), chunk=st.integers(1, 16),
+    kinds=st.lists(st.sampled_from(["whole", "empty", "one", "some", "all_but_one"]), min_size=1, max_size=5),
+    entropy_of=st.sampled_from(["full", "kept"]), path=st.sampled_from(["logits", "head"]),
+    offset=st.sampled_from([0.0, 300.0]), t=st.sampled_from([1.0, 0.3]),
+)
+def test_dense_kept_masks_with_whole_rows(n, v, seed, chunk, kinds, entropy_of, path, offset, t):
+    """A row of the mask that holds the whole vocabulary means "not truncated" (an empty kept set); the
+    other rows are their True ids and the label. Values and gradients against float64 of the definition."""
+    from tests.test_replay import reference as replay_reference
+
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(n, v, generator=g, dtype=torch.float64) * 3 + offset
+    labels = torch.randint(0, v, (n,), generator=g)
+    mask = torch.zeros(n, v, dtype=torch.bool)
+    sets = []
+    for i in range(n):
+        kind = kinds[i % len(kinds)]
+        if kind == "whole":
+            mask[i] = True
+        elif kind == "one":
+            mask[i, int(torch.randint(0, v, (), generator=g))] = True
+        elif kind == "some":
+            mask[i] = torch.rand(v, generator=g) < 0.3
+        elif kind == "all_but_one":
+            mask[i] = True
+            mask[i, int(torch.randint(0, v, (), generator=g))] = False
+        sets.append([] if kind == "whole" else mask[i].nonzero().squeeze(1).tolist())
+    ups = [torch.randn(n, generator=g, dtype=torch.float64) for _ in range(2)]
+    snapshot = mask.clone()
+    if path == "logits":
+        x = z.clone().requires_grad_()
+        out = log_probs_and_entropy(x, labels, keep=mask, chunk_size=chunk, temperature=t, entropy_of=entropy_of)
+        leaves, zr = [x], z.clone().requires_grad_()
+        ref_leaves, logits64 = [zr], zr
+    else:  # the head: logits z = hidden @ weight.T with hidden = I (each row picks its own logits)
+        eye = torch.eye(n, dtype=torch.float64)
+        h, w = eye.clone().requires_grad_(), z.t().contiguous().clone().requires_grad_()
+        out = linear_log_probs_and_entropy(h, w, labels, keep=mask, chunk_size=chunk, temperature=t,
+                                           entropy_of=entropy_of, vocab_chunk_size=max(1, v // 3))
+        leaves = [h, w]
+        hr, wr = eye.clone().requires_grad_(), z.t().contiguous().clone().requires_grad_()
+        ref_leaves, logits64 = [hr, wr], hr @ wr.t()
+    lp, ent, _ = replay_reference(logits64, labels, sets, temperature=t, entropy_of=entropy_of)
+    torch.testing.assert_close(out.log_probs, lp.detach(), rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(out.entropy, ent.detach(), rtol=1e-9, atol=1e-9)
+    ((out.log_probs * ups[0]).sum() + (out.entropy * ups[1]).sum()).backward()
+    ((lp * ups[0]).sum() + (ent * ups[1]).sum()).backward()
+    for ours, theirs in zip(leaves, ref_leaves, strict=True):
+        torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-8, atol=1e-9)
+    assert torch.equal(mask, snapshot)  # never written

@@ -14,6 +14,8 @@ import warnings
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from chunked_entropy.integrations import trl as ce_trl
 from tests.helpers import reference, require
@@ -278,3 +280,36 @@ def test_batch_size_and_compute_entropy_are_honoured(tmp_path):
 def test_patch_trainer_refuses_what_it_cannot_patch():
     with pytest.raises(TypeError, match="_get_per_token_logps_and_entropies"):
         ce_trl.patch_trainer(object())
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(
+    lead=st.lists(st.integers(1, 4), min_size=1, max_size=2), v=st.integers(2, 40), k=st.integers(1, 6),
+    seed=st.integers(0, 2**31 - 1), masked=st.sampled_from([-math.inf, torch.finfo(torch.float32).min, -1e30]),
+    where=st.sampled_from(["first", "anywhere", "padding", "none"]), t=st.sampled_from([1.0, 0.6, 2.5]),
+    row_mask=st.booleans(),
+)
+def test_fuzz_k_index_with_masked_logits_matches_trl(lead, v, k, seed, masked, where, t, row_mask):
+    """TRL's selective_log_softmax over (..., K) ids, with masked logits among the ids: values and gradients."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(*lead, v, generator=g) * 3
+    index = torch.randint(0, v, (*lead, k), generator=g)
+    flat_z, flat_i = logits.view(-1, v), index.view(-1, k)
+    if where == "padding" and v > 2:
+        logits[..., v - 2:] = masked
+        flat_i[:, 0] = v - 1
+    elif where != "none":
+        for r in range(flat_z.shape[0]):
+            j = int(torch.randint(0, v - 1, (), generator=g))  # one masked logit a row, never the whole row
+            flat_z[r, j] = masked
+            col = 0 if where == "first" else int(torch.randint(0, k, (), generator=g))
+            flat_i[r, col] = j
+    mask = (torch.rand(index.shape, generator=g) > 0.3).long() if row_mask else None
+    ups = [torch.randn(index.shape, generator=g)]
+    (theirs,), g_theirs = _grads(trl_utils.selective_log_softmax, logits, index, t, mask, ups=ups)
+    (ours,), g_ours = _grads(ce_trl.selective_log_softmax, logits, index, t, mask, ups=ups)
+    finite = torch.isfinite(theirs)
+    assert torch.equal(finite, torch.isfinite(ours))
+    torch.testing.assert_close(ours[finite], theirs[finite], rtol=1e-5, atol=1e-5)
+    assert torch.equal(ours[~finite], theirs[~finite])
+    torch.testing.assert_close(g_ours, g_theirs, rtol=1e-5, atol=1e-5)

@@ -222,8 +222,70 @@ def _requires_grad_differs(rank, world):
         _healthy(rank, group)
 
 
+def _requires_grad_fuzz(rank, world):
+    """Randomized (seeded alike on every rank): which of hidden, weight and bias need a gradient on each
+    rank, grad mode per rank, sequence parallelism, the head or the fused loss. Where the ranks' collectives
+    would differ, every rank raises the same error naming it; elsewhere the call matches float64."""
+    import functools
+    import random
+
+    group, draw = dist.group.WORLD, random.Random(2026)
+    v_local, hdim, s_len, b = 4, 3, 2 * world, 2
+    g = torch.Generator().manual_seed(8)
+    hidden = torch.randn(s_len, b, hdim, generator=g, dtype=torch.float64)  # [S, B, H]
+    weight = torch.randn(v_local * world, hdim, generator=g, dtype=torch.float64)
+    bias = torch.randn(v_local * world, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, v_local * world, (s_len, b), generator=g)
+    ups = torch.randn(s_len, b, generator=g, dtype=torch.float64)
+    hr, wr, br = (t.clone().requires_grad_() for t in (hidden, weight, bias))
+    lp_ref, _ = reference(hr @ wr.t() + br, labels)  # [S, B]
+    shard = slice(rank * v_local, (rank + 1) * v_local)
+    for _ in range(24):
+        flags = [[draw.random() < 0.6 for _ in range(3)] for _ in range(world)]  # per rank: hidden, weight, bias
+        grad_mode = [draw.random() < 0.85 for _ in range(world)]
+        sp, loss_path = draw.random() < 0.5, draw.random() < 0.4
+        mine, on = flags[rank], grad_mode[rank]
+        need_h = {gm and f[0] for f, gm in zip(flags, grad_mode, strict=True)}
+        any_grad = {gm and any(f) for f, gm in zip(flags, grad_mode, strict=True)}
+        # the head takes [S, B, H] ([S/P, B, H] under SP); the fused loss [B, T, H] ([T/P, B, H] under SP)
+        src = hidden.transpose(0, 1) if loss_path and not sp else hidden
+        h = (src[rank * 2: rank * 2 + 2] if sp else src).clone().requires_grad_(mine[0])
+        w, bb = weight[shard].clone().requires_grad_(mine[1]), bias[shard].clone().requires_grad_(mine[2])
+        old = lp_ref.detach().t().contiguous()  # ratio 1: inside the clip range, the plain PPO gradient
+        if loss_path:
+            call = functools.partial(linear_policy_loss, h, w, labels.t().contiguous(), old, ups.t().contiguous(),
+                                     torch.ones(b, s_len, dtype=torch.bool), bias=bb, process_group=group,
+                                     sequence_parallel=sp, chunk_size=3)
+        else:
+            call = functools.partial(linear_log_probs_and_entropy, h, w, labels, bias=bb, process_group=group,
+                                     sequence_parallel=sp, chunk_size=3, vocab_chunk_size=3)
+        with torch.set_grad_enabled(on):
+            if len(any_grad) > 1:
+                _expect_error(rank, "whether gradients are computed", call)
+                continue
+            if len(need_h) > 1:
+                _expect_error(rank, "hidden.requires_grad", call)
+                continue
+            out = call()
+        if loss_path:
+            loss, want = out[0], (-ups * torch.exp(lp_ref - lp_ref.detach())).mean()
+        else:
+            torch.testing.assert_close(out.log_probs, lp_ref.detach(), rtol=1e-9, atol=1e-9)
+            loss, want = (out.log_probs * ups).sum(), (lp_ref * ups).sum()
+        torch.testing.assert_close(loss.detach(), want.detach(), rtol=1e-9, atol=1e-9)
+        if not on or not any(mine):
+            continue
+        loss.backward()
+        gh, gw, gb = torch.autograd.grad(want, (hr, wr, br), retain_graph=True)
+        gh = gh.transpose(0, 1) if loss_path and not sp else gh
+        for leaf, ref in ((h, gh[rank * 2: rank * 2 + 2] if sp else gh), (w, gw[shard]), (bb, gb[shard])):
+            if leaf.requires_grad:
+                torch.testing.assert_close(leaf.grad, ref, rtol=1e-8, atol=1e-9)
+
+
 def _two_rank_checks(rank, world):
     _requires_grad_differs(rank, world)
+    _requires_grad_fuzz(rank, world)
     _dtype_and_hidden_size(rank, world)
     _cancelling_labels(rank, world)
     _not_a_member(rank, world)
