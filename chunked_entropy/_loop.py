@@ -181,8 +181,9 @@ def loss_grad_blocks(
     tok: Tokens, fill: Fill, *, width: int, block: int, chunk_size: int, group, want: _stats.Want,
     token_grads: TokenGrads, stats: _stats.RowStats, dtype, device,
     into: Optional[Callable[[int, int], torch.Tensor]] = None, compiled: bool = False, view: View = None,
+    token_local: bool = True,
 ) -> Iterator[tuple]:
-    """Forward of a loss whose per-token upstream gradients follow from each token's own outputs.
+    """Forward of a loss whose per-token upstream gradients follow from the tokens' outputs.
 
     Yields ``(a, b, v0, v1, g)`` as :func:`grad_blocks` does, and fills
     ``stats`` (full-length :class:`~chunked_entropy._stats.RowStats` arrays,
@@ -190,19 +191,26 @@ def loss_grad_blocks(
     gives the upstream gradients of ``(log_probs, entropy)`` for rows
     ``[a, b)`` from their log-probs (over the kept sets with replay).
 
-    Without vocabulary blocks (``block == width``) each chunk's logits are
-    filled once: the statistics and then the gradient come from the same
+    ``token_local``: each token's gradients follow from its own outputs.
+    Then, without vocabulary blocks (``block == width``), each chunk's logits
+    are filled once: the statistics and then the gradient come from the same
     buffer (the offsets are kept), so a fused head does three matmul passes
     instead of four. With vocabulary blocks a row's statistics are complete
     only after its last block, so a statistics pass runs first and the
-    gradient pass refills each block.
+    gradient pass refills each block. A loss that is not token-local (a
+    token's gradient reads other tokens' log-probs: sequence or batch
+    statistics) takes the statistics pass too, and ``token_grads(0, n,
+    log_probs)`` is asked once, for every row.
     """
     n, kept = tok.n, tok.keep
-    if block < width:
+    if block < width or not token_local:
         full = row_stats(tok, fill, width=width, block=block, chunk_size=chunk_size, group=group,
                          want=want, dtype=dtype, device=device, compiled=compiled, view=view)
         _store(stats, full, 0, n)
-        parts = [token_grads(a, b, stats.rows(a, b).log_probs()) for a, b in chunks(n, chunk_size)]
+        if token_local:
+            parts = [token_grads(a, b, stats.rows(a, b).log_probs()) for a, b in chunks(n, chunk_size)]
+        else:
+            parts = [token_grads(0, n, stats.rows(0, n).log_probs())]
         # None: that output has no term
         ups = [None if p[0] is None else torch.cat(p) for p in zip(*parts, strict=True)]
         yield from grad_blocks(tok, fill, width=width, block=block, chunk_size=chunk_size, stats=stats,

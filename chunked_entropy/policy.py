@@ -1,30 +1,34 @@
-"""Fused policy loss: the PPO/GRPO loss of the output layer, its gradients formed in the forward chunk loop.
+"""Fused policy loss: the RL loss of the output layer, its gradients formed in the chunk loop.
 
-The clipped objective (with dual clip), a KL penalty against reference
-log-probs and the entropy bonus are per-token functions of the token's
-log-prob and entropy, and every aggregation mode weighs the tokens by the
-mask alone (:func:`~chunked_entropy.losses.agg_weights`). So each token's
-upstream gradients are known as soon as its chunk's statistics are, and the
-chunk's logit gradient can be formed at once from the same buffer
-(:func:`chunked_entropy._loop.loss_grad_blocks`): the fused head does three
-matmul passes (logits, ``g @ W``, ``g.T @ h``) instead of four, and the logits
-twin reads the logits once. ``loss.backward()`` only scales the stored
-gradients by the scalar upstream gradient.
+The loss is ``pg - entropy_coeff * agg(entropy) + kl_coef * agg(kl_penalty)``,
+``pg`` one of verl 0.9.1's twelve policy objectives
+(:mod:`chunked_entropy.losses.registry`). Every aggregation mode weighs the
+tokens by the mask alone (:func:`~chunked_entropy.losses.agg_weights`), so:
 
-Sequence-level objectives whose per-token gradient depends on the whole
-sequence (GSPO's sequence ratio) are out of scope for this design: compute
-``linear_log_probs_and_entropy`` and compose with :mod:`chunked_entropy.losses`.
+- a **token-local** objective (vanilla, dppo_tv, dppo_kl, sapo, gpg, dro,
+  cispo) gives each token's upstream gradient as soon as its chunk's
+  statistics are known, and the chunk's logit gradient is formed at once from
+  the same buffer (:func:`chunked_entropy._loop.loss_grad_blocks`): the fused
+  head does three matmul passes (logits, ``g @ W``, ``g.T @ h``) instead of
+  four, and the logits twin reads the logits once;
+- a **sequence- or batch-level** objective (gspo, geo_mean, clip_cov, kl_cov,
+  bypass_mode) needs every token's log-prob first: a statistics pass (one
+  matmul pass, log-probs only), then the objective over the ``[B, T]``
+  log-probs, whose autograd gives each token's upstream gradient, then the
+  gradient pass: four passes, the unfused route's count, in the fused loss's
+  memory.
+
+``loss.backward()`` only scales the stored gradients by the scalar upstream gradient.
 """
 
 from __future__ import annotations
 
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
-from . import losses
 from ._autograd import graph_is_kept, once_differentiable
 from ._blocks import (
     Plan,
@@ -48,96 +52,148 @@ from ._inputs import Rows, Tokens, compute_dtype, dtype_code, prepare_tokens
 from ._kernels import check_backend, use_compiled
 from ._loop import loss_grad_blocks, new_row_stats
 from ._stats import RowStats, Transform, Want
-from .parallel import agreed_call, fingerprint_floats
+from .losses import KL_KINDS, Aggregation, PolicyOptions, kl_penalty, kl_penalty_grad, rollout_correction
+from .losses._common import check_mask, check_same_shape
+from .losses.aggregation import aggregate
+from .losses.registry import check_weights, evaluate, objective, options_of
+from .losses.token import selected
+from .parallel import agreed_call, fingerprint, fingerprint_floats
 
 __all__ = ["PolicyLossOptions", "linear_policy_loss", "policy_loss_from_logits"]
 
 
 @dataclass(frozen=True, eq=False)
 class PolicyLossOptions:
-    """The objective: ``pg - entropy_coeff * entropy_bonus + kl_coef * agg(kl_penalty)``.
+    """The loss: ``pg - entropy_coeff * agg(entropy) + kl_coef * agg(kl_penalty)``.
 
-    Fields and defaults are those of :func:`chunked_entropy.losses.policy_loss`
-    and :func:`~chunked_entropy.losses.kl_penalty`; ``agg`` is the
-    aggregation of every term (:class:`~chunked_entropy.losses.Aggregation`,
-    verl's ``agg_loss`` arguments). Checked on construction; numbers of any
-    kind (numpy's too) are stored as floats, so the options of two ranks
-    compare equal.
+    ``loss_mode`` names ``pg`` (:data:`~chunked_entropy.losses.LOSS_MODES`),
+    ``policy`` holds its options (:class:`~chunked_entropy.losses.PolicyOptions`,
+    verl's field names and defaults), ``agg`` the aggregation of every term
+    (:class:`~chunked_entropy.losses.Aggregation`, verl's ``agg_loss``
+    arguments). Checked on construction; numbers of any kind (numpy's too) are
+    stored as floats, so the options of two ranks compare equal.
     """
 
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.2
-    clip_ratio_c: Optional[float] = None
+    loss_mode: str = "vanilla"
+    policy: PolicyOptions = field(default_factory=PolicyOptions)
     entropy_coeff: float = 0.0
     kl_coef: float = 0.0
     kl_kind: str = "low_var_kl"
-    agg: losses.Aggregation = losses.Aggregation()
+    agg: Aggregation = field(default_factory=Aggregation)
 
     def __post_init__(self):
-        checked = dict(
-            clip_ratio_low=check_real("clip_ratio_low", self.clip_ratio_low, low=0.0, high=1.0),
-            clip_ratio_high=check_real("clip_ratio_high", self.clip_ratio_high, low=0.0),
-            clip_ratio_c=losses.check_clip_ratio_c(self.clip_ratio_c),
-            entropy_coeff=check_real("entropy_coeff", self.entropy_coeff),
-            kl_coef=check_real("kl_coef", self.kl_coef),
-        )
-        for name, value in checked.items():
-            object.__setattr__(self, name, value)
-        if not isinstance(self.kl_kind, str) or self.kl_kind not in losses.KL_KINDS:
-            raise ValueError(f"kl_kind must be one of {', '.join(map(repr, losses.KL_KINDS))}; got {self.kl_kind!r}")
+        object.__setattr__(self, "entropy_coeff", check_real("entropy_coeff", self.entropy_coeff))
+        object.__setattr__(self, "kl_coef", check_real("kl_coef", self.kl_coef))
+        if not isinstance(self.kl_kind, str) or self.kl_kind not in KL_KINDS:
+            raise ValueError(f"kl_kind must be one of {', '.join(map(repr, KL_KINDS))}; got {self.kl_kind!r}")
+        objective(self.loss_mode, self.policy)  # an unknown mode, or dro without dro_beta, is named now
 
     def fingerprint(self) -> tuple:
         """What the ranks of a tensor-parallel group must agree on."""
-        scalars = (self.clip_ratio_low, self.clip_ratio_high, self.clip_ratio_c, self.entropy_coeff, self.kl_coef,
-                   self.kl_kind)
+        scalars = (self.loss_mode, self.policy.fingerprint(), self.entropy_coeff, self.kl_coef, self.kl_kind)
         return (zlib.crc32(repr(scalars).encode()), *self.agg.fingerprint())
 
 
-class _Objective:
-    """Per-token data of the loss, its per-token gradients, and its value from the outputs."""
+def loss_options(loss_mode, options, fields, entropy_coeff, kl_coef, kl_kind, agg_args) -> PolicyLossOptions:
+    """The fused losses' :class:`PolicyLossOptions` from their keyword arguments (checked, naming each)."""
+    return PolicyLossOptions(loss_mode, options_of(options, fields), entropy_coeff, kl_coef, kl_kind,
+                             Aggregation(*agg_args))
 
-    def __init__(self, opts: PolicyLossOptions, labels, old_log_probs, advantages, loss_mask, ref_log_probs, dtype):
+
+class _Objective:
+    """Per-token data of the loss, its per-token upstream gradients, and its value from the outputs."""
+
+    def __init__(self, opts: PolicyLossOptions, labels, old_log_probs, advantages, loss_mask, ref_log_probs,
+                 rollout_is_weights, rollout_log_probs, generator, dtype):
         self.opts = opts
+        self.objective = objective(opts.loss_mode, opts.policy)
         if not isinstance(labels, torch.Tensor):
             raise TypeError(f"labels must be a torch.Tensor of int64 ids, got {type(labels).__name__}")
         self.shape = labels.shape
         for name, t in (("old_log_probs", old_log_probs), ("advantages", advantages)):
             check_float(name, t)
-        losses.check_same_shape("labels", labels, old_log_probs=old_log_probs, advantages=advantages)
-        losses.check_mask(loss_mask, old_log_probs, "labels")
+        check_same_shape("labels", labels, old_log_probs=old_log_probs, advantages=advantages)
+        check_mask(loss_mask, old_log_probs, "labels")
         if opts.kl_coef != 0 and ref_log_probs is None:
             raise ValueError("kl_coef != 0 needs ref_log_probs")
         if ref_log_probs is not None:
-            losses.check_same_shape("labels", labels, ref_log_probs=ref_log_probs)
+            check_same_shape("labels", labels, ref_log_probs=ref_log_probs)
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+        weights = check_weights(rollout_is_weights, old_log_probs)
+        if rollout_log_probs is not None:  # verl's rollout correction, from the old and the rollout log-probs
+            if weights is not None:
+                raise ValueError("pass rollout_is_weights or rollout_log_probs (to compute them), not both")
+            check_same_shape("labels", labels, rollout_log_probs=rollout_log_probs)
+            o = opts.policy
+            weights, loss_mask, _ = rollout_correction(
+                old_log_probs, rollout_log_probs, loss_mask, rollout_is=o.rollout_is,
+                rollout_is_threshold=o.rollout_is_threshold, rollout_is_batch_normalize=o.rollout_is_batch_normalize,
+                rollout_rs=o.rollout_rs, rollout_rs_threshold=o.rollout_rs_threshold)
+        self.generator = generator
+        self.mask = loss_mask
+        self.keep = loss_mask != 0
         flat = lambda t: None if t is None else t.detach().reshape(-1).to(dtype)  # noqa: E731
-        self.old, self.adv, self.ref = flat(old_log_probs), flat(advantages), flat(ref_log_probs)
-        self.mask = loss_mask.reshape(-1)
-        self.keep = self.mask != 0
-        self.weights = opts.agg.weights(loss_mask, dtype).reshape(-1)
-        self.inputs = (old_log_probs, advantages, loss_mask, ref_log_probs)
+        old, adv, ref, w = selected(self.keep.reshape(-1), flat(old_log_probs), flat(advantages), flat(ref_log_probs),
+                                    flat(weights))
+        self.old, self.adv, self.ref, self.is_w = old, adv, ref, w
+        self.mask_flat = loss_mask.reshape(-1)
+        pg_agg = opts.agg if self.objective.agg_mode is None else opts.agg.with_mode(self.objective.agg_mode)
+        self.weights = opts.agg.weights(loss_mask, dtype).reshape(-1)  # the entropy's and the KL's
+        self.pg_weights = pg_agg.weights(loss_mask, dtype).reshape(-1)
+        self.inputs = (old_log_probs, advantages, ref_log_probs)
+        self.pg = None  # (pg loss, metrics) of a sequence-level objective, from its one evaluation
         self.result = None  # (loss, metrics), set by the forward
+
+    @property
+    def token_local(self) -> bool:
+        return self.objective.token_local
 
     def settings(self, call) -> dict:
         """What every rank of a process group must agree on (see ``prepare_tokens``); nothing without one."""
         if call.world == 1:
             return {}
-        return {
+        out = {
             "the loss options": self.opts.fingerprint(),
             "old_log_probs": fingerprint_floats(self.old),
             "advantages": fingerprint_floats(self.adv),
             "ref_log_probs": fingerprint_floats(self.ref),
-            "loss_mask": fingerprint_floats(self.mask),
+            "loss_mask": fingerprint_floats(self.mask_flat),
+            "rollout_is_weights": fingerprint_floats(self.is_w),
         }
+        if self.opts.loss_mode == "clip_cov":  # its random draw must be the same on every rank
+            state = (self.generator.get_state() if self.generator is not None else torch.random.get_rng_state())
+            out["the random generator's state (clip_cov draws its tokens from it)"] = fingerprint(state)
+        return out
+
+    def _pg_grad(self, a: int, b: int, lp: torch.Tensor) -> torch.Tensor:
+        """The policy objective's upstream gradient of rows ``[a, b)`` (all rows, for one that is not token-local)."""
+        if self.token_local:
+            keep = self.keep.reshape(-1)[a:b]
+            lp_k, = selected(keep, lp)
+            g = self.objective.grad(lp_k, self.old[a:b], self.adv[a:b], self.mask_flat[a:b], self.opts.policy)
+            if self.is_w is not None:
+                g = g * self.is_w[a:b]
+            return g * self.pg_weights[a:b]
+        x = lp.detach().view(self.shape).clone().requires_grad_()
+        with torch.enable_grad():
+            lp_k, = selected(self.keep, x)
+            loss, metrics = evaluate(self.objective, lp_k, self.old.view(self.shape), self.adv.view(self.shape),
+                                     self.mask, self.opts.policy, self.opts.agg,
+                                     None if self.is_w is None else self.is_w.view(self.shape), self.generator)
+            (g,) = torch.autograd.grad(loss, x, allow_unused=True)
+        self.pg = (loss.detach(), metrics)
+        return torch.zeros_like(lp) if g is None else g.reshape(-1)
 
     def token_grads(self, a: int, b: int, lp: torch.Tensor):
-        """Upstream gradients of ``(log_probs, entropy)`` for rows ``[a, b)`` from their log-probs
-        (None: no entropy term)."""
+        """Upstream gradients of ``(log_probs, entropy)`` for rows ``[a, b)`` from their log-probs (None: no
+        entropy term). A sequence-level objective is asked once, for every row."""
         o, w = self.opts, self.weights[a:b]
-        g = losses.clipped_objective_grad(lp, self.old[a:b], self.adv[a:b], self.keep[a:b], o.clip_ratio_low,
-                                          o.clip_ratio_high, o.clip_ratio_c)
+        g = self._pg_grad(a, b, lp)
         if o.kl_coef != 0:
-            g = g + o.kl_coef * losses.kl_penalty_grad(lp, self.ref[a:b], o.kl_kind)
-        g_lp = torch.where(w != 0, g * w, 0.0)
+            g = g + o.kl_coef * kl_penalty_grad(lp, self.ref[a:b], o.kl_kind) * w
+        keep = self.keep.reshape(-1)[a:b]
+        g_lp = torch.where(keep, g, 0.0)
         g_h = None if o.entropy_coeff == 0 else -o.entropy_coeff * w
         return g_lp, g_h
 
@@ -147,20 +203,25 @@ class _Objective:
         return self.result[0]
 
     def value(self, log_probs: torch.Tensor, entropy: torch.Tensor):
-        """``(loss, metrics)`` from the outputs, by the composition itself (no gradient)."""
+        """``(loss, metrics)`` from the outputs, by the composition itself (no gradient), with verl's metric
+        names: the objective's, ``"actor/pg_loss"``, ``"actor/entropy_loss"`` and, with a reference, ``"kl_loss"``."""
         o, agg = self.opts, self.opts.agg
-        old, adv, mask, ref = self.inputs
         lp, ent = log_probs.view(self.shape), entropy.view(self.shape)
-        pg, metrics = losses.policy_loss(
-            lp, old.to(lp.dtype), adv.to(lp.dtype), mask, clip_ratio_low=o.clip_ratio_low,
-            clip_ratio_high=o.clip_ratio_high, clip_ratio_c=o.clip_ratio_c, **agg.keywords(),
-        )
-        loss = pg - o.entropy_coeff * losses.aggregate(ent, mask, agg)
-        metrics = dict(metrics, pg_loss=pg.detach(), entropy=losses.masked_mean(ent, mask))
-        if ref is not None:
-            kl = losses.aggregate(losses.kl_penalty(lp, ref.to(lp.dtype), o.kl_kind), mask, agg)
+        if self.pg is None:
+            lp_k, = selected(self.keep, lp)
+            pg, metrics = evaluate(self.objective, lp_k, self.old.view(self.shape).to(lp.dtype),
+                                   self.adv.view(self.shape).to(lp.dtype), self.mask, o.policy, agg,
+                                   None if self.is_w is None else self.is_w.view(self.shape).to(lp.dtype),
+                                   self.generator)
+        else:
+            pg, metrics = self.pg
+        entropy_loss = aggregate(ent, self.mask, agg)
+        loss = pg - o.entropy_coeff * entropy_loss
+        metrics = dict(metrics, **{"actor/pg_loss": pg.detach(), "actor/entropy_loss": entropy_loss.detach()})
+        if self.ref is not None:
+            kl = aggregate(kl_penalty(lp, self.ref.view(self.shape).to(lp.dtype), o.kl_kind), self.mask, agg)
             loss = loss + o.kl_coef * kl
-            metrics["kl"] = kl.detach()
+            metrics["kl_loss"] = kl.detach()
         return loss.detach(), metrics
 
 
@@ -198,6 +259,7 @@ class _HeadLossFunction(torch.autograd.Function):
             tok, linear_filler(rows, weight, bias, plan.float32_logits), width=weight.shape[0],
             block=plan.vocab_chunk_size,
             chunk_size=plan.chunk_size, group=plan.group, want=plan.want, token_grads=objective.token_grads,
+            token_local=objective.token_local,
             stats=stats, dtype=cdt, device=weight.device, compiled=plan.compiled,
         )
         grad_h, gw, gb = linear_grads(blocks, rows, weight, n=n, hidden_dtype=hidden.dtype,
@@ -241,9 +303,11 @@ def linear_policy_loss(
     kl_coef: float = 0.0,
     kl_kind: str = "low_var_kl",
     entropy_coeff: float = 0.0,
-    clip_ratio_low: float = 0.2,
-    clip_ratio_high: float = 0.2,
-    clip_ratio_c: Optional[float] = None,
+    loss_mode: str = "vanilla",
+    rollout_is_weights: Optional[torch.Tensor] = None,
+    rollout_log_probs: Optional[torch.Tensor] = None,
+    options: Optional[PolicyOptions] = None,
+    generator: Optional[torch.Generator] = None,
     loss_agg_mode: str = "token-mean",
     loss_scale_factor: Optional[float] = None,
     dp_size: int = 1,
@@ -261,21 +325,27 @@ def linear_policy_loss(
     keep=None,
     entropy_of: str = "full",
     logits_dtype: Optional[torch.dtype] = None,
+    **fields,
 ):
-    """The PPO/GRPO loss of the output layer, fused: ``(loss, metrics)`` from hidden states.
+    """The RL policy loss of the output layer, fused: ``(loss, metrics)`` from hidden states.
 
     Equals, in value and in the gradients of ``hidden``, ``weight`` and
     ``bias``, the composition ::
 
         lp, ent = linear_log_probs_and_entropy(hidden, weight, labels, ...)
-        pg, m = losses.policy_loss(lp, old_log_probs, advantages, loss_mask, ...)
+        pg, m = losses.policy_loss(lp, old_log_probs, advantages, loss_mask, loss_mode=..., ...)
         loss = (pg - entropy_coeff * losses.entropy_bonus(ent, loss_mask, loss_agg_mode)
                 + kl_coef * losses.agg_loss(losses.kl_penalty(lp, ref_log_probs, kl_kind), loss_mask, loss_agg_mode))
 
-    but forms the gradients in the forward chunk loop: three matmul passes
-    instead of four when the vocabulary is not blocked (with
-    ``vocab_chunk_size`` a row's statistics are complete only after its last
-    block, and the logits are computed twice as in the fused head).
+    but forms the gradients in the chunk loop. A token-local ``loss_mode``
+    (vanilla, dppo_tv, dppo_kl, sapo, gpg, dro, cispo) forms them in the
+    forward pass: three matmul passes instead of four when the vocabulary is
+    not blocked (with ``vocab_chunk_size`` a row's statistics are complete
+    only after its last block, and the logits are computed twice as in the
+    fused head). A sequence- or batch-level one (gspo, geo_mean, clip_cov,
+    kl_cov, bypass_mode) runs a statistics pass first (log-probs only), then
+    the objective over the ``[B, T]`` log-probs gives every token's upstream
+    gradient, then the gradient pass: four passes, in the same memory.
 
     Args:
         hidden: ``[B, T, H]``; with ``sequence_parallel=True``, Megatron's
@@ -290,9 +360,20 @@ def linear_policy_loss(
         kl_coef: the KL penalty's weight.
         kl_kind: its estimator, one of :data:`~chunked_entropy.losses.KL_KINDS`.
         entropy_coeff: the entropy bonus's weight.
-        clip_ratio_low: as in :func:`~chunked_entropy.losses.policy_loss`.
-        clip_ratio_high: as in :func:`~chunked_entropy.losses.policy_loss`.
-        clip_ratio_c: the dual-clip bound, as in :func:`~chunked_entropy.losses.policy_loss`.
+        loss_mode: the policy objective, one of :data:`~chunked_entropy.losses.LOSS_MODES`
+            (verl's names), as in :func:`~chunked_entropy.losses.policy_loss`.
+        rollout_is_weights: ``[B, T]`` rollout-correction weights, as in
+            :func:`~chunked_entropy.losses.policy_loss`.
+        rollout_log_probs: ``[B, T]`` the rollout engine's log-probs, instead of
+            ``rollout_is_weights``: the weights and the rejection mask then come
+            from :func:`~chunked_entropy.losses.rollout_correction` of
+            ``old_log_probs`` against them, with the options' ``rollout_is*``
+            and ``rollout_rs*`` settings (as verl's trainer computes them).
+        options: a :class:`~chunked_entropy.losses.PolicyOptions` (e.g.
+            ``PolicyOptions.from_actor_config(config.actor)``); ``**fields``
+            replace its fields.
+        generator: ``clip_cov``'s random draw, as in :func:`~chunked_entropy.losses.policy_loss`
+            (under a process group every rank must hold the same state; the ranks agree on it).
         loss_agg_mode: as in :func:`~chunked_entropy.losses.agg_loss`.
         loss_scale_factor: as in :func:`~chunked_entropy.losses.agg_loss`.
         dp_size: as in :func:`~chunked_entropy.losses.agg_loss`: the data-parallel size; with
@@ -320,12 +401,17 @@ def linear_policy_loss(
             :func:`~chunked_entropy.log_probs_and_entropy`.
         logits_dtype: as in :func:`~chunked_entropy.linear_log_probs_and_entropy`
             (``torch.float32``: float32 matmuls for bf16/fp16 weights).
+        **fields: the objective's options by verl's field names (``clip_ratio``,
+            ``clip_ratio_low``, ``clip_ratio_high``, ``clip_ratio_c``, ``tau_pos``, ...),
+            as in :func:`~chunked_entropy.losses.policy_loss`.
 
     Returns:
         ``(loss, metrics)``: a 0-dim float32 loss; ``metrics`` holds detached
-        0-dim tensors: :func:`~chunked_entropy.losses.policy_loss`'s
-        (``pg_clipfrac``, ``pg_clipfrac_lower``, ``ppo_kl``), ``pg_loss``,
-        the masked mean ``entropy`` and, with a reference, the aggregated ``kl``.
+        0-dim tensors under verl's names: the objective's (as
+        :func:`~chunked_entropy.losses.policy_loss` returns them, e.g.
+        ``"actor/pg_clipfrac"``, ``"actor/ppo_kl"``), ``"actor/pg_loss"``,
+        ``"actor/entropy_loss"`` (the aggregated entropy) and, with a
+        reference, ``"kl_loss"``.
 
     Memory:
         Saved between forward and backward: the gradients of ``hidden``
@@ -345,9 +431,8 @@ def linear_policy_loss(
         weight gradient is added there in backward.
     """
     with agreed_call(process_group) as call:  # every rank validates; a refused call raises on all of them
-        opts = PolicyLossOptions(clip_ratio_low, clip_ratio_high, clip_ratio_c, entropy_coeff, kl_coef, kl_kind,
-                                 losses.Aggregation(loss_agg_mode, loss_scale_factor, dp_size, batch_num_tokens,
-                                                    global_batch_size))
+        opts = loss_options(loss_mode, options, fields, entropy_coeff, kl_coef, kl_kind,
+                            (loss_agg_mode, loss_scale_factor, dp_size, batch_num_tokens, global_batch_size))
         check_linear_args(hidden, weight, bias, labels, 1, False, vocab_chunk_size)
         check_chunk("chunk_size", chunk_size)
         sequence_parallel = check_flag("sequence_parallel", sequence_parallel)
@@ -364,7 +449,8 @@ def linear_policy_loss(
             )
         v_local = weight.shape[0]
         cdt = compute_dtype(weight.dtype)
-        objective = _Objective(opts, labels, old_log_probs, advantages, loss_mask, ref_log_probs, cdt)
+        objective = _Objective(opts, labels, old_log_probs, advantages, loss_mask, ref_log_probs, rollout_is_weights,
+                               rollout_log_probs, generator, cdt)
         grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
         plan = Plan(chunk_size=chunk_size, vocab_chunk_size=min(vocab_chunk_size or v_local, v_local),
                     group=process_group, sequence_parallel=sequence_parallel, want=Want(),
@@ -372,7 +458,7 @@ def linear_policy_loss(
                     float32_logits=check_logits_dtype(logits_dtype, weight))
         main_grad = main_grad_of(weight, gradient_accumulation_fusion)
         tok = prepare_tokens(
-            labels, lead, v_local, call=call, label_mask=loss_mask != 0, ignore_index=-100,
+            labels, lead, v_local, call=call, label_mask=objective.keep, ignore_index=-100,
             temperature=temperature, device=hidden.device, dtype=cdt, transform=Transform(softcap, logit_scale),
             keep=keep, entropy_of=entropy_of,
         )
@@ -405,7 +491,8 @@ class _LogitsLossFunction(torch.autograd.Function):
         stats = new_row_stats(n, Want(), cdt, logits.device, tok.keep)
         blocks = loss_grad_blocks(
             tok, fill, width=v, block=v, chunk_size=chunk_size, group=group, want=Want(),
-            token_grads=objective.token_grads, stats=stats, dtype=cdt, device=logits.device,
+            token_grads=objective.token_grads, token_local=objective.token_local, stats=stats, dtype=cdt,
+            device=logits.device,
             into=(lambda a, b: gflat[a:b]) if direct else None, compiled=compiled, view=view,
         )
         for a, b, _, _, g in blocks:
@@ -434,9 +521,11 @@ def policy_loss_from_logits(
     kl_coef: float = 0.0,
     kl_kind: str = "low_var_kl",
     entropy_coeff: float = 0.0,
-    clip_ratio_low: float = 0.2,
-    clip_ratio_high: float = 0.2,
-    clip_ratio_c: Optional[float] = None,
+    loss_mode: str = "vanilla",
+    rollout_is_weights: Optional[torch.Tensor] = None,
+    rollout_log_probs: Optional[torch.Tensor] = None,
+    options: Optional[PolicyOptions] = None,
+    generator: Optional[torch.Generator] = None,
     loss_agg_mode: str = "token-mean",
     loss_scale_factor: Optional[float] = None,
     dp_size: int = 1,
@@ -450,8 +539,9 @@ def policy_loss_from_logits(
     backend: str = "eager",
     keep=None,
     entropy_of: str = "full",
+    **fields,
 ):
-    """The PPO/GRPO loss from given logits: :func:`linear_policy_loss`'s twin, one read of the logits.
+    """The RL policy loss from given logits: :func:`linear_policy_loss`'s twin, one read of the logits.
 
     Equals the same composition with ``lp, ent`` from
     :func:`~chunked_entropy.log_probs_and_entropy` (values and the logits'
@@ -472,19 +562,19 @@ def policy_loss_from_logits(
         caller may modify what it gets and a later backward is still exact.
     """
     with agreed_call(process_group) as call:  # every rank validates; a refused call raises on all of them
-        opts = PolicyLossOptions(clip_ratio_low, clip_ratio_high, clip_ratio_c, entropy_coeff, kl_coef, kl_kind,
-                                 losses.Aggregation(loss_agg_mode, loss_scale_factor, dp_size, batch_num_tokens,
-                                                    global_batch_size))
+        opts = loss_options(loss_mode, options, fields, entropy_coeff, kl_coef, kl_kind,
+                            (loss_agg_mode, loss_scale_factor, dp_size, batch_num_tokens, global_batch_size))
         check_float("logits", logits)
         if logits.dim() < 1 or logits.shape[-1] < 1:
             raise ValueError(f"logits must be [..., V_local] with V_local >= 1, got shape {tuple(logits.shape)}")
         check_chunk("chunk_size", chunk_size)
         cdt = compute_dtype(logits.dtype)
-        objective = _Objective(opts, labels, old_log_probs, advantages, loss_mask, ref_log_probs, cdt)
+        objective = _Objective(opts, labels, old_log_probs, advantages, loss_mask, ref_log_probs, rollout_is_weights,
+                               rollout_log_probs, generator, cdt)
         compiled = use_compiled(check_backend(backend), logits.device)
         grads = torch.is_grad_enabled() and logits.requires_grad
         tok = prepare_tokens(
-            labels, logits.shape[:-1], logits.shape[-1], call=call, label_mask=loss_mask != 0, ignore_index=-100,
+            labels, logits.shape[:-1], logits.shape[-1], call=call, label_mask=objective.keep, ignore_index=-100,
             temperature=temperature, device=logits.device, dtype=cdt, transform=Transform(softcap, logit_scale),
             keep=keep, entropy_of=entropy_of,
         )

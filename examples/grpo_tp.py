@@ -257,7 +257,7 @@ def grpo_loss(model: TinyCausalLM, batch: Rollout, *, fused: bool = True):
     bonus = entropy_bonus(ent, batch.mask, cfg.loss_agg_mode)
     kl = agg_loss(kl_penalty(lp, batch.ref_log_probs, cfg.kl_kind), batch.mask, cfg.loss_agg_mode)
     loss = pg - cfg.entropy_coeff * bonus + cfg.kl_coef * kl
-    metrics = {k: v.item() for k, v in metrics.items()}
+    metrics = {k.removeprefix("actor/"): v.item() for k, v in metrics.items()}  # verl's "actor/..." names
     metrics.update(
         entropy=agg_loss(ent.detach(), batch.mask, "token-mean").item(), kl=kl.item(), pg_loss=pg.item()
     )

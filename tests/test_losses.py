@@ -160,9 +160,9 @@ def _policy_by_hand(lp, old, adv, mask, low, high, c, mode):
     value, dagg = _agg_by_hand(torch.tensor(terms, dtype=torch.float64), mask, mode)
     grad = [[dagg[i][j] * dterm[i][j] for j in range(lp.shape[1])] for i in range(lp.shape[0])]
     metrics = {
-        "pg_clipfrac": _agg_by_hand(torch.tensor(clip, dtype=torch.float64), mask, "token-mean")[0],
-        "pg_clipfrac_lower": _agg_by_hand(torch.tensor(lower, dtype=torch.float64), mask, "token-mean")[0],
-        "ppo_kl": _agg_by_hand(torch.tensor(kl, dtype=torch.float64), mask, "token-mean")[0],
+        "actor/pg_clipfrac": _agg_by_hand(torch.tensor(clip, dtype=torch.float64), mask, "token-mean")[0],
+        "actor/pg_clipfrac_lower": _agg_by_hand(torch.tensor(lower, dtype=torch.float64), mask, "token-mean")[0],
+        "actor/ppo_kl": _agg_by_hand(torch.tensor(kl, dtype=torch.float64), mask, "token-mean")[0],
     }
     return value, grad, metrics
 
@@ -187,9 +187,9 @@ def test_policy_loss_hand_worked_numbers():
         assert loss.item() == pytest.approx(want, rel=1e-12)
         loss.backward()
         torch.testing.assert_close(lp.grad, torch.tensor([want_grad], dtype=torch.float64), rtol=1e-12, atol=1e-15)
-        assert metrics["pg_clipfrac"].item() == pytest.approx(2 / 4)
-        assert metrics["pg_clipfrac_lower"].item() == pytest.approx(want_lower)
-        assert metrics["ppo_kl"].item() == pytest.approx(ppo_kl, rel=1e-12)
+        assert metrics["actor/pg_clipfrac"].item() == pytest.approx(2 / 4)
+        assert metrics["actor/pg_clipfrac_lower"].item() == pytest.approx(want_lower)
+        assert metrics["actor/ppo_kl"].item() == pytest.approx(ppo_kl, rel=1e-12)
         for v in metrics.values():
             assert isinstance(v, torch.Tensor) and v.shape == () and v.is_floating_point() and not v.requires_grad
 
@@ -225,9 +225,9 @@ def test_policy_loss_matches_hand_loop(mode, low, high, c):
         for k, v in want_metrics.items():
             assert metrics[k].item() == pytest.approx(v, rel=rtol, abs=rtol), k
     # the branches the data must exercise, or this test proves little
-    assert want_metrics["pg_clipfrac"] > 0
+    assert want_metrics["actor/pg_clipfrac"] > 0
     if c is not None:
-        assert want_metrics["pg_clipfrac_lower"] > 0
+        assert want_metrics["actor/pg_clipfrac_lower"] > 0
 
 
 def test_policy_loss_grads_for_every_input_and_no_writes():

@@ -65,9 +65,9 @@ def _composition(d, *, path, temperature, opts, softcap=None):
     if opts.get("kl_coef"):
         kl = losses.agg_loss(losses.kl_penalty(lp, d["ref"], opts["kl_kind"]), d["mask"], mode, loss_scale_factor=lsf)
         loss = loss + opts["kl_coef"] * kl
-        metrics["kl"] = kl
+        metrics["kl_loss"] = kl
     (loss * d["up"]).backward()
-    metrics["entropy"] = losses.masked_mean(ent.detach(), d["mask"])
+    metrics["actor/entropy_loss"] = losses.entropy_bonus(ent.detach(), d["mask"], mode, loss_scale_factor=lsf)
     return loss.detach(), metrics, {k: t.grad for k, t in leaves.items()}
 
 
@@ -106,7 +106,8 @@ def test_matches_the_composition_float32(opts, path, kw, temperature):
     loss, metrics, grads = _fused(d, path=path, temperature=t, opts=opts, dtype=torch.float32, chunk_size=5, **kw)
     assert loss.dtype == torch.float32 and loss.dim() == 0
     torch.testing.assert_close(loss.double(), ref_loss, rtol=1e-5, atol=1e-6)
-    for k in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "entropy") + (("kl",) if opts.get("kl_coef") else ()):
+    for k in ("actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl", "actor/entropy_loss") + (
+            ("kl_loss",) if opts.get("kl_coef") else ()):
         assert not metrics[k].requires_grad
         torch.testing.assert_close(metrics[k].double(), ref_metrics[k].detach().double(), rtol=1e-5, atol=1e-5)
     for k, ref in ref_grads.items():

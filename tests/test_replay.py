@@ -316,7 +316,7 @@ def test_fused_losses_use_the_kept_log_probs(path, entropy_of, vocab_chunk_size)
     torch.testing.assert_close(loss, want.detach(), rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(h.grad, h64.grad, rtol=1e-9, atol=1e-12)
     torch.testing.assert_close(w.grad, w64.grad, rtol=1e-9, atol=1e-12)
-    torch.testing.assert_close(metrics["ppo_kl"], want_metrics["ppo_kl"], rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(metrics["actor/ppo_kl"], want_metrics["actor/ppo_kl"], rtol=1e-10, atol=1e-12)
 
 
 # ------------------------------------------------------------ bad input

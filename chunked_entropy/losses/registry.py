@@ -1,0 +1,266 @@
+"""verl's policy-loss names -> objectives; :func:`policy_loss`, one keyword to switch between them.
+
+verl 0.9.1's ``POLICY_LOSS_REGISTRY`` (``verl/trainer/ppo/core_algos.py``) has
+twelve names; each maps here to an :class:`Objective`:
+
+- token-local (:mod:`.token`): the per-token loss and its derivative, so that
+  the fused loss forms each token's gradient in the forward chunk loop;
+- sequence- and batch-level (:mod:`.sequence`, and ``bypass_mode`` with the
+  rollout correction of :mod:`.rollout`): the loss over ``[B, T]`` log-probs,
+  whose autograd gives each token's upstream gradient once every log-prob is
+  known (the fused loss runs a statistics pass first).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple, Optional
+
+import torch
+
+from ._common import check_mask, check_same_shape, check_tensor
+from .aggregation import Aggregation, aggregate
+from .options import PolicyOptions
+from .rollout import rollout_correction
+from .sequence import clip_cov, geo_mean, gspo, kl_cov
+from .token import (
+    cispo,
+    cispo_grad,
+    dppo_kl,
+    dppo_kl_grad,
+    dppo_tv,
+    dppo_tv_grad,
+    dro,
+    dro_grad,
+    gpg,
+    gpg_grad,
+    reinforce,
+    sapo,
+    sapo_grad,
+    selected,
+    vanilla,
+    vanilla_grad,
+)
+
+
+class Objective(NamedTuple):
+    """One of verl's policy losses.
+
+    ``loss``: token-local objectives give ``(per-token losses, metrics)``
+    (:mod:`.token`), the others ``(loss, metrics)`` over the batch
+    (:mod:`.sequence`). ``grad``: the per-token derivative in ``lp`` (token-local
+    only). ``agg_mode``: the aggregation the objective imposes whatever
+    ``loss_agg_mode`` says (SAPO's ``"seq-mean-token-mean"``), or None.
+    """
+
+    name: str
+    loss: Callable
+    grad: Optional[Callable] = None
+    agg_mode: Optional[str] = None
+
+    @property
+    def token_local(self) -> bool:
+        return self.grad is not None
+
+
+def bypass_mode(lp, old, adv, keep, o: PolicyOptions, agg, weights, generator=None):
+    """verl's ``bypass_mode``: ``old`` is the rollout's log-probs; the rollout correction (IS weights and
+    rejection, from the current log-probs, no gradient) then PPO's clip (``loss_type="ppo_clip"``, the IS
+    weights only reported) or REINFORCE weighted by them (``"reinforce"``). ``weights`` is ignored, as verl
+    ignores ``rollout_is_weights`` here."""
+    w, mask, corr = rollout_correction(lp, old, keep, rollout_is=o.rollout_is,
+                                       rollout_is_threshold=o.rollout_is_threshold,
+                                       rollout_is_batch_normalize=o.rollout_is_batch_normalize,
+                                       rollout_rs=o.rollout_rs, rollout_rs_threshold=o.rollout_rs_threshold)
+    keep = mask
+    if o.loss_type == "reinforce":
+        losses, metrics = reinforce(lp, old, adv, keep, o)
+        losses = losses if w is None else losses * w
+    else:
+        losses, metrics = vanilla(lp, old, adv, keep, o)
+    return aggregate(losses, keep, agg), {**metrics, **corr}
+
+
+OBJECTIVES = {
+    o.name: o for o in (
+        Objective("vanilla", vanilla, vanilla_grad),
+        Objective("dppo_tv", dppo_tv, dppo_tv_grad),
+        Objective("dppo_kl", dppo_kl, dppo_kl_grad),
+        Objective("gspo", gspo),
+        Objective("sapo", sapo, sapo_grad, agg_mode="seq-mean-token-mean"),
+        Objective("gpg", gpg, gpg_grad),
+        Objective("clip_cov", clip_cov),
+        Objective("kl_cov", kl_cov),
+        Objective("geo_mean", geo_mean),
+        Objective("dro", dro, dro_grad),
+        Objective("cispo", cispo, cispo_grad),
+        Objective("bypass_mode", bypass_mode),
+    )
+}
+LOSS_MODES = tuple(OBJECTIVES)
+"""The names :func:`policy_loss` takes as ``loss_mode`` (verl 0.9.1's ``policy_loss.loss_mode`` values)."""
+
+
+def objective(loss_mode, options: PolicyOptions) -> Objective:
+    """The objective named ``loss_mode``, checked against what it needs from ``options``."""
+    if not isinstance(loss_mode, str) or loss_mode not in OBJECTIVES:
+        raise ValueError(f"loss_mode must be one of {', '.join(map(repr, LOSS_MODES))}; got {loss_mode!r}")
+    if loss_mode == "dro" and options.dro_beta is None:
+        raise ValueError("loss_mode='dro' needs dro_beta (policy_loss.dro_beta in verl's config), a number > 0")
+    return OBJECTIVES[loss_mode]
+
+
+def evaluate(obj: Objective, lp, old, adv, mask, o: PolicyOptions, agg: Aggregation, weights, generator):
+    """``(loss, metrics)`` of checked, selected ``[B, T]`` tensors; differentiable in ``lp``. ``mask`` is the
+    loss mask as given (bool, or weights that multiply, as in ``agg_loss`` and verl's masked means)."""
+    keep = mask
+    if obj.agg_mode is not None:
+        agg = agg.with_mode(obj.agg_mode)
+    if obj.token_local:
+        losses, metrics = obj.loss(lp, old, adv, keep, o)
+        return aggregate(losses if weights is None else losses * weights, keep, agg), metrics
+    return obj.loss(lp, old, adv, keep, o, agg, weights, generator)
+
+
+def options_of(options: Optional[PolicyOptions], fields: dict) -> PolicyOptions:
+    """``options`` (or the defaults) with ``fields`` replacing its fields; an unknown field is named."""
+    known = PolicyOptions.__dataclass_fields__
+    unknown = sorted(set(fields) - set(known))
+    if unknown:
+        raise TypeError(f"unknown policy-loss option(s) {unknown}; the options are {sorted(known)}")
+    if options is None:
+        return PolicyOptions(**fields)
+    if not isinstance(options, PolicyOptions):
+        raise TypeError(f"options must be a chunked_entropy.losses.PolicyOptions, got {type(options).__name__}")
+    return options.replace(**fields) if fields else options
+
+
+def check_weights(rollout_is_weights, like: torch.Tensor):
+    """``rollout_is_weights``: None, or a float tensor of the log-probs' shape (no gradient through it)."""
+    if rollout_is_weights is None:
+        return None
+    check_tensor("rollout_is_weights", rollout_is_weights)
+    if rollout_is_weights.shape != like.shape:
+        raise ValueError(f"rollout_is_weights must have the log-probs' shape {tuple(like.shape)}, got "
+                         f"{tuple(rollout_is_weights.shape)}")
+    return rollout_is_weights.detach()
+
+
+def policy_loss(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    *,
+    loss_mode: str = "vanilla",
+    rollout_is_weights: Optional[torch.Tensor] = None,
+    loss_agg_mode: str = "token-mean",
+    loss_scale_factor: Optional[float] = None,
+    dp_size: int = 1,
+    batch_num_tokens=None,
+    global_batch_size=None,
+    options: Optional[PolicyOptions] = None,
+    generator: Optional[torch.Generator] = None,
+    **fields,
+):
+    r"""The policy loss named ``loss_mode``, equal to verl 0.9.1's registered function of that name.
+
+    ``loss_mode`` is one of :data:`LOSS_MODES`; the formulas are on the
+    :doc:`losses page </losses>` and in each objective's docstring
+    (:mod:`chunked_entropy.losses.token`, :mod:`chunked_entropy.losses.sequence`).
+    The options take verl's config field names and defaults
+    (:class:`~chunked_entropy.losses.PolicyOptions`: ``clip_ratio``,
+    ``clip_ratio_low``, ``clip_ratio_high``, ``clip_ratio_c``, ``tau_pos``,
+    ``tau_neg``, ``clip_cov_ratio``, ``clip_cov_lb``, ``clip_cov_ub``,
+    ``kl_cov_ratio``, ``ppo_kl_coef``, ``dro_beta``, and ``bypass_mode``'s
+    ``loss_type``, ``rollout_is``, ``rollout_is_threshold``,
+    ``rollout_is_batch_normalize``, ``rollout_rs``, ``rollout_rs_threshold``);
+    a mode ignores the options it does not read. Take them from a verl actor
+    config with ``options=PolicyOptions.from_actor_config(config.actor)``.
+
+    Args:
+        log_probs: ``[B, T]`` log-probs of the sampled tokens under the current
+            policy (e.g. from :func:`~chunked_entropy.log_probs_and_entropy`);
+            rows are the sequences, as in verl's padded layout.
+        old_log_probs: ``[B, T]`` the same under the old policy (``bypass_mode``:
+            the rollout's).
+        advantages: ``[B, T]`` per-token advantages.
+        loss_mask: ``[B, T]`` bool (or 0/1, or non-negative weights).
+        loss_mode: one of :data:`LOSS_MODES`.
+        rollout_is_weights: ``[B, T]`` rollout-correction weights (e.g. from
+            :func:`~chunked_entropy.losses.rollout_correction`), multiplied into
+            every token's loss (``geo_mean``: their geometric mean per sequence;
+            ``bypass_mode`` computes its own). No gradient flows through them.
+        loss_agg_mode: one of :data:`~chunked_entropy.losses.AGG_MODES`
+            (``sapo`` always aggregates ``"seq-mean-token-mean"`` and ``geo_mean``
+            takes the mean over sequences, as in verl).
+        loss_scale_factor, dp_size, batch_num_tokens, global_batch_size: as in
+            :func:`~chunked_entropy.losses.agg_loss` (verl's ``global_batch_info``).
+        options: a :class:`~chunked_entropy.losses.PolicyOptions`; keyword
+            ``fields`` replace its fields.
+        generator: ``clip_cov``'s draw of the tokens it cuts (default: torch's
+            global generator, which is what verl draws from; the same state
+            selects the same tokens).
+        **fields: option fields, by verl's names.
+
+    Returns:
+        ``(loss, metrics)``: a 0-dim loss, differentiable w.r.t. ``log_probs``,
+        and verl's metrics under verl's keys (``"actor/pg_clipfrac"``,
+        ``"actor/ppo_kl"``, ``"actor/pg_clipfrac_lower"`` as the mode reports
+        them; ``bypass_mode`` adds its ``"rollout_corr/..."`` ones) as detached
+        0-dim tensors, where verl calls ``.item()``.
+
+    Raises:
+        ValueError / TypeError: an unknown ``loss_mode`` or option, an option out
+            of range (named), ``dro`` without ``dro_beta``, tensors of another
+            shape, before any work.
+
+    Differences from verl, on purpose: masked positions are selected away
+    before any arithmetic (a NaN in padding never reaches the loss), an empty
+    selection gives 0 where verl divides 0 by 0, and ``clip_ratio_c=None``
+    turns off the dual clip (verl's ``vanilla`` always applies one).
+    """
+    check_tensor("log_probs", log_probs)
+    check_same_shape("log_probs", log_probs, old_log_probs=old_log_probs, advantages=advantages)
+    check_mask(loss_mask, log_probs, "log_probs")
+    o = options_of(options, fields)
+    obj = objective(loss_mode, o)
+    weights = check_weights(rollout_is_weights, log_probs)
+    agg = Aggregation(loss_agg_mode, loss_scale_factor, dp_size, batch_num_tokens, global_batch_size)
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+    keep = loss_mask != 0
+    lp, old, adv = selected(keep, log_probs, old_log_probs, advantages)
+    if weights is not None:
+        (weights,) = selected(keep, weights)
+    return evaluate(obj, lp, old, adv, loss_mask, o, agg, weights, generator)
+
+
+def policy_loss_grad(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    *,
+    loss_mode: str = "vanilla",
+    options: Optional[PolicyOptions] = None,
+    **fields,
+) -> torch.Tensor:
+    """``d l / d log_probs`` of a token-local objective's per-token loss ``l``, before the IS weights and the
+    aggregation, written down. Masked tokens get 0. Multiply by the IS weights and by
+    :func:`~chunked_entropy.losses.agg_weights` (of the objective's aggregation) for the loss's gradient.
+
+    Raises:
+        ValueError: ``loss_mode`` is not token-local (its tokens' gradients depend on each other), or as
+            :func:`policy_loss`.
+    """
+    check_tensor("log_probs", log_probs)
+    check_same_shape("log_probs", log_probs, old_log_probs=old_log_probs, advantages=advantages)
+    check_mask(loss_mask, log_probs, "log_probs")
+    o = options_of(options, fields)
+    obj = objective(loss_mode, o)
+    if not obj.token_local:
+        raise ValueError(f"loss_mode={loss_mode!r} is not token-local: a token's gradient depends on the other "
+                         "tokens' log-probs; differentiate policy_loss instead")
+    keep = loss_mask != 0
+    lp, old, adv = selected(keep, log_probs, old_log_probs, advantages)
+    return torch.where(keep, obj.grad(lp, old, adv, loss_mask, o), torch.zeros((), dtype=lp.dtype, device=lp.device))
