@@ -1,0 +1,206 @@
+"""The fused losses under every ``loss_mode``: equal to "fused head, then ``losses.policy_loss``".
+
+For each of verl's twelve names, in float64: the loss, every metric and the
+gradients of hidden, weight and bias (the logits' for the twin from logits)
+against the composition of :func:`~chunked_entropy.linear_log_probs_and_entropy`
+and :mod:`chunked_entropy.losses` (itself tested against verl's installed
+functions in ``test_losses_registry.py``), with the entropy bonus, a KL term,
+rollout IS weights, vocabulary blocks, sampling replay's ``keep=`` and an
+upstream gradient other than 1. Then the rollout log-probs route, and TP 2 over
+gloo for a token-local and two sequence-level modes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from chunked_entropy import (
+    ChunkedVocabParallelHead,
+    linear_log_probs_and_entropy,
+    linear_policy_loss,
+    log_probs_and_entropy,
+    losses,
+    policy_loss_from_logits,
+)
+from tests.helpers import run_distributed
+
+B, T, H, V = 3, 6, 5, 17
+OPTS = dict(clip_ratio_low=0.15, clip_ratio_high=0.28, dro_beta=0.2, clip_cov_ratio=0.3, clip_cov_lb=-5.0,
+            clip_cov_ub=5.0, kl_cov_ratio=0.2, rollout_is="token", rollout_rs="token_k2", rollout_rs_threshold=2.0)
+
+
+def _data(seed):
+    g = torch.Generator().manual_seed(seed)
+    d = dict(hidden=torch.randn(B, T, H, generator=g, dtype=torch.float64),
+             weight=torch.randn(V, H, generator=g, dtype=torch.float64),
+             bias=torch.randn(V, generator=g, dtype=torch.float64),
+             labels=torch.randint(0, V, (B, T), generator=g),
+             adv=torch.randn(B, T, generator=g, dtype=torch.float64),
+             ref=-torch.rand(B, T, generator=g, dtype=torch.float64) * 3 - 1,
+             w=torch.rand(B, T, generator=g, dtype=torch.float64) + 0.5,
+             mask=torch.rand(B, T, generator=g) < 0.8)
+    lp, _ = linear_log_probs_and_entropy(d["hidden"], d["weight"], d["labels"], bias=d["bias"])
+    d["old"] = lp + torch.randn(B, T, generator=g, dtype=torch.float64) * 0.7  # ratios inside and outside the clip
+    d["mask"][1] = False  # an empty sequence
+    return d
+
+
+def _terms(d, kl):
+    return dict(entropy_coeff=0.03, kl_coef=0.1 if kl else 0.0, kl_kind="low_var_kl", ref_log_probs=d["ref"] if kl
+                else None)
+
+
+def _composition(d, mode, *, path, agg, weights, kl, keep=None, up=1.7, temperature=0.8):
+    leaves = {k: d[k].clone().requires_grad_() for k in ("hidden", "weight", "bias")}
+    if path == "logits":
+        z = leaves["hidden"] @ leaves["weight"].t() + leaves["bias"]
+        lp, ent = log_probs_and_entropy(z, d["labels"], keep=keep, temperature=temperature)
+    else:
+        lp, ent = linear_log_probs_and_entropy(leaves["hidden"], leaves["weight"], d["labels"], bias=leaves["bias"],
+                                               keep=keep, temperature=temperature)
+    torch.manual_seed(11)
+    pg, metrics = losses.policy_loss(lp, d["old"], d["adv"], d["mask"], loss_mode=mode, loss_agg_mode=agg,
+                                     rollout_is_weights=d["w"] if weights else None, **OPTS)
+    ent_loss = losses.entropy_bonus(ent, d["mask"], agg)
+    loss = pg - 0.03 * ent_loss
+    metrics = dict(metrics, **{"actor/pg_loss": pg.detach(), "actor/entropy_loss": ent_loss.detach()})
+    if kl:
+        kl_loss = losses.agg_loss(losses.kl_penalty(lp, d["ref"], "low_var_kl"), d["mask"], agg)
+        loss = loss + 0.1 * kl_loss
+        metrics["kl_loss"] = kl_loss.detach()
+    (loss * up).backward()
+    return loss.detach(), metrics, {k: t.grad for k, t in leaves.items()}
+
+
+def _fused(d, mode, *, path, agg, weights, kl, keep=None, up=1.7, temperature=0.8, **kw):
+    leaves = {k: d[k].clone().requires_grad_() for k in ("hidden", "weight", "bias")}
+    common = dict(loss_mode=mode, loss_agg_mode=agg, rollout_is_weights=d["w"] if weights else None, keep=keep,
+                  temperature=temperature, chunk_size=4, **_terms(d, kl), **OPTS, **kw)
+    torch.manual_seed(11)
+    if path == "logits":
+        z = leaves["hidden"] @ leaves["weight"].t() + leaves["bias"]
+        loss, metrics = policy_loss_from_logits(z, d["labels"], d["old"], d["adv"], d["mask"], **common)
+    else:
+        loss, metrics = linear_policy_loss(leaves["hidden"], leaves["weight"], d["labels"], d["old"], d["adv"],
+                                           d["mask"], bias=leaves["bias"], **common)
+    (loss * up).backward()
+    return loss.detach(), metrics, {k: t.grad for k, t in leaves.items()}
+
+
+def _same(fused, composed):
+    (loss, metrics, grads), (ref_loss, ref_metrics, ref_grads) = fused, composed
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-10, atol=1e-12)
+    assert set(metrics) == set(ref_metrics), sorted(set(metrics) ^ set(ref_metrics))
+    for k, v in ref_metrics.items():
+        assert not metrics[k].requires_grad
+        torch.testing.assert_close(metrics[k].double(), v.double(), rtol=1e-10, atol=1e-12, msg=k)
+    for k, g in ref_grads.items():
+        torch.testing.assert_close(grads[k], g, rtol=1e-9, atol=1e-11, msg=k)
+
+
+@pytest.mark.parametrize("mode", losses.LOSS_MODES)
+@pytest.mark.parametrize("path,kw", [("head", {}), ("head", {"vocab_chunk_size": 6}), ("logits", {})],
+                         ids=["head", "head_vocab_blocks", "logits"])
+def test_every_mode_equals_the_composition(mode, path, kw):
+    d = _data(1)
+    for agg, weights, kl in (("token-mean", True, True), ("seq-mean-token-mean", False, False),
+                             ("seq-mean-token-sum-norm", True, False)):
+        _same(_fused(d, mode, path=path, agg=agg, weights=weights, kl=kl, **kw),
+              _composition(d, mode, path="logits" if path == "logits" else "head", agg=agg, weights=weights, kl=kl))
+
+
+@pytest.mark.parametrize("mode", ["cispo", "gspo", "clip_cov", "bypass_mode"])
+def test_modes_with_sampling_replay_and_the_module(mode):
+    d = _data(2)
+    ids = torch.tensor([0, 3, 5, 7, 1, 2, 9, 11, 4])
+    offsets = torch.tensor([0, 2, 2, 4] + [4] * (B * T - 5) + [7, 9])
+    _same(_fused(d, mode, path="head", agg="token-mean", weights=True, kl=False, keep=(ids, offsets)),
+          _composition(d, mode, path="head", agg="token-mean", weights=True, kl=False, keep=(ids, offsets)))
+    head = ChunkedVocabParallelHead(d["weight"].clone().requires_grad_(), d["bias"].clone(), chunk_size=4)
+    h = d["hidden"].clone().requires_grad_()
+    torch.manual_seed(11)
+    loss, _ = head.policy_loss(h, d["labels"], d["old"], d["adv"], d["mask"], loss_mode=mode, **OPTS)
+    h2 = d["hidden"].clone().requires_grad_()
+    lp, _ = linear_log_probs_and_entropy(h2, d["weight"], d["labels"], bias=d["bias"])
+    torch.manual_seed(11)
+    ref, _ = losses.policy_loss(lp, d["old"], d["adv"], d["mask"], loss_mode=mode, **OPTS)
+    loss.backward()
+    ref.backward()
+    torch.testing.assert_close(h.grad, h2.grad, rtol=1e-9, atol=1e-11)
+
+
+def test_rollout_log_probs_give_the_weights_and_the_rejection_mask():
+    d = _data(3)
+    g = torch.Generator().manual_seed(4)
+    rollout = d["old"] + torch.randn(B, T, generator=g, dtype=torch.float64) * 1.5
+    corr = dict(rollout_is="sequence", rollout_is_threshold=3.0, rollout_rs="token_k1", rollout_rs_threshold="0.6_1.6")
+    w, mask, _ = losses.rollout_correction(d["old"], rollout, d["mask"], **corr)
+    assert (mask != d["mask"]).any()  # some tokens rejected
+    h = d["hidden"].clone().requires_grad_()
+    loss, _ = linear_policy_loss(h, d["weight"], d["labels"], d["old"], d["adv"], d["mask"], bias=d["bias"],
+                                 rollout_log_probs=rollout, loss_mode="vanilla", entropy_coeff=0.02, **corr)
+    h2 = d["hidden"].clone().requires_grad_()
+    lp, ent = linear_log_probs_and_entropy(h2, d["weight"], d["labels"], bias=d["bias"])
+    pg, _ = losses.policy_loss(lp, d["old"], d["adv"], mask, rollout_is_weights=w)
+    ref = pg - 0.02 * losses.entropy_bonus(ent, mask)
+    loss.backward()
+    ref.backward()
+    torch.testing.assert_close(loss.detach(), ref.detach(), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(h.grad, h2.grad, rtol=1e-9, atol=1e-11)
+    with pytest.raises(ValueError, match="not both"):
+        linear_policy_loss(h, d["weight"], d["labels"], d["old"], d["adv"], d["mask"], rollout_log_probs=rollout,
+                           rollout_is_weights=w)
+
+
+def test_bad_options_are_named_before_any_work():
+    d = _data(5)
+    h = d["hidden"].clone().requires_grad_()
+    args = (h, d["weight"], d["labels"], d["old"], d["adv"], d["mask"])
+    for kw, exc, name in ((dict(loss_mode="grpo"), ValueError, "loss_mode"), (dict(loss_mode="dro"), ValueError,
+                          "dro_beta"), (dict(tau_pos=-1.0), ValueError, "tau_pos"),
+                          (dict(rollout_is_weights=d["w"][:2]), ValueError, "rollout_is_weights"),
+                          (dict(clip_ratoi=0.3), TypeError, "clip_ratoi")):
+        with pytest.raises(exc, match=name):
+            linear_policy_loss(*args, **kw)
+        with pytest.raises(exc, match=name):
+            policy_loss_from_logits(h @ d["weight"].t(), *args[2:], **kw)
+    assert h.grad is None
+
+
+def _tp_worker(rank, world):
+    group = dist.group.WORLD
+    d = _data(6)
+    v_local = V // world + 1
+    pad = v_local * world - V  # vocabulary padding: columns that never win, as Megatron pads
+    weight = torch.cat([d["weight"], torch.zeros(pad, H, dtype=torch.float64)])
+    bias = torch.cat([d["bias"], torch.full((pad,), -1e4, dtype=torch.float64)])
+    shard = slice(rank * v_local, (rank + 1) * v_local)
+    for mode in ("sapo", "gspo", "kl_cov"):
+        h = d["hidden"].clone().requires_grad_()
+        w = weight[shard].clone().requires_grad_()
+        loss, metrics = linear_policy_loss(h, w, d["labels"], d["old"], d["adv"], d["mask"], bias=bias[shard],
+                                           loss_mode=mode, process_group=group, chunk_size=4, entropy_coeff=0.03,
+                                           rollout_is_weights=d["w"], **OPTS)
+        (loss * 1.7).backward()
+        h2, w2 = d["hidden"].clone().requires_grad_(), weight.clone().requires_grad_()
+        lp, ent = linear_log_probs_and_entropy(h2, w2, d["labels"], bias=bias)
+        pg, ref_metrics = losses.policy_loss(lp, d["old"], d["adv"], d["mask"], loss_mode=mode,
+                                             rollout_is_weights=d["w"], **OPTS)
+        ref = pg - 0.03 * losses.entropy_bonus(ent, d["mask"])
+        (ref * 1.7).backward()
+        torch.testing.assert_close(loss.detach(), ref.detach(), rtol=1e-10, atol=1e-12)
+        for k, v in ref_metrics.items():
+            torch.testing.assert_close(metrics[k].double(), v.double(), rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(h.grad, h2.grad, rtol=1e-9, atol=1e-11)
+        torch.testing.assert_close(w.grad, w2.grad[shard], rtol=1e-9, atol=1e-11)
+    # clip_cov draws its tokens at random: ranks whose generators differ are named
+    torch.manual_seed(rank)
+    with pytest.raises(ValueError, match="random generator's state"):
+        linear_policy_loss(d["hidden"], weight[shard], d["labels"], d["old"], d["adv"], d["mask"], loss_mode="clip_cov",
+                           process_group=group)
+
+
+def test_tensor_parallel():
+    run_distributed(_tp_worker, 2, timeout_s=120)
