@@ -1,4 +1,4 @@
-"""Every ```python block in the README, the getting-started, concepts, Hugging Face and verl pages runs.
+"""Every ```python block in the README, the getting-started, concepts, losses, Hugging Face and verl pages runs.
 
 Each block runs on its own, in a fresh namespace, as a reader would paste it.
 A block with a file name (```python title="tp_example.py"```) is written to
@@ -21,7 +21,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [
     "README.md", "docs/getting-started.md", "docs/concepts.md", "docs/integrations/huggingface.md",
-    "docs/integrations/verl.md",
+    "docs/integrations/verl.md", "docs/losses.md",
 ]
 
 _FENCE = re.compile(r"^```python([^\n]*)\n(.*?)^```", re.S | re.M)

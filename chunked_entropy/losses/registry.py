@@ -193,8 +193,10 @@ def policy_loss(
         loss_agg_mode: one of :data:`~chunked_entropy.losses.AGG_MODES`
             (``sapo`` always aggregates ``"seq-mean-token-mean"`` and ``geo_mean``
             takes the mean over sequences, as in verl).
-        loss_scale_factor, dp_size, batch_num_tokens, global_batch_size: as in
-            :func:`~chunked_entropy.losses.agg_loss` (verl's ``global_batch_info``).
+        loss_scale_factor: as in :func:`~chunked_entropy.losses.agg_loss`.
+        dp_size: as in :func:`~chunked_entropy.losses.agg_loss` (verl's ``global_batch_info``).
+        batch_num_tokens: as in :func:`~chunked_entropy.losses.agg_loss`.
+        global_batch_size: as in :func:`~chunked_entropy.losses.agg_loss`.
         options: a :class:`~chunked_entropy.losses.PolicyOptions`; keyword
             ``fields`` replace its fields.
         generator: ``clip_cov``'s draw of the tokens it cuts (default: torch's

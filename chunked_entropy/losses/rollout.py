@@ -316,9 +316,11 @@ def rollout_correction(
         log_probs: ``[B, T]`` the training policy's log-probs (verl's ``old_log_prob``).
         rollout_log_probs: ``[B, T]`` the rollout engine's (e.g. vLLM's bf16).
         response_mask: ``[B, T]`` bool or 0/1, with at least one valid token.
-        rollout_is, rollout_is_threshold, rollout_is_batch_normalize,
-        rollout_rs, rollout_rs_threshold: as above (verl's ``RolloutCorrectionConfig``
-            fields).
+        rollout_is: ``"token"``, ``"sequence"`` or None (verl's ``RolloutCorrectionConfig`` field, as the next).
+        rollout_is_threshold: a number (TIS) or ``"lower_upper"`` (IcePop).
+        rollout_is_batch_normalize: normalize the weights to mean 1.
+        rollout_rs: comma-separated rejection criteria of :data:`RS_OPTIONS`, or None.
+        rollout_rs_threshold: their bounds, one for all or one per criterion.
         group: the data-parallel group of the batch normalization, or None.
 
     Returns:
