@@ -71,6 +71,7 @@ class Case:
     backend: str = "eager"
     warm: bool = False
     keep: int = 0  # sampling replay: kept ids per token (0: none)
+    loss_mode: str = "vanilla"  # the policy objective of the loss methods (chunked_entropy.losses.LOSS_MODES)
 
     @property
     def label(self) -> str:
@@ -89,6 +90,8 @@ class Case:
             name = "matmul + " + name
         if self.keep:
             name += f", keep {self.keep}/token"
+        if self.method in LOSS_METHODS and self.loss_mode != "vanilla":
+            name += f", {self.loss_mode}"
         if self.backend != "eager":
             name += f" [{self.backend}]"
         return name
@@ -182,15 +185,15 @@ def policy_loss(case: Case, inp: Inputs, group):
         if case.path == "head":
             return linear_policy_loss(inp.hidden.unsqueeze(0), inp.weight, labels, inp.old, inp.adv, inp.mask,
                                       chunk_size=case.chunk, process_group=group, backend=case.backend,
-                                      **LOSS_OPTIONS)[0]
+                                      loss_mode=case.loss_mode, **LOSS_OPTIONS)[0]
         return policy_loss_from_logits(inp.logits.unsqueeze(0), labels, inp.old, inp.adv, inp.mask,
                                        chunk_size=case.chunk, process_group=group, backend=case.backend,
-                                       **LOSS_OPTIONS)[0]
+                                       loss_mode=case.loss_mode, **LOSS_OPTIONS)[0]
     base = dataclasses.replace(case, method="head" if case.method == "headloss" else "chunked")
     lp, ent = outputs(base, inp, group)
     o = LOSS_OPTIONS
     pg, _ = losses.policy_loss(lp.view(1, -1), inp.old, inp.adv, inp.mask, clip_ratio_c=o["clip_ratio_c"],
-                               loss_agg_mode=o["loss_agg_mode"])
+                               loss_agg_mode=o["loss_agg_mode"], loss_mode=case.loss_mode)
     return pg - o["entropy_coeff"] * losses.entropy_bonus(ent.view(1, -1), inp.mask, o["loss_agg_mode"])
 
 
@@ -313,7 +316,8 @@ def floor_seconds(case: Case, inp: "Inputs") -> float:
     (backward: the gradient), timed as a sum and a copy of the same tensor.
     Fused head: its matmul passes alone, chunk by chunk into one buffer, four
     of them (logits, recomputed logits, ``g @ W``, ``g.T @ h``), three for the
-    fused policy loss.
+    fused policy loss of a token-local objective (a sequence-level one runs a
+    statistics pass first: four).
     """
     device = torch.device(case.device)
     with torch.no_grad():
@@ -329,7 +333,9 @@ def floor_seconds(case: Case, inp: "Inputs") -> float:
         buf = h.new_empty(min(c, h.shape[0]), w.shape[0])
         gh = h.new_empty(buf.shape[0], h.shape[1])
         gw = torch.zeros_like(w)
-        passes = 3 if case.method == "fusedloss" else 4
+        from chunked_entropy.losses import TOKEN_LOCAL_MODES
+
+        passes = 3 if case.method == "fusedloss" and case.loss_mode in TOKEN_LOCAL_MODES else 4
         with _Clock(device) as clock:
             for a in range(0, h.shape[0], c):
                 hc = h[a:a + c]

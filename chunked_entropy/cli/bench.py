@@ -39,6 +39,12 @@ PRESETS = {
         path="head", tokens=[16384], vocab=[32768], hidden=[512], dtype="float32",
         methods=["headloss", "fusedloss"], chunk_sizes=[512],
     ),
+    # verl's objectives, fused, against the fused head + chunked_entropy.losses: token-local ones (three
+    # matmul passes against four) and a sequence-level one (a statistics pass first: four against four)
+    "loss-modes": dict(
+        path="head", tokens=[16384], vocab=[32768], hidden=[512], dtype="float32",
+        methods=["headloss", "fusedloss"], chunk_sizes=[512], loss_modes=["cispo", "sapo", "gspo"],
+    ),
     "loss-logits": dict(
         path="logits", tokens=[8192], vocab=[32768], dtype="float32",
         methods=["chunkedloss", "fusedloss"], chunk_sizes=[512],
@@ -77,11 +83,11 @@ PRESETS = {
 }
 DEFAULTS = dict(
     path="logits", tokens=[1024, 2048, 4096, 8192], vocab=[32768], hidden=[512], dtype="float32",
-    methods=None, chunk_sizes=[512], repeats=3, backends=["eager"], keep=[0],
+    methods=None, chunk_sizes=[512], repeats=3, backends=["eager"], keep=[0], loss_modes=["vanilla"],
 )
 QUICK = dict(
     path="both", tokens=[256, 1024], vocab=[8192], hidden=[256], dtype="float32",
-    methods=None, chunk_sizes=[256], repeats=1, backends=["eager"], keep=[0],
+    methods=None, chunk_sizes=[256], repeats=1, backends=["eager"], keep=[0], loss_modes=["vanilla"],
 )
 
 
@@ -130,6 +136,9 @@ def add_arguments(p, positive_int, int_list, name_list) -> None:
     g.add_argument("--keep", type=_counts, metavar="K1,...",
                    help="sampling replay: kept ids per token, in vLLM's CSR layout, for this library's methods "
                         "and the dense-mask route densekeep (0: no replay; default 0)")
+    g.add_argument("--loss-modes", type=name_list, metavar="L1,...",
+                   help="policy objectives of the loss methods, verl's names (vanilla, cispo, sapo, gspo, ...; "
+                        "default vanilla)")
     g.add_argument("--backends", type=name_list, metavar="B1,...",
                    help="per-block kernels of this library's methods: eager, compile, auto (default eager)")
     g.add_argument("--dtype", choices=sorted(plan.DTYPE_BYTES), help="dtype of the inputs (default float32)")
@@ -158,7 +167,8 @@ def _settings(args) -> dict:
     if args.preset:
         base.update(PRESETS[args.preset])
         base.setdefault("repeats", 3)
-    for k in ("path", "tokens", "vocab", "hidden", "chunk_sizes", "methods", "dtype", "repeats", "backends", "keep"):
+    for k in ("path", "tokens", "vocab", "hidden", "chunk_sizes", "methods", "dtype", "repeats", "backends", "keep",
+              "loss_modes"):
         v = getattr(args, k)
         if v is not None:
             base[k] = v
@@ -183,12 +193,14 @@ def build_cases(s: dict, device: str) -> list:
                         keeps = s["keep"] if m in ("chunked", "head") else [0]
                         if m == "densekeep":
                             keeps = [k for k in s["keep"] if k]
+                        modes = (s.get("loss_modes") or ["vanilla"]) if m in LOSS_METHODS else ["vanilla"]
                         for c in (s["chunk_sizes"] if ours else [0]):
                             for be in (s["backends"] if ours else ["eager"]):
                                 for kk in keeps:
-                                    group.append(Case(path=path, method=m, tokens=n, vocab=v, hidden=h, chunk=c,
-                                                      dtype=s["dtype"], device=device, backend=be,
-                                                      warm=bool(s.get("warm")), keep=kk))
+                                    for lm in modes:
+                                        group.append(Case(path=path, method=m, tokens=n, vocab=v, hidden=h,
+                                                          chunk=c, dtype=s["dtype"], device=device, backend=be,
+                                                          warm=bool(s.get("warm")), keep=kk, loss_mode=lm))
                     groups.append(group)
     return groups
 
@@ -483,6 +495,11 @@ def run(args) -> int:
     for m in s["methods"] or []:
         if m not in known:
             raise BenchError(f"--methods: unknown method {m!r}; expected some of {', '.join(known)}")
+    from chunked_entropy.losses import LOSS_MODES
+
+    for lm in s.get("loss_modes") or []:
+        if lm not in LOSS_MODES:
+            raise BenchError(f"--loss-modes: unknown objective {lm!r}; expected some of {', '.join(LOSS_MODES)}")
     if s["path"] == "logits" and s["methods"] and s["methods"] == ["head"]:
         raise BenchError("--methods head needs --path head (the fused head takes hidden states)")
     for name in ("tokens", "vocab", "hidden", "chunk_sizes"):

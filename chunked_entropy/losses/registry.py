@@ -98,6 +98,8 @@ OBJECTIVES = {
 }
 LOSS_MODES = tuple(OBJECTIVES)
 """The names :func:`policy_loss` takes as ``loss_mode`` (verl 0.9.1's ``policy_loss.loss_mode`` values)."""
+TOKEN_LOCAL_MODES = tuple(name for name, o in OBJECTIVES.items() if o.token_local)
+"""The token-local ones: the fused losses form their gradients in the forward chunk loop (three matmul passes)."""
 
 
 def objective(loss_mode, options: PolicyOptions) -> Objective:
