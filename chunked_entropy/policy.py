@@ -130,6 +130,9 @@ class _Objective:
                 old_log_probs, rollout_log_probs, loss_mask, rollout_is=o.rollout_is,
                 rollout_is_threshold=o.rollout_is_threshold, rollout_is_batch_normalize=o.rollout_is_batch_normalize,
                 rollout_rs=o.rollout_rs, rollout_rs_threshold=o.rollout_rs_threshold)
+        if self.objective.name == "bypass_mode" and not bool((loss_mask != 0).any()):
+            raise ValueError("loss_mode='bypass_mode' needs at least one valid token in loss_mask (its rollout "
+                             "correction, as verl's, has nothing to measure otherwise)")
         self.generator = generator
         self.mask = loss_mask
         self.keep = loss_mask != 0

@@ -166,6 +166,8 @@ def test_bad_options_are_named_before_any_work():
             linear_policy_loss(*args, **kw)
         with pytest.raises(exc, match=name):
             policy_loss_from_logits(h @ d["weight"].t(), *args[2:], **kw)
+    with pytest.raises(ValueError, match="bypass_mode' needs at least one valid token"):
+        linear_policy_loss(*args[:5], torch.zeros_like(d["mask"]), loss_mode="bypass_mode")
     assert h.grad is None
 
 
