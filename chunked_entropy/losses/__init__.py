@@ -22,12 +22,14 @@ objectives' settings, by verl's field names), :mod:`.token` (token-local
 objectives: vanilla, dppo_tv, dppo_kl, sapo, gpg, dro, cispo),
 :mod:`.sequence` (objectives that read sequence or batch statistics first:
 gspo, geo_mean, clip_cov, kl_cov), :mod:`.rollout` (rollout correction: IS
-weights and rejection masks) and :mod:`.registry` (verl's names ->
-objectives, and :func:`policy_loss`).
+weights and rejection masks), :mod:`.registry` (verl's names ->
+objectives, and :func:`policy_loss`) and :mod:`.distill` (distillation
+divergences over K ids per token).
 """
 
 from ._common import masked_mean
 from .aggregation import AGG_MODES, Aggregation, agg_loss, agg_weights, entropy_bonus
+from .distill import TopKForwardKL, sparse_divergence, topk_forward_kl, topk_overlap
 from .kl import KL_KINDS, kl_penalty, kl_penalty_grad
 from .options import PolicyOptions
 from .registry import LOSS_MODES, TOKEN_LOCAL_MODES, policy_loss, policy_loss_grad
@@ -36,5 +38,5 @@ from .rollout import rollout_correction
 __all__ = [
     "AGG_MODES", "KL_KINDS", "LOSS_MODES", "TOKEN_LOCAL_MODES", "Aggregation", "PolicyOptions", "agg_loss",
     "agg_weights", "entropy_bonus", "kl_penalty", "kl_penalty_grad", "masked_mean", "policy_loss", "policy_loss_grad",
-    "rollout_correction",
+    "rollout_correction", "TopKForwardKL", "sparse_divergence", "topk_forward_kl", "topk_overlap",
 ]
