@@ -13,6 +13,7 @@ from typing import Optional, Union
 
 import torch
 
+from ._at import At, parse_at
 from ._checks import FLOAT_DTYPES, check_strided, is_int, is_real
 from ._keep import Kept, parse_keep
 from ._stats import Coefficients, RowStats, Transform, Want
@@ -39,6 +40,7 @@ class Tokens:
     inv_t: Union[None, float, torch.Tensor]
     transform: Transform = Transform()
     keep: Optional[Kept] = None  # sampling replay: the kept sets (see chunked_entropy._keep)
+    at: Optional[At] = None  # distillation: log-probs at K ids per token, the row's top-k (chunked_entropy._at)
 
     @property
     def n(self) -> int:
@@ -50,6 +52,12 @@ class Tokens:
     def k_rows(self, a: int, b: int):
         """The multiplier ``x = k * u`` of rows ``[a, b)`` (see :class:`~chunked_entropy._stats.Transform`)."""
         return self.transform.k(self.inv_t_rows(a, b))
+
+    def at_outputs(self, r: RowStats):
+        """``(log_probs_at, top_k_ids, top_k_log_probs)`` after the forward loop (Nones without them)."""
+        if self.at is None:
+            return None, None, None
+        return self.at.outputs(r.m, r.ls, self.k_rows(0, self.n), self.transform)
 
     def outputs(self, r: RowStats, want: Want):
         """Flat ``(log_probs, entropy, sum_pi_squared)`` from RowStats (None where not wanted).
@@ -120,6 +128,8 @@ def prepare_tokens(
     transform: Optional[Transform] = None,
     keep=None,
     entropy_of: str = "full",
+    log_probs_at=None,
+    top_k=None,
 ) -> Tokens:
     """Check labels, mask and temperature against ``lead_shape``; build :class:`Tokens`.
 
@@ -129,7 +139,8 @@ def prepare_tokens(
     agree on: the shard width, the token count, the compute dtype, the
     transform and fingerprints of the labels (after the mask) and of the
     temperatures. ``keep`` and ``entropy_of`` are sampling replay's (see
-    :func:`chunked_entropy._keep.parse_keep`).
+    :func:`chunked_entropy._keep.parse_keep`); ``log_probs_at`` and ``top_k``
+    distillation's (see :func:`chunked_entropy._at.parse_at`).
     """
     if not isinstance(labels, torch.Tensor):
         raise TypeError(f"{labels_name} must be a torch.Tensor of int64 ids, got {type(labels).__name__}")
@@ -190,7 +201,8 @@ def prepare_tokens(
     call.agree("logit_scale", _bits(transform.logit_scale))
     kept = parse_keep(keep, lead_shape=lead_shape, v_local=v_local, labels=flat, valid=valid, entropy_of=entropy_of,
                       device=device, call=call)
-    return Tokens(lead_shape, valid, target, inv_t, transform, kept)
+    at = parse_at(log_probs_at, top_k, lead_shape=lead_shape, v_local=v_local, device=device, call=call, keep=keep)
+    return Tokens(lead_shape, valid, target, inv_t, transform, kept, at)
 
 
 def dtype_code(dtype: torch.dtype) -> int:

@@ -17,7 +17,7 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from . import _keep, _stats
+from . import _at, _keep, _stats
 from ._inputs import Tokens, chunks
 from ._kernels import COMPILED
 from .parallel import reduce_stats
@@ -84,6 +84,15 @@ def _rows_of_chunk(st, kst, count, group, k, kept) -> tuple:
     return rows.with_kept(kr, count > 0), st
 
 
+def _block_at(at, at_ids, target, a, b, v0, z):
+    """Distillation's entries in a block and their raw logits (read before the block is overwritten), or Nones."""
+    if at_ids is None:
+        return None, None
+    ent = at.block_entries(at_ids[a:b], target, a, v0, z.shape[1])
+    raw = z[ent[0], ent[1]]
+    return ent, raw if raw.dtype in (torch.float32, torch.float64) else raw.float()
+
+
 def _block_kept(kept, ent, z, v0, tf, k, dtype):
     """The kept entries of a block (gathered before the block is overwritten), or None without replay."""
     return None if kept is None else _keep.gather(z, ent, v0, tf, dtype)
@@ -102,14 +111,19 @@ def row_stats(
     bufs = Buffers(min(chunk_size, n), block, dtype, device, work=view is None,
                    scratch=want.scratch and not compiled)
     out = new_row_stats(n, want, dtype, device, kept)
+    at = tok.at
+    if at is not None:
+        at.start(n, dtype, device)
     for a, b in chunks(n, chunk_size):
         k, target = tok.k_rows(a, b), tok.target[a:b]
         ent = None if kept is None else kept.chunk(a, b, n, chunk_size)
-        st = kst = count = None
+        st = kst = count = cand = None
         for v0, v1 in chunks(width, block):
             x, scratch, _ = bufs.get(b - a, v1 - v0)
             z = _read(fill, view, x, a, b, v0, v1)
             g = _block_kept(kept, ent, z, v0, tok.transform, k, dtype)
+            if at is not None:  # distillation's ids and top-k, read before the block is overwritten
+                cand = at.block(z, a, b, v0, cand)
             if compiled:
                 blk = COMPILED.stats(z, tok.transform, k, target, v0, want.entropy, want.sum_pi_squared, dtype)
             else:
@@ -122,6 +136,10 @@ def row_stats(
                 kst = _stats.merge_stats(kst, kb, k)
                 count = kc if count is None else count + kc
         _store(out, _rows_of_chunk(st, kst, count, group, k, kept)[0], a, b)
+        if at is not None:
+            at.chunk_done(a, b, cand)
+    if at is not None:
+        at.finish(group)
     return out
 
 
@@ -129,6 +147,7 @@ def grad_blocks(
     tok: Tokens, fill: Fill, *, width: int, block: int, chunk_size: int,
     stats: _stats.RowStats, grads, dtype, device,
     into: Optional[Callable[[int, int], torch.Tensor]] = None, compiled: bool = False, view: View = None,
+    at_grads: Optional[torch.Tensor] = None,
 ) -> Iterator[tuple]:
     """Backward: yield ``(a, b, v0, v1, g)``, the gradient w.r.t. each block's raw logits.
 
@@ -138,9 +157,13 @@ def grad_blocks(
     it in its own dtype). ``grads`` are the upstream gradients of
     ``(log_probs, entropy, sum_pi_squared)`` (None: that output has none, and
     costs nothing). With sampling replay the kept sets' sparse term is added
-    to each block (see :mod:`chunked_entropy._keep`).
+    to each block (see :mod:`chunked_entropy._keep`). ``at_grads``: the
+    upstream gradients ``[N, K + k]`` of distillation's log-probs at
+    ``tok.at``'s ids, their sparse term added to each block (see
+    :mod:`chunked_entropy._at`).
     """
-    n, kept = tok.n, tok.keep
+    n, kept, at = tok.n, tok.keep, tok.at
+    at_ids = None if at_grads is None else at.all_ids()
     g_lp, g_h, g_q = (None if g is None else g.reshape(-1).to(dtype) for g in grads)
     softcap = tok.transform.softcap is not None
     view = view if compiled else None
@@ -155,11 +178,17 @@ def grad_blocks(
         if kept is not None:
             ent = kept.chunk(a, b, n, chunk_size)
             co, co_k = _keep.split(co, rows.truncated, kept.of_kept)
+        if at_ids is not None:  # the dense part of the ids' gradient rides on the log-prob's coefficient
+            kz = tok.transform.kz(tok.inv_t_rows(a, b))
+            coef = at_grads[a:b] if kz is None else at_grads[a:b] * kz
+            total = coef.sum(dim=1)
+            co = co._replace(c=total if co.c is None else co.c + total)
         for v0, v1 in chunks(width, block):
             x, scratch, aux = bufs.get(b - a, v1 - v0)
             if compiled:
                 z = _read(fill, view, x, a, b, v0, v1)
                 gk = _block_kept(kept, ent, z, v0, tok.transform, k, dtype)
+                ea, ra = _block_at(at, at_ids, target, a, b, v0, z)
                 out = x if into is None else into(a, b)
                 g = COMPILED.grad(z, out, tok.transform, k, rows, target, v0, co, dtype)
             else:
@@ -167,9 +196,12 @@ def grad_blocks(
                     x = into(a, b)
                 fill(x, a, b, v0, v1)
                 gk = _block_kept(kept, ent, x, v0, tok.transform, k, dtype)
+                ea, ra = _block_at(at, at_ids, target, a, b, v0, x)
                 g = _stats.block_grad(x, tok.transform, k, rows, target, v0, co, scratch, aux)
             if gk is not None:
                 _keep.add_grad_(g, gk, ent, rows.kept, rows.truncated, co_k, tok.transform, k)
+            if ea is not None:
+                _at.add_grad_(g, ra, ea, coef, total, kz, tok.transform)
             yield a, b, v0, v1, g
 
 

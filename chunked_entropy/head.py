@@ -119,11 +119,15 @@ class ChunkedVocabParallelHead(nn.Module):
         compute_sum_pi_squared: bool = False,
         keep=None,
         entropy_of: str = "full",
+        log_probs_at: Optional[torch.Tensor] = None,
+        top_k: Optional[int] = None,
     ) -> LogProbsEntropy:
         """:func:`linear_log_probs_and_entropy` with this head's weight, bias and settings.
 
-        ``keep`` (the rollout's kept sets, for sampling replay) and
-        ``entropy_of`` are as in :func:`~chunked_entropy.log_probs_and_entropy`.
+        ``keep`` (the rollout's kept sets, for sampling replay), ``entropy_of``,
+        ``log_probs_at`` and ``top_k`` (distillation) are as in
+        :func:`~chunked_entropy.log_probs_and_entropy`; ``labels`` may be None
+        with the last two.
         """
         return linear_log_probs_and_entropy(
             hidden, self.weight, labels, bias=self.bias, chunk_size=self.chunk_size,
@@ -134,7 +138,7 @@ class ChunkedVocabParallelHead(nn.Module):
             gradient_accumulation_fusion=self.gradient_accumulation_fusion,
             softcap=self.softcap, logit_scale=self.logit_scale,
             compute_sum_pi_squared=compute_sum_pi_squared, backend=self.backend, keep=keep, entropy_of=entropy_of,
-            logits_dtype=self.logits_dtype,
+            logits_dtype=self.logits_dtype, log_probs_at=log_probs_at, top_k=top_k,
         )
 
     def policy_loss(self, hidden: torch.Tensor, labels: torch.Tensor, old_log_probs, advantages, loss_mask, **kw):

@@ -36,7 +36,7 @@ from ._checks import check_chunk, check_flag
 from ._inputs import Rows, Tokens, compute_dtype, prepare_tokens
 from ._kernels import check_backend, use_compiled
 from ._loop import grad_blocks
-from ._outputs import LogProbsEntropy, empty_outputs, pack_outputs, run_outputs, unpack_grads
+from ._outputs import LogProbsEntropy, empty_outputs, pack_outputs, run_outputs, split_grads, without_labels
 from ._stats import RowStats, Transform, Want
 from .parallel import agreed_call
 
@@ -56,7 +56,10 @@ class _HeadFunction(torch.autograd.Function):
         ctx.main_grad = main_grad
         ctx.weight_param = weight if main_grad is not None else None
         ctx.set_materialize_grads(False)
-        return pack_outputs(tok.outputs(r, plan.want), plan.want)
+        at_outs = tok.at_outputs(r)
+        if at_outs[1] is not None:
+            ctx.mark_non_differentiable(at_outs[1])
+        return pack_outputs(tok.outputs(r, plan.want), plan.want, at_outs)
 
     @staticmethod
     @once_differentiable
@@ -65,8 +68,8 @@ class _HeadFunction(torch.autograd.Function):
         stats = RowStats.from_saved(saved)
         tok, plan = ctx.tok, replace(ctx.plan, group=live_group(ctx.group))
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        grads = unpack_grads(grads, plan.want)
-        if all(g is None for g in grads):
+        grads, at_grads = split_grads(grads, plan.want, tok, stats.ls)
+        if all(g is None for g in grads) and at_grads is None:
             return (None,) * 6
         cdt = stats.ls.dtype
         h_full = full_hidden(hidden, plan)
@@ -79,7 +82,7 @@ class _HeadFunction(torch.autograd.Function):
         blocks = grad_blocks(
             tok, linear_filler(rows, weight, bias, plan.float32_logits), width=v, block=plan.vocab_chunk_size,
             chunk_size=plan.chunk_size, stats=stats, grads=grads, dtype=cdt, device=dev,
-            compiled=plan.compiled,
+            compiled=plan.compiled, at_grads=at_grads,
         )
         grad_h, gw, gb = linear_grads(
             blocks, rows, weight, n=n, hidden_dtype=hidden.dtype, chunk_size=plan.chunk_size,
@@ -120,6 +123,8 @@ def linear_log_probs_and_entropy(
     keep=None,
     entropy_of: str = "full",
     logits_dtype: Optional[torch.dtype] = None,
+    log_probs_at: Optional[torch.Tensor] = None,
+    top_k: Optional[int] = None,
 ) -> LogProbsEntropy:
     """Log-probs and entropy of ``softmax((hidden @ weight.T + bias) / temperature)``, fused.
 
@@ -133,7 +138,8 @@ def linear_log_probs_and_entropy(
         weight: ``[V_local, H]``, this rank's vocabulary shard (Megatron's
             output layer, a tied embedding, or an ``nn.Linear`` lm_head).
         labels: ``[...]`` int64 *global* vocabulary ids; with sequence
-            parallelism, for the full gathered sequence.
+            parallelism, for the full gathered sequence. None when only
+            ``log_probs_at`` / ``top_k`` are wanted (``log_probs`` is then None).
         bias: ``[V_local]`` or None.
         chunk_size: tokens per chunk.
         temperature: as in :func:`~chunked_entropy.log_probs_and_entropy`.
@@ -172,6 +178,10 @@ def linear_log_probs_and_entropy(
             on CUDA; elsewhere each block's rows are cast to float32 first),
             and so is ``grad @ weight`` in backward: as exact as plain float32
             PyTorch on the same bf16 inputs, for a rollout with an fp32 LM head.
+        log_probs_at: distillation's ids, ``[..., K]`` in the labels' leading
+            shape, as in :func:`~chunked_entropy.log_probs_and_entropy`; read
+            from each block as it is computed: no extra matmul pass.
+        top_k: the row's own top-k, as in :func:`~chunked_entropy.log_probs_and_entropy`.
 
     Raises:
         ValueError / TypeError: as :func:`~chunked_entropy.log_probs_and_entropy`;
@@ -195,7 +205,10 @@ def linear_log_probs_and_entropy(
     """
     with agreed_call(process_group) as call:  # every rank validates; a refused call raises on all of them
         sequence_parallel = check_flag("sequence_parallel", sequence_parallel)
-        lead = check_linear_args(hidden, weight, bias, labels, call.world, sequence_parallel, vocab_chunk_size)
+        no_labels = labels is None and (log_probs_at is not None or top_k is not None)
+        lead = check_linear_args(hidden, weight, bias, _lead_labels(hidden, labels, no_labels, call.world,
+                                                                    sequence_parallel),
+                                 call.world, sequence_parallel, vocab_chunk_size)
         check_chunk("chunk_size", chunk_size)
         want = Want(check_flag("compute_entropy", compute_entropy),
                     check_flag("compute_sum_pi_squared", compute_sum_pi_squared))
@@ -212,19 +225,32 @@ def linear_log_probs_and_entropy(
             compiled=use_compiled(check_backend(backend), hidden.device),
             float32_logits=check_logits_dtype(logits_dtype, weight),
         )
+        if no_labels:
+            labels = torch.full(lead, ignore_index, dtype=torch.int64, device=hidden.device)
         tok = prepare_tokens(
             labels, lead, v_local, call=call, label_mask=label_mask, ignore_index=ignore_index,
             temperature=temperature, device=hidden.device, dtype=cdt, transform=Transform(softcap, logit_scale),
-            keep=keep, entropy_of=entropy_of,
+            keep=keep, entropy_of=entropy_of, log_probs_at=log_probs_at, top_k=top_k,
         )
         call.agree_all(linear_settings(hidden, weight, bias, plan, grads))
     if tok.n == 0:
-        return empty_outputs(labels.shape, want, cdt, hidden.device, [hidden, weight, bias])
+        return without_labels(empty_outputs(labels.shape, want, cdt, hidden.device, [hidden, weight, bias], tok.at),
+                              no_labels)
 
     def forward():
         return linear_row_stats(full_hidden(hidden, plan), weight, bias, tok, plan)
 
-    return run_outputs(
+    return without_labels(run_outputs(
         lambda: _HeadFunction.apply(hidden, weight, bias, tok, plan, main_grad), forward, tok, want, labels.shape,
         grads,
-    )
+    ), no_labels)
+
+
+def _lead_labels(hidden, labels, no_labels: bool, world: int, sequence_parallel: bool):
+    """The labels to check the shapes with: without labels (distillation only), a stand-in of the right shape."""
+    if not no_labels or not isinstance(hidden, torch.Tensor) or hidden.dim() < 1:
+        return labels
+    lead = tuple(hidden.shape[:-1])
+    if sequence_parallel and hidden.dim() >= 2:
+        lead = (hidden.shape[0] * world,) + lead[1:]
+    return torch.empty(lead, dtype=torch.int64, device=hidden.device)

@@ -16,7 +16,7 @@ from ._checks import check_chunk, check_flag, check_float
 from ._inputs import Tokens, compute_dtype, dtype_code, prepare_tokens
 from ._kernels import check_backend, use_compiled
 from ._loop import grad_blocks
-from ._outputs import LogProbsEntropy, empty_outputs, pack_outputs, run_outputs, unpack_grads
+from ._outputs import LogProbsEntropy, empty_outputs, pack_outputs, run_outputs, split_grads, without_labels
 from ._stats import RowStats, Transform, Want
 from .parallel import agreed_call
 
@@ -26,19 +26,22 @@ class _LogitsFunction(torch.autograd.Function):
     def forward(ctx, logits, tok: Tokens, chunk_size: int, group, want: Want, compiled: bool):
         r = logits_row_stats(logits, tok, chunk_size, group, want, compiled)
         # Saved: the input reference (no copy) and two to four float32 per token (twice that and a
-        # flag with kept sets, whose entries the Tokens hold).
+        # flag with kept sets, whose entries the Tokens hold; distillation's ids and top-k the Tokens hold too).
         ctx.save_for_backward(logits, *r.saved())
         ctx.tok, ctx.chunk_size, ctx.want, ctx.compiled = tok, chunk_size, want, compiled
         ctx.set_materialize_grads(False)
-        return pack_outputs(tok.outputs(r, want), want)
+        at_outs = tok.at_outputs(r)
+        if at_outs[1] is not None:
+            ctx.mark_non_differentiable(at_outs[1])
+        return pack_outputs(tok.outputs(r, want), want, at_outs)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, *grads):
         logits, *saved = ctx.saved_tensors
         stats = RowStats.from_saved(saved)
-        grads = unpack_grads(grads, ctx.want)
-        if all(g is None for g in grads):
+        grads, at_grads = split_grads(grads, ctx.want, ctx.tok, stats.ls)
+        if all(g is None for g in grads) and at_grads is None:
             return None, None, None, None, None, None
         n, v = ctx.tok.n, logits.shape[-1]
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
@@ -51,7 +54,7 @@ class _LogitsFunction(torch.autograd.Function):
         blocks = grad_blocks(
             ctx.tok, fill, width=v, block=v, chunk_size=ctx.chunk_size, stats=stats, grads=grads, dtype=cdt,
             device=logits.device, into=(lambda a, b: gflat[a:b]) if direct else None, compiled=ctx.compiled,
-            view=view,
+            view=view, at_grads=at_grads,
         )
         for a, b, _, _, g in blocks:
             if not direct:
@@ -75,6 +78,8 @@ def log_probs_and_entropy(
     backend: str = "eager",
     keep=None,
     entropy_of: str = "full",
+    log_probs_at: Optional[torch.Tensor] = None,
+    top_k: Optional[int] = None,
 ) -> LogProbsEntropy:
     """Per-token log-prob of ``labels`` and entropy of ``softmax(transform(logits) / temperature)``.
 
@@ -90,7 +95,8 @@ def log_probs_and_entropy(
         logits: ``[..., V_local]`` float32/bfloat16/float16 (float64 for
             gradcheck), any strides. Never written: no in-place op, no
             version-counter bump; it may feed other ops and other calls.
-        labels: ``[...]`` int64 *global* vocabulary ids.
+        labels: ``[...]`` int64 *global* vocabulary ids, or None when only
+            ``log_probs_at`` / ``top_k`` are wanted (``log_probs`` is then None).
         chunk_size: tokens per chunk (>= 1). Memory per chunk is
             ``chunk_size * V_local * 4`` bytes per buffer.
         temperature: a float > 0 or a tensor broadcastable to ``labels``'
@@ -138,6 +144,16 @@ def log_probs_and_entropy(
         entropy_of: ``"full"`` (default): the entropy and ``sum_pi_squared``
             are of the whole row, as without ``keep``; ``"kept"``: of the
             kept distribution where the row is truncated (gradients follow).
+        log_probs_at: on-policy distillation: an int64 ``[..., K]`` tensor of
+            *global* ids in the labels' leading shape (a teacher's top-k).
+            ``out.log_probs_at`` is then float32 ``[..., K]``, the log-prob of
+            each id over the full vocabulary, with its gradient; repeated ids
+            each get their own value and gradient. Read in the same chunk
+            loop: nothing of size ``[tokens, V]``. Not with ``keep``.
+        top_k: the row's own top-k under the same distribution, merged over
+            the shard's rows and the ranks: ``out.top_k_ids`` (int64 global
+            ids ``[..., k]``, descending) and ``out.top_k_log_probs`` (float32,
+            differentiable like ``log_probs_at``). Not with ``keep``.
 
     Returns:
         :class:`LogProbsEntropy` of tensors shaped like ``labels``, float32
@@ -184,18 +200,22 @@ def log_probs_and_entropy(
         compiled = use_compiled(check_backend(backend), logits.device)
         cdt = compute_dtype(logits.dtype)
         grads = torch.is_grad_enabled() and logits.requires_grad
+        no_labels = labels is None and (log_probs_at is not None or top_k is not None)
+        if no_labels:  # distillation only: every label is "no label"
+            labels = torch.full(logits.shape[:-1], ignore_index, dtype=torch.int64, device=logits.device)
         tok = prepare_tokens(
             labels, logits.shape[:-1], logits.shape[-1], call=call, label_mask=label_mask,
             ignore_index=ignore_index, temperature=temperature, device=logits.device, dtype=cdt,
             transform=Transform(softcap, logit_scale), keep=keep, entropy_of=entropy_of,
+            log_probs_at=log_probs_at, top_k=top_k,
         )
         call.agree_all({"chunk_size": chunk_size, "compute_entropy": want.entropy,
                         "compute_sum_pi_squared": want.sum_pi_squared, "logits.requires_grad": grads,
                         "logits.dtype (0 float32, 1 bfloat16, 2 float16, 3 float64)": dtype_code(logits.dtype)})
     if tok.n == 0:
-        return empty_outputs(labels.shape, want, cdt, logits.device, [logits])
-    return run_outputs(
+        return without_labels(empty_outputs(labels.shape, want, cdt, logits.device, [logits], tok.at), no_labels)
+    return without_labels(run_outputs(
         lambda: _LogitsFunction.apply(logits, tok, chunk_size, process_group, want, compiled),
         lambda: logits_row_stats(logits, tok, chunk_size, process_group, want, compiled),
         tok, want, labels.shape, grads,
-    )
+    ), no_labels)

@@ -1,0 +1,209 @@
+"""Log-probs at K given ids per token, and the row's own top-k (on-policy distillation), in the chunk loop.
+
+Floor 1 (with the per-token inputs of :mod:`chunked_entropy._inputs`). With
+``x = k * u`` the transformed, tempered logits of a row (see
+:mod:`chunked_entropy._stats`), its maximum offset ``m`` and ``log s``:
+
+    log_prob_at[j] = k (u_j - m) - log s
+
+so forward only has to *read* each requested id's raw logit, in whichever
+block (and rank) holds it, before the block is overwritten; no ``[T, V]``
+tensor is formed. The top-k is that of the raw logits (the transform is
+increasing), merged over blocks and, once per call, over ranks; its
+log-probs are then log-probs at its ids.
+
+**Gradient.** With upstream ``g_k`` at the ids ``j_k`` of a row,
+
+    dL/dx = sum_k g_k e_{j_k} - p * sum_k g_k
+
+The dense part is the log-prob's (``-p c``) with ``c`` grown by
+``sum_k g_k``; the label's one-hot that the log-prob's coefficient also
+carries is taken back, and the ids' one-hots are added, at those entries
+only (times ``dx/dz``, the cap's derivative included).
+
+Memory: per call, ``[N, K]`` float32 raw logits and, with ``top_k=k``,
+``[N, k]`` float32 and int64; per block a ``topk`` of the block.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ._checks import is_int
+from ._stats import Transform
+from .parallel import fingerprint
+
+
+@dataclass(eq=False)
+class At:
+    """A call's requested ids (``ids``: ``[N, K]`` global, or None) and top-k size (0: none), and what the
+    forward loop gathers for them."""
+
+    ids: Optional[torch.Tensor]
+    top_k: int
+    rank: int
+    v_local: int
+    raw: Optional[torch.Tensor] = None  # [N, K] the ids' raw logits (after the loop: from every rank)
+    top_raw: Optional[torch.Tensor] = None  # [N, k] the row's top-k raw logits, descending
+    top_ids: Optional[torch.Tensor] = None  # [N, k] their global ids
+
+    @property
+    def k_ids(self) -> int:
+        return 0 if self.ids is None else self.ids.shape[1]
+
+    # ------------------------------------------------------------------ forward
+
+    def start(self, n: int, dtype, device) -> None:
+        if self.ids is not None:
+            self.raw = torch.zeros(n, self.k_ids, dtype=dtype, device=device)
+        if self.top_k:
+            self.top_raw = torch.empty(n, self.top_k, dtype=dtype, device=device)
+            self.top_ids = torch.empty(n, self.top_k, dtype=torch.int64, device=device)
+
+    def block(self, z: torch.Tensor, a: int, b: int, v0: int, cand):
+        """Read a block of raw logits (rows ``[a, b)``, shard columns from ``v0``) before it is overwritten;
+        returns the chunk's running top-k candidates ``(values, global ids)``."""
+        width = z.shape[1]
+        if self.ids is not None:
+            local = self.ids[a:b] - (self.rank * self.v_local + v0)
+            inside = (local >= 0) & (local < width)
+            got = z.gather(1, local.clamp(0, width - 1)).to(self.raw.dtype)
+            self.raw[a:b] = torch.where(inside, got, self.raw[a:b])
+        if not self.top_k:
+            return None
+        vals, idx = z.topk(min(self.top_k, width), dim=1)
+        vals, idx = vals.to(self.top_raw.dtype), idx + (self.rank * self.v_local + v0)
+        if cand is not None:
+            vals, idx = torch.cat([cand[0], vals], dim=1), torch.cat([cand[1], idx], dim=1)
+        if vals.shape[1] > self.top_k:
+            vals, pick = vals.topk(self.top_k, dim=1)
+            idx = idx.gather(1, pick)
+        return vals, idx
+
+    def chunk_done(self, a: int, b: int, cand) -> None:
+        if self.top_k:
+            vals, idx = cand
+            if vals.shape[1] < self.top_k:  # a shard narrower than k: pad, merged away over the ranks
+                pad = self.top_k - vals.shape[1]
+                vals = torch.cat([vals, vals.new_full((b - a, pad), -math.inf)], dim=1)
+                idx = torch.cat([idx, idx.new_full((b - a, pad), -1)], dim=1)
+            self.top_raw[a:b], self.top_ids[a:b] = vals, idx
+
+    def finish(self, group) -> None:
+        """Merge over the ranks of ``group``: each id's logit lives on one rank; the top-k of every rank."""
+        if group is None or dist.get_world_size(group) == 1:
+            return
+        from .parallel import all_gather_dim0, all_reduce_sum_
+
+        if self.raw is not None:
+            all_reduce_sum_(self.raw, group)
+        if self.top_k:
+            world = dist.get_world_size(group)
+            vals = all_gather_dim0(self.top_raw.unsqueeze(0).contiguous(), group)  # [world, N, k]
+            idx = all_gather_dim0(self.top_ids.unsqueeze(0).contiguous(), group)
+            vals, idx = vals.permute(1, 0, 2).reshape(-1, world * self.top_k), idx.permute(1, 0, 2).reshape(
+                -1, world * self.top_k)
+            self.top_raw, pick = vals.topk(self.top_k, dim=1)
+            self.top_ids = idx.gather(1, pick)
+
+    def outputs(self, m, ls, k, tf: Transform):
+        """``(log_probs_at, top_k_ids, top_k_log_probs)`` (None where not asked) from the rows' statistics."""
+        def lp(raw):
+            u = tf.to_u_(raw.clone())
+            kk = 1.0 if k is None else k
+            return kk * (u - m.unsqueeze(1)) - ls.unsqueeze(1)
+
+        return (None if self.raw is None else lp(self.raw), self.top_ids,
+                None if not self.top_k else lp(self.top_raw))
+
+    # ------------------------------------------------------------------ backward
+
+    def all_ids(self) -> torch.Tensor:
+        """The ids of every differentiable output: the requested ids, then the top-k's."""
+        parts = [t for t in (self.ids, self.top_ids) if t is not None]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+    @staticmethod
+    def upstream(g_at, g_top, ids_k: int, top_k: int, like: torch.Tensor):
+        """The upstream gradients of ``all_ids``' log-probs, ``[N, K + k]`` (None without any)."""
+        if g_at is None and g_top is None:
+            return None
+        n = like.shape[0]
+        parts = []
+        if ids_k:
+            parts.append(torch.zeros(n, ids_k, dtype=like.dtype, device=like.device) if g_at is None
+                         else g_at.reshape(n, ids_k).to(like.dtype))
+        if top_k:
+            parts.append(torch.zeros(n, top_k, dtype=like.dtype, device=like.device) if g_top is None
+                         else g_top.reshape(n, top_k).to(like.dtype))
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+    def block_entries(self, ids, target, a: int, v0: int, width: int):
+        """The entries of rows ``[a, a + len(ids))`` in this block: ``(rows, cols, which)``, ``which`` the
+        column of ``ids`` (or ``-1``: the label)."""
+        local = ids - (self.rank * self.v_local + v0)
+        inside = (local >= 0) & (local < width)
+        rows, which = inside.nonzero(as_tuple=True)
+        cols = local[rows, which]
+        lab = (target >= v0) & (target < v0 + width)
+        lrows = lab.nonzero(as_tuple=True)[0]
+        return (torch.cat([rows, lrows]), torch.cat([cols, target[lrows] - v0]),
+                torch.cat([which, torch.full_like(lrows, -1)]))
+
+
+def add_grad_(grad: torch.Tensor, raw_entries: torch.Tensor, entries, coef: torch.Tensor, total: torch.Tensor,
+              kz, tf: Transform) -> None:
+    """Add the ids' one-hots and take back the label's extra one (see the module doc) into a block's gradient.
+
+    ``coef``: ``[rows, K + k]`` upstream gradients of the chunk; ``total`` their row sums (both times
+    ``kz``, the rows' ``dx/dz`` factor); ``raw_entries`` the block's raw logits at the entries, read before
+    the block was overwritten (the cap's derivative).
+    """
+    rows, cols, which = entries
+    if rows.numel() == 0:
+        return
+    val = torch.where(which >= 0, coef[rows, which.clamp(min=0)], -total[rows])
+    if tf.softcap is not None:
+        u = tf.to_u_(raw_entries.clone())
+        val = val * (1.0 - u * u)
+    grad.index_put_((rows, cols), val.to(grad.dtype), accumulate=True)
+
+
+def parse_at(log_probs_at, top_k, *, lead_shape, v_local: int, device, call, keep) -> Optional[At]:
+    """``log_probs_at`` (an int64 ``[..., K]`` tensor of global ids in the labels' leading shape, or None) and
+    ``top_k`` (an int >= 1, or None), checked; None when neither is asked."""
+    if log_probs_at is None and top_k is None:
+        call.agree("log_probs_at's K, top_k", (0, 0))
+        return None
+    if keep is not None:
+        raise ValueError("keep= (sampling replay) and log_probs_at / top_k do not combine: the distillation "
+                         "outputs are over the whole vocabulary; make a separate call with keep")
+    v_global = v_local * call.world
+    ids = None
+    if log_probs_at is not None:
+        if not isinstance(log_probs_at, torch.Tensor):
+            raise TypeError(f"log_probs_at must be an int64 tensor of global ids [..., K], got "
+                            f"{type(log_probs_at).__name__}")
+        if log_probs_at.dtype.is_floating_point or log_probs_at.dtype.is_complex or log_probs_at.dtype == torch.bool:
+            raise TypeError(f"log_probs_at must hold integer vocabulary ids (int64), got {log_probs_at.dtype}")
+        want = tuple(lead_shape)
+        if log_probs_at.dim() != len(want) + 1 or tuple(log_probs_at.shape[:-1]) != want:
+            raise ValueError(f"log_probs_at must be [..., K] with the labels' leading shape {want}, got "
+                             f"{tuple(log_probs_at.shape)}")
+        if log_probs_at.shape[-1] < 1:
+            raise ValueError("log_probs_at must have K >= 1 ids per token, got K = 0")
+        if log_probs_at.device != device:
+            raise ValueError(f"log_probs_at is on {log_probs_at.device} but the input is on {device}")
+        ids = log_probs_at.reshape(-1, log_probs_at.shape[-1]).to(torch.int64)
+        call.require(((ids >= 0) & (ids < v_global)).all(), f"log_probs_at must hold vocabulary ids in [0, {v_global})")
+        if call.world > 1:
+            call.agree("log_probs_at (the ids)", fingerprint(ids))
+    if top_k is not None and not (is_int(top_k) and 1 <= top_k <= v_global):
+        raise ValueError(f"top_k must be an int in [1, {v_global}] (the vocabulary size), got {top_k!r}")
+    call.agree("log_probs_at's K, top_k", (0 if ids is None else ids.shape[1], int(top_k or 0)))
+    return At(ids, int(top_k or 0), call.rank, v_local)
