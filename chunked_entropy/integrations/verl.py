@@ -33,6 +33,7 @@ from typing import Callable
 import torch
 
 from ..logits import log_probs_and_entropy
+from ..losses import topk_forward_kl, topk_overlap
 from ..parallel import default_tp_group
 from ._common import Patch, Target, check_parameters
 
@@ -109,27 +110,74 @@ def lm_head_logits_processor(
     t = torch.where(temperature <= 0, torch.full_like(temperature, PADDING_TEMPERATURE), temperature)
     ret = {}
     want_lp = not distillation_only
-    if want_lp or calculate_entropy or calculate_sum_pi_squared:
+    teacher = _teacher_topk(logits_processor_func, batch, data_format) if distillation_use_topk else None
+    if want_lp or calculate_entropy or calculate_sum_pi_squared or teacher is not None:
+        ids = None if teacher is None else teacher[1]
         out = log_probs_and_entropy(
             logits,
-            label,
+            None if teacher is not None and not want_lp else label,
             chunk_size=int(self.engine_config.entropy_from_logits_chunk_size),
             temperature=t,
             process_group=default_tp_group(),
             compute_entropy=bool(calculate_entropy),
             compute_sum_pi_squared=bool(calculate_sum_pi_squared),
+            log_probs_at=ids,
+            top_k=None if ids is None else ids.shape[-1],
         )
         if calculate_sum_pi_squared:
             ret["sum_pi_squared"] = out.sum_pi_squared
         if calculate_entropy:
             ret["entropy"] = out.entropy
-    if distillation_use_topk:
+        if teacher is not None:
+            ret.update(_distillation_keys(out, *teacher))
+    if distillation_use_topk and teacher is None:  # another distillation contract: verl's own function
         # verl hands its distillation loss the temperature-scaled logits.
         student = logits if bool((t == 1).all()) else logits / t.unsqueeze(-1).to(logits.dtype)
         ret.update(logits_processor_func(student_logits=student, data=batch, data_format=data_format))
     if want_lp:
         ret["log_probs"] = out.log_probs
     return ret
+
+
+def _teacher_topk(logits_processor_func, batch, data_format):
+    """``(clamp, teacher ids, teacher log-probs)``, split like the student's rows, when ``logits_processor_func``
+    is verl 0.9's Megatron top-k distillation (``partial(distillation_ppo_loss, config=..., distillation_config=...)``
+    with ``config.strategy == "megatron"``); else None (then verl's own function runs)."""
+    import functools
+
+    try:
+        from verl.models.mcore.util import preprocess_bshd_engine, preprocess_thd_engine
+        from verl.trainer.distillation import distillation_ppo_loss
+    except ImportError:
+        return None
+    if not (isinstance(logits_processor_func, functools.partial)
+            and logits_processor_func.func is distillation_ppo_loss):
+        return None
+    kw = logits_processor_func.keywords
+    config, dcfg = kw.get("config"), kw.get("distillation_config")
+    if getattr(config, "strategy", None) != "megatron" or dcfg is None or batch is None:
+        return None
+    try:
+        teacher_lp, teacher_ids = batch["teacher_logprobs"], batch["teacher_ids"]
+    except KeyError:
+        return None
+    split = preprocess_thd_engine if data_format == "thd" else preprocess_bshd_engine
+    teacher_lp, *_ = split(teacher_lp, pre_process=True)  # verl's own CP split of the teacher's tensors
+    teacher_ids, *_ = split(teacher_ids, pre_process=True)
+    return dcfg.distillation_loss.log_prob_min_clamp, teacher_ids.to(torch.int64), teacher_lp
+
+
+def _distillation_keys(out, clamp, teacher_ids, teacher_lp) -> dict:
+    """verl's Megatron top-k distillation keys from the student's log-probs at the teacher's ids and its own
+    top-k: the forward KL with both sides clamped, the masses after the clamp (as verl's Megatron route
+    reports them), and the overlap diagnostics."""
+    student = out.log_probs_at
+    if clamp is not None:
+        student, teacher_lp = student.clamp_min(clamp), teacher_lp.clamp_min(clamp)
+    kl = topk_forward_kl(student, teacher_lp)
+    count, advantage = topk_overlap(teacher_ids, out.top_k_ids, kl.per_id)
+    return {"distillation_losses": kl.kl, "student_mass": kl.student_mass.detach(),
+            "teacher_mass": kl.teacher_mass.detach(), "overlap_count": count, "overlap_token_advantage": advantage}
 
 
 def _method_of(module):
