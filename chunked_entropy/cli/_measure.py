@@ -35,7 +35,7 @@ import torch.distributed as dist
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PATHS = ("logits", "head")
 METHODS = {
-    "logits": ("plain", "clone", "chunked", "chunkedloss", "fusedloss", "densekeep"),
+    "logits": ("plain", "clone", "chunked", "chunkedloss", "fusedloss", "densekeep", "distill", "verldistill"),
     "head": ("plain", "clone", "chunked", "head", "headloss", "fusedloss", "liger", "densekeep"),
 }
 #: What a sweep measures when --methods is not given: log-probs and entropy, every way.
@@ -72,6 +72,7 @@ class Case:
     warm: bool = False
     keep: int = 0  # sampling replay: kept ids per token (0: none)
     loss_mode: str = "vanilla"  # the policy objective of the loss methods (chunked_entropy.losses.LOSS_MODES)
+    topk: int = 0  # distillation: the teacher's top-k per token (the distill methods)
 
     @property
     def label(self) -> str:
@@ -85,11 +86,15 @@ class Case:
             "fusedloss": f"fused policy loss, chunk {self.chunk}",
             "liger": "Liger fused linear cross entropy (log-probs only)",
             "densekeep": "dense keep mask + masked_fill copy + plain torch",
+            "distill": f"chunked + log_probs_at + top_k, chunk {self.chunk}",
+            "verldistill": "plain torch + verl's forward_kl_topk (FSDP route: full log-softmax)",
         }[self.method]
         if self.path == "head" and self.method in ("plain", "clone", "chunked", "densekeep"):
             name = "matmul + " + name
         if self.keep:
             name += f", keep {self.keep}/token"
+        if self.topk:
+            name += f", teacher top-{self.topk}"
         if self.method in LOSS_METHODS and self.loss_mode != "vanilla":
             name += f", {self.loss_mode}"
         if self.backend != "eager":
@@ -128,6 +133,11 @@ class Inputs:
         if case.keep:
             ids = torch.randint(0, v, (n * case.keep,), generator=g, device=dev)
             self.keep = (ids, torch.arange(0, n * case.keep + 1, case.keep, device=dev))
+        # distillation: the teacher's top-k ids and log-probs per token (global ids, the same on every rank)
+        self.teacher_ids = self.teacher_lp = None
+        if case.topk:
+            self.teacher_ids = torch.randint(0, v, (n, case.topk), generator=g, device=dev)
+            self.teacher_lp = torch.log_softmax(torch.randn(n, case.topk, generator=g, device=dev) * 2, -1) - 0.5
         self.logits = self.hidden = self.weight = None
         if case.path == "logits":
             full = torch.randn(n, v, generator=g, device=dev).mul_(2.0)
@@ -197,6 +207,36 @@ def policy_loss(case: Case, inp: Inputs, group):
     return pg - o["entropy_coeff"] * losses.entropy_bonus(ent.view(1, -1), inp.mask, o["loss_agg_mode"])
 
 
+def distillation_loss(case: Case, inp: Inputs, group):
+    """Log-probs, entropy and the teacher's top-k forward KL (with verl's diagnostics) in one scalar."""
+    from chunked_entropy import log_probs_and_entropy, losses
+
+    if case.method == "distill":
+        out = log_probs_and_entropy(inp.logits, inp.labels, chunk_size=case.chunk, process_group=group,
+                                    backend=case.backend, log_probs_at=inp.teacher_ids, top_k=case.topk)
+        kl = losses.topk_forward_kl(out.log_probs_at, inp.teacher_lp, log_prob_min_clamp=-10.0)
+        losses.topk_overlap(inp.teacher_ids, out.top_k_ids, kl.per_id)
+        return (out.log_probs * inp.g_lp).sum() + (out.entropy * inp.g_h).sum() + kl.kl.sum()
+    if group is not None:
+        raise ValueError("verl's FSDP distillation route has no vocabulary parallelism; use tp=1")
+    import contextlib
+    from types import SimpleNamespace
+
+    from . import baselines
+
+    with contextlib.redirect_stdout(sys.stderr):  # the case's stdout is the bench's protocol; verl prints
+        from verl.trainer.distillation.fsdp.losses import compute_forward_kl_topk
+        from verl.workers.config.distillation import DistillationLossConfig
+
+        config = SimpleNamespace(distillation_loss=DistillationLossConfig(
+            loss_mode="forward_kl_topk", log_prob_min_clamp=-10.0, use_policy_gradient=False))
+    lp, ent = baselines.plain_log_probs_and_entropy(inp.logits, inp.labels)
+    nested = lambda t: torch.nested.nested_tensor([t], layout=torch.jagged)  # noqa: E731
+    out = compute_forward_kl_topk(inp.logits.unsqueeze(0), nested(inp.teacher_lp), nested(inp.teacher_ids), config,
+                                  "thd")
+    return (lp * inp.g_lp).sum() + (ent * inp.g_h).sum() + out["distillation_losses"].sum()
+
+
 def loss_of(case: Case, inp: Inputs, group):
     """The scalar whose backward we time: ``sum(g_lp * log_prob + g_h * entropy)``, or the policy loss."""
     if case.method == "liger":  # a peer, when installed: its fused linear cross entropy (no entropy)
@@ -207,6 +247,8 @@ def loss_of(case: Case, inp: Inputs, group):
         return LigerFusedLinearCrossEntropyLoss(reduction="sum")(inp.weight, inp.hidden, inp.labels)
     if case.method in LOSS_METHODS:
         return policy_loss(case, inp, group)
+    if case.method in ("distill", "verldistill"):
+        return distillation_loss(case, inp, group)
     lp, ent = outputs(case, inp, group)
     return (lp * inp.g_lp).sum() + (ent * inp.g_h).sum()
 
@@ -378,7 +420,7 @@ def measure(case: Case, group=None, rank: int = 0, world: int = 1) -> dict:
         with _Clock(device) as clock:
             loss_of(case, inp, group).backward()
         res.update(time_first_s=res["time_s"], time_s=clock.seconds)
-    if case.method in ("chunked", "head", "fusedloss") and group is None:
+    if case.method in ("chunked", "head", "fusedloss", "distill") and group is None:
         inp.clear_grads()
         res["floor_s"] = floor_seconds(case, inp)
     return res

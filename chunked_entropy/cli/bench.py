@@ -45,6 +45,12 @@ PRESETS = {
         path="head", tokens=[16384], vocab=[32768], hidden=[512], dtype="float32",
         methods=["headloss", "fusedloss"], chunk_sizes=[512], loss_modes=["cispo", "sapo", "gspo"],
     ),
+    # on-policy distillation: log-probs + entropy + the teacher's top-128 forward KL and the student's top-128,
+    # against the same call without them and verl's route (a full log-softmax) on the same input
+    "distill": dict(
+        path="logits", tokens=[8192], vocab=[32768], dtype="float32", chunk_sizes=[512],
+        methods=["chunked", "distill", "verldistill"], topk=[128], backends=["eager", "compile"],
+    ),
     "loss-logits": dict(
         path="logits", tokens=[8192], vocab=[32768], dtype="float32",
         methods=["chunkedloss", "fusedloss"], chunk_sizes=[512],
@@ -139,6 +145,9 @@ def add_arguments(p, positive_int, int_list, name_list) -> None:
     g.add_argument("--loss-modes", type=name_list, metavar="L1,...",
                    help="policy objectives of the loss methods, verl's names (vanilla, cispo, sapo, gspo, ...; "
                         "default vanilla)")
+    g.add_argument("--topk", type=int_list, metavar="K",
+                   help="distillation: the teacher's top-k per token of the methods distill (this library: "
+                        "log_probs_at and top_k) and verldistill (verl's forward_kl_topk); default 128 with them")
     g.add_argument("--backends", type=name_list, metavar="B1,...",
                    help="per-block kernels of this library's methods: eager, compile, auto (default eager)")
     g.add_argument("--dtype", choices=sorted(plan.DTYPE_BYTES), help="dtype of the inputs (default float32)")
@@ -168,7 +177,7 @@ def _settings(args) -> dict:
         base.update(PRESETS[args.preset])
         base.setdefault("repeats", 3)
     for k in ("path", "tokens", "vocab", "hidden", "chunk_sizes", "methods", "dtype", "repeats", "backends", "keep",
-              "loss_modes"):
+              "loss_modes", "topk"):
         v = getattr(args, k)
         if v is not None:
             base[k] = v
@@ -188,19 +197,21 @@ def build_cases(s: dict, device: str) -> list:
                 for n in s["tokens"]:
                     group = []
                     for m in methods:
-                        ours = m in ("chunked", "head") + LOSS_METHODS
+                        ours = m in ("chunked", "head", "distill") + LOSS_METHODS
                         # replay: ours at every --keep value, the dense-mask route at the non-zero ones
                         keeps = s["keep"] if m in ("chunked", "head") else [0]
                         if m == "densekeep":
                             keeps = [k for k in s["keep"] if k]
                         modes = (s.get("loss_modes") or ["vanilla"]) if m in LOSS_METHODS else ["vanilla"]
+                        topk = max(s.get("topk") or [128]) if m in ("distill", "verldistill") else 0
                         for c in (s["chunk_sizes"] if ours else [0]):
                             for be in (s["backends"] if ours else ["eager"]):
                                 for kk in keeps:
                                     for lm in modes:
                                         group.append(Case(path=path, method=m, tokens=n, vocab=v, hidden=h,
                                                           chunk=c, dtype=s["dtype"], device=device, backend=be,
-                                                          warm=bool(s.get("warm")), keep=kk, loss_mode=lm))
+                                                          warm=bool(s.get("warm")), keep=kk, loss_mode=lm,
+                                                          topk=topk))
                     groups.append(group)
     return groups
 
@@ -209,8 +220,8 @@ def plan_bytes(case: Case) -> int:
     """The plan's estimate of the case's peak over its inputs."""
     shape = plan.Shape(case.tokens, case.vocab, case.hidden, 1, case.dtype)
     # a policy loss needs what its log-probs and entropy need (the fused one: no more)
-    method = {"chunkedloss": "chunked", "headloss": "head", "liger": "head", "densekeep": "plain"}.get(
-        case.method, case.method)
+    method = {"chunkedloss": "chunked", "headloss": "head", "liger": "head", "densekeep": "plain",
+              "distill": "chunked", "verldistill": "plain"}.get(case.method, case.method)
     if method == "fusedloss":
         method = "head" if case.path == "head" else "chunked"
     e = plan.estimate(method, shape, case.chunk)
