@@ -21,7 +21,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [
     "README.md", "docs/getting-started.md", "docs/concepts.md", "docs/integrations/huggingface.md",
-    "docs/integrations/verl.md", "docs/losses.md",
+    "docs/integrations/verl.md", "docs/losses.md", "docs/distillation.md",
 ]
 
 _FENCE = re.compile(r"^```python([^\n]*)\n(.*?)^```", re.S | re.M)
