@@ -275,52 +275,48 @@ def _topk_distillation(rank, world):
     g = torch.Generator().manual_seed(21)
     keys = ("distillation_losses", "student_mass", "teacher_mass", "overlap_count", "overlap_token_advantage")
     try:
-        for fmt in ("thd", "bshd"):
-            for clamp in (None, -4.0):
-                lengths = [5, 8, 3]
-                t_lp = [torch.log_softmax(torch.randn(n, v, generator=g) * 2, -1).topk(k, -1) for n in lengths]
-                if fmt == "thd":
-                    ids = torch.nested.nested_tensor([t.indices for t in t_lp], layout=torch.jagged)
-                    lps = torch.nested.nested_tensor([t.values for t in t_lp], layout=torch.jagged)
-                    packed, *_ = preprocess_thd_engine(lps, pre_process=True)
-                else:
-                    ids = torch.nested.nested_tensor([t.indices for t in t_lp], layout=torch.jagged)
-                    lps = torch.nested.nested_tensor([t.values for t in t_lp], layout=torch.jagged)
-                    packed, *_ = preprocess_bshd_engine(lps, pre_process=True)
-                shape = packed.shape[:2]
-                logits = torch.randn(*shape, v, generator=g) * 3
-                label = torch.randint(0, v, shape, generator=g)
-                temperature = torch.rand(shape, generator=g) * 0.6 + 0.7
-                shard = logits[..., rank * v_local:(rank + 1) * v_local]
-                cfg = ActorConfig(strategy="megatron", ppo_micro_batch_size_per_gpu=1, rollout_n=1)
-                dcfg = DistillationConfig(distillation_loss=DistillationLossConfig(
-                    loss_mode="forward_kl_topk", log_prob_min_clamp=clamp, use_policy_gradient=False))
-                fn = functools.partial(distillation_ppo_loss, config=cfg, distillation_config=dcfg)
-                batch = {"teacher_ids": ids, "teacher_logprobs": lps}
-                outs, grads = [], []
-                import verl.trainer.distillation.megatron.losses as megatron_losses
+        for fmt, clamp, t_one in (("thd", None, False), ("thd", -4.0, True), ("bshd", -4.0, False),
+                                  ("bshd", None, True)):
+            lengths = [5, 8, 3]
+            t_lp = [torch.log_softmax(torch.randn(n, v, generator=g) * 2, -1).topk(k, -1) for n in lengths]
+            ids = torch.nested.nested_tensor([t.indices for t in t_lp], layout=torch.jagged)
+            lps = torch.nested.nested_tensor([t.values for t in t_lp], layout=torch.jagged)
+            split = preprocess_thd_engine if fmt == "thd" else preprocess_bshd_engine  # verl's own layouts
+            packed, *_ = split(lps, pre_process=True)
+            shape = packed.shape[:2]
+            logits = torch.randn(*shape, v, generator=g) * 3
+            label = torch.randint(0, v, shape, generator=g)
+            temperature = torch.ones(shape) if t_one else torch.rand(shape, generator=g) * 0.6 + 0.7
+            shard = logits[..., rank * v_local:(rank + 1) * v_local]
+            cfg = ActorConfig(strategy="megatron", ppo_micro_batch_size_per_gpu=1, rollout_n=1)
+            dcfg = DistillationConfig(distillation_loss=DistillationLossConfig(
+                loss_mode="forward_kl_topk", log_prob_min_clamp=clamp, use_policy_gradient=False))
+            fn = functools.partial(distillation_ppo_loss, config=cfg, distillation_config=dcfg)
+            batch = {"teacher_ids": ids, "teacher_logprobs": lps}
+            outs, grads = [], []
+            import verl.trainer.distillation.megatron.losses as megatron_losses
 
-                verls_own = megatron_losses.compute_forward_kl_topk
-                for method in (VERL_METHOD, ce_verl.lm_head_logits_processor):
-                    if method is not VERL_METHOD:  # a tripwire: the plugin must not run verl's [T, V/tp] route
-                        megatron_losses.compute_forward_kl_topk = _tripwire
-                    leaf = shard.clone().requires_grad_()
-                    out = method(engine, leaf * 1, label, temperature.clone(), calculate_sum_pi_squared=False,
-                                 calculate_entropy=True, distillation_use_topk=True, distillation_only=False,
-                                 logits_processor_func=fn, batch=batch, data_format=fmt)
-                    up = torch.randn(shape, generator=torch.Generator().manual_seed(5))
-                    (out["distillation_losses"] * up).sum().add(out["log_probs"].sum()).add(
-                        out["entropy"].sum()).backward()
-                    outs.append(out)
-                    grads.append(leaf.grad)
-                megatron_losses.compute_forward_kl_topk = verls_own
-                theirs, ours = outs
-                assert set(ours) == set(theirs) == {"log_probs", "entropy", *keys}
-                real = packed.abs().sum(-1) > 0  # the teacher's padding rows (verl aligns every sample to TP)
-                for key in keys:
-                    torch.testing.assert_close(ours[key][real].double(), theirs[key][real].double(), rtol=1e-4,
-                                               atol=1e-5, msg=lambda m, key=key, f=fmt, c=clamp: f"{f} {c} {key}: {m}")
-                torch.testing.assert_close(grads[1][real], grads[0][real], rtol=1e-4, atol=1e-5)
+            verls_own = megatron_losses.compute_forward_kl_topk
+            for method in (VERL_METHOD, ce_verl.lm_head_logits_processor):
+                if method is not VERL_METHOD:  # a tripwire: the plugin must not run verl's [T, V/tp] route
+                    megatron_losses.compute_forward_kl_topk = _tripwire
+                leaf = shard.clone().requires_grad_()
+                out = method(engine, leaf * 1, label, temperature.clone(), calculate_sum_pi_squared=False,
+                             calculate_entropy=True, distillation_use_topk=True, distillation_only=False,
+                             logits_processor_func=fn, batch=batch, data_format=fmt)
+                up = torch.randn(shape, generator=torch.Generator().manual_seed(5))
+                (out["distillation_losses"] * up).sum().add(out["log_probs"].sum()).add(
+                    out["entropy"].sum()).backward()
+                outs.append(out)
+                grads.append(leaf.grad)
+            megatron_losses.compute_forward_kl_topk = verls_own
+            theirs, ours = outs
+            assert set(ours) == set(theirs) == {"log_probs", "entropy", *keys}
+            real = packed.abs().sum(-1) > 0  # the teacher's padding rows (verl aligns every sample to TP)
+            for key in keys:
+                torch.testing.assert_close(ours[key][real].double(), theirs[key][real].double(), rtol=1e-4,
+                                           atol=1e-5, msg=lambda m, key=key, f=fmt, c=clamp: f"{f} {c} {key}: {m}")
+            torch.testing.assert_close(grads[1][real], grads[0][real], rtol=1e-4, atol=1e-5)
     finally:
         parallel_state.destroy_model_parallel()
 
