@@ -22,7 +22,10 @@ carries is taken back, and the ids' one-hots are added, at those entries
 only (times ``dx/dz``, the cap's derivative included).
 
 Memory: per call, ``[N, K]`` float32 raw logits and, with ``top_k=k``,
-``[N, k]`` float32 and int64; per block a ``topk`` of the block.
+``[N, k]`` float32 and int64; per block a ``topk`` of the block. Every
+shape is static (gathers and scatters with masked values, clamped columns):
+no host sync per chunk; under a process group one all-reduce and two
+all-gathers per call, after the loop.
 """
 
 from __future__ import annotations
@@ -143,35 +146,30 @@ class At:
                          else g_top.reshape(n, top_k).to(like.dtype))
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
-    def block_entries(self, ids, target, a: int, v0: int, width: int):
-        """The entries of rows ``[a, a + len(ids))`` in this block: ``(rows, cols, which)``, ``which`` the
-        column of ``ids`` (or ``-1``: the label)."""
+    def block_entries(self, ids, target, v0: int, width: int):
+        """Where the ids of rows ``[a, a + len(ids))`` and their labels fall in this block, with static shapes
+        (no host sync): ``(cols, inside, label_cols, label_inside)``, the columns clamped into the block."""
         local = ids - (self.rank * self.v_local + v0)
-        inside = (local >= 0) & (local < width)
-        rows, which = inside.nonzero(as_tuple=True)
-        cols = local[rows, which]
-        lab = (target >= v0) & (target < v0 + width)
-        lrows = lab.nonzero(as_tuple=True)[0]
-        return (torch.cat([rows, lrows]), torch.cat([cols, target[lrows] - v0]),
-                torch.cat([which, torch.full_like(lrows, -1)]))
+        return (local.clamp(0, width - 1), (local >= 0) & (local < width), (target - v0).clamp(0, width - 1),
+                (target >= v0) & (target < v0 + width))
 
 
-def add_grad_(grad: torch.Tensor, raw_entries: torch.Tensor, entries, coef: torch.Tensor, total: torch.Tensor,
-              kz, tf: Transform) -> None:
+def add_grad_(grad: torch.Tensor, raw, entries, coef: torch.Tensor, total: torch.Tensor, tf: Transform) -> None:
     """Add the ids' one-hots and take back the label's extra one (see the module doc) into a block's gradient.
 
     ``coef``: ``[rows, K + k]`` upstream gradients of the chunk; ``total`` their row sums (both times
-    ``kz``, the rows' ``dx/dz`` factor); ``raw_entries`` the block's raw logits at the entries, read before
-    the block was overwritten (the cap's derivative).
+    ``kz``, the rows' ``dx/dz`` factor); ``raw``: the block's raw logits at the ids and at the labels, read
+    before the block was overwritten (the cap's derivative). Entries outside the block add 0.
     """
-    rows, cols, which = entries
-    if rows.numel() == 0:
-        return
-    val = torch.where(which >= 0, coef[rows, which.clamp(min=0)], -total[rows])
+    cols, inside, label_cols, label_inside = entries
+    zero = torch.zeros((), dtype=coef.dtype, device=coef.device)
+    val = torch.where(inside, coef, zero)
+    back = torch.where(label_inside, -total, zero)
     if tf.softcap is not None:
-        u = tf.to_u_(raw_entries.clone())
-        val = val * (1.0 - u * u)
-    grad.index_put_((rows, cols), val.to(grad.dtype), accumulate=True)
+        u, ul = (tf.to_u_(r.clone()) for r in raw)
+        val, back = val * (1.0 - u * u), back * (1.0 - ul * ul)
+    grad.scatter_add_(1, cols, val.to(grad.dtype))
+    grad.scatter_add_(1, label_cols.unsqueeze(1), back.unsqueeze(1).to(grad.dtype))
 
 
 def parse_at(log_probs_at, top_k, *, lead_shape, v_local: int, device, call, keep) -> Optional[At]:

@@ -84,13 +84,16 @@ def _rows_of_chunk(st, kst, count, group, k, kept) -> tuple:
     return rows.with_kept(kr, count > 0), st
 
 
-def _block_at(at, at_ids, target, a, b, v0, z):
-    """Distillation's entries in a block and their raw logits (read before the block is overwritten), or Nones."""
+def _block_at(at, at_ids, target, a, b, v0, z, tf):
+    """Distillation's entries in a block and, with a soft-cap, their raw logits (read before the block is
+    overwritten); Nones without distillation. Static shapes: no host sync."""
     if at_ids is None:
         return None, None
-    ent = at.block_entries(at_ids[a:b], target, a, v0, z.shape[1])
-    raw = z[ent[0], ent[1]]
-    return ent, raw if raw.dtype in (torch.float32, torch.float64) else raw.float()
+    ent = at.block_entries(at_ids[a:b], target, v0, z.shape[1])
+    if tf.softcap is None:
+        return ent, None
+    wide = lambda t: t if t.dtype in (torch.float32, torch.float64) else t.float()  # noqa: E731
+    return ent, (wide(z.gather(1, ent[0])), wide(z.gather(1, ent[2].unsqueeze(1)).squeeze(1)))
 
 
 def _block_kept(kept, ent, z, v0, tf, k, dtype):
@@ -188,7 +191,7 @@ def grad_blocks(
             if compiled:
                 z = _read(fill, view, x, a, b, v0, v1)
                 gk = _block_kept(kept, ent, z, v0, tok.transform, k, dtype)
-                ea, ra = _block_at(at, at_ids, target, a, b, v0, z)
+                ea, ra = _block_at(at, at_ids, target, a, b, v0, z, tok.transform)
                 out = x if into is None else into(a, b)
                 g = COMPILED.grad(z, out, tok.transform, k, rows, target, v0, co, dtype)
             else:
@@ -196,12 +199,12 @@ def grad_blocks(
                     x = into(a, b)
                 fill(x, a, b, v0, v1)
                 gk = _block_kept(kept, ent, x, v0, tok.transform, k, dtype)
-                ea, ra = _block_at(at, at_ids, target, a, b, v0, x)
+                ea, ra = _block_at(at, at_ids, target, a, b, v0, x, tok.transform)
                 g = _stats.block_grad(x, tok.transform, k, rows, target, v0, co, scratch, aux)
             if gk is not None:
                 _keep.add_grad_(g, gk, ent, rows.kept, rows.truncated, co_k, tok.transform, k)
             if ea is not None:
-                _at.add_grad_(g, ra, ea, coef, total, kz, tok.transform)
+                _at.add_grad_(g, ra, ea, coef, total, tok.transform)
             yield a, b, v0, v1, g
 
 

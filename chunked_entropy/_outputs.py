@@ -94,7 +94,7 @@ def run_outputs(apply, forward, tok, want: Want, shape, grads: bool) -> LogProbs
     else:
         r = forward()
         outs, at_outs = tok.outputs(r, want), tok.at_outputs(r)
-    view = lambda t, tail: None if t is None else t.view(*shape, *tail)  # noqa: E731
+    view = lambda t, tail: None if t is None else t.view(tuple(shape) + tail)  # noqa: E731
     k_ids = 0 if at is None else at.k_ids
     top = 0 if at is None else at.top_k
     return LogProbsEntropy(*(view(t, ()) for t in outs), view(at_outs[0], (k_ids,)), view(at_outs[1], (top,)),
@@ -104,7 +104,7 @@ def run_outputs(apply, forward, tok, want: Want, shape, grads: bool) -> LogProbs
 def empty_outputs(shape, want: Want, dtype, device, inputs, at=None) -> LogProbsEntropy:
     """Outputs for zero tokens, connected to ``inputs`` (zero gradients) when grad is enabled."""
     def new(on, tail=(), kind=dtype):
-        t = torch.zeros(*shape, *tail, dtype=kind, device=device) if on else None
+        t = torch.zeros(tuple(shape) + tail, dtype=kind, device=device) if on else None
         if t is not None and kind.is_floating_point and torch.is_grad_enabled():
             for x in inputs:
                 if x is not None and x.requires_grad:
