@@ -9,8 +9,7 @@ overwrites its input and the entropy needs the original values in backward.
 
 :func:`install` replaces that method with :func:`lm_head_logits_processor`:
 the same signature and outputs (``log_probs``, ``entropy``,
-``sum_pi_squared``, and the distillation keys of verl's own
-``logits_processor_func``), computed by
+``sum_pi_squared``, and verl's distillation keys), computed by
 :func:`~chunked_entropy.log_probs_and_entropy` in one chunked pass that never
 writes the logits or the temperature tensor and saves only a few floats per
 token. The chunk size is verl's own ``entropy_from_logits_chunk_size``.
@@ -81,8 +80,12 @@ def lm_head_logits_processor(
             fails on NaN, and gives a uniform distribution for inf.
         calculate_sum_pi_squared: also return ``sum_pi_squared``.
         calculate_entropy: also return ``entropy``.
-        distillation_use_topk: call verl's ``logits_processor_func`` for its
-            distillation keys.
+        distillation_use_topk: also return verl's distillation keys: for verl's
+            Megatron top-k distillation (``logits_processor_func`` is
+            ``partial(distillation_ppo_loss, config=<megatron>, distillation_config=...)``)
+            computed here, in the same chunked pass (see
+            :mod:`chunked_entropy.losses.distill`); for any other function, by
+            calling it.
         distillation_only: return no ``log_probs``.
         logits_processor_func: verl's distillation function.
         batch: verl's micro-batch, passed on to ``logits_processor_func``.
@@ -98,10 +101,13 @@ def lm_head_logits_processor(
         Saved for backward: a reference to the logits (the model keeps them
         anyway) and two to four float32 per token; verl's own method keeps a
         clone of the logits and two more ``[T, V/tp]`` tensors. Forward
-        allocates one or two float32 ``[chunk, V/tp]`` buffers. Only under
-        top-k distillation with a temperature other than 1 is a
-        temperature-scaled copy of the logits made, for verl's
-        ``logits_processor_func`` (which expects ``logits / temperature``).
+        allocates one or two float32 ``[chunk, V/tp]`` buffers. Under verl's
+        Megatron top-k distillation, ``[T, K]`` float32 for the teacher's ids
+        and ``[T, K]`` float32 and int64 for the student's top-k; verl's own
+        route keeps a float32 ``[T, V/tp]`` softmax for backward. Only for
+        another distillation function, with a temperature other than 1, is a
+        temperature-scaled copy of the logits made (it expects
+        ``logits / temperature``).
     """
     if not isinstance(temperature, torch.Tensor):
         temperature = torch.as_tensor(temperature, dtype=torch.float32, device=logits.device)

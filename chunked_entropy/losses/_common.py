@@ -8,11 +8,9 @@ its count: an empty mask gives 0 instead of NaN.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
-from .._checks import check_strided, is_real
+from .._checks import check_strided
 
 
 def check_tensor(name: str, t, *, floating: bool = True) -> None:
@@ -56,13 +54,6 @@ def check_mask(loss_mask, loss_mat: torch.Tensor, of: str = "loss_mat") -> None:
                 raise ValueError(f"{message}; got a minimum of {loss_mask.min().item()!r}")
         else:
             torch._assert_async(ok, message)
-
-
-def check_clip_ratio_c(value) -> Optional[float]:
-    """The dual-clip bound: a number > 1, or None (no dual clip)."""
-    if value is not None and not (is_real(value) and value > 1 and value < float("inf")):
-        raise ValueError(f"clip_ratio_c must be a finite number > 1 (the dual-clip bound) or None, got {value!r}")
-    return None if value is None else float(value)
 
 
 def masked_sum(values: torch.Tensor, weights: torch.Tensor, dim=None) -> torch.Tensor:

@@ -18,16 +18,8 @@ from typing import Optional
 
 import torch
 
-from .._checks import is_real
 from ._common import metric_mean, metric_zero
 from .kl import LOG_RATIO_CLAMP
-
-
-def check_clip_ratio_c(value) -> Optional[float]:
-    """The dual-clip bound: a number > 1, or None (no dual clip)."""
-    if value is not None and not (is_real(value) and value > 1 and value < float("inf")):
-        raise ValueError(f"clip_ratio_c must be a finite number > 1 (the dual-clip bound) or None, got {value!r}")
-    return None if value is None else float(value)
 
 
 def selected(keep: torch.Tensor, *ts):
