@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from ._checks import is_int
 from ._stats import Transform
-from .parallel import fingerprint
+from .parallel import all_gather_dim0, all_reduce_sum_, fingerprint
 
 
 @dataclass(eq=False)
@@ -101,8 +101,6 @@ class At:
         """Merge over the ranks of ``group``: each id's logit lives on one rank; the top-k of every rank."""
         if group is None or dist.get_world_size(group) == 1:
             return
-        from .parallel import all_gather_dim0, all_reduce_sum_
-
         if self.raw is not None:
             all_reduce_sum_(self.raw, group)
         if self.top_k:

@@ -124,25 +124,17 @@ class PolicyOptions:
         def get(node, key):
             if node is None:
                 return None
-            if isinstance(node, dict):
-                return node.get(key)
-            return getattr(node, key, None)
+            return node.get(key) if isinstance(node, dict) else getattr(node, key, None)
 
-        found = {}
         top = ("clip_ratio", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "tau_pos", "tau_neg")
         pl = ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef", "dro_beta")
         rc = ("loss_type", "rollout_is", "rollout_is_threshold", "rollout_is_batch_normalize", "rollout_rs",
               "rollout_rs_threshold")
         policy = get(config, "policy_loss")
         corr = get(policy, "rollout_correction")
-        for keys, node in ((top, config), (pl, policy), (rc, corr)):
-            for k in keys:
-                v = get(node, k)
-                if v is not None or (node is corr and k in ("rollout_is", "rollout_rs", "rollout_rs_threshold")
-                                     and node is not None and _has(node, k)):
-                    found[k] = v
-        if "dro_beta" not in found and _has(policy, "dro_beta"):
-            found["dro_beta"] = None
+        # a field the config holds is taken as it is (None too: it means "off" for rollout_is, rollout_rs)
+        found = {k: get(node, k) for keys, node in ((top, config), (pl, policy), (rc, corr)) for k in keys
+                 if _has(node, k)}
         return cls(**found)
 
 
@@ -151,10 +143,3 @@ def _has(node, key) -> bool:
         return False
     return key in node if isinstance(node, dict) else hasattr(node, key)
 
-
-def loss_mode_of(config) -> str:
-    """``policy_loss.loss_mode`` of a verl actor config (``"vanilla"`` when absent)."""
-    policy = config.get("policy_loss") if isinstance(config, dict) else getattr(config, "policy_loss", None)
-    mode = None if policy is None else (policy.get("loss_mode") if isinstance(policy, dict)
-                                       else getattr(policy, "loss_mode", None))
-    return "vanilla" if mode is None else mode

@@ -71,13 +71,12 @@ def bypass_mode(lp, old, adv, keep, o: PolicyOptions, agg, weights, generator=No
                                        rollout_is_threshold=o.rollout_is_threshold,
                                        rollout_is_batch_normalize=o.rollout_is_batch_normalize,
                                        rollout_rs=o.rollout_rs, rollout_rs_threshold=o.rollout_rs_threshold)
-    keep = mask
     if o.loss_type == "reinforce":
-        losses, metrics = reinforce(lp, old, adv, keep, o)
+        losses, metrics = reinforce(lp, old, adv, mask, o)
         losses = losses if w is None else losses * w
     else:
-        losses, metrics = vanilla(lp, old, adv, keep, o)
-    return aggregate(losses, keep, agg), {**metrics, **corr}
+        losses, metrics = vanilla(lp, old, adv, mask, o)
+    return aggregate(losses, mask, agg), {**metrics, **corr}
 
 
 OBJECTIVES = {
@@ -114,13 +113,12 @@ def objective(loss_mode, options: PolicyOptions) -> Objective:
 def evaluate(obj: Objective, lp, old, adv, mask, o: PolicyOptions, agg: Aggregation, weights, generator):
     """``(loss, metrics)`` of checked, selected ``[B, T]`` tensors; differentiable in ``lp``. ``mask`` is the
     loss mask as given (bool, or weights that multiply, as in ``agg_loss`` and verl's masked means)."""
-    keep = mask
     if obj.agg_mode is not None:
         agg = agg.with_mode(obj.agg_mode)
     if obj.token_local:
-        losses, metrics = obj.loss(lp, old, adv, keep, o)
-        return aggregate(losses if weights is None else losses * weights, keep, agg), metrics
-    return obj.loss(lp, old, adv, keep, o, agg, weights, generator)
+        losses, metrics = obj.loss(lp, old, adv, mask, o)
+        return aggregate(losses if weights is None else losses * weights, mask, agg), metrics
+    return obj.loss(lp, old, adv, mask, o, agg, weights, generator)
 
 
 def options_of(options: Optional[PolicyOptions], fields: dict) -> PolicyOptions:
