@@ -216,7 +216,7 @@ def loss_grad_blocks(
     tok: Tokens, fill: Fill, *, width: int, block: int, chunk_size: int, group, want: _stats.Want,
     token_grads: TokenGrads, stats: _stats.RowStats, dtype, device,
     into: Optional[Callable[[int, int], torch.Tensor]] = None, compiled: bool = False, view: View = None,
-    token_local: bool = True,
+    span: Optional[int] = 1,
 ) -> Iterator[tuple]:
     """Forward of a loss whose per-token upstream gradients follow from the tokens' outputs.
 
@@ -226,23 +226,26 @@ def loss_grad_blocks(
     gives the upstream gradients of ``(log_probs, entropy)`` for rows
     ``[a, b)`` from their log-probs (over the kept sets with replay).
 
-    ``token_local``: each token's gradients follow from its own outputs.
-    Then, without vocabulary blocks (``block == width``), each chunk's logits
-    are filled once: the statistics and then the gradient come from the same
-    buffer (the offsets are kept), so a fused head does three matmul passes
-    instead of four. With vocabulary blocks a row's statistics are complete
-    only after its last block, so a statistics pass runs first and the
-    gradient pass refills each block. A loss that is not token-local (a
-    token's gradient reads other tokens' log-probs: sequence or batch
-    statistics) takes the statistics pass too, and ``token_grads(0, n,
-    log_probs)`` is asked once, for every row.
+    ``span``: a token's gradients read the outputs of the ``span`` tokens of
+    its own aligned group (1: its own, a token-local loss; ``T``: its
+    sequence's, rows of ``[B, T]``; None: every token's, a batch-level loss).
+    When the groups fit a chunk and there are no vocabulary blocks (``block ==
+    width``), the chunks hold whole groups (``chunk_size`` rounded down to a
+    multiple of ``span``) and each chunk's logits are filled once: the
+    statistics and then the gradient come from the same buffer (the offsets
+    are kept), so a fused head does three matmul passes instead of four.
+    Otherwise a statistics pass runs first and the gradient pass refills each
+    block: with vocabulary blocks a row's statistics are complete only after
+    its last block, and a group longer than a chunk (or the whole batch) is
+    complete only after several. Then ``token_grads`` is asked per chunk for
+    a token-local loss, and once, ``token_grads(0, n, log_probs)``, otherwise.
     """
     n, kept = tok.n, tok.keep
-    if block < width or not token_local:
+    if block < width or span is None or span > chunk_size:
         full = row_stats(tok, fill, width=width, block=block, chunk_size=chunk_size, group=group,
                          want=want, dtype=dtype, device=device, compiled=compiled, view=view)
         _store(stats, full, 0, n)
-        if token_local:
+        if span == 1:
             parts = [token_grads(a, b, stats.rows(a, b).log_probs()) for a, b in chunks(n, chunk_size)]
         else:
             parts = [token_grads(0, n, stats.rows(0, n).log_probs())]
@@ -252,6 +255,7 @@ def loss_grad_blocks(
                                grads=(ups[0], ups[1], None), dtype=dtype, device=device, into=into,
                                compiled=compiled, view=view)
         return
+    chunk_size -= chunk_size % span  # whole groups
     softcap = tok.transform.softcap is not None
     view = view if compiled else None
     bufs = Buffers(min(chunk_size, n), width, dtype, device, work=into is None or (compiled and view is None),

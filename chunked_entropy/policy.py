@@ -11,12 +11,17 @@ tokens by the mask alone (:func:`~chunked_entropy.losses.agg_weights`), so:
   the same buffer (:func:`chunked_entropy._loop.loss_grad_blocks`): the fused
   head does three matmul passes (logits, ``g @ W``, ``g.T @ h``) instead of
   four, and the logits twin reads the logits once;
-- a **sequence- or batch-level** objective (gspo, geo_mean, clip_cov, kl_cov,
-  bypass_mode) needs every token's log-prob first: a statistics pass (one
-  matmul pass, log-probs only), then the objective over the ``[B, T]``
-  log-probs, whose autograd gives each token's upstream gradient, then the
-  gradient pass: four passes, the unfused route's count, in the fused loss's
-  memory.
+- a **row-local** objective (gspo, geo_mean: a token's gradient reads its own
+  sequence's log-probs) is formed the same way when whole rows of ``[B, T]``
+  fit a chunk (the chunks then hold whole rows): its upstream gradients come
+  from the objective's autograd over the ``[B, T]`` log-probs as soon as the
+  chunk's rows have theirs. Three passes;
+- a **batch-level** objective (clip_cov, kl_cov, bypass_mode), or a row-local
+  one whose rows are longer than a chunk, needs every token's log-prob first:
+  a statistics pass (one matmul pass, log-probs only), then the objective over
+  the ``[B, T]`` log-probs, whose autograd gives each token's upstream
+  gradient, then the gradient pass: four passes, the unfused route's count,
+  in the fused loss's memory.
 
 ``loss.backward()`` only scales the stored gradients by the scalar upstream gradient.
 """
@@ -149,8 +154,11 @@ class _Objective:
         self.result = None  # (loss, metrics), set by the forward
 
     @property
-    def token_local(self) -> bool:
-        return self.objective.token_local
+    def span(self):
+        """How many consecutive tokens a token's gradient reads (see ``loss_grad_blocks``): 1, a row's, or all."""
+        if self.objective.token_local:
+            return 1
+        return self.shape[-1] if self.objective.row_local else None
 
     def settings(self, call) -> dict:
         """What every rank of a process group must agree on (see ``prepare_tokens``); nothing without one."""
@@ -170,23 +178,29 @@ class _Objective:
         return out
 
     def _pg_grad(self, a: int, b: int, lp: torch.Tensor) -> torch.Tensor:
-        """The policy objective's upstream gradient of rows ``[a, b)`` (all rows, for one that is not token-local)."""
-        if self.token_local:
+        """The policy objective's upstream gradient of tokens ``[a, b)``: a token-local one's, from its derivative;
+        any other's from autograd of the objective over the ``[B, T]`` log-probs. A row-local objective may be
+        asked for whole rows: the other rows then hold the old log-probs, which no gradient of these rows reads."""
+        if self.objective.token_local:
             keep = self.keep.reshape(-1)[a:b]
             lp_k, = selected(keep, lp)
             g = self.objective.grad(lp_k, self.old[a:b], self.adv[a:b], self.mask_flat[a:b], self.opts.policy)
             if self.is_w is not None:
                 g = g * self.is_w[a:b]
             return g * self.pg_weights[a:b]
-        x = lp.detach().view(self.shape).clone().requires_grad_()
+        whole = (a, b) == (0, self.old.numel())
+        x = self.old.clone()
+        x[a:b] = lp.detach()
+        x = x.view(self.shape).requires_grad_()
         with torch.enable_grad():
             lp_k, = selected(self.keep, x)
             loss, metrics = evaluate(self.objective, lp_k, self.old.view(self.shape), self.adv.view(self.shape),
                                      self.mask, self.opts.policy, self.opts.agg,
                                      None if self.is_w is None else self.is_w.view(self.shape), self.generator)
             (g,) = torch.autograd.grad(loss, x, allow_unused=True)
-        self.pg = (loss.detach(), metrics)
-        return torch.zeros_like(lp) if g is None else g.reshape(-1)
+        if whole:  # the value and metrics too; a row-local objective asked by chunks is evaluated once more at the end
+            self.pg = (loss.detach(), metrics)
+        return torch.zeros_like(lp) if g is None else g.reshape(-1)[a:b]
 
     def token_grads(self, a: int, b: int, lp: torch.Tensor):
         """Upstream gradients of ``(log_probs, entropy)`` for rows ``[a, b)`` from their log-probs (None: no
@@ -262,7 +276,7 @@ class _HeadLossFunction(torch.autograd.Function):
             tok, linear_filler(rows, weight, bias, plan.float32_logits), width=weight.shape[0],
             block=plan.vocab_chunk_size,
             chunk_size=plan.chunk_size, group=plan.group, want=plan.want, token_grads=objective.token_grads,
-            token_local=objective.token_local,
+            span=objective.span,
             stats=stats, dtype=cdt, device=weight.device, compiled=plan.compiled,
         )
         grad_h, gw, gb = linear_grads(blocks, rows, weight, n=n, hidden_dtype=hidden.dtype,
@@ -494,7 +508,7 @@ class _LogitsLossFunction(torch.autograd.Function):
         stats = new_row_stats(n, Want(), cdt, logits.device, tok.keep)
         blocks = loss_grad_blocks(
             tok, fill, width=v, block=v, chunk_size=chunk_size, group=group, want=Want(),
-            token_grads=objective.token_grads, token_local=objective.token_local, stats=stats, dtype=cdt,
+            token_grads=objective.token_grads, span=objective.span, stats=stats, dtype=cdt,
             device=logits.device,
             into=(lambda a, b: gflat[a:b]) if direct else None, compiled=compiled, view=view,
         )

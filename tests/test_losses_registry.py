@@ -209,3 +209,34 @@ def test_clip_cov_takes_a_generator():
     runs = [losses.policy_loss(lp, old, adv, mask, loss_mode="clip_cov", generator=torch.Generator().manual_seed(s),
                                **OPTIONS)[1]["actor/pg_clipfrac"] for s in (1, 1, 2, 3, 4)]
     assert runs[0] == runs[1] and runs[0] > 0  # the same generator state cuts the same tokens
+
+
+
+def _verl_grad(mode, agg, lp, old, adv, mask, w, **over):
+    x = lp.clone().requires_grad_()
+    torch.manual_seed(123)
+    loss, _ = core_algos.get_policy_loss_fn(mode)(old, x, adv, mask, agg, _verl_config(mode, agg, {}, **over),
+                                                  rollout_is_weights=w)
+    (g,) = torch.autograd.grad(loss, x, allow_unused=True)
+    return torch.zeros_like(lp) if g is None else g
+
+
+@pytest.mark.parametrize("mode", losses.LOSS_MODES)
+def test_row_local_is_what_verls_gradient_reads(mode):
+    """An objective marked ``row_local`` or token-local (the fused loss then forms its gradients a chunk of
+    whole rows at a time): in verl's own function, a row's gradient is unchanged when every other row's
+    log-probs change. The others (clip_cov, kl_cov; bypass_mode with a rejection criterion) read other rows."""
+    obj = losses.registry.OBJECTIVES[mode]
+    lp, old, adv, mask, w = _data(4)
+    over = dict(rollout_rs="token_k1", rollout_rs_threshold="0.7_1.4") if mode == "bypass_mode" else {}
+    for agg in ("token-mean", "seq-mean-token-mean"):
+        base = _verl_grad(mode, agg, lp, old, adv, mask, w, **over)
+        moved = lp.clone()
+        moved[1:] = (moved[1:] + torch.linspace(-2.5, 2.5, moved[1:].numel(), dtype=lp.dtype).view_as(
+            moved[1:])).clamp(max=-1e-3)  # every row but the first
+        g = _verl_grad(mode, agg, moved, old, adv, mask, w, **over)
+        reads_only_its_row = torch.equal(g[0], base[0])
+        if obj.token_local or obj.row_local:
+            assert reads_only_its_row, (mode, agg)
+        elif agg == "token-mean":
+            assert not reads_only_its_row, (mode, agg)

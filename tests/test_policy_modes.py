@@ -6,8 +6,10 @@ against the composition of :func:`~chunked_entropy.linear_log_probs_and_entropy`
 and :mod:`chunked_entropy.losses` (itself tested against verl's installed
 functions in ``test_losses_registry.py``), with the entropy bonus, a KL term,
 rollout IS weights, vocabulary blocks, sampling replay's ``keep=`` and an
-upstream gradient other than 1. Then the rollout log-probs route, and TP 2 over
-gloo for a token-local and two sequence-level modes.
+upstream gradient other than 1. The row-local modes (gspo, geo_mean) with
+chunks that hold whole rows (the logits computed once, counted) and chunks
+that do not. Then the rollout log-probs route, and TP 2 over gloo for a
+token-local, a row-local (both chunkings) and a batch-level mode.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from chunked_entropy import (
     ChunkedVocabParallelHead,
@@ -25,6 +28,8 @@ from chunked_entropy import (
     policy_loss_from_logits,
 )
 from tests.helpers import run_distributed
+
+aten = torch.ops.aten
 
 B, T, H, V = 3, 6, 5, 17
 OPTS = dict(clip_ratio_low=0.15, clip_ratio_high=0.28, dro_beta=0.2, clip_cov_ratio=0.3, clip_cov_lb=-5.0,
@@ -74,10 +79,10 @@ def _composition(d, mode, *, path, agg, weights, kl, keep=None, up=1.7, temperat
     return loss.detach(), metrics, {k: t.grad for k, t in leaves.items()}
 
 
-def _fused(d, mode, *, path, agg, weights, kl, keep=None, up=1.7, temperature=0.8, **kw):
+def _fused(d, mode, *, path, agg, weights, kl, keep=None, up=1.7, temperature=0.8, chunk_size=4, **kw):
     leaves = {k: d[k].clone().requires_grad_() for k in ("hidden", "weight", "bias")}
     common = dict(loss_mode=mode, loss_agg_mode=agg, rollout_is_weights=d["w"] if weights else None, keep=keep,
-                  temperature=temperature, chunk_size=4, **_terms(d, kl), **OPTS, **kw)
+                  temperature=temperature, chunk_size=chunk_size, **_terms(d, kl), **OPTS, **kw)
     torch.manual_seed(11)
     if path == "logits":
         z = leaves["hidden"] @ leaves["weight"].t() + leaves["bias"]
@@ -131,6 +136,43 @@ def test_modes_with_sampling_replay_and_the_module(mode):
     torch.testing.assert_close(h.grad, h2.grad, rtol=1e-9, atol=1e-11)
 
 
+class _LogitRows(TorchDispatchMode):
+    """Counts the rows of ``[rows, V]`` logits that matmuls compute: the fused head's matmul passes of logits."""
+
+    def __init__(self):
+        super().__init__()
+        self.rows = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket in (aten.mm, aten.addmm) and out.dim() == 2 and out.shape[1] == V:
+            self.rows += out.shape[0]
+        return out
+
+
+@pytest.mark.parametrize("mode", ["gspo", "geo_mean", "cispo", "kl_cov"])
+@pytest.mark.parametrize("chunk_size", [4, 6, 13])
+def test_row_local_modes_fill_the_logits_once_when_rows_fit_a_chunk(mode, chunk_size):
+    """gspo and geo_mean read only their own sequence's log-probs: with rows of T = 6 tokens and chunks of 6
+    or 13 (rounded down to 12), each chunk holds whole rows and the head computes the logits once (three
+    matmul passes, as a token-local mode); with chunks of 4 a statistics pass runs first (four). Equal to
+    the composition either way, with replay's kept sets too. A batch-level mode (kl_cov) always takes the
+    statistics pass."""
+    d = _data(7)
+    ids = torch.tensor([0, 3, 5, 7, 1, 2, 9, 11, 4])
+    offsets = torch.tensor([0, 2, 2, 4] + [4] * (B * T - 5) + [7, 9])
+    for path in ("head", "logits"):
+        for keep in (None, (ids, offsets)):
+            with _LogitRows() as counted:
+                fused = _fused(d, mode, path=path, agg="seq-mean-token-mean", weights=True, kl=True, keep=keep,
+                               chunk_size=chunk_size)
+            _same(fused, _composition(d, mode, path="logits" if path == "logits" else "head",
+                                      agg="seq-mean-token-mean", weights=True, kl=True, keep=keep))
+            if path == "head":
+                fits = mode == "cispo" or (mode != "kl_cov" and chunk_size >= T)
+                assert counted.rows == (1 if fits else 2) * B * T, counted.rows
+
+
 def test_rollout_log_probs_give_the_weights_and_the_rejection_mask():
     d = _data(3)
     g = torch.Generator().manual_seed(4)
@@ -179,11 +221,13 @@ def _tp_worker(rank, world):
     weight = torch.cat([d["weight"], torch.zeros(pad, H, dtype=torch.float64)])
     bias = torch.cat([d["bias"], torch.full((pad,), -1e4, dtype=torch.float64)])
     shard = slice(rank * v_local, (rank + 1) * v_local)
-    for mode in ("sapo", "gspo", "kl_cov"):
+    # gspo with chunks of 4 (a statistics pass) and of 12 (whole rows: the logits once)
+    for mode, chunk_size in (("sapo", 4), ("gspo", 4), ("gspo", 12), ("kl_cov", 4)):
         h = d["hidden"].clone().requires_grad_()
         w = weight[shard].clone().requires_grad_()
         loss, metrics = linear_policy_loss(h, w, d["labels"], d["old"], d["adv"], d["mask"], bias=bias[shard],
-                                           loss_mode=mode, process_group=group, chunk_size=4, entropy_coeff=0.03,
+                                           loss_mode=mode, process_group=group, chunk_size=chunk_size,
+                                           entropy_coeff=0.03,
                                            rollout_is_weights=d["w"], **OPTS)
         (loss * 1.7).backward()
         h2, w2 = d["hidden"].clone().requires_grad_(), weight.clone().requires_grad_()

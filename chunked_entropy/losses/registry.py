@@ -7,8 +7,10 @@ twelve names; each maps here to an :class:`Objective`:
   the fused loss forms each token's gradient in the forward chunk loop;
 - sequence- and batch-level (:mod:`.sequence`, and ``bypass_mode`` with the
   rollout correction of :mod:`.rollout`): the loss over ``[B, T]`` log-probs,
-  whose autograd gives each token's upstream gradient once every log-prob is
-  known (the fused loss runs a statistics pass first).
+  whose autograd gives each token's upstream gradient once the log-probs it
+  reads are known: its own sequence's for the row-local ones (gspo,
+  geo_mean; the fused loss then needs chunks of whole rows), every token's
+  for the others (the fused loss runs a statistics pass first).
 """
 
 from __future__ import annotations
@@ -50,12 +52,16 @@ class Objective(NamedTuple):
     (:mod:`.sequence`). ``grad``: the per-token derivative in ``lp`` (token-local
     only). ``agg_mode``: the aggregation the objective imposes whatever
     ``loss_agg_mode`` says (SAPO's ``"seq-mean-token-mean"``), or None.
+    ``row_local``: a token's gradient reads only the log-probs of its own
+    sequence (a row of ``[B, T]``): the fused loss then forms it in the
+    forward chunk loop when whole rows fit a chunk.
     """
 
     name: str
     loss: Callable
     grad: Optional[Callable] = None
     agg_mode: Optional[str] = None
+    row_local: bool = False
 
     @property
     def token_local(self) -> bool:
@@ -84,12 +90,12 @@ OBJECTIVES = {
         Objective("vanilla", vanilla, vanilla_grad),
         Objective("dppo_tv", dppo_tv, dppo_tv_grad),
         Objective("dppo_kl", dppo_kl, dppo_kl_grad),
-        Objective("gspo", gspo),
+        Objective("gspo", gspo, row_local=True),
         Objective("sapo", sapo, sapo_grad, agg_mode="seq-mean-token-mean"),
         Objective("gpg", gpg, gpg_grad),
         Objective("clip_cov", clip_cov),
         Objective("kl_cov", kl_cov),
-        Objective("geo_mean", geo_mean),
+        Objective("geo_mean", geo_mean, row_local=True),
         Objective("dro", dro, dro_grad),
         Objective("cispo", cispo, cispo_grad),
         Objective("bypass_mode", bypass_mode),
@@ -99,6 +105,9 @@ LOSS_MODES = tuple(OBJECTIVES)
 """The names :func:`policy_loss` takes as ``loss_mode`` (verl 0.9.1's ``policy_loss.loss_mode`` values)."""
 TOKEN_LOCAL_MODES = tuple(name for name, o in OBJECTIVES.items() if o.token_local)
 """The token-local ones: the fused losses form their gradients in the forward chunk loop (three matmul passes)."""
+ROW_LOCAL_MODES = tuple(name for name, o in OBJECTIVES.items() if o.row_local)
+"""Those that read only their own sequence's log-probs (gspo, geo_mean): formed in the forward chunk loop too
+when whole rows of ``[B, T]`` fit a chunk (``chunk_size >= T``); otherwise after a statistics pass."""
 
 
 def objective(loss_mode, options: PolicyOptions) -> Objective:

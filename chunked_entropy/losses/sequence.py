@@ -5,10 +5,11 @@ geometric mean over the sequence), ``clip_cov`` and ``kl_cov`` (covariances
 over the whole batch). Each is one function ``<name>(lp, old, adv, keep, o,
 agg, weights, generator) -> (loss, metrics)`` over ``[B, T]`` tensors whose
 masked positions are selected away, differentiable in ``lp`` and equal to
-verl's. A token's gradient depends on other tokens' log-probs, so the fused
-loss runs a statistics pass first and takes each token's upstream gradient
-from these functions' autograd over the ``[B, T]`` log-probs (no logits
-involved).
+verl's. A token's gradient depends on other tokens' log-probs: the fused loss
+takes each token's upstream gradient from these functions' autograd over the
+``[B, T]`` log-probs (no logits involved). gspo and geo_mean read only the
+token's own sequence (row-local): once a chunk holding whole rows has its
+log-probs. clip_cov and kl_cov read the whole batch: after a statistics pass.
 """
 
 from __future__ import annotations
