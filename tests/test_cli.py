@@ -76,6 +76,8 @@ BAD = [
     ["bench", "--quick", "--plot", "results.txt"],
     ["bench", "--quick", "--out", "/proc/no-such-folder/results"],
     ["bench", "--quick", "--plot", "/proc/no-such-folder/bench.png"],
+    ["bench", "--seq-len", "0"],
+    ["bench", "--path", "head", "--methods", "fusedloss", "--tokens", "100", "--seq-len", "7"],
 ]
 if not torch.cuda.is_available():
     BAD += [["demo", "--device", "cuda"], ["bench", "--device", "cuda"]]
@@ -199,6 +201,20 @@ def test_bench_replays_kept_sets_beside_the_dense_route(capsys, tmp_path):
     assert {r["status"] for r in rows.values()} == {"ok"}
     code, _, err = _run(capsys, "bench", "--keep", "-1")
     assert code == 2 and "--keep" in err
+
+
+@pytest.mark.parametrize("tokens,seq_len,layout", [(64, 16, "4 x 16"), (128, 128, "1 x 128")])
+def test_bench_loss_modes_on_sequences(capsys, tmp_path, tokens, seq_len, layout):
+    # sequences shorter than a chunk, and one longer than the chunk and than the warm-up's tokens
+    code, out, err = _run(capsys, "bench", "--path", "head", "--tokens", str(tokens), "--vocab", "512", "--hidden",
+                          "16", "--methods", "headloss,fusedloss", "--loss-modes", "gspo,cispo", "--seq-len",
+                          str(seq_len), "--chunk-sizes", "32", "--repeats", "1", "--no-progress", "--out",
+                          str(tmp_path))
+    assert code == 0, err
+    rows = {r["label"]: r for r in csv.DictReader(open(tmp_path / "results.csv"))}
+    assert set(rows) == {f"{m}, chunk 32, {lm}, {layout}" for m in ("fused head + losses", "fused policy loss")
+                         for lm in ("gspo", "cispo")}
+    assert {r["status"] for r in rows.values()} == {"ok"}, rows
 
 
 def test_bench_preset_is_the_issue_case(capsys):

@@ -73,6 +73,7 @@ class Case:
     keep: int = 0  # sampling replay: kept ids per token (0: none)
     loss_mode: str = "vanilla"  # the policy objective of the loss methods (chunked_entropy.losses.LOSS_MODES)
     topk: int = 0  # distillation: the teacher's top-k per token (the distill methods)
+    seq_len: int = 0  # the loss methods' [B, T] layout: tokens per sequence (0: one sequence of them all)
 
     @property
     def label(self) -> str:
@@ -97,6 +98,8 @@ class Case:
             name += f", teacher top-{self.topk}"
         if self.method in LOSS_METHODS and self.loss_mode != "vanilla":
             name += f", {self.loss_mode}"
+        if self.method in LOSS_METHODS and self.seq_len:
+            name += f", {self.tokens // self.seq_len} x {self.seq_len}"
         if self.backend != "eager":
             name += f" [{self.backend}]"
         return name
@@ -124,10 +127,13 @@ class Inputs:
         self.labels = torch.randint(0, v, (n,), generator=g, device=dev)
         self.g_lp = torch.randn(n, generator=g, device=dev)
         self.g_h = torch.randn(n, generator=g, device=dev)
-        # rollout data of the policy-loss methods: [1, n] (one sequence)
-        self.old = (-torch.rand(1, n, generator=g, device=dev) * 4 - 6)
-        self.adv = torch.randn(1, n, generator=g, device=dev)
-        self.mask = torch.rand(1, n, generator=g, device=dev) > 0.1
+        # rollout data of the policy-loss methods: [B, T], B sequences of case.seq_len tokens (or one)
+        if case.seq_len and n % case.seq_len:
+            raise ValueError(f"seq_len {case.seq_len} must divide tokens {n}")
+        self.rows = (n // case.seq_len, case.seq_len) if case.seq_len else (1, n)
+        self.old = (-torch.rand(self.rows, generator=g, device=dev) * 4 - 6)
+        self.adv = torch.randn(self.rows, generator=g, device=dev)
+        self.mask = torch.rand(self.rows, generator=g, device=dev) > 0.1
         # sampling replay: case.keep kept ids per token, global, in vLLM's CSR layout (the same on every rank)
         self.keep = None
         if case.keep:
@@ -190,21 +196,21 @@ def policy_loss(case: Case, inp: Inputs, group):
     """The policy loss of a loss method: composed from outputs + :mod:`chunked_entropy.losses`, or fused."""
     from chunked_entropy import linear_policy_loss, losses, policy_loss_from_logits
 
-    labels = inp.labels.view(1, -1)
+    labels = inp.labels.view(inp.rows)
     if case.method == "fusedloss":
         if case.path == "head":
-            return linear_policy_loss(inp.hidden.unsqueeze(0), inp.weight, labels, inp.old, inp.adv, inp.mask,
+            return linear_policy_loss(inp.hidden.view(*inp.rows, -1), inp.weight, labels, inp.old, inp.adv, inp.mask,
                                       chunk_size=case.chunk, process_group=group, backend=case.backend,
                                       loss_mode=case.loss_mode, **LOSS_OPTIONS)[0]
-        return policy_loss_from_logits(inp.logits.unsqueeze(0), labels, inp.old, inp.adv, inp.mask,
+        return policy_loss_from_logits(inp.logits.view(*inp.rows, -1), labels, inp.old, inp.adv, inp.mask,
                                        chunk_size=case.chunk, process_group=group, backend=case.backend,
                                        loss_mode=case.loss_mode, **LOSS_OPTIONS)[0]
     base = dataclasses.replace(case, method="head" if case.method == "headloss" else "chunked")
     lp, ent = outputs(base, inp, group)
     o = LOSS_OPTIONS
-    pg, _ = losses.policy_loss(lp.view(1, -1), inp.old, inp.adv, inp.mask, clip_ratio_c=o["clip_ratio_c"],
+    pg, _ = losses.policy_loss(lp.view(inp.rows), inp.old, inp.adv, inp.mask, clip_ratio_c=o["clip_ratio_c"],
                                loss_agg_mode=o["loss_agg_mode"], loss_mode=case.loss_mode)
-    return pg - o["entropy_coeff"] * losses.entropy_bonus(ent.view(1, -1), inp.mask, o["loss_agg_mode"])
+    return pg - o["entropy_coeff"] * losses.entropy_bonus(ent.view(inp.rows), inp.mask, o["loss_agg_mode"])
 
 
 def distillation_loss(case: Case, inp: Inputs, group):
@@ -358,8 +364,8 @@ def floor_seconds(case: Case, inp: "Inputs") -> float:
     (backward: the gradient), timed as a sum and a copy of the same tensor.
     Fused head: its matmul passes alone, chunk by chunk into one buffer, four
     of them (logits, recomputed logits, ``g @ W``, ``g.T @ h``), three for the
-    fused policy loss of a token-local objective (a sequence-level one runs a
-    statistics pass first: four).
+    fused policy loss of a token-local objective, or of a row-local one whose
+    sequences fit a chunk (otherwise a statistics pass runs first: four).
     """
     device = torch.device(case.device)
     with torch.no_grad():
@@ -375,9 +381,10 @@ def floor_seconds(case: Case, inp: "Inputs") -> float:
         buf = h.new_empty(min(c, h.shape[0]), w.shape[0])
         gh = h.new_empty(buf.shape[0], h.shape[1])
         gw = torch.zeros_like(w)
-        from chunked_entropy.losses import TOKEN_LOCAL_MODES
+        from chunked_entropy.losses import ROW_LOCAL_MODES, TOKEN_LOCAL_MODES
 
-        passes = 3 if case.method == "fusedloss" and case.loss_mode in TOKEN_LOCAL_MODES else 4
+        rows_fit = case.loss_mode in ROW_LOCAL_MODES and inp.rows[1] <= c  # whole sequences fit a chunk
+        passes = 3 if case.method == "fusedloss" and (case.loss_mode in TOKEN_LOCAL_MODES or rows_fit) else 4
         with _Clock(device) as clock:
             for a in range(0, h.shape[0], c):
                 hc = h[a:a + c]
@@ -399,7 +406,8 @@ def measure(case: Case, group=None, rank: int = 0, world: int = 1) -> dict:
     already there.
     """
     device = torch.device(case.device)
-    tiny = dataclasses.replace(case, tokens=min(case.tokens, max(case.chunk, 64)))
+    n = min(case.tokens, max(case.chunk, 64))
+    tiny = dataclasses.replace(case, tokens=n, seq_len=case.seq_len if case.seq_len and n % case.seq_len == 0 else 0)
     inp = Inputs(tiny, rank, world)
     loss_of(tiny, inp, group).backward()
     del inp

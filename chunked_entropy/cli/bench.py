@@ -39,11 +39,12 @@ PRESETS = {
         path="head", tokens=[16384], vocab=[32768], hidden=[512], dtype="float32",
         methods=["headloss", "fusedloss"], chunk_sizes=[512],
     ),
-    # verl's objectives, fused, against the fused head + chunked_entropy.losses: token-local ones (three
-    # matmul passes against four) and a sequence-level one (a statistics pass first: four against four)
+    # verl's objectives, fused, against the fused head + chunked_entropy.losses, on 32 sequences of 512 tokens:
+    # token-local ones and a sequence-level one whose sequences fit a chunk (three matmul passes against four);
+    # --seq-len 16384 (one sequence longer than a chunk): gspo runs a statistics pass first (four against four)
     "loss-modes": dict(
         path="head", tokens=[16384], vocab=[32768], hidden=[512], dtype="float32",
-        methods=["headloss", "fusedloss"], chunk_sizes=[512], loss_modes=["cispo", "sapo", "gspo"],
+        methods=["headloss", "fusedloss"], chunk_sizes=[512], loss_modes=["cispo", "sapo", "gspo"], seq_len=512,
     ),
     # on-policy distillation: log-probs + entropy + the teacher's top-128 forward KL and the student's top-128,
     # against the same call without them and verl's route (a full log-softmax) on the same input
@@ -145,6 +146,9 @@ def add_arguments(p, positive_int, int_list, name_list) -> None:
     g.add_argument("--loss-modes", type=name_list, metavar="L1,...",
                    help="policy objectives of the loss methods, verl's names (vanilla, cispo, sapo, gspo, ...; "
                         "default vanilla)")
+    g.add_argument("--seq-len", type=positive_int, metavar="T",
+                   help="the loss methods' [B, T] layout: tokens per sequence, dividing every --tokens value "
+                        "(default: one sequence of all the tokens)")
     g.add_argument("--topk", type=int_list, metavar="K",
                    help="distillation: the teacher's top-k per token of the methods distill (this library: "
                         "log_probs_at and top_k) and verldistill (verl's forward_kl_topk); default 128 with them")
@@ -177,7 +181,7 @@ def _settings(args) -> dict:
         base.update(PRESETS[args.preset])
         base.setdefault("repeats", 3)
     for k in ("path", "tokens", "vocab", "hidden", "chunk_sizes", "methods", "dtype", "repeats", "backends", "keep",
-              "loss_modes", "topk"):
+              "loss_modes", "topk", "seq_len"):
         v = getattr(args, k)
         if v is not None:
             base[k] = v
@@ -204,6 +208,7 @@ def build_cases(s: dict, device: str) -> list:
                             keeps = [k for k in s["keep"] if k]
                         modes = (s.get("loss_modes") or ["vanilla"]) if m in LOSS_METHODS else ["vanilla"]
                         topk = max(s.get("topk") or [128]) if m in ("distill", "verldistill") else 0
+                        seq_len = (s.get("seq_len") or 0) if m in LOSS_METHODS else 0
                         for c in (s["chunk_sizes"] if ours else [0]):
                             for be in (s["backends"] if ours else ["eager"]):
                                 for kk in keeps:
@@ -211,7 +216,7 @@ def build_cases(s: dict, device: str) -> list:
                                         group.append(Case(path=path, method=m, tokens=n, vocab=v, hidden=h,
                                                           chunk=c, dtype=s["dtype"], device=device, backend=be,
                                                           warm=bool(s.get("warm")), keep=kk, loss_mode=lm,
-                                                          topk=topk))
+                                                          topk=topk, seq_len=seq_len))
                     groups.append(group)
     return groups
 
@@ -516,6 +521,8 @@ def run(args) -> int:
     for name in ("tokens", "vocab", "hidden", "chunk_sizes"):
         if any(x < 1 for x in s[name]):
             raise BenchError(f"--{name.replace('_', '-')}: values must be >= 1")
+    if s.get("seq_len") and any(n % s["seq_len"] for n in s["tokens"]):
+        raise BenchError(f"--seq-len {s['seq_len']} must divide every --tokens value ({s['tokens']})")
     parts = PRESETS[args.preset].get("parts") if args.preset else None
     groups = [g for part in (parts or [{}]) for g in build_cases({**s, **part}, args.device)]
     if not groups:
