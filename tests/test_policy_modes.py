@@ -9,7 +9,8 @@ rollout IS weights, vocabulary blocks, sampling replay's ``keep=`` and an
 upstream gradient other than 1. The row-local modes (gspo, geo_mean) with
 chunks that hold whole rows (the logits computed once, counted) and chunks
 that do not. Then the rollout log-probs route, and TP 2 over gloo for a
-token-local, a row-local (both chunkings) and a batch-level mode.
+token-local, a row-local (both chunkings) and a batch-level mode, and the
+row-local path under sequence parallelism.
 """
 
 from __future__ import annotations
@@ -241,6 +242,19 @@ def _tp_worker(rank, world):
             torch.testing.assert_close(metrics[k].double(), v.double(), rtol=1e-10, atol=1e-12)
         torch.testing.assert_close(h.grad, h2.grad, rtol=1e-9, atol=1e-11)
         torch.testing.assert_close(w.grad, w2.grad[shard], rtol=1e-9, atol=1e-11)
+    # sequence parallelism: hidden is this rank's [T/P, B, H] slice; gspo's rows (T = 6) fit a chunk of 6
+    rows = slice(rank * T // world, (rank + 1) * T // world)
+    h = d["hidden"].transpose(0, 1)[rows].clone().requires_grad_()
+    w = weight[shard].clone().requires_grad_()
+    loss, _ = linear_policy_loss(h, w, d["labels"], d["old"], d["adv"], d["mask"], bias=bias[shard], loss_mode="gspo",
+                                 process_group=group, sequence_parallel=True, chunk_size=6, entropy_coeff=0.03, **OPTS)
+    (loss * 1.7).backward()
+    h2, w2 = d["hidden"].clone().requires_grad_(), weight.clone().requires_grad_()
+    lp, ent = linear_log_probs_and_entropy(h2, w2, d["labels"], bias=bias)
+    pg, _ = losses.policy_loss(lp, d["old"], d["adv"], d["mask"], loss_mode="gspo", **OPTS)
+    ((pg - 0.03 * losses.entropy_bonus(ent, d["mask"])) * 1.7).backward()
+    torch.testing.assert_close(h.grad, h2.grad.transpose(0, 1)[rows], rtol=1e-9, atol=1e-11)
+    torch.testing.assert_close(w.grad, w2.grad[shard], rtol=1e-9, atol=1e-11)
     # clip_cov draws its tokens at random: ranks whose generators differ are named
     torch.manual_seed(rank)
     with pytest.raises(ValueError, match="random generator's state"):
