@@ -73,8 +73,10 @@ def test_fused_head_matches_eager(vocab_chunk_size):
     _both(fn, leaves, ups, dict(rtol=1e-5, atol=1e-5))
 
 
-@pytest.mark.parametrize("path", ["head", "logits"])
-def test_fused_policy_loss_matches_eager(path):
+@pytest.mark.parametrize("path,mode,chunk", [("head", "vanilla", 4), ("logits", "vanilla", 4), ("head", "gspo", 9),
+                                             ("logits", "gspo", 9)])
+def test_fused_policy_loss_matches_eager(path, mode, chunk):
+    """A token-local mode, and a row-local one whose rows (T = 9) fit the chunk: both from one fill per chunk."""
     g = torch.Generator().manual_seed(2)
     hidden, weight = torch.randn(2, 9, 8, generator=g), torch.randn(V, 8, generator=g)
     labels = torch.randint(0, V, (2, 9), generator=g)
@@ -84,11 +86,11 @@ def test_fused_policy_loss_matches_eager(path):
     for backend in ("eager", "compile"):
         h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
         if path == "head":
-            loss, _ = linear_policy_loss(h, w, labels, old, adv, mask, chunk_size=4, entropy_coeff=0.01,
-                                         clip_ratio_c=3.0, backend=backend)
+            loss, _ = linear_policy_loss(h, w, labels, old, adv, mask, chunk_size=chunk, entropy_coeff=0.01,
+                                         clip_ratio_c=3.0, backend=backend, loss_mode=mode)
         else:
-            loss, _ = policy_loss_from_logits(h @ w.T, labels, old, adv, mask, chunk_size=4, entropy_coeff=0.01,
-                                              clip_ratio_c=3.0, backend=backend)
+            loss, _ = policy_loss_from_logits(h @ w.T, labels, old, adv, mask, chunk_size=chunk, entropy_coeff=0.01,
+                                              clip_ratio_c=3.0, backend=backend, loss_mode=mode)
         loss.backward()
         results.append((loss.detach(), h.grad, w.grad))
     for a, b in zip(*results, strict=True):

@@ -13,6 +13,7 @@ the same, and small.
 from __future__ import annotations
 
 from collections import Counter
+from functools import partial
 
 import pytest
 import torch
@@ -103,7 +104,7 @@ CASES = {
     "head, keep": lambda d, c: _outputs_step(d, c, head=True, keep=d["keep"]),
     "head, log_probs_at, top_k": lambda d, c: _outputs_step(d, c, head=True, log_probs_at=d["teacher"], top_k=4),
     "the module": _module_step,
-    **{f"fused loss, {m}": (lambda m: lambda d, c: _loss_step(d, c, head=True, mode=m))(m) for m in losses.LOSS_MODES},
+    **{f"fused loss, {m}": partial(_loss_step, head=True, mode=m) for m in losses.LOSS_MODES},
     "fused loss from logits, gspo": lambda d, c: _loss_step(d, c, head=False, mode="gspo"),
     "fused loss, keep": lambda d, c: _loss_step(d, c, head=True, mode="vanilla", keep=d["keep"]),
     "fused loss, rollout log-probs": lambda d, c: _loss_step(d, c, head=True, mode="vanilla",
