@@ -11,17 +11,18 @@ tokens by the mask alone (:func:`~chunked_entropy.losses.agg_weights`), so:
   the same buffer (:func:`chunked_entropy._loop.loss_grad_blocks`): the fused
   head does three matmul passes (logits, ``g @ W``, ``g.T @ h``) instead of
   four, and the logits twin reads the logits once;
-- a **row-local** objective (gspo, geo_mean: a token's gradient reads its own
-  sequence's log-probs) is formed the same way when whole rows of ``[B, T]``
-  fit a chunk (the chunks then hold whole rows): its upstream gradients come
-  from the objective's autograd over the ``[B, T]`` log-probs as soon as the
+- a **row-local** objective (gspo, geo_mean, bypass_mode without rejection or
+  batch normalization: a token's gradient reads its own sequence's
+  log-probs) is formed the same way when whole rows of ``[B, T]`` fit a
+  chunk (the chunks then hold whole rows): its upstream gradients come from
+  the objective's autograd over the ``[B, T]`` log-probs as soon as the
   chunk's rows have theirs. Three passes;
-- a **batch-level** objective (clip_cov, kl_cov, bypass_mode), or a row-local
-  one whose rows are longer than a chunk, needs every token's log-prob first:
-  a statistics pass (one matmul pass, log-probs only), then the objective over
-  the ``[B, T]`` log-probs, whose autograd gives each token's upstream
-  gradient, then the gradient pass: four passes, the unfused route's count,
-  in the fused loss's memory.
+- a **batch-level** objective (clip_cov, kl_cov, bypass_mode otherwise), or a
+  row-local one whose rows are longer than a chunk, needs every token's
+  log-prob first: a statistics pass (one matmul pass, log-probs only), then
+  the objective over the ``[B, T]`` log-probs, whose autograd gives each
+  token's upstream gradient, then the gradient pass: four passes, the
+  unfused route's count, in the fused loss's memory.
 
 ``loss.backward()`` only scales the stored gradients by the scalar upstream gradient.
 """
@@ -158,7 +159,7 @@ class _Objective:
         """How many consecutive tokens a token's gradient reads (see ``loss_grad_blocks``): 1, a row's, or all."""
         if self.objective.token_local:
             return 1
-        return self.shape[-1] if self.objective.row_local else None
+        return self.shape[-1] if self.objective.reads_only_its_row(self.opts.policy) else None
 
     def settings(self, call) -> dict:
         """What every rank of a process group must agree on (see ``prepare_tokens``); nothing without one."""

@@ -221,22 +221,30 @@ def _verl_grad(mode, agg, lp, old, adv, mask, w, **over):
     return torch.zeros_like(lp) if g is None else g
 
 
-@pytest.mark.parametrize("mode", losses.LOSS_MODES)
-def test_row_local_is_what_verls_gradient_reads(mode):
-    """An objective marked ``row_local`` or token-local (the fused loss then forms its gradients a chunk of
-    whole rows at a time): in verl's own function, a row's gradient is unchanged when every other row's
-    log-probs change. The others (clip_cov, kl_cov; bypass_mode with a rejection criterion) read other rows."""
+BYPASS = [dict(loss_type="reinforce", rollout_is="sequence", rollout_is_threshold=1.5),  # row-local
+          dict(loss_type="ppo_clip", rollout_is="token"),  # row-local
+          dict(loss_type="reinforce", rollout_is="sequence", rollout_is_batch_normalize=True),  # the batch's mean
+          dict(rollout_rs="token_k1", rollout_rs_threshold="0.7_1.4")]  # rejection: every row's count
+
+
+@pytest.mark.parametrize("mode,over", [(m, {}) for m in losses.LOSS_MODES if m != "bypass_mode"]
+                         + [("bypass_mode", o) for o in BYPASS])
+def test_row_local_is_what_verls_gradient_reads(mode, over):
+    """An objective that reads only its own row (token-local, or ``row_local``: the fused loss then forms
+    its gradients a chunk of whole rows at a time): in verl's own function, a row's gradient is unchanged
+    when every other row's log-probs change. The others (clip_cov, kl_cov; bypass_mode with a rejection
+    criterion or batch normalization) read other rows."""
     obj = losses.registry.OBJECTIVES[mode]
     lp, old, adv, mask, w = _data(4)
-    over = dict(rollout_rs="token_k1", rollout_rs_threshold="0.7_1.4") if mode == "bypass_mode" else {}
     for agg in ("token-mean", "seq-mean-token-mean"):
+        row_local = obj.reads_only_its_row(PolicyOptions.from_actor_config(_verl_config(mode, agg, {}, **over)))
         base = _verl_grad(mode, agg, lp, old, adv, mask, w, **over)
         moved = lp.clone()
         moved[1:] = (moved[1:] + torch.linspace(-2.5, 2.5, moved[1:].numel(), dtype=lp.dtype).view_as(
             moved[1:])).clamp(max=-1e-3)  # every row but the first
         g = _verl_grad(mode, agg, moved, old, adv, mask, w, **over)
         reads_only_its_row = torch.equal(g[0], base[0])
-        if obj.token_local or obj.row_local:
+        if row_local:
             assert reads_only_its_row, (mode, agg)
         elif agg == "token-mean":
             assert not reads_only_its_row, (mode, agg)

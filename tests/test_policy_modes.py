@@ -58,7 +58,7 @@ def _terms(d, kl):
                 else None)
 
 
-def _composition(d, mode, *, path, agg, weights, kl, keep=None, up=1.7, temperature=0.8):
+def _composition(d, mode, *, path, agg, weights, kl, keep=None, up=1.7, temperature=0.8, opts=OPTS):
     leaves = {k: d[k].clone().requires_grad_() for k in ("hidden", "weight", "bias")}
     if path == "logits":
         z = leaves["hidden"] @ leaves["weight"].t() + leaves["bias"]
@@ -68,7 +68,7 @@ def _composition(d, mode, *, path, agg, weights, kl, keep=None, up=1.7, temperat
                                                keep=keep, temperature=temperature)
     torch.manual_seed(11)
     pg, metrics = losses.policy_loss(lp, d["old"], d["adv"], d["mask"], loss_mode=mode, loss_agg_mode=agg,
-                                     rollout_is_weights=d["w"] if weights else None, **OPTS)
+                                     rollout_is_weights=d["w"] if weights else None, **opts)
     ent_loss = losses.entropy_bonus(ent, d["mask"], agg)
     loss = pg - 0.03 * ent_loss
     metrics = dict(metrics, **{"actor/pg_loss": pg.detach(), "actor/entropy_loss": ent_loss.detach()})
@@ -80,10 +80,10 @@ def _composition(d, mode, *, path, agg, weights, kl, keep=None, up=1.7, temperat
     return loss.detach(), metrics, {k: t.grad for k, t in leaves.items()}
 
 
-def _fused(d, mode, *, path, agg, weights, kl, keep=None, up=1.7, temperature=0.8, chunk_size=4, **kw):
+def _fused(d, mode, *, path, agg, weights, kl, keep=None, up=1.7, temperature=0.8, chunk_size=4, opts=OPTS, **kw):
     leaves = {k: d[k].clone().requires_grad_() for k in ("hidden", "weight", "bias")}
     common = dict(loss_mode=mode, loss_agg_mode=agg, rollout_is_weights=d["w"] if weights else None, keep=keep,
-                  temperature=temperature, chunk_size=chunk_size, **_terms(d, kl), **OPTS, **kw)
+                  temperature=temperature, chunk_size=chunk_size, **_terms(d, kl), **opts, **kw)
     torch.manual_seed(11)
     if path == "logits":
         z = leaves["hidden"] @ leaves["weight"].t() + leaves["bias"]
@@ -151,14 +151,18 @@ class _LogitRows(TorchDispatchMode):
         return out
 
 
-@pytest.mark.parametrize("mode", ["gspo", "geo_mean", "cispo", "kl_cov"])
+NO_REJECTION = dict(OPTS, rollout_rs=None, rollout_is="sequence")  # bypass_mode reads only its own rows then
+
+
+@pytest.mark.parametrize("mode", ["gspo", "geo_mean", "cispo", "kl_cov", "bypass_mode", "bypass_mode/sequence IS"])
 @pytest.mark.parametrize("chunk_size", [4, 6, 13])
 def test_row_local_modes_fill_the_logits_once_when_rows_fit_a_chunk(mode, chunk_size):
-    """gspo and geo_mean read only their own sequence's log-probs: with rows of T = 6 tokens and chunks of 6
-    or 13 (rounded down to 12), each chunk holds whole rows and the head computes the logits once (three
-    matmul passes, as a token-local mode); with chunks of 4 a statistics pass runs first (four). Equal to
-    the composition either way, with replay's kept sets too. A batch-level mode (kl_cov) always takes the
-    statistics pass."""
+    """gspo, geo_mean, and bypass_mode without rejection, read only their own sequence's log-probs: with rows
+    of T = 6 tokens and chunks of 6 or 13 (rounded down to 12), each chunk holds whole rows and the head
+    computes the logits once (three matmul passes, as a token-local mode); with chunks of 4 a statistics
+    pass runs first (four). Equal to the composition either way, with replay's kept sets too. A batch-level
+    mode (kl_cov, bypass_mode with a rejection criterion) always takes the statistics pass."""
+    mode, opts = ("bypass_mode", NO_REJECTION) if mode == "bypass_mode/sequence IS" else (mode, OPTS)
     d = _data(7)
     ids = torch.tensor([0, 3, 5, 7, 1, 2, 9, 11, 4])
     offsets = torch.tensor([0, 2, 2, 4] + [4] * (B * T - 5) + [7, 9])
@@ -166,11 +170,12 @@ def test_row_local_modes_fill_the_logits_once_when_rows_fit_a_chunk(mode, chunk_
         for keep in (None, (ids, offsets)):
             with _LogitRows() as counted:
                 fused = _fused(d, mode, path=path, agg="seq-mean-token-mean", weights=True, kl=True, keep=keep,
-                               chunk_size=chunk_size)
+                               chunk_size=chunk_size, opts=opts)
             _same(fused, _composition(d, mode, path="logits" if path == "logits" else "head",
-                                      agg="seq-mean-token-mean", weights=True, kl=True, keep=keep))
+                                      agg="seq-mean-token-mean", weights=True, kl=True, keep=keep, opts=opts))
             if path == "head":
-                fits = mode == "cispo" or (mode != "kl_cov" and chunk_size >= T)
+                row_local = mode in ("gspo", "geo_mean") or opts is NO_REJECTION
+                fits = mode == "cispo" or (row_local and chunk_size >= T)
                 assert counted.rows == (1 if fits else 2) * B * T, counted.rows
 
 

@@ -381,10 +381,12 @@ def floor_seconds(case: Case, inp: "Inputs") -> float:
         buf = h.new_empty(min(c, h.shape[0]), w.shape[0])
         gh = h.new_empty(buf.shape[0], h.shape[1])
         gw = torch.zeros_like(w)
-        from chunked_entropy.losses import ROW_LOCAL_MODES, TOKEN_LOCAL_MODES
+        from chunked_entropy.losses import PolicyOptions
+        from chunked_entropy.losses.registry import OBJECTIVES
 
-        rows_fit = case.loss_mode in ROW_LOCAL_MODES and inp.rows[1] <= c  # whole sequences fit a chunk
-        passes = 3 if case.method == "fusedloss" and (case.loss_mode in TOKEN_LOCAL_MODES or rows_fit) else 4
+        obj = OBJECTIVES[case.loss_mode]  # the bench's options are the defaults
+        one_fill = obj.token_local or (obj.reads_only_its_row(PolicyOptions()) and inp.rows[1] <= c)
+        passes = 3 if case.method == "fusedloss" and one_fill else 4
         with _Clock(device) as clock:
             for a in range(0, h.shape[0], c):
                 hc = h[a:a + c]

@@ -15,14 +15,14 @@ twelve names; each maps here to an :class:`Objective`:
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional, Union
 
 import torch
 
 from ._common import check_mask, check_same_shape, check_tensor
 from .aggregation import Aggregation, aggregate
 from .options import PolicyOptions
-from .rollout import rollout_correction
+from .rollout import check_not_empty, check_options, correction
 from .sequence import clip_cov, geo_mean, gspo, kl_cov
 from .token import (
     cispo,
@@ -54,18 +54,23 @@ class Objective(NamedTuple):
     ``loss_agg_mode`` says (SAPO's ``"seq-mean-token-mean"``), or None.
     ``row_local``: a token's gradient reads only the log-probs of its own
     sequence (a row of ``[B, T]``): the fused loss then forms it in the
-    forward chunk loop when whole rows fit a chunk.
+    forward chunk loop when whole rows fit a chunk. A bool, or a function of
+    the options where they decide it (``bypass_mode``).
     """
 
     name: str
     loss: Callable
     grad: Optional[Callable] = None
     agg_mode: Optional[str] = None
-    row_local: bool = False
+    row_local: Union[bool, Callable[[PolicyOptions], bool]] = False
 
     @property
     def token_local(self) -> bool:
         return self.grad is not None
+
+    def reads_only_its_row(self, o: PolicyOptions) -> bool:
+        """Whether, under options ``o``, a token's gradient reads only its own sequence's log-probs."""
+        return self.token_local or (self.row_local(o) if callable(self.row_local) else self.row_local)
 
 
 def bypass_mode(lp, old, adv, keep, o: PolicyOptions, agg, weights, generator=None):
@@ -73,16 +78,22 @@ def bypass_mode(lp, old, adv, keep, o: PolicyOptions, agg, weights, generator=No
     rejection, from the current log-probs, no gradient) then PPO's clip (``loss_type="ppo_clip"``, the IS
     weights only reported) or REINFORCE weighted by them (``"reinforce"``). ``weights`` is ignored, as verl
     ignores ``rollout_is_weights`` here."""
-    w, mask, corr = rollout_correction(lp, old, keep, rollout_is=o.rollout_is,
-                                       rollout_is_threshold=o.rollout_is_threshold,
-                                       rollout_is_batch_normalize=o.rollout_is_batch_normalize,
-                                       rollout_rs=o.rollout_rs, rollout_rs_threshold=o.rollout_rs_threshold)
+    w, mask, corr = correction(lp, old, keep, rollout_is=o.rollout_is, rollout_is_threshold=o.rollout_is_threshold,
+                               rollout_is_batch_normalize=o.rollout_is_batch_normalize, rollout_rs=o.rollout_rs,
+                               rollout_rs_threshold=o.rollout_rs_threshold)
     if o.loss_type == "reinforce":
         losses, metrics = reinforce(lp, old, adv, mask, o)
         losses = losses if w is None else losses * w
     else:
         losses, metrics = vanilla(lp, old, adv, mask, o)
     return aggregate(losses, mask, agg), {**metrics, **corr}
+
+
+def _bypass_reads_only_its_row(o: PolicyOptions) -> bool:
+    """bypass_mode's weights come from the current log-probs: a token's, or its sequence's (row-local), but
+    batch normalization divides by every row's, and a rejection changes the mask whose count normalizes
+    every row's loss."""
+    return o.rollout_rs is None and not o.rollout_is_batch_normalize
 
 
 OBJECTIVES = {
@@ -98,16 +109,17 @@ OBJECTIVES = {
         Objective("geo_mean", geo_mean, row_local=True),
         Objective("dro", dro, dro_grad),
         Objective("cispo", cispo, cispo_grad),
-        Objective("bypass_mode", bypass_mode),
+        Objective("bypass_mode", bypass_mode, row_local=_bypass_reads_only_its_row),
     )
 }
 LOSS_MODES = tuple(OBJECTIVES)
 """The names :func:`policy_loss` takes as ``loss_mode`` (verl 0.9.1's ``policy_loss.loss_mode`` values)."""
 TOKEN_LOCAL_MODES = tuple(name for name, o in OBJECTIVES.items() if o.token_local)
 """The token-local ones: the fused losses form their gradients in the forward chunk loop (three matmul passes)."""
-ROW_LOCAL_MODES = tuple(name for name, o in OBJECTIVES.items() if o.row_local)
+ROW_LOCAL_MODES = tuple(name for name, o in OBJECTIVES.items() if o.row_local is True)
 """Those that read only their own sequence's log-probs (gspo, geo_mean): formed in the forward chunk loop too
-when whole rows of ``[B, T]`` fit a chunk (``chunk_size >= T``); otherwise after a statistics pass."""
+when whole rows of ``[B, T]`` fit a chunk (``chunk_size >= T``); otherwise after a statistics pass. So is
+``bypass_mode`` without a rejection criterion (``rollout_rs``) or batch normalization."""
 
 
 def objective(loss_mode, options: PolicyOptions) -> Objective:
@@ -116,6 +128,10 @@ def objective(loss_mode, options: PolicyOptions) -> Objective:
         raise ValueError(f"loss_mode must be one of {', '.join(map(repr, LOSS_MODES))}; got {loss_mode!r}")
     if loss_mode == "dro" and options.dro_beta is None:
         raise ValueError("loss_mode='dro' needs dro_beta (policy_loss.dro_beta in verl's config), a number > 0")
+    if loss_mode == "bypass_mode":  # its rollout correction's settings (checked here, not per evaluation)
+        o = options
+        check_options(o.rollout_is, o.rollout_is_threshold, o.rollout_is_batch_normalize, o.rollout_rs,
+                      o.rollout_rs_threshold)
     return OBJECTIVES[loss_mode]
 
 
@@ -239,6 +255,8 @@ def policy_loss(
     agg = Aggregation(loss_agg_mode, loss_scale_factor, dp_size, batch_num_tokens, global_batch_size)
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+    if obj.name == "bypass_mode":
+        check_not_empty(loss_mask)
     keep = loss_mask != 0
     lp, old, adv = selected(keep, log_probs, old_log_probs, advantages)
     if weights is not None:
@@ -272,6 +290,8 @@ def policy_loss_grad(
     if not obj.token_local:
         raise ValueError(f"loss_mode={loss_mode!r} is not token-local: a token's gradient depends on the other "
                          "tokens' log-probs; differentiate policy_loss instead")
+    if obj.name == "bypass_mode":
+        check_not_empty(loss_mask)
     keep = loss_mask != 0
     lp, old, adv = selected(keep, log_probs, old_log_probs, advantages)
     return torch.where(keep, obj.grad(lp, old, adv, loss_mask, o), torch.zeros((), dtype=lp.dtype, device=lp.device))

@@ -152,11 +152,9 @@ def _is_metrics(w, raw, log_for_metrics, mask, level, upper, lower):
         out["rollout_is_max"] = w.masked_fill(~b, -math.inf).max()
         out["rollout_is_min"] = w.masked_fill(~b, math.inf).min()
     clamped = w.clamp(min=0.0, max=upper)
-    if mask.sum() > 1:
-        mc = _mean(clamped, mask)
-        out["rollout_is_std"] = torch.sqrt(torch.clamp(_mean(clamped.square(), mask) - mc.square(), min=0.0))
-    else:
-        out["rollout_is_std"] = torch.zeros((), dtype=w.dtype, device=w.device)
+    mc = _mean(clamped, mask)
+    std = torch.sqrt(torch.clamp(_mean(clamped.square(), mask) - mc.square(), min=0.0))
+    out["rollout_is_std"] = torch.where(mask.sum() > 1, std, torch.zeros((), dtype=w.dtype, device=w.device))
     normalized = clamped / (_mean(clamped, mask) + 1e-8)
     out["rollout_is_eff_sample_size"] = 1.0 / _mean(normalized.square(), mask)
     if w.dim() > 1:
@@ -336,6 +334,15 @@ def rollout_correction(
     check_tensor("log_probs", log_probs)
     check_same_shape("log_probs", log_probs, rollout_log_probs=rollout_log_probs)
     check_mask(response_mask, log_probs, "log_probs")
+    check_options(rollout_is, rollout_is_threshold, rollout_is_batch_normalize, rollout_rs, rollout_rs_threshold)
+    check_not_empty(response_mask)
+    return correction(log_probs, rollout_log_probs, response_mask, rollout_is=rollout_is,
+                      rollout_is_threshold=rollout_is_threshold, rollout_is_batch_normalize=rollout_is_batch_normalize,
+                      rollout_rs=rollout_rs, rollout_rs_threshold=rollout_rs_threshold, group=group)
+
+
+def check_options(rollout_is, rollout_is_threshold, rollout_is_batch_normalize, rollout_rs, rollout_rs_threshold):
+    """The correction's settings (see :func:`rollout_correction`), each named where it is wrong."""
     if rollout_is is not None and rollout_is not in ("token", "sequence"):
         raise ValueError(f"rollout_is must be 'token', 'sequence' or None, got {rollout_is!r}")
     if rollout_is is not None:
@@ -346,8 +353,18 @@ def rollout_correction(
         parse_rs(rollout_rs, rollout_rs_threshold)
     if not isinstance(rollout_is_batch_normalize, bool):
         raise TypeError(f"rollout_is_batch_normalize must be a bool, got {rollout_is_batch_normalize!r}")
-    if not bool(response_mask.any()):
+
+
+def check_not_empty(response_mask: torch.Tensor) -> None:
+    """verl's correction needs at least one valid token (one host sync)."""
+    if not bool((response_mask != 0).any()):
         raise ValueError("response_mask must hold at least one valid token (verl's rollout correction needs one)")
+
+
+def correction(log_probs, rollout_log_probs, response_mask, *, rollout_is, rollout_is_threshold,
+               rollout_is_batch_normalize, rollout_rs, rollout_rs_threshold, group=None):
+    """:func:`rollout_correction` of checked arguments: no checks, no host sync (``bypass_mode`` runs it
+    once per chunk of whole rows in the fused loss)."""
     with torch.no_grad():
         lp, roll = log_probs.detach(), rollout_log_probs.detach()
         log_ratio = lp - roll
