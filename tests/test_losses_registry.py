@@ -234,10 +234,9 @@ def test_row_local_is_what_verls_gradient_reads(mode, over):
     its gradients a chunk of whole rows at a time): in verl's own function, a row's gradient is unchanged
     when every other row's log-probs change. The others (clip_cov, kl_cov; bypass_mode with a rejection
     criterion or batch normalization) read other rows."""
-    obj = losses.registry.OBJECTIVES[mode]
     lp, old, adv, mask, w = _data(4)
     for agg in ("token-mean", "seq-mean-token-mean"):
-        row_local = obj.reads_only_its_row(PolicyOptions.from_actor_config(_verl_config(mode, agg, {}, **over)))
+        row_local = losses.row_local(mode, PolicyOptions.from_actor_config(_verl_config(mode, agg, {}, **over)))
         base = _verl_grad(mode, agg, lp, old, adv, mask, w, **over)
         moved = lp.clone()
         moved[1:] = (moved[1:] + torch.linspace(-2.5, 2.5, moved[1:].numel(), dtype=lp.dtype).view_as(

@@ -381,11 +381,10 @@ def floor_seconds(case: Case, inp: "Inputs") -> float:
         buf = h.new_empty(min(c, h.shape[0]), w.shape[0])
         gh = h.new_empty(buf.shape[0], h.shape[1])
         gw = torch.zeros_like(w)
-        from chunked_entropy.losses import PolicyOptions
-        from chunked_entropy.losses.registry import OBJECTIVES
+        from chunked_entropy.losses import TOKEN_LOCAL_MODES, row_local
 
-        obj = OBJECTIVES[case.loss_mode]  # the bench's options are the defaults
-        one_fill = obj.token_local or (obj.reads_only_its_row(PolicyOptions()) and inp.rows[1] <= c)
+        # the bench's options are the defaults
+        one_fill = case.loss_mode in TOKEN_LOCAL_MODES or (row_local(case.loss_mode) and inp.rows[1] <= c)
         passes = 3 if case.method == "fusedloss" and one_fill else 4
         with _Clock(device) as clock:
             for a in range(0, h.shape[0], c):

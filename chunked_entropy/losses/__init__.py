@@ -32,11 +32,12 @@ from .aggregation import AGG_MODES, Aggregation, agg_loss, agg_weights, entropy_
 from .distill import TopKForwardKL, sparse_divergence, topk_forward_kl, topk_overlap
 from .kl import KL_KINDS, kl_penalty, kl_penalty_grad
 from .options import PolicyOptions
-from .registry import LOSS_MODES, ROW_LOCAL_MODES, TOKEN_LOCAL_MODES, policy_loss, policy_loss_grad
+from .registry import LOSS_MODES, ROW_LOCAL_MODES, TOKEN_LOCAL_MODES, policy_loss, policy_loss_grad, row_local
 from .rollout import rollout_correction
 
 __all__ = [
     "AGG_MODES", "KL_KINDS", "LOSS_MODES", "ROW_LOCAL_MODES", "TOKEN_LOCAL_MODES", "Aggregation", "PolicyOptions",
     "agg_loss", "agg_weights", "entropy_bonus", "kl_penalty", "kl_penalty_grad", "masked_mean", "policy_loss",
-    "policy_loss_grad", "rollout_correction", "TopKForwardKL", "sparse_divergence", "topk_forward_kl", "topk_overlap",
+    "policy_loss_grad", "rollout_correction", "row_local", "TopKForwardKL", "sparse_divergence", "topk_forward_kl",
+    "topk_overlap",
 ]

@@ -146,6 +146,15 @@ def evaluate(obj: Objective, lp, old, adv, mask, o: PolicyOptions, agg: Aggregat
     return obj.loss(lp, old, adv, mask, o, agg, weights, generator)
 
 
+def row_local(loss_mode: str, options: Optional[PolicyOptions] = None, **fields) -> bool:
+    """Whether ``loss_mode`` under these options (verl's field names, defaults as in :func:`policy_loss`)
+    gives each token a gradient that reads only its own sequence's log-probs: every token-local mode, gspo,
+    geo_mean, and bypass_mode without ``rollout_rs`` or ``rollout_is_batch_normalize``. The fused loss then
+    forms the gradients in its forward chunk loop (three matmul passes) when whole sequences fit a chunk."""
+    o = options_of(options, fields)
+    return objective(loss_mode, o).reads_only_its_row(o)
+
+
 def options_of(options: Optional[PolicyOptions], fields: dict) -> PolicyOptions:
     """``options`` (or the defaults) with ``fields`` replacing its fields; an unknown field is named."""
     known = PolicyOptions.__dataclass_fields__
