@@ -299,8 +299,6 @@ def policy_loss_grad(
     if not obj.token_local:
         raise ValueError(f"loss_mode={loss_mode!r} is not token-local: a token's gradient depends on the other "
                          "tokens' log-probs; differentiate policy_loss instead")
-    if obj.name == "bypass_mode":
-        check_not_empty(loss_mask)
     keep = loss_mask != 0
     lp, old, adv = selected(keep, log_probs, old_log_probs, advantages)
     return torch.where(keep, obj.grad(lp, old, adv, loss_mask, o), torch.zeros((), dtype=lp.dtype, device=lp.device))

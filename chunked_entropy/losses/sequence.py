@@ -8,8 +8,9 @@ masked positions are selected away, differentiable in ``lp`` and equal to
 verl's. A token's gradient depends on other tokens' log-probs: the fused loss
 takes each token's upstream gradient from these functions' autograd over the
 ``[B, T]`` log-probs (no logits involved). gspo and geo_mean read only the
-token's own sequence (row-local): once a chunk holding whole rows has its
-log-probs. clip_cov and kl_cov read the whole batch: after a statistics pass.
+token's own sequence (row-local: the fused loss asks them as soon as a chunk
+of whole rows has its log-probs); clip_cov and kl_cov read the whole batch
+(asked after a statistics pass).
 """
 
 from __future__ import annotations
