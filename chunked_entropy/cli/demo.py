@@ -284,8 +284,12 @@ def _spawned_rank(rank, world, port, args, result_file):
         if rank == 0:
             with open(result_file, "w") as f:
                 json.dump(res, f)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
+    from ._measure import leave_spawned_rank
+
+    leave_spawned_rank()
 
 
 def run(args) -> int:
