@@ -13,6 +13,7 @@ passes ``view(a, b, v0, v1)``, its own rows, and nothing is copied.
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Iterator, Optional
 
 import torch
@@ -176,8 +177,8 @@ def grad_blocks(
     )
     for a, b in chunks(n, chunk_size):
         co = tok.coefficients(a, b, *(None if g is None else g[a:b] for g in (g_lp, g_h, g_q)))
-        k, target, rows = tok.k_rows(a, b), tok.target[a:b], stats.rows(a, b)
-        ent = co_k = None
+        rows = stats.rows(a, b)
+        ent = co_k = coef = total = None
         if kept is not None:
             ent = kept.chunk(a, b, n, chunk_size)
             co, co_k = _keep.split(co, rows.truncated, kept.of_kept)
@@ -187,29 +188,55 @@ def grad_blocks(
             total = coef.sum(dim=1)
             co = co._replace(c=total if co.c is None else co.c + total)
         for v0, v1 in chunks(width, block):
-            x, scratch, aux = bufs.get(b - a, v1 - v0)
-            if compiled:
-                z = _read(fill, view, x, a, b, v0, v1)
-                gk = _block_kept(kept, ent, z, v0, tok.transform, k, dtype)
-                ea, ra = _block_at(at, at_ids, target, a, b, v0, z, tok.transform)
-                out = x if into is None else into(a, b)
-                g = COMPILED.grad(z, out, tok.transform, k, rows, target, v0, co, dtype)
-            else:
-                if into is not None:
-                    x = into(a, b)
-                fill(x, a, b, v0, v1)
-                gk = _block_kept(kept, ent, x, v0, tok.transform, k, dtype)
-                ea, ra = _block_at(at, at_ids, target, a, b, v0, x, tok.transform)
-                g = _stats.block_grad(x, tok.transform, k, rows, target, v0, co, scratch, aux)
-            if gk is not None:
-                _keep.add_grad_(g, gk, ent, rows.kept, rows.truncated, co_k, tok.transform, k)
-            if ea is not None:
-                _at.add_grad_(g, ra, ea, coef, total, tok.transform)
+            g = _refilled_grad(tok, fill, view, bufs, a, b, v0, v1, rows, co, dtype, compiled=compiled, into=into,
+                               ent=ent, co_k=co_k, at=(at_ids, coef, total) if at_ids is not None else None)
             yield a, b, v0, v1, g
+
+
+def _refilled_grad(tok: Tokens, fill: Fill, view: View, bufs: Buffers, a, b, v0, v1, rows, co, dtype, *,
+                   compiled: bool, into, ent=None, co_k=None, at=None) -> torch.Tensor:
+    """The gradient w.r.t. the raw logits of rows ``[a, b)``, columns ``[v0, v1)``, the block filled again,
+    from the rows' finished statistics and coefficients; with replay's and distillation's sparse terms
+    (``at``: ``(ids, coefficients, their sums)``)."""
+    kept, k, target = tok.keep, tok.k_rows(a, b), tok.target[a:b]
+    at_ids = None if at is None else at[0]
+    x, scratch, aux = bufs.get(b - a, v1 - v0)
+    if compiled:
+        z = _read(fill, view, x, a, b, v0, v1)
+        gk = _block_kept(kept, ent, z, v0, tok.transform, k, dtype)
+        ea, ra = _block_at(tok.at, at_ids, target, a, b, v0, z, tok.transform)
+        out = x if into is None else into(a, b)
+        g = COMPILED.grad(z, out, tok.transform, k, rows, target, v0, co, dtype)
+    else:
+        if into is not None:
+            x = into(a, b)
+        fill(x, a, b, v0, v1)
+        gk = _block_kept(kept, ent, x, v0, tok.transform, k, dtype)
+        ea, ra = _block_at(tok.at, at_ids, target, a, b, v0, x, tok.transform)
+        g = _stats.block_grad(x, tok.transform, k, rows, target, v0, co, scratch, aux)
+    if gk is not None:
+        _keep.add_grad_(g, gk, ent, rows.kept, rows.truncated, co_k, tok.transform, k)
+    if ea is not None:
+        _at.add_grad_(g, ra, ea, at[1], at[2], tok.transform)
+    return g
 
 
 #: ``token_grads(a, b, log_probs)``: the upstream gradients of ``(log_probs, entropy)`` of rows ``[a, b)``.
 TokenGrads = Callable[[int, int, torch.Tensor], tuple]
+
+
+def _grouping(n: int, span: Optional[int], chunk_size: int) -> tuple:
+    """``(chunk, group)``: the chunk size to walk, and the tokens of a group, a run of whole spans (rows, or
+    the whole batch) whose statistics its gradients read. A span longer than a chunk is walked in chunks
+    that divide it (at least half ``chunk_size``), or else the whole batch is one group."""
+    if span is None:
+        return chunk_size, n
+    if span <= chunk_size:
+        chunk = chunk_size - chunk_size % span
+        return chunk, chunk
+    divisor = max(d for i in range(1, math.isqrt(span) + 1) if span % i == 0 for d in (i, span // i)
+                  if d <= chunk_size)
+    return (divisor, span) if 2 * divisor >= chunk_size else (chunk_size, n)
 
 
 def loss_grad_blocks(
@@ -220,28 +247,30 @@ def loss_grad_blocks(
 ) -> Iterator[tuple]:
     """Forward of a loss whose per-token upstream gradients follow from the tokens' outputs.
 
-    Yields ``(a, b, v0, v1, g)`` as :func:`grad_blocks` does, and fills
-    ``stats`` (full-length :class:`~chunked_entropy._stats.RowStats` arrays,
-    from :func:`new_row_stats`) on the way. ``token_grads(a, b, log_probs)``
-    gives the upstream gradients of ``(log_probs, entropy)`` for rows
-    ``[a, b)`` from their log-probs (over the kept sets with replay).
+    Yields ``(a, b, v0, v1, g)`` as :func:`grad_blocks` does (in any order of
+    the chunks), and fills ``stats`` (full-length
+    :class:`~chunked_entropy._stats.RowStats` arrays, from
+    :func:`new_row_stats`) on the way. ``token_grads(a, b, log_probs)`` gives
+    the upstream gradients of ``(log_probs, entropy)`` for tokens ``[a, b)``
+    from their log-probs (over the kept sets with replay).
 
     ``span``: a token's gradients read the outputs of the ``span`` tokens of
     its own aligned group (1: its own, a token-local loss; ``T``: its
     sequence's, rows of ``[B, T]``; None: every token's, a batch-level loss).
-    When the groups fit a chunk and there are no vocabulary blocks (``block ==
-    width``), the chunks hold whole groups (``chunk_size`` rounded down to a
-    multiple of ``span``) and each chunk's logits are filled once: the
-    statistics and then the gradient come from the same buffer (the offsets
-    are kept), so a fused head does three matmul passes instead of four.
-    Otherwise a statistics pass runs first and the gradient pass refills each
-    block: with vocabulary blocks a row's statistics are complete only after
-    its last block, and a group longer than a chunk (or the whole batch) is
-    complete only after several. Then ``token_grads`` is asked per chunk for
-    a token-local loss, and once, ``token_grads(0, n, log_probs)``, otherwise.
+    The chunks are walked in groups of whole spans (:func:`_grouping`): a
+    group's chunks forward (statistics; the last chunk's block is kept), then
+    ``token_grads`` once for the group, then the gradients: the last chunk's
+    from its kept block, the others' with their logits filled again, in
+    reverse. A group that fits one chunk (a token-local loss, or rows no
+    longer than a chunk: ``chunk_size`` is rounded down to a multiple of
+    ``span``) fills each chunk once, so a fused head does three matmul passes
+    instead of four; a group of ``g`` chunks fills ``2g - 1``. With
+    vocabulary blocks (``block < width``) a row's statistics are complete only
+    after its last block: a statistics pass runs first and the gradient pass
+    refills each block.
     """
     n, kept = tok.n, tok.keep
-    if block < width or span is None or span > chunk_size:
+    if block < width:
         full = row_stats(tok, fill, width=width, block=block, chunk_size=chunk_size, group=group,
                          want=want, dtype=dtype, device=device, compiled=compiled, view=view)
         _store(stats, full, 0, n)
@@ -255,34 +284,38 @@ def loss_grad_blocks(
                                grads=(ups[0], ups[1], None), dtype=dtype, device=device, into=into,
                                compiled=compiled, view=view)
         return
-    chunk_size -= chunk_size % span  # whole groups
+    chunk_size, group_size = _grouping(n, span, chunk_size)
     softcap = tok.transform.softcap is not None
     view = view if compiled else None
     bufs = Buffers(min(chunk_size, n), width, dtype, device, work=into is None or (compiled and view is None),
                    scratch=not compiled, aux=softcap and not compiled)
-    for a, b in chunks(n, chunk_size):
-        k, target = tok.k_rows(a, b), tok.target[a:b]
-        ent = None if kept is None else kept.chunk(a, b, n, chunk_size)
-        x, scratch, aux = bufs.get(b - a, width)
-        if compiled:  # the kernels only read the block: statistics, then the gradient, from the same one
-            z = _read(fill, view, x, a, b, 0, width)
-            gk = _block_kept(kept, ent, z, 0, tok.transform, k, dtype)
-            local = COMPILED.stats(z, tok.transform, k, target, 0, want.entropy, want.sum_pi_squared, dtype)
-        else:
-            if into is not None:
-                x = into(a, b)
-            fill(x, a, b, 0, width)
-            gk = _block_kept(kept, ent, x, 0, tok.transform, k, dtype)
-            local = _stats.block_stats(x, tok.transform, k, target, 0, scratch, want_w=want.entropy,
-                                       want_q=want.sum_pi_squared, aux=aux)
-        kb, kc = (None, None) if gk is None else _keep.block_stats(gk, ent, b - a, k, dtype)
-        rows, merged = _rows_of_chunk(local, kb, kc, group, k, kept)
-        _store(stats, rows, a, b)
-        g_lp, g_h = token_grads(a, b, rows.log_probs())
-        co = tok.coefficients(a, b, g_lp, g_h, None)
-        co_k = None
-        if kept is not None:
-            co, co_k = _keep.split(co, rows.truncated, kept.of_kept)
+
+    def coefficients(a, b, g0, ups, rows):
+        co = tok.coefficients(a, b, *(None if u is None else u[a - g0:b - g0] for u in ups), None)
+        return (co, None) if kept is None else _keep.split(co, rows.truncated, kept.of_kept)
+
+    for g0, g1 in chunks(n, group_size):
+        for a, b in chunks(g1 - g0, chunk_size):  # statistics, chunk by chunk; the last chunk's block is kept
+            a, b = g0 + a, g0 + b
+            k, target = tok.k_rows(a, b), tok.target[a:b]
+            ent = None if kept is None else kept.chunk(a, b, n, chunk_size)
+            x, scratch, aux = bufs.get(b - a, width)
+            if compiled:  # the kernels only read the block: statistics, then the gradient, from the same one
+                z = _read(fill, view, x, a, b, 0, width)
+                gk = _block_kept(kept, ent, z, 0, tok.transform, k, dtype)
+                local = COMPILED.stats(z, tok.transform, k, target, 0, want.entropy, want.sum_pi_squared, dtype)
+            else:
+                if into is not None:
+                    x = into(a, b)
+                fill(x, a, b, 0, width)
+                gk = _block_kept(kept, ent, x, 0, tok.transform, k, dtype)
+                local = _stats.block_stats(x, tok.transform, k, target, 0, scratch, want_w=want.entropy,
+                                           want_q=want.sum_pi_squared, aux=aux)
+            kb, kc = (None, None) if gk is None else _keep.block_stats(gk, ent, b - a, k, dtype)
+            rows, merged = _rows_of_chunk(local, kb, kc, group, k, kept)
+            _store(stats, rows, a, b)
+        ups = token_grads(g0, g1, stats.rows(g0, g1).log_probs())
+        co, co_k = coefficients(a, b, g0, ups, rows)  # the last chunk, from its kept block
         if compiled:
             out = x if into is None else into(a, b)
             g = COMPILED.grad(z, out, tok.transform, k, rows, target, 0, co, dtype)
@@ -292,3 +325,10 @@ def loss_grad_blocks(
         if gk is not None:
             _keep.add_grad_(g, gk, ent, rows.kept, rows.truncated, co_k, tok.transform, k)
         yield a, b, 0, width, g
+        for a, b in reversed(list(chunks(g1 - g0, chunk_size))[:-1]):  # the others, filled again
+            a, b = g0 + a, g0 + b
+            rows = stats.rows(a, b)
+            co, co_k = coefficients(a, b, g0, ups, rows)
+            ent = None if kept is None else kept.chunk(a, b, n, chunk_size)
+            yield a, b, 0, width, _refilled_grad(tok, fill, view, bufs, a, b, 0, width, rows, co, dtype,
+                                                 compiled=compiled, into=into, ent=ent, co_k=co_k)

@@ -17,12 +17,14 @@ tokens by the mask alone (:func:`~chunked_entropy.losses.agg_weights`), so:
   chunk (the chunks then hold whole rows): its upstream gradients come from
   the objective's autograd over the ``[B, T]`` log-probs as soon as the
   chunk's rows have theirs. Three passes;
-- a **batch-level** objective (clip_cov, kl_cov, bypass_mode otherwise), or a
-  row-local one whose rows are longer than a chunk, needs every token's
-  log-prob first: a statistics pass (one matmul pass, log-probs only), then
-  the objective over the ``[B, T]`` log-probs, whose autograd gives each
-  token's upstream gradient, then the gradient pass: four passes, the
-  unfused route's count, in the fused loss's memory.
+- a row-local one whose rows are longer than a chunk walks each row's chunks
+  forward (statistics, the last chunk's logits kept), then forms the row's
+  gradients in reverse, the other chunks' logits computed again: a row in
+  ``g`` chunks costs ``3 + (g - 1) / g`` passes;
+- a **batch-level** objective (clip_cov, kl_cov, bypass_mode otherwise) needs
+  every token's log-prob first: the whole batch is one such run, four passes
+  (the unfused route's count, less the last chunk's), in the fused loss's
+  memory.
 
 ``loss.backward()`` only scales the stored gradients by the scalar upstream gradient.
 """
@@ -360,10 +362,14 @@ def linear_policy_loss(
     forward pass: three matmul passes instead of four when the vocabulary is
     not blocked (with ``vocab_chunk_size`` a row's statistics are complete
     only after its last block, and the logits are computed twice as in the
-    fused head). A sequence- or batch-level one (gspo, geo_mean, clip_cov,
-    kl_cov, bypass_mode) runs a statistics pass first (log-probs only), then
-    the objective over the ``[B, T]`` log-probs gives every token's upstream
-    gradient, then the gradient pass: four passes, in the same memory.
+    fused head). A row-local one (gspo, geo_mean, bypass_mode without
+    rejection or batch normalization) does the same when whole rows fit a
+    chunk (``chunk_size >= T``); with longer rows each row's chunks are walked
+    forward for their statistics and back for the gradients, all but the last
+    computed twice. A batch-level one (clip_cov, kl_cov, bypass_mode
+    otherwise) reads every token's log-prob first: four passes. Every mode's
+    upstream gradients come from the objective over the ``[B, T]`` log-probs,
+    in the same memory.
 
     Args:
         hidden: ``[B, T, H]``; with ``sequence_parallel=True``, Megatron's

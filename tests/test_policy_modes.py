@@ -152,6 +152,11 @@ class _LogitRows(TorchDispatchMode):
 
 
 NO_REJECTION = dict(OPTS, rollout_rs=None, rollout_is="sequence")  # bypass_mode reads only its own rows then
+# Rows of logits the head computes for B * T = 18 tokens, by hand: every chunk once, and once more every chunk
+# of a group (the rows whose statistics the gradients read) but its last. Token-local: one chunk a group.
+# Row-local: rows of 6 fit chunks of 6 and 12 (13 rounded down); chunks of 4 become 3, two to a row (18 + 9).
+# Batch-level: one group of chunks 4,4,4,4,2 (18 + 16), 6,6,6 (18 + 12), 13,5 (18 + 13).
+LOGIT_ROWS = {"token": {4: 18, 6: 18, 13: 18}, "row": {4: 27, 6: 18, 13: 18}, "batch": {4: 34, 6: 30, 13: 31}}
 
 
 @pytest.mark.parametrize("mode", ["gspo", "geo_mean", "cispo", "kl_cov", "bypass_mode", "bypass_mode/sequence IS"])
@@ -159,9 +164,10 @@ NO_REJECTION = dict(OPTS, rollout_rs=None, rollout_is="sequence")  # bypass_mode
 def test_row_local_modes_fill_the_logits_once_when_rows_fit_a_chunk(mode, chunk_size):
     """gspo, geo_mean, and bypass_mode without rejection, read only their own sequence's log-probs: with rows
     of T = 6 tokens and chunks of 6 or 13 (rounded down to 12), each chunk holds whole rows and the head
-    computes the logits once (three matmul passes, as a token-local mode); with chunks of 4 a statistics
-    pass runs first (four). Equal to the composition either way, with replay's kept sets too. A batch-level
-    mode (kl_cov, bypass_mode with a rejection criterion) always takes the statistics pass."""
+    computes the logits once (three matmul passes, as a token-local mode); with chunks of 4 (made 3) each
+    row's first chunk is computed twice. A batch-level mode (kl_cov, bypass_mode with a rejection criterion)
+    computes every chunk twice but the last. Equal to the composition in every case, with replay's kept
+    sets too."""
     mode, opts = ("bypass_mode", NO_REJECTION) if mode == "bypass_mode/sequence IS" else (mode, OPTS)
     d = _data(7)
     ids = torch.tensor([0, 3, 5, 7, 1, 2, 9, 11, 4])
@@ -174,9 +180,9 @@ def test_row_local_modes_fill_the_logits_once_when_rows_fit_a_chunk(mode, chunk_
             _same(fused, _composition(d, mode, path="logits" if path == "logits" else "head",
                                       agg="seq-mean-token-mean", weights=True, kl=True, keep=keep, opts=opts))
             if path == "head":
-                row_local = mode in ("gspo", "geo_mean") or opts is NO_REJECTION
-                fits = mode == "cispo" or (row_local and chunk_size >= T)
-                assert counted.rows == (1 if fits else 2) * B * T, counted.rows
+                kind = "token" if mode == "cispo" else "row" if mode in ("gspo", "geo_mean") or opts is NO_REJECTION \
+                    else "batch"
+                assert counted.rows == LOGIT_ROWS[kind][chunk_size], (kind, counted.rows)
 
 
 def test_rollout_log_probs_give_the_weights_and_the_rejection_mask():
@@ -269,3 +275,46 @@ def _tp_worker(rank, world):
 
 def test_tensor_parallel():
     run_distributed(_tp_worker, 2, timeout_s=120)
+
+
+def test_grouping_of_chunks_by_hand():
+    from chunked_entropy._loop import _grouping
+
+    # (tokens, span, chunk_size) -> (chunk walked, tokens of a group)
+    assert _grouping(18, 1, 4) == (4, 4)  # token-local: every chunk its own group
+    assert _grouping(18, 6, 13) == (12, 12)  # two rows to a chunk
+    assert _grouping(18, 6, 4) == (3, 6)  # a row in two chunks of 3
+    assert _grouping(3000, 1500, 512) == (500, 1500)
+    assert _grouping(4096, 1024, 512) == (512, 1024)
+    assert _grouping(21, 7, 4) == (4, 21)  # 7 has no divisor of at least 2: the batch is one group
+    assert _grouping(18, None, 4) == (4, 18)
+
+
+@pytest.mark.parametrize("mode", ["gspo", "geo_mean"])
+@pytest.mark.parametrize("t,chunk_size", [(7, 4), (8, 3), (8, 8)])
+def test_rows_longer_than_a_chunk(mode, t, chunk_size):
+    """Rows of 7 tokens in chunks of 4 (no divisor: one group of the batch), of 8 in chunks of 3 (made 2:
+    four to a row) and of 8 in 8, against the composition in float64, with the entropy bonus."""
+    g = torch.Generator().manual_seed(9)
+    hidden = torch.randn(2, t, H, generator=g, dtype=torch.float64)
+    weight = torch.randn(V, H, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, V, (2, t), generator=g)
+    adv = torch.randn(2, t, generator=g, dtype=torch.float64)
+    mask = torch.rand(2, t, generator=g) < 0.8
+    with torch.no_grad():
+        lp, _ = linear_log_probs_and_entropy(hidden, weight, labels)
+    old = lp + torch.randn(2, t, generator=g, dtype=torch.float64) * 0.5
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    loss, metrics = linear_policy_loss(h, w, labels, old, adv, mask, loss_mode=mode, chunk_size=chunk_size,
+                                       entropy_coeff=0.03, **OPTS)
+    (loss * 1.3).backward()
+    h2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    lp, ent = linear_log_probs_and_entropy(h2, w2, labels)
+    pg, ref_metrics = losses.policy_loss(lp, old, adv, mask, loss_mode=mode, **OPTS)
+    ref = pg - 0.03 * losses.entropy_bonus(ent, mask)
+    (ref * 1.3).backward()
+    torch.testing.assert_close(loss.detach(), ref.detach(), rtol=1e-10, atol=1e-12)
+    for k, v in ref_metrics.items():
+        torch.testing.assert_close(metrics[k].double(), v.double(), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(h.grad, h2.grad, rtol=1e-9, atol=1e-11)
+    torch.testing.assert_close(w.grad, w2.grad, rtol=1e-9, atol=1e-11)

@@ -365,7 +365,8 @@ def floor_seconds(case: Case, inp: "Inputs") -> float:
     Fused head: its matmul passes alone, chunk by chunk into one buffer, four
     of them (logits, recomputed logits, ``g @ W``, ``g.T @ h``), three for the
     fused policy loss of a token-local objective, or of a row-local one whose
-    sequences fit a chunk (otherwise a statistics pass runs first: four).
+    sequences fit a chunk; otherwise four, an upper bound (the fused loss
+    computes each group's last chunk of logits once).
     """
     device = torch.device(case.device)
     with torch.no_grad():

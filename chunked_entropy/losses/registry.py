@@ -9,8 +9,8 @@ twelve names; each maps here to an :class:`Objective`:
   rollout correction of :mod:`.rollout`): the loss over ``[B, T]`` log-probs,
   whose autograd gives each token's upstream gradient once the log-probs it
   reads are known: its own sequence's for the row-local ones (gspo,
-  geo_mean; the fused loss then needs chunks of whole rows), every token's
-  for the others (the fused loss runs a statistics pass first).
+  geo_mean; the fused loss then walks chunks of whole rows), every token's
+  for the others (the fused loss reads the whole batch's first).
 """
 
 from __future__ import annotations
@@ -118,7 +118,8 @@ TOKEN_LOCAL_MODES = tuple(name for name, o in OBJECTIVES.items() if o.token_loca
 """The token-local ones: the fused losses form their gradients in the forward chunk loop (three matmul passes)."""
 ROW_LOCAL_MODES = tuple(name for name, o in OBJECTIVES.items() if o.row_local is True)
 """Those that read only their own sequence's log-probs (gspo, geo_mean): formed in the forward chunk loop too
-when whole rows of ``[B, T]`` fit a chunk (``chunk_size >= T``); otherwise after a statistics pass. So is
+when whole rows of ``[B, T]`` fit a chunk (``chunk_size >= T``); otherwise once each row's chunks have their
+statistics (all but the last then computed again). So is
 ``bypass_mode`` without a rejection criterion (``rollout_rs``) or batch normalization."""
 
 

@@ -10,7 +10,7 @@ takes each token's upstream gradient from these functions' autograd over the
 ``[B, T]`` log-probs (no logits involved). gspo and geo_mean read only the
 token's own sequence (row-local: the fused loss asks them as soon as a chunk
 of whole rows has its log-probs); clip_cov and kl_cov read the whole batch
-(asked after a statistics pass).
+(asked once every chunk has its statistics).
 """
 
 from __future__ import annotations
