@@ -41,7 +41,8 @@ PRESETS = {
     ),
     # verl's objectives, fused, against the fused head + chunked_entropy.losses, on 32 sequences of 512 tokens:
     # token-local ones and a sequence-level one whose sequences fit a chunk (three matmul passes against four);
-    # --seq-len 16384 (one sequence longer than a chunk): gspo runs a statistics pass first (four against four)
+    # --seq-len 1024 or 16384 (sequences longer than a chunk): each sequence's chunks forward, then back, the last
+    # one's logits kept (3 + (g - 1) / g passes for g chunks a sequence, against four)
     "loss-modes": dict(
         path="head", tokens=[16384], vocab=[32768], hidden=[512], dtype="float32",
         methods=["headloss", "fusedloss"], chunk_sizes=[512], loss_modes=["cispo", "sapo", "gspo"], seq_len=512,
