@@ -1,7 +1,8 @@
 """Drop-ins for RL frameworks, each a thin layer over the public functions.
 
-- :mod:`chunked_entropy.integrations.verl`: verl's Megatron actor logits
-  processor (replaces the block that needed ``logits.clone()``).
+- :mod:`chunked_entropy.integrations.verl`: verl's output layer, a package
+  with one module per route (the Megatron engine's logits processor replaces
+  the block that needed ``logits.clone()``).
 - :mod:`chunked_entropy.integrations.slime` and
   :mod:`chunked_entropy.integrations.miles`: the Megatron RL trainers' log-prob
   and entropy functions (``--custom-megatron-init-path ...install``).

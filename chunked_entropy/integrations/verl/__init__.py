@@ -1,0 +1,52 @@
+"""verl 0.9: every route of verl's output layer through this library, installed at once.
+
+One module per route, each listing what it replaces in verl (its ``TARGETS``):
+
+- :mod:`.megatron`: the Megatron engine's logits processor (the unfused route).
+
+Nothing in verl is edited. Load the patch in every worker with verl's own
+hooks: ``VERL_USE_EXTERNAL_MODULES=chunked_entropy.integrations.verl_plugin``
+(imported by ``import verl``) or
+``actor_rollout_ref.model.external_lib=chunked_entropy.integrations.verl_plugin``.
+:func:`install` patches at once the modules verl has imported, the others
+as soon as they are (a post-import hook): importing the plugin is cheap and
+imports neither verl's engines nor megatron-core.
+
+Tested with verl 0.9.1 and megatron-core 0.16.1.
+"""
+
+from __future__ import annotations
+
+from .._common import Patch
+from . import megatron
+from .megatron import TARGET_MODULE, lm_head_logits_processor
+
+__all__ = ["TARGET_MODULE", "install", "installed", "lm_head_logits_processor", "uninstall"]
+
+_PATCH = Patch(
+    "verl",
+    [*megatron.TARGETS],
+    "verl's MegatronEngineWithLMHead._lm_head_logits_processor now computes log-probs, entropy and "
+    "sum_pi_squared chunked, without div_ or clone (chunk size: entropy_from_logits_chunk_size)",
+)
+
+
+def install() -> None:
+    """Make verl compute its output layer with this library, on every route (once; idempotent).
+
+    Checks every route's targets in the verl modules already imported, then
+    (only if all pass) replaces them; the others are replaced as soon as
+    their modules are imported. Raises RuntimeError, leaving verl as it was,
+    when a verl function does not have verl 0.9's signature.
+    """
+    _PATCH.install()
+
+
+def uninstall() -> None:
+    """Restore verl's own functions (and drop a pending post-import hook)."""
+    _PATCH.uninstall()
+
+
+def installed() -> bool:
+    """Whether any of verl's functions is currently replaced."""
+    return _PATCH.installed()
