@@ -37,7 +37,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ._checks import is_int
+from ._checks import check_device, is_int
 from ._stats import Transform
 from .parallel import all_gather_dim0, all_reduce_sum_, fingerprint
 
@@ -81,10 +81,9 @@ class At:
             return None
         vals, idx = z.topk(min(self.top_k, width), dim=1)
         vals, idx = vals.to(self.top_raw.dtype), idx + (self.rank * self.v_local + v0)
-        if cand is not None:
+        if cand is not None:  # merged with the earlier blocks' candidates, in descending order again
             vals, idx = torch.cat([cand[0], vals], dim=1), torch.cat([cand[1], idx], dim=1)
-        if vals.shape[1] > self.top_k:
-            vals, pick = vals.topk(self.top_k, dim=1)
+            vals, pick = vals.topk(min(self.top_k, vals.shape[1]), dim=1)
             idx = idx.gather(1, pick)
         return vals, idx
 
@@ -193,8 +192,7 @@ def parse_at(log_probs_at, top_k, *, lead_shape, v_local: int, device, call, kee
                              f"{tuple(log_probs_at.shape)}")
         if log_probs_at.shape[-1] < 1:
             raise ValueError("log_probs_at must have K >= 1 ids per token, got K = 0")
-        if log_probs_at.device != device:
-            raise ValueError(f"log_probs_at is on {log_probs_at.device} but the input is on {device}")
+        check_device("log_probs_at", log_probs_at, device)
         ids = log_probs_at.reshape(-1, log_probs_at.shape[-1]).to(torch.int64)
         call.require(((ids >= 0) & (ids < v_global)).all(), f"log_probs_at must hold vocabulary ids in [0, {v_global})")
         if call.world > 1:

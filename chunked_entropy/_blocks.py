@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 from einops import rearrange
 
-from ._checks import check_chunk, check_float
+from ._checks import check_chunk, check_device, check_float
 from ._inputs import Rows, Tokens, compute_dtype, dtype_code
 from ._loop import row_stats
 from ._stats import Want
@@ -87,14 +87,12 @@ def check_linear_args(hidden, weight, bias, labels, world: int, sequence_paralle
         )
     if hidden.dtype != weight.dtype:
         raise TypeError(f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must have the same dtype")
-    if hidden.device != weight.device:
-        raise ValueError(f"hidden is on {hidden.device} but weight is on {weight.device}")
+    check_device("hidden", hidden, weight.device, "weight")
     if bias is not None:
         check_float("bias", bias)
         if bias.shape != (weight.shape[0],):
             raise ValueError(f"bias must have shape ({weight.shape[0]},) (V_local), got {tuple(bias.shape)}")
-        if bias.device != weight.device:
-            raise ValueError(f"bias is on {bias.device} but weight is on {weight.device}")
+        check_device("bias", bias, weight.device, "weight")
     check_chunk("vocab_chunk_size", vocab_chunk_size, optional=True)
     if not isinstance(labels, torch.Tensor):
         raise TypeError(f"labels must be a torch.Tensor of int64 ids, got {type(labels).__name__}")
@@ -189,9 +187,15 @@ def linear_grads(blocks, rows: Rows, weight, *, n: int, hidden_dtype, chunk_size
     ``hidden_dtype``, the float32 weight-gradient accumulator ``[V, H]`` (or
     ``gw`` itself, accumulated into), the float32 bias gradient ``[V])``, each
     None where not needed. Two matmuls per block: ``g @ W`` and ``g.T @ h``;
-    with half-precision weights ``g @ W`` is a half-precision matmul, unless
-    ``float32`` (``logits_dtype=torch.float32``): then the block's weight rows
-    are cast to float32 for it.
+    with half-precision weights ``g @ W`` is a half-precision matmul (``g``
+    rounded to the weight's dtype, as half-precision autograd rounds it),
+    unless ``float32`` (``logits_dtype=torch.float32``): then the block's
+    weight rows are cast to float32 for it. With vocabulary blocks, each
+    block's partial ``g @ W`` is accumulated in float32 (a half-precision one
+    overflows where the blocks' sum would not: a loss scale times a common
+    offset of the weight rows); the hidden states' gradient is rounded to
+    their dtype once, after the last block. On a CPU that costs a float32 copy
+    of the block's weight rows (``[vocab_chunk_size, H]``); on CUDA none.
     """
     need_h, need_w, need_b = need
     v, hdim = weight.shape
@@ -214,6 +218,8 @@ def linear_grads(blocks, rows: Rows, weight, *, n: int, hidden_dtype, chunk_size
                 gh_c.addmm_(g, w)
             elif float32:
                 gh_c.addmm_(g, w.to(cdt))
+            elif v1 - v0 < v:  # one block's partial sum: accumulated in float32, where it cannot overflow
+                gh_c.add_(_half_mm(g.to(w.dtype), w, cdt))
             else:
                 gh_c.add_(torch.mm(g.to(w.dtype), w))
         if need_w:
@@ -223,6 +229,14 @@ def linear_grads(blocks, rows: Rows, weight, *, n: int, hidden_dtype, chunk_size
         if need_h and v1 == v:  # the chunk's last block
             grad_h[a:b].copy_(gh_c)
     return grad_h, (gw if need_w else None), gb
+
+
+def _half_mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """``a @ b`` of half-precision operands, with a ``out_dtype`` (float32) result: the product a
+    half-precision matmul forms before it rounds its output (on CUDA without casting the operands)."""
+    if a.device.type == "cuda":
+        return torch.mm(a, b, out_dtype=out_dtype)
+    return torch.mm(a.to(out_dtype), b.to(out_dtype))
 
 
 def reduce_hidden_grad(grad_h: torch.Tensor, full_shape, plan: Plan) -> torch.Tensor:

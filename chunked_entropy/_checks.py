@@ -66,6 +66,12 @@ def check_strided(name: str, t: torch.Tensor) -> None:
         raise TypeError(f"{name} must be a dense (strided) tensor, got layout {t.layout}; call .to_dense() first")
 
 
+def check_device(name: str, t: torch.Tensor, device: torch.device, of: str = "the input") -> None:
+    """``t`` lives on ``device`` (that of ``of``): named here, before torch's own error from inside the work."""
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}; expected {device}, where {of} is (move it there first)")
+
+
 def check_float(name: str, t, *, dim: Optional[int] = None) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")

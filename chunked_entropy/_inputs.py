@@ -14,7 +14,7 @@ from typing import Optional, Union
 import torch
 
 from ._at import At, parse_at
-from ._checks import FLOAT_DTYPES, check_strided, is_int, is_real
+from ._checks import FLOAT_DTYPES, check_device, check_strided, is_int, is_real
 from ._keep import Kept, parse_keep
 from ._stats import Coefficients, RowStats, Transform, Want
 from .parallel import CallCheck, fingerprint, fingerprint_floats
@@ -152,8 +152,7 @@ def prepare_tokens(
             f"{labels_name} must have the leading shape of the input, {tuple(lead_shape)}, "
             f"got {tuple(labels.shape)}"
         )
-    if labels.device != device:
-        raise ValueError(f"{labels_name} is on {labels.device} but the input is on {device}")
+    check_device(labels_name, labels, device)
     if not is_int(ignore_index):
         raise TypeError(f"ignore_index must be an int (the label id meaning 'no label'), got {ignore_index!r}")
     if not -(2**63) <= ignore_index < 2**63:
@@ -176,7 +175,8 @@ def prepare_tokens(
             raise ValueError(
                 f"label_mask must have the labels' shape {tuple(lead_shape)}, got {tuple(label_mask.shape)}"
             )
-        valid &= label_mask.reshape(-1).to(device=device, dtype=torch.bool)
+        check_device("label_mask", label_mask, device)
+        valid &= label_mask.reshape(-1).to(dtype=torch.bool)
 
     bad = valid & ((flat < 0) | (flat >= v_global))
     expected = f"{labels_name} must be vocabulary ids in [0, {v_global}) or ignore_index={ignore_index}"
@@ -227,6 +227,8 @@ def prepare_temperature(temperature, lead_shape, device, dtype, call: CallCheck)
         if not temperature.is_floating_point():
             raise TypeError(f"temperature must be a float or a float tensor, got {temperature.dtype}")
         check_strided("temperature", temperature)
+        if temperature.dim() > 0:  # a 0-dim tensor is a scalar, taken from any device (as torch's own ops do)
+            check_device("temperature", temperature, device)
         try:
             t = torch.broadcast_to(temperature.detach().to(device), lead_shape)
         except RuntimeError:

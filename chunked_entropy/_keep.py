@@ -49,6 +49,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from ._checks import check_device
 from ._stats import NEG_FLOOR, BlockStats, Coefficients, RowStats, Transform
 from .parallel import all_reduce_min_flags, fingerprint
 
@@ -120,8 +121,7 @@ def _as_ids(name: str, value, device) -> torch.Tensor:
         raise TypeError(f"{name} must hold integers, got {value.dtype}")
     if value.dim() != 1:
         raise ValueError(f"{name} must be 1-D, got shape {tuple(value.shape)}")
-    if value.device != device:
-        raise ValueError(f"{name} is on {value.device} but the input is on {device}")
+    check_device(name, value, device)
     return value.to(torch.int64)
 
 
@@ -151,8 +151,7 @@ def parse_keep(keep, *, lead_shape, v_local: int, labels: torch.Tensor, valid: t
                 f"keep as a dense mask must be [..., V_local] = {want} (the labels' shape and this rank's "
                 f"vocabulary shard), got {tuple(keep.shape)}"
             )
-        if keep.device != device:
-            raise ValueError(f"keep is on {keep.device} but the input is on {device}")
+        check_device("keep", keep, device)
         mask = keep.reshape(n, v_local)
         whole_here = mask.all(dim=1)  # rows that keep this whole shard: one read of the mask
         kept = Kept(entropy_of, "dense")

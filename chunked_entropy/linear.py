@@ -196,7 +196,10 @@ def linear_log_probs_and_entropy(
         ``[chunk_size, vocab_chunk_size]`` buffers (a third in backward with
         ``softcap``; plus the half-precision matmul output when the weight is
         bf16/fp16, or with ``logits_dtype=torch.float32`` off CUDA the block's
-        float32 hidden and weight rows). Backward also allocates
+        float32 hidden and weight rows; in backward, with half-precision
+        weights and vocabulary blocks, each block's ``g @ W`` is summed in
+        float32, off CUDA through a float32 copy of the block's weight rows).
+        Backward also allocates
         the gradients: ``grad_hidden`` ``[tokens, H]``, a float32 ``[V_local, H]``
         weight-gradient accumulator (none with ``main_grad``) and a float32
         ``[V_local]`` bias accumulator. Sequence parallelism gathers the

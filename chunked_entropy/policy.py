@@ -128,7 +128,7 @@ class _Objective:
             check_same_shape("labels", labels, ref_log_probs=ref_log_probs)
         if generator is not None and not isinstance(generator, torch.Generator):
             raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
-        weights = check_weights(rollout_is_weights, old_log_probs)
+        weights = check_weights(rollout_is_weights, old_log_probs, "old_log_probs")
         if rollout_log_probs is not None:  # verl's rollout correction, from the old and the rollout log-probs
             if weights is not None:
                 raise ValueError("pass rollout_is_weights or rollout_log_probs (to compute them), not both")
@@ -187,7 +187,7 @@ class _Objective:
         if self.objective.token_local:
             keep = self.keep.reshape(-1)[a:b]
             lp_k, = selected(keep, lp)
-            g = self.objective.grad(lp_k, self.old[a:b], self.adv[a:b], self.mask_flat[a:b], self.opts.policy)
+            g = self.objective.token_grad(lp_k, self.old[a:b], self.adv[a:b], self.mask_flat[a:b], self.opts.policy)
             if self.is_w is not None:
                 g = g * self.is_w[a:b]
             return g * self.pg_weights[a:b]

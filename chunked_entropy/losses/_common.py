@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .._checks import check_strided
+from .._checks import check_device, check_strided
 
 
 def check_tensor(name: str, t, *, floating: bool = True) -> None:
@@ -22,33 +22,36 @@ def check_tensor(name: str, t, *, floating: bool = True) -> None:
 
 
 def check_same_shape(ref_name: str, ref: torch.Tensor, **others) -> None:
+    """Each of ``others`` a float tensor of ``ref``'s shape, on its device (each named in the error)."""
     for name, t in others.items():
         check_tensor(name, t)
         if t.shape != ref.shape:
             raise ValueError(
                 f"{name} must have the shape of {ref_name}, {tuple(ref.shape)}, got {tuple(t.shape)}"
             )
+        check_device(name, t, ref.device, ref_name)
 
 
-def check_mask(loss_mask, loss_mat: torch.Tensor, of: str = "loss_mat") -> None:
-    """``loss_mask``: bool, or real weights >= 0 (finite), shaped like ``loss_mat``.
+def check_mask(loss_mask, loss_mat: torch.Tensor, of: str = "loss_mat", name: str = "loss_mask") -> None:
+    """``loss_mask`` (called ``name``): bool, or real weights >= 0 (finite), shaped like ``loss_mat``, on its device.
 
     The weights' sign is checked on the CPU at once; on an accelerator with an
     asynchronous device-side assertion (no host sync).
     """
-    check_tensor("loss_mask", loss_mask, floating=False)
+    check_tensor(name, loss_mask, floating=False)
     if loss_mask.dtype.is_complex:
-        raise TypeError(f"loss_mask must be a bool or real tensor, got {loss_mask.dtype}")
+        raise TypeError(f"{name} must be a bool or real tensor, got {loss_mask.dtype}")
     if loss_mask.shape != loss_mat.shape:
         raise ValueError(
-            f"loss_mask must have the shape of {of}, {tuple(loss_mat.shape)}, "
+            f"{name} must have the shape of {of}, {tuple(loss_mat.shape)}, "
             f"got {tuple(loss_mask.shape)}"
         )
     if loss_mat.dim() < 1:
         raise ValueError(f"{of} must be at least 1-D ([..., response_length]), got a scalar")
+    check_device(name, loss_mask, loss_mat.device, of)
     if loss_mask.dtype != torch.bool:
         ok = ((loss_mask >= 0) & torch.isfinite(loss_mask) if loss_mask.is_floating_point() else loss_mask >= 0).all()
-        message = "loss_mask must be bool or hold finite weights >= 0"
+        message = f"{name} must be bool or hold finite weights >= 0"
         if loss_mask.device.type == "cpu":
             if not bool(ok):
                 raise ValueError(f"{message}; got a minimum of {loss_mask.min().item()!r}")

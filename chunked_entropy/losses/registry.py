@@ -19,6 +19,7 @@ from typing import Callable, NamedTuple, Optional, Union
 
 import torch
 
+from .._checks import check_device
 from ._common import check_mask, check_same_shape, check_tensor
 from .aggregation import Aggregation, aggregate
 from .options import PolicyOptions
@@ -67,6 +68,14 @@ class Objective(NamedTuple):
     @property
     def token_local(self) -> bool:
         return self.grad is not None
+
+    def token_grad(self, lp, old, adv, loss_mask, o: PolicyOptions) -> torch.Tensor:
+        """``d l / d lp`` of a token-local objective's per-token loss, written down, from selected ``[...]``
+        tensors and the loss mask as a framework hands it over (bool, integer 0/1, float 0/1 or weights): the
+        derivative reads only which tokens count, so ``grad`` gets ``loss_mask != 0``. Masked tokens get 0."""
+        keep = loss_mask if loss_mask.dtype == torch.bool else loss_mask != 0
+        g = self.grad(lp, old, adv, keep, o)
+        return torch.where(keep, g, torch.zeros((), dtype=lp.dtype, device=lp.device))
 
     def reads_only_its_row(self, o: PolicyOptions) -> bool:
         """Whether, under options ``o``, a token's gradient reads only its own sequence's log-probs."""
@@ -169,7 +178,7 @@ def options_of(options: Optional[PolicyOptions], fields: dict) -> PolicyOptions:
     return options.replace(**fields) if fields else options
 
 
-def check_weights(rollout_is_weights, like: torch.Tensor):
+def check_weights(rollout_is_weights, like: torch.Tensor, like_name: str = "log_probs"):
     """``rollout_is_weights``: None, or a float tensor of the log-probs' shape (no gradient through it)."""
     if rollout_is_weights is None:
         return None
@@ -177,6 +186,7 @@ def check_weights(rollout_is_weights, like: torch.Tensor):
     if rollout_is_weights.shape != like.shape:
         raise ValueError(f"rollout_is_weights must have the log-probs' shape {tuple(like.shape)}, got "
                          f"{tuple(rollout_is_weights.shape)}")
+    check_device("rollout_is_weights", rollout_is_weights, like.device, like_name)
     return rollout_is_weights.detach()
 
 
@@ -300,6 +310,5 @@ def policy_loss_grad(
     if not obj.token_local:
         raise ValueError(f"loss_mode={loss_mode!r} is not token-local: a token's gradient depends on the other "
                          "tokens' log-probs; differentiate policy_loss instead")
-    keep = loss_mask != 0
-    lp, old, adv = selected(keep, log_probs, old_log_probs, advantages)
-    return torch.where(keep, obj.grad(lp, old, adv, loss_mask, o), torch.zeros((), dtype=lp.dtype, device=lp.device))
+    lp, old, adv = selected(loss_mask != 0, log_probs, old_log_probs, advantages)
+    return obj.token_grad(lp, old, adv, loss_mask, o)

@@ -156,7 +156,11 @@ def _is_metrics(w, raw, log_for_metrics, mask, level, upper, lower):
     std = torch.sqrt(torch.clamp(_mean(clamped.square(), mask) - mc.square(), min=0.0))
     out["rollout_is_std"] = torch.where(mask.sum() > 1, std, torch.zeros((), dtype=w.dtype, device=w.device))
     normalized = clamped / (_mean(clamped, mask) + 1e-8)
-    out["rollout_is_eff_sample_size"] = 1.0 / _mean(normalized.square(), mask)
+    # 1 / mean(w_n**2); 0 when no token keeps a weight (an IcePop window that zeroes them all), where verl 0.9.1
+    # divides by zero (ZeroDivisionError) in Python
+    mean_sq = _mean(normalized.square(), mask)
+    out["rollout_is_eff_sample_size"] = torch.where(mean_sq > 0, 1.0 / torch.where(mean_sq > 0, mean_sq, 1.0),
+                                                    torch.zeros_like(mean_sq))
     if w.dim() > 1:
         seq = _mean(w, mask, -1)
         out["rollout_is_seq_mean"] = seq.mean()
@@ -333,7 +337,7 @@ def rollout_correction(
     """
     check_tensor("log_probs", log_probs)
     check_same_shape("log_probs", log_probs, rollout_log_probs=rollout_log_probs)
-    check_mask(response_mask, log_probs, "log_probs")
+    check_mask(response_mask, log_probs, "log_probs", "response_mask")
     check_options(rollout_is, rollout_is_threshold, rollout_is_batch_normalize, rollout_rs, rollout_rs_threshold)
     check_not_empty(response_mask)
     return correction(log_probs, rollout_log_probs, response_mask, rollout_is=rollout_is,

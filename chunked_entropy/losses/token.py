@@ -5,7 +5,9 @@ verl 0.9.1's ``vanilla`` (PPO with dual clip), ``dppo_tv``, ``dppo_kl``,
 ``[B, T]`` tensors whose masked positions are already selected away
 (:func:`selected`): ``<name>(lp, old, adv, keep, o)`` gives the per-token loss
 (differentiable in ``lp``, verl's formula) and verl's metrics, and
-``<name>_grad(lp, old, adv, keep, o)`` its derivative in ``lp``, written down,
+``<name>_grad(lp, old, adv, keep, o)`` its derivative in ``lp``, written down
+(``keep``: the mask as bool; :meth:`~chunked_entropy.losses.registry.Objective.token_grad`
+prepares it from any loss mask a framework hands over),
 so that the fused loss can form each token's gradient in the forward chunk
 loop. :mod:`chunked_entropy.losses.registry` applies the rollout IS weights
 and the aggregation, and checks the arguments.
