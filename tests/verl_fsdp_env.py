@@ -159,6 +159,66 @@ def build_engine(path: str, *, fused: bool = False, remove_padding: bool = True,
     return engine
 
 
+def ppo_batch(seed: int, *, vocab: int = 96, k: int = 4, temperature=(0.7, 1.3, 0.9, 1.1), remove_padding=True,
+              fused=False, distill=True, entropy=True, sum_pi_squared=False, batch_num_tokens=None, train=False):
+    """A micro-batch as verl's actor hands it to the engine: left/right-padded prompts and responses turned into
+    verl's no-padding layout by verl's own ``left_right_2_no_padding``, with advantages, old log-probs and a
+    teacher's top-k (ids and log-probs), and the engine's flags. ``temperature``: per sample, or a float."""
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.padding import left_right_2_no_padding
+
+    g = torch.Generator().manual_seed(seed)
+    prompt_lens, response_lens = [4, 3, 2, 4], [5, 3, 4, 2]
+    b, p, r = len(prompt_lens), max(prompt_lens), max(response_lens)
+    prompts = torch.randint(3, vocab, (b, p), generator=g)
+    responses = torch.randint(3, vocab, (b, r), generator=g)
+    mask = torch.zeros(b, p + r, dtype=torch.int64)
+    for i, (pl, rl) in enumerate(zip(prompt_lens, response_lens, strict=True)):
+        mask[i, p - pl: p + rl] = 1  # prompts left-padded, responses right-padded
+        prompts[i, : p - pl] = 2
+        responses[i, rl:] = 2
+    position_ids = (mask.cumsum(-1) - 1).clamp_min(0)
+    response_mask = mask[:, p:].clone()
+    teacher_ids = torch.stack([torch.randperm(vocab, generator=g)[:k] for _ in range(b * (p + r))]).view(b, p + r, k)
+    teacher_lp = torch.log_softmax(torch.randn(b, p + r, vocab, generator=g) * 2, -1).gather(-1, teacher_ids)
+    tensors = {
+        "prompts": prompts, "responses": responses, "input_ids": torch.cat([prompts, responses], 1),
+        "attention_mask": mask, "position_ids": position_ids, "response_mask": response_mask,
+        "old_log_probs": -torch.rand(b, r, generator=g) * 3, "advantages": torch.randn(b, r, generator=g),
+        "teacher_ids": teacher_ids, "teacher_logprobs": teacher_lp,
+    }
+    if isinstance(temperature, tuple):
+        tensors["temperature"] = torch.tensor(temperature, dtype=torch.float32)
+    flags = dict(
+        use_remove_padding=remove_padding, use_fused_kernels=fused, calculate_entropy=entropy,
+        calculate_sum_pi_squared=sum_pi_squared, distillation_use_topk=distill, distillation_only=False,
+        dp_size=1, global_batch_size=None, batch_num_tokens=batch_num_tokens,
+    )
+    if train:
+        flags.update(use_dynamic_bsz=False, micro_batch_size_per_gpu=2)
+    if not isinstance(temperature, tuple):
+        flags["temperature"] = temperature
+    td = tu.get_tensordict(tensors, non_tensor_dict=flags)
+    return left_right_2_no_padding(td)
+
+
+def losses(strategy: str = "fsdp2", k: int = 4, clamp=-10.0):
+    """verl's actor loss with top-k distillation: ``partial(distillation_ppo_loss, config, distillation_config)``,
+    as verl's engine worker builds it (policy loss, entropy bonus, forward KL over the teacher's top-k)."""
+    import functools
+
+    from verl.trainer.distillation import distillation_ppo_loss
+    from verl.workers.config import DistillationConfig, DistillationLossConfig, FSDPActorConfig
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        actor = FSDPActorConfig(strategy=strategy, ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=2,
+                                rollout_n=1, entropy_coeff=0.01, use_dynamic_bsz=False)
+        dcfg = DistillationConfig(enabled=False, distillation_loss=DistillationLossConfig(
+            loss_mode="forward_kl_topk", topk=k, log_prob_min_clamp=clamp, use_policy_gradient=False))
+    return functools.partial(distillation_ppo_loss, config=actor, distillation_config=dcfg)
+
+
 def _qwen2_forward():
     from transformers import Qwen2ForCausalLM
 

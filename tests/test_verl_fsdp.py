@@ -1,0 +1,305 @@
+"""verl 0.9.1's FSDP engine, every route, through the plugin: against verl's own code in verl's real engine.
+
+verl's ``FSDPEngineWithLMHead`` is built with ``initialize()`` (FSDP2 over gloo,
+float32) from a tiny random-weight Qwen2 saved locally, tied and untied
+lm_head, and driven through its own ``forward_step`` / ``train_batch`` with
+micro-batches that verl's own ``left_right_2_no_padding`` lays out. The
+reference is verl's own unfused route (the plugin uninstalled) on the same
+model and batch. The two shims that let verl's engine run on a CPU are in
+``tests/verl_fsdp_env.py``, each with its reason. Each test runs in spawned
+gloo processes (verl's engine sets process-wide state).
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import pytest
+import torch
+
+from tests.helpers import require, run_distributed
+
+require("verl", "transformers", "tensordict")
+
+KEYS = ("log_probs", "entropy", "sum_pi_squared")
+DISTILL = ("distillation_losses", "student_mass", "teacher_mass", "overlap_count", "overlap_token_advantage")
+TOL = dict(rtol=2e-4, atol=2e-5)  # float32 rounding of a tiny model's forward and backward, two summation orders
+
+
+def _plugin(on: bool):
+    from chunked_entropy.integrations import verl as ce_verl
+
+    (ce_verl.install if on else ce_verl.uninstall)()
+    return ce_verl
+
+
+def _upstream(model_output, seed):
+    """Random upstream gradients on every differentiable output (fixed by key and length); none on the log-prob
+    of a sequence's last token, whose label is the next sequence's first (verl's losses never read it)."""
+    total = 0
+    for i, k in enumerate(sorted(model_output)):
+        if k not in KEYS + ("distillation_losses",):
+            continue
+        v = model_output[k].values()
+        up = torch.randn(v.shape, generator=torch.Generator().manual_seed(seed + i))
+        if k == "log_probs":
+            up[model_output[k].offsets()[1:] - 1] = 0
+        total = total + (v * up).sum()
+    return total
+
+
+def _run(engine, td, loss_function=None, seed=0):
+    """verl's forward_step and backward: (outputs' values, every parameter's full gradient, loss)."""
+    if loss_function is None:
+        def loss_function(model_output, data, dp_group):  # noqa: ARG001 - verl's loss signature
+            return _upstream(model_output, seed), {}
+    engine.optimizer_zero_grad()
+    loss, out = engine.forward_step(td, loss_function=loss_function, forward_only=False)
+    loss.backward()
+    grads = {n: p.grad.full_tensor().clone() for n, p in engine.module.named_parameters() if p.grad is not None}
+    engine.optimizer_zero_grad()
+    values = {k: v.values().clone() for k, v in out["model_output"].items()}
+    return values, grads, out["loss"]
+
+
+def _close(ours, theirs, what, keep=None):
+    vo, go, lo = ours
+    vt, gt, lt = theirs
+    assert set(vo) == set(vt), (what, set(vo), set(vt))
+    for k in vt:
+        a, b = vo[k], vt[k]
+        if keep is not None and k == "log_probs":
+            a, b = a[keep], b[keep]
+        torch.testing.assert_close(a.double(), b.double(), **TOL, msg=lambda m, k=k: f"{what}: {k}: {m}")
+    assert set(go) == set(gt) and go, what
+    for n in gt:  # a parameter's gradient sums over every token: its rounding scales with its largest entry
+        torch.testing.assert_close(go[n], gt[n], rtol=TOL["rtol"], atol=1e-4 * float(gt[n].abs().max()),
+                                   msg=lambda m, n=n: f"{what}: grad of {n}: {m}")
+    torch.testing.assert_close(lo, lt, **TOL)
+
+
+def _not_last(td):
+    """Every token but each sequence's last (whose label verl's fused padded route takes from its own row)."""
+    lengths = td["input_ids"].offsets().diff()
+    keep = torch.ones(int(lengths.sum()), dtype=torch.bool)
+    keep[td["input_ids"].offsets()[1:] - 1] = False
+    return keep
+
+
+# ----------------------------------------------------------------------------- every route vs verl's unfused
+
+
+def _routes(rank, world, tie):
+    from tests import verl_fsdp_env as env
+
+    path = env.tiny_model_dir(tie=tie) if rank == 0 else None
+    path = _shared(path)
+    seed = 11 + rank  # each data-parallel rank its own data
+    ce_verl = _plugin(False)
+    unfused = env.build_engine(path)
+    ref = {}
+    for rm in (True, False):
+        td = lambda **kw: env.ppo_batch(seed, remove_padding=rm, sum_pi_squared=True, distill=False, **kw)  # noqa: E731
+        ref[rm] = _run(unfused, td())
+        ref[rm, "distill"] = _run(unfused, env.ppo_batch(seed, remove_padding=rm), env.losses())
+        assert set(ref[rm][0]) == set(KEYS) and set(ref[rm, "distill"][0]) == {"log_probs", "entropy", *DISTILL}
+        ref[rm, "t1"] = _run(unfused, td(temperature=1.0))
+    ce_verl.install()
+    for rm in (True, False):
+        td = lambda **kw: env.ppo_batch(seed, remove_padding=rm, sum_pi_squared=True, distill=False, **kw)  # noqa: E731
+        _close(_run(unfused, td()), ref[rm], f"unfused rm={rm}")
+        _close(_run(unfused, env.ppo_batch(seed, remove_padding=rm), env.losses()), ref[rm, "distill"],
+               f"unfused distill rm={rm}")
+        _close(_run(unfused, td(temperature=1.0)), ref[rm, "t1"], f"unfused t=1 rm={rm}")
+    fused = env.build_engine(path, fused=True)
+    for rm in (True, False):
+        td = lambda **kw: env.ppo_batch(seed, remove_padding=rm, fused=True, sum_pi_squared=True, distill=False,  # noqa: E731
+                                        **kw)
+        keep = None if rm else _not_last(td())
+        _close(_run(fused, td()), ref[rm], f"fused rm={rm}", keep)
+        _close(_run(fused, td(temperature=1.0)), ref[rm, "t1"], f"fused t=1 rm={rm}", keep)
+        _close(_run(fused, env.ppo_batch(seed, remove_padding=rm, fused=True), env.losses()),
+               ref[rm, "distill"], f"fused distill rm={rm}", keep)
+    if not tie:  # verl's own fused route cannot read an FSDP2-sharded untied lm_head
+        ce_verl.uninstall()
+        with pytest.raises(Exception, match="DTensor"):
+            _run(fused, env.ppo_batch(seed, fused=True, temperature=1.0, distill=False))
+
+
+def _shared(path):
+    """Rank 0's model folder, on every rank."""
+    import torch.distributed as dist
+
+    box = [path]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
+def test_every_route_matches_verls_unfused_route(tie):
+    """Unfused (padding removed and kept) and fused (torch backend) through the plugin: log-probs, entropy,
+    sum_pi_squared, every distillation key and every parameter's gradient equal verl's own unfused route's
+    (per-sample temperatures, and the scalar 1); untied, verl's own fused route fails where ours runs."""
+    run_distributed(_routes, 1, tie, timeout_s=300)
+
+
+def test_every_route_two_ranks():
+    """World size 2 (FSDP2 shards every parameter over 2 gloo ranks, each rank its own data), untied head."""
+    run_distributed(_routes, 2, False, timeout_s=300)
+
+
+# ----------------------------------------------------------------------------- a vocabulary-sharded DTensor
+
+
+class _Shapes(torch.utils._python_dispatch.TorchDispatchMode):
+    """The widest last dim of any op's output with ``rows`` or more rows."""
+
+    def __init__(self, rows):
+        super().__init__()
+        self.rows, self.widest = rows, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[:-1].numel() >= self.rows:
+                self.widest = max(self.widest, t.shape[-1])
+        return out
+
+
+def _sharded(rank, world):
+    from types import SimpleNamespace
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    from tests import verl_fsdp_env as env
+
+    path = _shared(env.tiny_model_dir(tie=False) if rank == 0 else None)
+    ce_verl = _plugin(False)
+    engine = env.build_engine(path, chunk=5)
+    vocab, hidden = 96, 16
+    torch.manual_seed(3)  # the same head and hidden states on both ranks (tensor parallelism)
+    full = torch.nn.Linear(hidden, vocab, bias=False)
+    full.weight.data.mul_(4)
+    head = torch.nn.Linear(hidden, vocab, bias=False)
+    head.weight.data.copy_(full.weight.data)
+    mesh = init_device_mesh("cpu", (world,))
+    parallelize_module(head, mesh, ColwiseParallel(use_local_output=False))
+    for rm in (True, False):
+        results = {}
+        for name, plugged, layer in (("verl", False, full), ("ours", True, head), ("verl-sharded", False, head)):
+            (ce_verl.install if plugged else ce_verl.uninstall)()
+            td = env.ppo_batch(5, remove_padding=rm, sum_pi_squared=True)
+            model_inputs, output_args = engine.prepare_model_inputs(td)
+            n = model_inputs["input_ids"].numel()
+            h = torch.randn(*model_inputs["input_ids"].shape, hidden, generator=torch.Generator().manual_seed(9),
+                            requires_grad=True)
+            layer.weight.grad = None
+            shapes = _Shapes(n)
+            with shapes:
+                logits = layer(h)
+                assert name == "verl" or type(logits).__name__ == "DTensor"
+                out = engine.prepare_model_outputs(SimpleNamespace(logits=logits), output_args, td, env.losses())
+                _upstream(out, 1).backward()
+            wg = layer.weight.grad
+            wg = wg.full_tensor() if hasattr(wg, "full_tensor") else wg
+            results[name] = ({k: v.values().detach() for k, v in out.items()}, h.grad, wg, shapes.widest)
+        ours, theirs = results["ours"], results["verl"]
+        assert set(ours[0]) == set(theirs[0]) == {*KEYS, *DISTILL}
+        for k in theirs[0]:
+            torch.testing.assert_close(ours[0][k].double(), theirs[0][k].double(), **TOL, msg=k)
+        torch.testing.assert_close(ours[1], theirs[1], **TOL)
+        torch.testing.assert_close(ours[2], theirs[2], **TOL)
+        # no op of ours makes a tensor over the full vocabulary; verl's own gathers it on every rank
+        assert ours[3] <= vocab // world, ours[3]
+        assert results["verl-sharded"][3] == vocab
+
+
+def test_vocab_sharded_dtensor_logits():
+    """Logits from a ColwiseParallel lm_head (a DTensor sharded over the vocabulary, 2 gloo ranks) through the
+    engine's real prepare_model_outputs: the library reads the local shard with the mesh's process group;
+    outputs and gradients equal verl's on the unsharded logits, and no tensor over the full vocabulary is made
+    (verl's own gathers it with full_tensor())."""
+    run_distributed(_sharded, 2, timeout_s=300)
+
+
+# ----------------------------------------------------------------------------- real training steps
+
+
+def _train(rank, world):
+    from tests import verl_fsdp_env as env
+
+    path = _shared(env.tiny_model_dir(tie=False) if rank == 0 else None)
+    history = {}
+    for name, fused, plugged in (("verl", False, False), ("unfused", False, True), ("fused", True, True)):
+        _plugin(plugged)
+        engine = env.build_engine(path, fused=fused)
+        steps = []
+        for step in range(3):
+            td = env.ppo_batch(20 + step, fused=fused, train=True)
+            out = engine.train_batch(td, loss_function=env.losses())
+            m = out["metrics"]
+            steps.append({k: v for k, v in m.items() if isinstance(v, (int, float, list))})
+            steps[-1]["loss"] = out["loss"]
+        history[name] = steps
+    for name in ("unfused", "fused"):
+        for step, (a, b) in enumerate(zip(history[name], history["verl"], strict=True)):
+            assert set(a) == set(b), (name, step)
+            for k in b:
+                torch.testing.assert_close(torch.tensor(a[k], dtype=torch.float64), torch.tensor(b[k],
+                                           dtype=torch.float64), rtol=1e-4, atol=1e-5,
+                                           msg=lambda m, k=k, step=step, name=name: f"{name} step {step} {k}: {m}")
+    assert "grad_norm" in history["verl"][0] and "distillation/loss" in history["verl"][0], history["verl"][0]
+
+
+def test_three_train_batch_steps_with_and_without_the_plugin():
+    """Three train_batch steps (verl's policy loss, entropy bonus and top-k distillation, AdamW, grad clip) from
+    the same weights: unfused and fused with the plugin give verl's own unfused route's losses, metrics and grad
+    norms to float32 rounding."""
+    run_distributed(_train, 1, timeout_s=300)
+
+
+# ----------------------------------------------------------------------------- fallback and bad input
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def _fallback(rank, world):
+    from tests import verl_fsdp_env as env
+
+    path = env.tiny_model_dir(tie=True)
+    _plugin(True)
+    engine = env.build_engine(path)
+    records = _Records()
+    logging.getLogger("chunked_entropy.integrations").addHandler(records)
+    verls = env.losses()
+
+    def other(**kw):  # a distillation function that is not verl's partial: verl's own code serves it
+        return verls(**kw)
+
+    for _ in range(2):
+        _run(engine, env.ppo_batch(3), other)
+    assert len([m for m in records.messages if "verl's own FSDP output layer" in m]) == 1, records.messages
+    assert "distillation_ppo_loss" in records.messages[-1]
+    for bad, what in ((float("nan"), "finite"), (-0.5, "> 0"), (float("inf"), "finite"), (0.0, "> 0")):
+        with pytest.raises(ValueError, match=r'micro_batch\["temperature"\] must be'):
+            _run(engine, env.ppo_batch(3, temperature=bad, distill=False))
+        with pytest.raises(ValueError, match=f"sample 2 has .*{'nan' if bad != bad else ''}"):
+            _run(engine, env.ppo_batch(3, temperature=(0.7, 1.0, bad, 1.0), distill=False))
+        assert what
+
+
+def test_fallback_warns_once_and_bad_temperatures_raise():
+    """What the plugin cannot serve (a distillation function other than verl's) runs verl's own code with one
+    warning naming why; NaN, infinite, zero or negative temperatures raise a clear ValueError before any work."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        run_distributed(_fallback, 1, timeout_s=300)
