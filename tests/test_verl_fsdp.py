@@ -153,7 +153,8 @@ def test_every_route_two_ranks():
 
 
 class _Shapes(torch.utils._python_dispatch.TorchDispatchMode):
-    """The widest last dim of any op's output with ``rows`` or more rows."""
+    """The widest last dim of any plain tensor an op makes with ``rows`` or more rows (a DTensor's own shape is
+    its global one, whatever each rank holds: not counted)."""
 
     def __init__(self, rows):
         super().__init__()
@@ -162,7 +163,8 @@ class _Shapes(torch.utils._python_dispatch.TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[:-1].numel() >= self.rows:
+            if (type(t) is torch.Tensor or type(t) is torch.nn.Parameter) and not t.is_nested and t.dim() >= 2 \
+                    and t.shape[:-1].numel() >= self.rows:
                 self.widest = max(self.widest, t.shape[-1])
         return out
 
