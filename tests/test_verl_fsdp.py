@@ -229,6 +229,16 @@ def test_vocab_sharded_dtensor_logits():
 # ----------------------------------------------------------------------------- real training steps
 
 
+def _number(v):
+    """A metric as numbers: verl's Metric objects (one value per micro-batch), lists of them, or plain values."""
+    if isinstance(v, (list, tuple)):
+        return [x for item in v for x in _number(item)]
+    values = getattr(v, "values", None)
+    if isinstance(values, list):
+        return [float(x) for x in values]
+    return [float(v)]
+
+
 def _train(rank, world):
     from tests import verl_fsdp_env as env
 
@@ -241,8 +251,7 @@ def _train(rank, world):
         for step in range(3):
             td = env.ppo_batch(20 + step, fused=fused, train=True)
             out = engine.train_batch(td, loss_function=env.losses())
-            m = out["metrics"]
-            steps.append({k: v for k, v in m.items() if isinstance(v, (int, float, list))})
+            steps.append({k: _number(v) for k, v in out["metrics"].items()})
             steps[-1]["loss"] = out["loss"]
         history[name] = steps
     for name in ("unfused", "fused"):
@@ -252,7 +261,9 @@ def _train(rank, world):
                 torch.testing.assert_close(torch.tensor(a[k], dtype=torch.float64), torch.tensor(b[k],
                                            dtype=torch.float64), rtol=1e-4, atol=1e-5,
                                            msg=lambda m, k=k, step=step, name=name: f"{name} step {step} {k}: {m}")
-    assert "grad_norm" in history["verl"][0] and "distillation/loss" in history["verl"][0], history["verl"][0]
+    for k in ("grad_norm", "distillation/loss", "actor/pg_loss", "actor/entropy_loss", "distillation/student_mass"):
+        assert k in history["verl"][0], (k, sorted(history["verl"][0]))
+    assert history["verl"][0]["loss"] != history["verl"][2]["loss"]  # the steps train
 
 
 def test_three_train_batch_steps_with_and_without_the_plugin():
