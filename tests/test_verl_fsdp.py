@@ -12,6 +12,7 @@ gloo processes (verl's engine sets process-wide state).
 
 from __future__ import annotations
 
+import functools
 import logging
 import warnings
 
@@ -100,22 +101,21 @@ def _routes(rank, world, tie):
     unfused = env.build_engine(path)
     ref = {}
     for rm in (True, False):
-        td = lambda **kw: env.ppo_batch(seed, remove_padding=rm, sum_pi_squared=True, distill=False, **kw)  # noqa: E731
+        td = functools.partial(env.ppo_batch, seed, remove_padding=rm, sum_pi_squared=True, distill=False)
         ref[rm] = _run(unfused, td())
         ref[rm, "distill"] = _run(unfused, env.ppo_batch(seed, remove_padding=rm), env.losses())
         assert set(ref[rm][0]) == set(KEYS) and set(ref[rm, "distill"][0]) == {"log_probs", "entropy", *DISTILL}
         ref[rm, "t1"] = _run(unfused, td(temperature=1.0))
     ce_verl.install()
     for rm in (True, False):
-        td = lambda **kw: env.ppo_batch(seed, remove_padding=rm, sum_pi_squared=True, distill=False, **kw)  # noqa: E731
+        td = functools.partial(env.ppo_batch, seed, remove_padding=rm, sum_pi_squared=True, distill=False)
         _close(_run(unfused, td()), ref[rm], f"unfused rm={rm}")
         _close(_run(unfused, env.ppo_batch(seed, remove_padding=rm), env.losses()), ref[rm, "distill"],
                f"unfused distill rm={rm}")
         _close(_run(unfused, td(temperature=1.0)), ref[rm, "t1"], f"unfused t=1 rm={rm}")
     fused = env.build_engine(path, fused=True)
     for rm in (True, False):
-        td = lambda **kw: env.ppo_batch(seed, remove_padding=rm, fused=True, sum_pi_squared=True, distill=False,  # noqa: E731
-                                        **kw)
+        td = functools.partial(env.ppo_batch, seed, remove_padding=rm, fused=True, sum_pi_squared=True, distill=False)
         keep = None if rm else _not_last(td())
         _close(_run(fused, td()), ref[rm], f"fused rm={rm}", keep)
         _close(_run(fused, td(temperature=1.0)), ref[rm, "t1"], f"fused t=1 rm={rm}", keep)
@@ -134,19 +134,6 @@ def _shared(path):
     box = [path]
     dist.broadcast_object_list(box, src=0)
     return box[0]
-
-
-@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
-def test_every_route_matches_verls_unfused_route(tie):
-    """Unfused (padding removed and kept) and fused (torch backend) through the plugin: log-probs, entropy,
-    sum_pi_squared, every distillation key and every parameter's gradient equal verl's own unfused route's
-    (per-sample temperatures, and the scalar 1); untied, verl's own fused route fails where ours runs."""
-    run_distributed(_routes, 1, tie, timeout_s=300)
-
-
-def test_every_route_two_ranks():
-    """World size 2 (FSDP2 shards every parameter over 2 gloo ranks, each rank its own data), untied head."""
-    run_distributed(_routes, 2, False, timeout_s=300)
 
 
 # ----------------------------------------------------------------------------- a vocabulary-sharded DTensor
@@ -218,14 +205,6 @@ def _sharded(rank, world):
         assert results["verl-sharded"][3] == vocab
 
 
-def test_vocab_sharded_dtensor_logits():
-    """Logits from a ColwiseParallel lm_head (a DTensor sharded over the vocabulary, 2 gloo ranks) through the
-    engine's real prepare_model_outputs: the library reads the local shard with the mesh's process group;
-    outputs and gradients equal verl's on the unsharded logits, and no tensor over the full vocabulary is made
-    (verl's own gathers it with full_tensor())."""
-    run_distributed(_sharded, 2, timeout_s=300)
-
-
 # ----------------------------------------------------------------------------- real training steps
 
 
@@ -266,13 +245,6 @@ def _train(rank, world):
     assert history["verl"][0]["loss"] != history["verl"][2]["loss"]  # the steps train
 
 
-def test_three_train_batch_steps_with_and_without_the_plugin():
-    """Three train_batch steps (verl's policy loss, entropy bonus and top-k distillation, AdamW, grad clip) from
-    the same weights: unfused and fused with the plugin give verl's own unfused route's losses, metrics and grad
-    norms to float32 rounding."""
-    run_distributed(_train, 1, timeout_s=300)
-
-
 # ----------------------------------------------------------------------------- fallback and bad input
 
 
@@ -310,9 +282,38 @@ def _fallback(rank, world):
         assert what
 
 
-def test_fallback_warns_once_and_bad_temperatures_raise():
-    """What the plugin cannot serve (a distillation function other than verl's) runs verl's own code with one
-    warning naming why; NaN, infinite, zero or negative temperatures raise a clear ValueError before any work."""
+# ----------------------------------------------------------------------------- the tests: a few processes, many checks
+
+
+def _parts(rank, world, parts):
+    """Several checks in one spawned process (importing verl and building its engine is most of a check's time)."""
+    for name, args in parts:
+        globals()[name](rank, world, *args)
+
+
+def test_tied_head_every_route_and_fallback():
+    """Tied lm_head, world size 1. Every route through the plugin (unfused with padding removed and kept, fused
+    with verl's torch backend) against verl's own unfused route: log-probs, entropy, sum_pi_squared, every
+    distillation key and every parameter's gradient, per-sample temperatures and the scalar 1. What the plugin
+    cannot serve (a distillation function other than verl's) runs verl's own code with one warning naming why;
+    NaN, infinite, zero or negative temperatures raise a clear ValueError before any work."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        run_distributed(_fallback, 1, timeout_s=300)
+        run_distributed(_parts, 1, (("_fallback", ()), ("_routes", (True,))), timeout_s=300)
+
+
+def test_untied_head_every_route_and_three_train_steps():
+    """Untied lm_head, world size 1: every route as above (verl's own fused route fails on the FSDP2-sharded
+    head, ours runs); then three train_batch steps (verl's policy loss, entropy bonus and top-k distillation,
+    AdamW, grad clipping) from the same weights: unfused and fused with the plugin give verl's own unfused
+    route's losses, metrics and grad norms to float32 rounding."""
+    run_distributed(_parts, 1, (("_routes", (False,)), ("_train", ())), timeout_s=300)
+
+
+def test_two_ranks_every_route_and_vocab_sharded_dtensor():
+    """World size 2 (FSDP2 shards every parameter over 2 gloo ranks, each rank its own data), untied head: every
+    route as above. Then logits from a ColwiseParallel lm_head (a DTensor sharded over the vocabulary) through
+    the engine's real prepare_model_outputs: the library reads the local shard with the mesh's process group;
+    outputs and gradients equal verl's on the unsharded logits, and no tensor over the full vocabulary is made
+    (verl's own gathers it on every rank with full_tensor())."""
+    run_distributed(_parts, 2, (("_routes", (False,)), ("_sharded", ())), timeout_s=300)

@@ -130,11 +130,10 @@ def tiny_model_dir(tie: bool, vocab: int = 96, hidden: int = 32, layers: int = 2
 def build_engine(path: str, *, fused: bool = False, remove_padding: bool = True, chunk: int = 7, sp: int = 1):
     """verl's ``FSDPEngineWithLMHead`` (FSDP2, float32, gloo), built with ``initialize()``, in train mode."""
     setup()
+    from transformers import Qwen2ForCausalLM
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
-
-    from transformers import Qwen2ForCausalLM
 
     # verl's apply_monkey_patch sets its fused forward on the model's *class* (process-wide, never undone: verl
     # builds one engine per process); a test that builds several engines in one process puts the class's own
