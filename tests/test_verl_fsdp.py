@@ -121,10 +121,30 @@ def _routes(rank, world, tie):
         _close(_run(fused, td(temperature=1.0)), ref[rm, "t1"], f"fused t=1 rm={rm}", keep)
         _close(_run(fused, env.ppo_batch(seed, remove_padding=rm, fused=True), env.losses()),
                ref[rm, "distill"], f"fused distill rm={rm}", keep)
+    if tie and world == 1:  # verl's Liger and Triton backends: served by the plugin (verl's own need CUDA)
+        for backend in ("liger", "triton"):
+            engine = env.build_engine(path, fused=True, backend=backend)
+            _close(_run(engine, env.ppo_batch(seed, fused=True), env.losses()), ref[True, "distill"], backend)
+        _triton_elsewhere()
     if not tie:  # verl's own fused route cannot read an FSDP2-sharded untied lm_head
         ce_verl.uninstall()
         with pytest.raises(Exception, match="DTensor"):
             _run(fused, env.ppo_batch(seed, fused=True, temperature=1.0, distill=False))
+
+
+def _triton_elsewhere():
+    """Outside verl's FSDP engine (verl's Megatron fused forward imports the same function) verl's own Triton
+    kernel runs: on a CPU it fails as it does without the plugin."""
+    from verl.utils.kernel import linear_cross_entropy as module
+
+    h, w, y = torch.randn(4, 8, requires_grad=True), torch.randn(16, 8), torch.randint(0, 16, (4,))
+    errors = []
+    for on in (False, True):
+        _plugin(on)
+        with pytest.raises(Exception) as e:
+            module.linear_cross_entropy(h, w, y, 1.0, "none")
+        errors.append((type(e.value), str(e.value)))
+    assert errors[0] == errors[1], errors
 
 
 def _shared(path):

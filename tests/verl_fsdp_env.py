@@ -127,7 +127,8 @@ def tiny_model_dir(tie: bool, vocab: int = 96, hidden: int = 32, layers: int = 2
     return d
 
 
-def build_engine(path: str, *, fused: bool = False, remove_padding: bool = True, chunk: int = 7, sp: int = 1):
+def build_engine(path: str, *, fused: bool = False, remove_padding: bool = True, chunk: int = 7, sp: int = 1,
+                 backend: str = "torch"):
     """verl's ``FSDPEngineWithLMHead`` (FSDP2, float32, gloo), built with ``initialize()``, in train mode."""
     setup()
     from transformers import Qwen2ForCausalLM
@@ -141,7 +142,8 @@ def build_engine(path: str, *, fused: bool = False, remove_padding: bool = True,
     Qwen2ForCausalLM.forward = _QWEN2_FORWARD
     model_config = HFModelConfig(
         path=path, load_tokenizer=False, use_remove_padding=remove_padding, use_fused_kernels=fused,
-        fused_kernel_options={"impl_backend": "torch"} if fused else {}, enable_gradient_checkpointing=False,
+        fused_kernel_options={"impl_backend": backend} if fused else {},
+        enable_gradient_checkpointing=True,  # verl's default
         override_config={"attn_implementation": "sdpa"},  # verl defaults to flash-attn 2 (CUDA only)
     )
     engine_config = FSDPEngineConfig(

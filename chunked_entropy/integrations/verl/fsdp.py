@@ -32,7 +32,8 @@ edited), these :data:`TARGETS` are replaced:
   lets the per-sample temperature through (per token, as verl expands and
   splits it) and tells the fused kernel what this micro-batch needs.
 - ``FusedLinearForPPO.forward`` (torch and Liger backends) and
-  ``linear_cross_entropy`` (Triton) → :func:`fused_linear_for_ppo_forward`,
+  ``linear_cross_entropy`` (Triton; served for the FSDP engine only, verl's
+  Megatron fused forward keeps its own) → :func:`fused_linear_for_ppo_forward`,
   :func:`linear_cross_entropy`: :func:`~chunked_entropy.linear_log_probs_and_entropy`
   on any device; an FSDP2-sharded untied lm_head is gathered by FSDP2 itself
   (the head runs as that module's forward, so FSDP2 unshards it, and
@@ -387,20 +388,25 @@ def fused_linear_for_ppo_forward(self, hidden_states, vocab_weights, input_ids, 
 
 
 def linear_cross_entropy(hidden, weight, labels, temperature=1.0, reduction="none", dist_process_group=None):
-    """verl's Triton ``linear_cross_entropy`` (``reduction="none"``), from this library, on any device.
+    """verl's Triton ``linear_cross_entropy``, from this library, on any device, inside verl's FSDP engine.
 
-    As :func:`fused_linear_for_ppo_forward`; ``dist_process_group`` is the
-    group over which ``weight`` is sharded by vocabulary rows.
+    As :func:`fused_linear_for_ppo_forward`, with the engine's
+    ``entropy_from_logits_chunk_size`` as the chunk. Served only for a
+    micro-batch of verl's FSDP engine (``reduction="none"``, no
+    ``dist_process_group``); every other caller gets verl's own kernel. verl's
+    Megatron fused forward imports this same function, and expects from it a
+    per-rank partial hidden-state gradient that Megatron's sequence-parallel
+    gather reduces afterwards: this module's would be summed already.
     """
-    chunk = 1024
     request = getattr(_LOCAL, "request", None)
-    if request is not None:
-        chunk = int(request.engine.engine_config.entropy_from_logits_chunk_size)
-    if reduction != "none":
+
+    def verls():
         return _ORIGINAL["linear_cross_entropy"](hidden, weight, labels, temperature, reduction, dist_process_group)
-    return _fused(hidden, weight, labels, temperature, chunk, dist_process_group,
-                  lambda: _ORIGINAL["linear_cross_entropy"](hidden, weight, labels, temperature, reduction,
-                                                            dist_process_group))
+
+    if request is None or reduction != "none" or dist_process_group is not None:
+        return verls()
+    chunk = int(request.engine.engine_config.entropy_from_logits_chunk_size)
+    return _fused(hidden, weight, labels, temperature, chunk, None, verls)
 
 
 def _fused(hidden, weight, labels, temperature, chunk: int, group, verls):
