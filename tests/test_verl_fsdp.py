@@ -132,6 +132,27 @@ def _routes(rank, world, tie):
             _run(fused, env.ppo_batch(seed, fused=True, temperature=1.0, distill=False))
 
 
+def _ulysses(rank, world):
+    """Ulysses sequence parallelism over both ranks (sp 2, one data-parallel group): the plugin's unfused and
+    fused routes against verl's own unfused route, each rank holding half the packed sequence (verl's own split
+    of the labels, temperatures and the teacher's top-k; sdpa attends within each half on a CPU, the same for
+    every route)."""
+    from tests import verl_fsdp_env as env
+
+    path = _shared(env.tiny_model_dir(tie=False) if rank == 0 else None)
+    ce_verl = _plugin(False)
+    unfused = env.build_engine(path, sp=world)
+    assert unfused.use_ulysses_sp
+    ref = _run(unfused, env.ppo_batch(4, sum_pi_squared=True, distill=False))
+    ref_d = _run(unfused, env.ppo_batch(4), env.losses())
+    ce_verl.install()
+    _close(_run(unfused, env.ppo_batch(4, sum_pi_squared=True, distill=False)), ref, "ulysses unfused")
+    _close(_run(unfused, env.ppo_batch(4), env.losses()), ref_d, "ulysses unfused distill")
+    fused = env.build_engine(path, fused=True, sp=world)
+    _close(_run(fused, env.ppo_batch(4, fused=True, sum_pi_squared=True, distill=False)), ref, "ulysses fused")
+    _close(_run(fused, env.ppo_batch(4, fused=True), env.losses()), ref_d, "ulysses fused distill")
+
+
 def _triton_elsewhere():
     """Outside verl's FSDP engine (verl's Megatron fused forward imports the same function) verl's own Triton
     kernel runs: on a CPU it fails as it does without the plugin."""
@@ -335,5 +356,6 @@ def test_two_ranks_every_route_and_vocab_sharded_dtensor():
     route as above. Then logits from a ColwiseParallel lm_head (a DTensor sharded over the vocabulary) through
     the engine's real prepare_model_outputs: the library reads the local shard with the mesh's process group;
     outputs and gradients equal verl's on the unsharded logits, and no tensor over the full vocabulary is made
-    (verl's own gathers it on every rank with full_tensor())."""
-    run_distributed(_parts, 2, (("_routes", (False,)), ("_sharded", ())), timeout_s=300)
+    (verl's own gathers it on every rank with full_tensor()). Then Ulysses sequence parallelism over both ranks:
+    unfused and fused with the plugin against verl's own unfused route."""
+    run_distributed(_parts, 2, (("_routes", (False,)), ("_sharded", ()), ("_ulysses", ())), timeout_s=300)
