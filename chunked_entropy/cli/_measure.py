@@ -261,6 +261,12 @@ def verl_fsdp_loss(case: Case, inp: Inputs, group):
     import warnings
     from types import SimpleNamespace
 
+    plugged = case.method in ("fsdpplugin", "fusedplugin")
+    # the plugin installed as users install it: verl imports it in its own `import verl` (each case is a process)
+    if plugged:
+        os.environ["VERL_USE_EXTERNAL_MODULES"] = "chunked_entropy.integrations.verl_plugin"
+    else:
+        os.environ.pop("VERL_USE_EXTERNAL_MODULES", None)
     with contextlib.redirect_stdout(sys.stderr), warnings.catch_warnings():  # stdout is the bench's protocol
         warnings.simplefilter("ignore")
         import verl.utils.torch_functional as verl_F
@@ -269,9 +275,9 @@ def verl_fsdp_loss(case: Case, inp: Inputs, group):
         from verl.workers.config import FSDPEngineConfig
         from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 
-        from chunked_entropy.integrations import verl as ce_verl
-
-    (ce_verl.install if case.method in ("fsdpplugin", "fusedplugin") else ce_verl.uninstall)()
+    routes = (FSDPEngineWithLMHead.prepare_model_outputs, FusedLinearForPPO.forward)
+    if any(f.__module__.startswith("chunked_entropy") != plugged for f in routes):
+        raise RuntimeError(f"verl's FSDP routes are {'not ' if plugged else ''}the plugin's in this process")
     if case.method in ("verlfused", "fusedplugin"):
         if case.topk:
             raise ValueError("verl's fused route has no top-k distillation outside verl's engine; use topk 0")
