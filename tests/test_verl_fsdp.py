@@ -359,3 +359,22 @@ def test_two_ranks_every_route_and_vocab_sharded_dtensor():
     (verl's own gathers it on every rank with full_tensor()). Then Ulysses sequence parallelism over both ranks:
     unfused and fused with the plugin against verl's own unfused route."""
     run_distributed(_parts, 2, (("_routes", (False,)), ("_sharded", ()), ("_ulysses", ())), timeout_s=300)
+
+
+def test_bench_preset_runs_verls_routes_and_the_plugins(capsys, tmp_path):
+    """``chunked-entropy bench --preset verl-fsdp`` at a tiny shape, one route of verl's own and one of the plugin's
+    (each case a process of its own; the plugin installed through VERL_USE_EXTERNAL_MODULES as users install it,
+    and each case checks that verl's routes are the plugin's exactly where they should be); with --topk, verl's
+    top-k distillation on the unfused route."""
+    import csv
+
+    from chunked_entropy.cli import main
+
+    code = main(["bench", "--preset", "verl-fsdp", "--tokens", "64", "--vocab", "512", "--hidden", "16",
+                 "--chunk-sizes", "32", "--topk", "8", "--methods", "fsdpplugin,verlfused", "--no-progress", "--out",
+                 str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    rows = {r["method"]: r for r in csv.DictReader(open(tmp_path / "results.csv"))}
+    assert {r["status"] for r in rows.values()} == {"ok"}, rows
+    assert {m: int(r["topk"]) for m, r in rows.items()} == dict(fsdpplugin=8, verlfused=0)
