@@ -55,6 +55,9 @@ def _run(engine, td, loss_function=None, seed=0):
     if loss_function is None:
         def loss_function(model_output, data, dp_group):  # noqa: ARG001 - verl's loss signature
             return _upstream(model_output, seed), {}
+    from tests import verl_fsdp_env as env
+
+    env.activate(engine)
     engine.optimizer_zero_grad()
     loss, out = engine.forward_step(td, loss_function=loss_function, forward_only=False)
     loss.backward()
@@ -121,6 +124,14 @@ def _routes(rank, world, tie):
         _close(_run(fused, td(temperature=1.0)), ref[rm, "t1"], f"fused t=1 rm={rm}", keep)
         _close(_run(fused, env.ppo_batch(seed, remove_padding=rm, fused=True), env.losses()),
                ref[rm, "distill"], f"fused distill rm={rm}", keep)
+    if world == 1:  # distillation only (verl's keys, no log-probs), against verl's own unfused route
+        only = functools.partial(env.ppo_batch, seed, distillation_only=True)
+        ce_verl.uninstall()
+        theirs = _run(unfused, only(), env.losses(task_rewards=False))
+        assert "log_probs" not in theirs[0] and "distillation_losses" in theirs[0]
+        ce_verl.install()
+        _close(_run(unfused, only(), env.losses(task_rewards=False)), theirs, "unfused distillation only")
+        _close(_run(fused, only(fused=True), env.losses(task_rewards=False)), theirs, "fused distillation only")
     if tie and world == 1:  # verl's Liger and Triton backends: served by the plugin (verl's own need CUDA)
         for backend in ("liger", "triton"):
             engine = env.build_engine(path, fused=True, backend=backend)

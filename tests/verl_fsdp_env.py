@@ -121,7 +121,7 @@ def tiny_model_dir(tie: bool, vocab: int = 96, hidden: int = 32, layers: int = 2
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():  # a sharper output distribution than the default init: more telling comparisons
-        model.get_output_embeddings().weight.mul_(40.0)
+        model.get_output_embeddings().weight.mul_(8.0)
     d = tempfile.mkdtemp(prefix="ce-verl-fsdp-")
     model.save_pretrained(d)
     return d
@@ -157,11 +157,20 @@ def build_engine(path: str, *, fused: bool = False, remove_padding: bool = True,
         engine = FSDPEngineWithLMHead(model_config, engine_config, optimizer_config, CheckpointConfig())
         engine.initialize()
     engine.train_mode().__enter__()
+    engine._test_forward = Qwen2ForCausalLM.forward  # what verl left on the class for this engine (see above)
     return engine
 
 
+def activate(engine) -> None:
+    """Put back on the model's class the forward verl chose for ``engine`` (its fused one, or the class's own)."""
+    from transformers import Qwen2ForCausalLM
+
+    Qwen2ForCausalLM.forward = engine._test_forward
+
+
 def ppo_batch(seed: int, *, vocab: int = 96, k: int = 4, temperature=(0.7, 1.3, 0.9, 1.1), remove_padding=True,
-              fused=False, distill=True, entropy=True, sum_pi_squared=False, batch_num_tokens=None, train=False):
+              fused=False, distill=True, entropy=True, sum_pi_squared=False, batch_num_tokens=None, train=False,
+              distillation_only=False):
     """A micro-batch as verl's actor hands it to the engine: left/right-padded prompts and responses turned into
     verl's no-padding layout by verl's own ``left_right_2_no_padding``, with advantages, old log-probs and a
     teacher's top-k (ids and log-probs), and the engine's flags. ``temperature``: per sample, or a float."""
@@ -192,7 +201,7 @@ def ppo_batch(seed: int, *, vocab: int = 96, k: int = 4, temperature=(0.7, 1.3, 
         tensors["temperature"] = torch.tensor(temperature, dtype=torch.float32)
     flags = dict(
         use_remove_padding=remove_padding, use_fused_kernels=fused, calculate_entropy=entropy,
-        calculate_sum_pi_squared=sum_pi_squared, distillation_use_topk=distill, distillation_only=False,
+        calculate_sum_pi_squared=sum_pi_squared, distillation_use_topk=distill, distillation_only=distillation_only,
         dp_size=1, global_batch_size=None, batch_num_tokens=batch_num_tokens,
     )
     if train:
@@ -203,7 +212,7 @@ def ppo_batch(seed: int, *, vocab: int = 96, k: int = 4, temperature=(0.7, 1.3, 
     return left_right_2_no_padding(td)
 
 
-def losses(strategy: str = "fsdp2", k: int = 4, clamp=-10.0):
+def losses(strategy: str = "fsdp2", k: int = 4, clamp=-10.0, task_rewards: bool = True):
     """verl's actor loss with top-k distillation: ``partial(distillation_ppo_loss, config, distillation_config)``,
     as verl's engine worker builds it (policy loss, entropy bonus, forward KL over the teacher's top-k)."""
     import functools
@@ -216,7 +225,8 @@ def losses(strategy: str = "fsdp2", k: int = 4, clamp=-10.0):
         actor = FSDPActorConfig(strategy=strategy, ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=2,
                                 rollout_n=1, entropy_coeff=0.01, use_dynamic_bsz=False)
         dcfg = DistillationConfig(enabled=False, distillation_loss=DistillationLossConfig(
-            loss_mode="forward_kl_topk", topk=k, log_prob_min_clamp=clamp, use_policy_gradient=False))
+            loss_mode="forward_kl_topk", topk=k, log_prob_min_clamp=clamp, use_policy_gradient=False,
+            use_task_rewards=task_rewards))
     return functools.partial(distillation_ppo_loss, config=actor, distillation_config=dcfg)
 
 

@@ -245,8 +245,11 @@ def prepare_model_outputs(self, output, output_args, micro_batch, logits_process
                                    "verl's FusedLinearForPPO or linear_cross_entropy); verl's own cannot serve it")
             _warn_once("the fused forward of this model did not go through verl's fused kernels")
             return original(self, output, output_args, micro_batch, logits_processor_func)
-        outs = dict(request.extra)
-        outs["log_probs"] = output.log_probs
+        # the extra outputs left the model's forward by a side door: their gradient must pass through the model's
+        # own outputs, where FSDP2 hooks its pre-backward (it gathers the parameters the fused head reads again)
+        outs = {k: _Through.apply(v, output.log_probs) for k, v in request.extra.items()}
+        if not _flag(micro_batch, "distillation_only", False):
+            outs["log_probs"] = output.log_probs
         if request.entropy:
             outs["entropy"] = output.entropy
         return _assemble(self, outs, output_args, micro_batch)
@@ -256,6 +259,21 @@ def prepare_model_outputs(self, output, output_args, micro_batch, logits_process
         return original(self, output, output_args, micro_batch, logits_processor_func)
     return _assemble(self, _unfused(self, output, output_args, micro_batch, logits_processor_func), output_args,
                      micro_batch)
+
+
+class _Through(torch.autograd.Function):
+    """``x`` unchanged, whose backward also hands ``anchor`` a zero gradient (so the hooks on ``anchor`` run
+    before the backward of what made ``x``)."""
+
+    @staticmethod
+    def forward(ctx, x, anchor):
+        ctx.anchor = (anchor.shape, anchor.dtype, anchor.device)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        shape, dtype, device = ctx.anchor
+        return grad, torch.zeros(shape, dtype=dtype, device=device)
 
 
 def _unfused_reason(engine, output, micro_batch, logits_processor_func) -> Optional[str]:
