@@ -260,6 +260,15 @@ def _sharded(rank, world):
 # ----------------------------------------------------------------------------- real training steps
 
 
+def _same_steps(ours, theirs, name):
+    for step, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+        assert set(a) == set(b), (name, step, set(a) ^ set(b))
+        for k in b:
+            torch.testing.assert_close(torch.tensor(a[k], dtype=torch.float64), torch.tensor(b[k], dtype=torch.float64),
+                                       rtol=1e-4, atol=1e-5,
+                                       msg=lambda m, k=k, step=step: f"{name} step {step} {k}: {m}")
+
+
 def _number(v):
     """A metric as numbers: verl's Metric objects (one value per micro-batch), lists of them, or plain values."""
     if isinstance(v, (list, tuple)):
@@ -270,8 +279,30 @@ def _number(v):
     return [float(v)]
 
 
+def _steps(env, path, fused, plugged, **batch):
+    """Three train_batch steps of a fresh engine: each step's metrics (as numbers) and loss."""
+    _plugin(plugged)
+    engine = env.build_engine(path, fused=fused)
+    env.activate(engine)
+    steps = []
+    loss_function = env.losses() if batch.get("distill", True) else env.ppo_losses()
+    for step in range(3):
+        out = engine.train_batch(env.ppo_batch(20 + step, fused=fused, train=True, **batch), loss_function)
+        steps.append({k: _number(v) for k, v in out["metrics"].items()})
+        steps[-1]["loss"] = out["loss"]
+    return steps
+
+
 def _train(rank, world):
     from tests import verl_fsdp_env as env
+
+    # verl's own fused route (tied head, scalar temperature, no distillation: all it can serve), with and without
+    # the plugin
+    tied = _shared(env.tiny_model_dir(tie=True) if rank == 0 else None)
+    fused_own = _steps(env, tied, True, False, temperature=1.0, distill=False)
+    fused_ours = _steps(env, tied, True, True, temperature=1.0, distill=False)
+    _same_steps(fused_ours, fused_own, "fused, tied, no distillation")
+    assert "actor/entropy_loss" in fused_own[0] and "grad_norm" in fused_own[0], sorted(fused_own[0])
 
     path = _shared(env.tiny_model_dir(tie=False) if rank == 0 else None)
     history = {}
@@ -286,12 +317,7 @@ def _train(rank, world):
             steps[-1]["loss"] = out["loss"]
         history[name] = steps
     for name in ("unfused", "fused"):
-        for step, (a, b) in enumerate(zip(history[name], history["verl"], strict=True)):
-            assert set(a) == set(b), (name, step)
-            for k in b:
-                torch.testing.assert_close(torch.tensor(a[k], dtype=torch.float64), torch.tensor(b[k],
-                                           dtype=torch.float64), rtol=1e-4, atol=1e-5,
-                                           msg=lambda m, k=k, step=step, name=name: f"{name} step {step} {k}: {m}")
+        _same_steps(history[name], history["verl"], name)
     for k in ("grad_norm", "distillation/loss", "actor/pg_loss", "actor/entropy_loss", "distillation/student_mass"):
         assert k in history["verl"][0], (k, sorted(history["verl"][0]))
     assert history["verl"][0]["loss"] != history["verl"][2]["loss"]  # the steps train
@@ -358,7 +384,8 @@ def test_untied_head_every_route_and_three_train_steps():
     """Untied lm_head, world size 1: every route as above (verl's own fused route fails on the FSDP2-sharded
     head, ours runs); then three train_batch steps (verl's policy loss, entropy bonus and top-k distillation,
     AdamW, grad clipping) from the same weights: unfused and fused with the plugin give verl's own unfused
-    route's losses, metrics and grad norms to float32 rounding."""
+    route's losses, metrics and grad norms to float32 rounding; and verl's own fused route (tied head, scalar
+    temperature, no distillation) gives the same three steps with and without the plugin."""
     run_distributed(_parts, 1, (("_routes", (False,)), ("_train", ())), timeout_s=300)
 
 

@@ -212,6 +212,20 @@ def ppo_batch(seed: int, *, vocab: int = 96, k: int = 4, temperature=(0.7, 1.3, 
     return left_right_2_no_padding(td)
 
 
+def ppo_losses(strategy: str = "fsdp2"):
+    """verl's actor loss without distillation: ``partial(ppo_loss, config)`` (policy loss and entropy bonus)."""
+    import functools
+
+    from verl.workers.config import FSDPActorConfig
+    from verl.workers.utils.losses import ppo_loss
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        actor = FSDPActorConfig(strategy=strategy, ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=2,
+                                rollout_n=1, entropy_coeff=0.01, use_dynamic_bsz=False)
+    return functools.partial(ppo_loss, actor)
+
+
 def losses(strategy: str = "fsdp2", k: int = 4, clamp=-10.0, task_rewards: bool = True):
     """verl's actor loss with top-k distillation: ``partial(distillation_ppo_loss, config, distillation_config)``,
     as verl's engine worker builds it (policy loss, entropy bonus, forward KL over the teacher's top-k)."""
