@@ -143,6 +143,28 @@ def _routes(rank, world, tie):
             _run(fused, env.ppo_batch(seed, fused=True, temperature=1.0, distill=False))
 
 
+def _bf16(rank, world):
+    """verl's default mixed precision (bf16 parameters under autocast): the plugin's unfused and fused routes
+    (float32 outputs) are no farther from the float32 engine's outputs than verl's own bf16 route is."""
+    from tests import verl_fsdp_env as env
+
+    path = _shared(env.tiny_model_dir(tie=True) if rank == 0 else None)
+    ce_verl = _plugin(False)
+    exact = _run(env.build_engine(path), env.ppo_batch(6), env.losses())[0]
+    half = env.build_engine(path, dtype="bf16")
+    assert half._autocast_dtype == torch.bfloat16
+    theirs = _run(half, env.ppo_batch(6), env.losses())[0]
+    ce_verl.install()
+    fused = env.build_engine(path, fused=True, dtype="bf16")
+    for name, ours in (("unfused", _run(half, env.ppo_batch(6), env.losses())[0]),
+                       ("fused", _run(fused, env.ppo_batch(6, fused=True), env.losses())[0])):
+        assert set(ours) == set(theirs), name
+        for k in ("log_probs", "entropy", "distillation_losses", "student_mass"):
+            assert ours[k].dtype == torch.float32, (name, k, ours[k].dtype)
+            err = lambda o, k=k: float((o[k].double() - exact[k].double()).abs().sum())  # noqa: E731
+            assert err(ours) <= 1.05 * err(theirs) + 1e-6, (name, k, err(ours), err(theirs))
+
+
 def _ulysses(rank, world):
     """Ulysses sequence parallelism over both ranks (sp 2, one data-parallel group): the plugin's unfused and
     fused routes against verl's own unfused route, each rank holding half the packed sequence (verl's own split
@@ -374,10 +396,12 @@ def test_tied_head_every_route_and_fallback():
     with verl's torch backend) against verl's own unfused route: log-probs, entropy, sum_pi_squared, every
     distillation key and every parameter's gradient, per-sample temperatures and the scalar 1. What the plugin
     cannot serve (a distillation function other than verl's) runs verl's own code with one warning naming why;
-    NaN, infinite, zero or negative temperatures raise a clear ValueError before any work."""
+    NaN, infinite, zero or negative temperatures raise a clear ValueError before any work. Under verl's default
+    mixed precision (bf16), the plugin's outputs are float32 and no farther from the float32 engine's than verl's
+    own."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        run_distributed(_parts, 1, (("_fallback", ()), ("_routes", (True,))), timeout_s=300)
+        run_distributed(_parts, 1, (("_fallback", ()), ("_routes", (True,)), ("_bf16", ())), timeout_s=300)
 
 
 def test_untied_head_every_route_and_three_train_steps():

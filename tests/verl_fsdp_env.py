@@ -128,8 +128,9 @@ def tiny_model_dir(tie: bool, vocab: int = 96, hidden: int = 32, layers: int = 2
 
 
 def build_engine(path: str, *, fused: bool = False, remove_padding: bool = True, chunk: int = 7, sp: int = 1,
-                 backend: str = "torch"):
-    """verl's ``FSDPEngineWithLMHead`` (FSDP2, float32, gloo), built with ``initialize()``, in train mode."""
+                 backend: str = "torch", dtype: str = "fp32"):
+    """verl's ``FSDPEngineWithLMHead`` (FSDP2 over gloo; float32, or ``dtype="bf16"``: verl's default mixed
+    precision, bf16 parameters under autocast), built with ``initialize()``, in train mode."""
     setup()
     from transformers import Qwen2ForCausalLM
     from verl.trainer.config import CheckpointConfig
@@ -148,7 +149,7 @@ def build_engine(path: str, *, fused: bool = False, remove_padding: bool = True,
     )
     engine_config = FSDPEngineConfig(
         strategy="fsdp2", model_dtype="fp32", use_torch_compile=False, entropy_from_logits_chunk_size=chunk,
-        mixed_precision={"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"},
+        mixed_precision={"param_dtype": dtype, "reduce_dtype": "fp32", "buffer_dtype": "fp32"},
         ulysses_sequence_parallel_size=sp,
     )
     optimizer_config = FSDPOptimizerConfig(lr=1e-3, clip_grad=1.0, total_training_steps=10)
