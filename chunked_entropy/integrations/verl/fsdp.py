@@ -469,11 +469,15 @@ def _fused(hidden, weight, labels, temperature, chunk: int, group, verls):
             names_box.append(nm)
             return res
 
+        saved = head.__dict__.get("forward")
         head.forward = forward
         try:
             result = head(hidden)
         finally:
-            del head.forward
+            if saved is None:
+                del head.forward
+            else:
+                head.forward = saved
         names = names_box[0]
     lp, ent, *rest = result
     if request is not None:
