@@ -36,8 +36,11 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 PATHS = ("logits", "head")
 METHODS = {
     "logits": ("plain", "clone", "chunked", "chunkedloss", "fusedloss", "densekeep", "distill", "verldistill"),
-    "head": ("plain", "clone", "chunked", "head", "headloss", "fusedloss", "liger", "densekeep"),
+    "head": ("plain", "clone", "chunked", "head", "headloss", "fusedloss", "liger", "densekeep", "verlfsdp",
+             "fsdpplugin", "verlfused", "fusedplugin"),
 }
+#: verl's FSDP engine, its own routes and the plugin's, on hidden states and an lm_head weight (verl installed).
+VERL_FSDP_METHODS = ("verlfsdp", "fsdpplugin", "verlfused", "fusedplugin")
 #: What a sweep measures when --methods is not given: log-probs and entropy, every way.
 DEFAULT_METHODS = {"logits": ("plain", "clone", "chunked"), "head": ("plain", "clone", "chunked", "head")}
 #: Methods that compute the policy loss (the others: log-probs and entropy, with random upstream gradients).
@@ -89,6 +92,10 @@ class Case:
             "densekeep": "dense keep mask + masked_fill copy + plain torch",
             "distill": f"chunked + log_probs_at + top_k, chunk {self.chunk}",
             "verldistill": "plain torch + verl's forward_kl_topk (FSDP route: full log-softmax)",
+            "verlfsdp": "matmul + verl FSDP engine's prepare_model_outputs (verl's own)",
+            "fsdpplugin": f"matmul + verl FSDP engine's prepare_model_outputs (plugin), chunk {self.chunk}",
+            "verlfused": f"verl's FusedLinearForPPO, torch backend (verl's own), chunk {self.chunk}",
+            "fusedplugin": f"verl's FusedLinearForPPO (plugin), chunk {self.chunk}",
         }[self.method]
         if self.path == "head" and self.method in ("plain", "clone", "chunked", "densekeep"):
             name = "matmul + " + name
@@ -243,6 +250,68 @@ def distillation_loss(case: Case, inp: Inputs, group):
     return (lp * inp.g_lp).sum() + (ent * inp.g_h).sum() + out["distillation_losses"].sum()
 
 
+def verl_fsdp_loss(case: Case, inp: Inputs, group):
+    """verl's FSDP engine on one packed sequence (temperature 1, entropy on, top-k distillation with ``topk``):
+    the unfused route through the engine's real ``prepare_model_outputs`` on ``hidden @ weight.T``, or the fused
+    route through verl's real ``FusedLinearForPPO``; verl's own code, or with the plugin installed."""
+    if group is not None:
+        raise ValueError("verl's FSDP routes are measured on one rank; use tp=1")
+    import contextlib
+    import functools
+    import warnings
+    from types import SimpleNamespace
+
+    plugged = case.method in ("fsdpplugin", "fusedplugin")
+    # the plugin installed as users install it: verl imports it in its own `import verl` (each case is a process)
+    if plugged:
+        os.environ["VERL_USE_EXTERNAL_MODULES"] = "chunked_entropy.integrations.verl_plugin"
+    else:
+        os.environ.pop("VERL_USE_EXTERNAL_MODULES", None)
+    with contextlib.redirect_stdout(sys.stderr), warnings.catch_warnings():  # stdout is the bench's protocol
+        warnings.simplefilter("ignore")
+        import verl.utils.torch_functional as verl_F
+        from verl.utils import tensordict_utils as tu
+        from verl.utils.experimental.torch_functional import FusedLinearForPPO
+        from verl.workers.config import FSDPEngineConfig
+        from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+
+    routes = (FSDPEngineWithLMHead.prepare_model_outputs, FusedLinearForPPO.forward)
+    if any(f.__module__.startswith("chunked_entropy") != plugged for f in routes):
+        raise RuntimeError(f"verl's FSDP routes are {'not ' if plugged else ''}the plugin's in this process")
+    if case.method in ("verlfused", "fusedplugin"):
+        if case.topk:
+            raise ValueError("verl's fused route has no top-k distillation outside verl's engine; use topk 0")
+        lp, ent = FusedLinearForPPO(chunk_size=case.chunk).forward(inp.hidden, inp.weight, inp.labels, 1.0)
+        return (lp * inp.g_lp).sum() + (ent * inp.g_h).sum()
+    n = case.tokens
+    engine = object.__new__(FSDPEngineWithLMHead)  # what prepare_model_outputs reads of an initialised engine
+    engine.engine_config = FSDPEngineConfig(entropy_from_logits_chunk_size=case.chunk, use_torch_compile=False)
+    engine.compute_entropy_from_logits, engine.use_ulysses_sp = verl_F.entropy_from_logits, False
+    nested = lambda t: torch.nested.nested_tensor_from_jagged(t, torch.tensor([0, n], device=t.device))  # noqa: E731
+    tensors = {"input_ids": nested(inp.labels)}
+    loss_fn = None
+    if case.topk:
+        with contextlib.redirect_stdout(sys.stderr), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            from verl.trainer.distillation import distillation_ppo_loss
+            from verl.workers.config import DistillationConfig, DistillationLossConfig, FSDPActorConfig
+
+            actor = FSDPActorConfig(strategy="fsdp2", ppo_mini_batch_size=1, ppo_micro_batch_size_per_gpu=1,
+                                    rollout_n=1, use_dynamic_bsz=False)
+            dcfg = DistillationConfig(enabled=False, distillation_loss=DistillationLossConfig(
+                loss_mode="forward_kl_topk", topk=case.topk, log_prob_min_clamp=-10.0, use_policy_gradient=False))
+        loss_fn = functools.partial(distillation_ppo_loss, config=actor, distillation_config=dcfg)
+        tensors.update(teacher_ids=nested(inp.teacher_ids), teacher_logprobs=nested(inp.teacher_lp))
+    batch = tu.get_tensordict(tensors, non_tensor_dict=dict(
+        temperature=1.0, calculate_entropy=True, use_remove_padding=True, distillation_use_topk=bool(case.topk)))
+    output_args = {"temperature_is_one": True, "input_ids_rmpad_rolled": inp.labels, "pad_size": 0,
+                   "temperature_rmpad": torch.ones(n, device=inp.labels.device)}
+    logits = (inp.hidden @ inp.weight.t()).unsqueeze(0)
+    out = engine.prepare_model_outputs(SimpleNamespace(logits=logits), output_args, batch, loss_fn)
+    loss = (out["log_probs"].values() * inp.g_lp).sum() + (out["entropy"].values() * inp.g_h).sum()
+    return loss + out["distillation_losses"].values().sum() if case.topk else loss
+
+
 def loss_of(case: Case, inp: Inputs, group):
     """The scalar whose backward we time: ``sum(g_lp * log_prob + g_h * entropy)``, or the policy loss."""
     if case.method == "liger":  # a peer, when installed: its fused linear cross entropy (no entropy)
@@ -255,6 +324,8 @@ def loss_of(case: Case, inp: Inputs, group):
         return policy_loss(case, inp, group)
     if case.method in ("distill", "verldistill"):
         return distillation_loss(case, inp, group)
+    if case.method in VERL_FSDP_METHODS:
+        return verl_fsdp_loss(case, inp, group)
     lp, ent = outputs(case, inp, group)
     return (lp * inp.g_lp).sum() + (ent * inp.g_h).sum()
 

@@ -24,7 +24,7 @@ import tempfile
 import time
 
 from . import plan
-from ._measure import DEFAULT_METHODS, LOSS_METHODS, METHODS, Case, run_fresh
+from ._measure import DEFAULT_METHODS, LOSS_METHODS, METHODS, VERL_FSDP_METHODS, Case, run_fresh
 
 PRESETS = {
     "issue2": dict(
@@ -52,6 +52,13 @@ PRESETS = {
     "distill": dict(
         path="logits", tokens=[8192], vocab=[32768], dtype="float32", chunk_sizes=[512],
         methods=["chunked", "distill", "verldistill"], topk=[128], backends=["eager", "compile"],
+    ),
+    # verl's FSDP engine: its unfused route (prepare_model_outputs on the logits) and its fused torch route
+    # (FusedLinearForPPO), each verl's own and with the plugin, against the library's fused head; --topk 128 (the
+    # unfused routes) adds verl's top-k distillation
+    "verl-fsdp": dict(
+        path="head", tokens=[8192], vocab=[32768], hidden=[256], dtype="float32", chunk_sizes=[512], repeats=1,
+        methods=["verlfsdp", "fsdpplugin", "verlfused", "fusedplugin", "head"], topk=[0],
     ),
     "loss-logits": dict(
         path="logits", tokens=[8192], vocab=[32768], dtype="float32",
@@ -202,13 +209,15 @@ def build_cases(s: dict, device: str) -> list:
                 for n in s["tokens"]:
                     group = []
                     for m in methods:
-                        ours = m in ("chunked", "head", "distill") + LOSS_METHODS
+                        ours = m in ("chunked", "head", "distill") + LOSS_METHODS + VERL_FSDP_METHODS
                         # replay: ours at every --keep value, the dense-mask route at the non-zero ones
                         keeps = s["keep"] if m in ("chunked", "head") else [0]
                         if m == "densekeep":
                             keeps = [k for k in s["keep"] if k]
                         modes = (s.get("loss_modes") or ["vanilla"]) if m in LOSS_METHODS else ["vanilla"]
                         topk = max(s.get("topk") or [128]) if m in ("distill", "verldistill") else 0
+                        if m in ("verlfsdp", "fsdpplugin"):  # verl's top-k distillation: on where --topk asks
+                            topk = max(s.get("topk") or [0])
                         seq_len = (s.get("seq_len") or 0) if m in LOSS_METHODS else 0
                         for c in (s["chunk_sizes"] if ours else [0]):
                             for be in (s["backends"] if ours else ["eager"]):
@@ -227,7 +236,8 @@ def plan_bytes(case: Case) -> int:
     shape = plan.Shape(case.tokens, case.vocab, case.hidden, 1, case.dtype)
     # a policy loss needs what its log-probs and entropy need (the fused one: no more)
     method = {"chunkedloss": "chunked", "headloss": "head", "liger": "head", "densekeep": "plain",
-              "distill": "chunked", "verldistill": "plain"}.get(case.method, case.method)
+              "distill": "chunked", "verldistill": "plain", "verlfsdp": "plain", "fsdpplugin": "chunked",
+              "verlfused": "head", "fusedplugin": "head"}.get(case.method, case.method)
     if method == "fusedloss":
         method = "head" if case.path == "head" else "chunked"
     e = plan.estimate(method, shape, case.chunk)
