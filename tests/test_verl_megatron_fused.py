@@ -1,0 +1,150 @@
+"""verl 0.9.1's fused-kernel route (``use_fused_kernels=True``) served by the library's fused head.
+
+Driven through verl's real ``MegatronEngineWithLMHead.forward_step`` on a tiny
+megatron-core 0.16.1 ``GPTModel`` (RoPE, packed ``thd`` sequences of unequal
+lengths, one temperature per sequence), at TP 1 and 2 over gloo, tied and
+untied output layer. The reference is the same engine's *unfused* route
+without the plugin, on the same weights (verl's own logits processor on
+megatron-core's logits): log-probs, entropy, Σp², verl's top-k distillation
+keys, and every parameter's gradient under random upstream gradients. What
+cannot run on a CPU is replaced in one helper (:mod:`tests.verl_engine`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from tests.helpers import require, run_distributed
+
+require("megatron.core", "verl")
+
+from chunked_entropy.integrations import verl as ce_verl  # noqa: E402
+from tests import verl_engine as ve  # noqa: E402
+
+LENGTHS = [7, 12, 4]
+TEMPERATURES = [0.7, 1.0, 1.6]
+# Values: the two routes differ only in the head (megatron-core's float32 logits + verl's vocab-parallel
+# functions vs. the library's chunked float32 statistics): float32 rounding.
+VALUES = dict(rtol=1e-5, atol=1e-5)
+GRADS = dict(rtol=1e-4, atol=1e-6)
+
+
+def _grads(model):
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def _run(eng, model, data, ups, logits_processor_func=None, grad_keys=("log_probs", "entropy")):
+    """verl's forward_step, then backward with the given upstream gradients (one per output, [T] values)."""
+    out = ve.forward(eng, model, data, logits_processor_func)
+    loss = sum((out[k].values() * ups[k]).sum() for k in grad_keys if k in out)
+    loss.backward()
+    return {k: v.detach() for k, v in out.items()}, _grads(model)
+
+
+def _ups(seed):
+    g = torch.Generator().manual_seed(seed)
+    n = sum(LENGTHS)
+    return {k: torch.randn(n, generator=g) for k in ("log_probs", "entropy", "distillation_losses")}
+
+
+def _compare(ours, theirs, g_ours, g_theirs, what):
+    assert set(ours) == set(theirs), (what, set(ours), set(theirs))
+    for k in theirs:
+        assert ours[k].is_nested and torch.equal(ours[k].offsets(), theirs[k].offsets()), (what, k)
+        torch.testing.assert_close(ours[k].values().double(), theirs[k].values().double(), **VALUES,
+                                   msg=lambda m, k=k: f"{what} {k}: {m}")
+    assert g_ours.keys() == g_theirs.keys(), what
+    for n in g_theirs:
+        torch.testing.assert_close(g_ours[n], g_theirs[n], **GRADS, msg=lambda m, n=n: f"{what} grad {n}: {m}")
+
+
+def _fused_vs_unfused(rank, world, tied):
+    from chunked_entropy.integrations.verl import megatron_fused
+
+    flags = dict(calculate_entropy=True, calculate_sum_pi_squared=True)
+    ups = _ups(3)
+    try:
+        with ve.cpu_only_replacements():
+            assert not ce_verl.installed()
+            model = ve.gpt_model(world, tied=tied, seed=11)
+            data = ve.batch(LENGTHS, seed=5, temperatures=TEMPERATURES, flags=flags)
+            theirs, g_theirs = _run(ve.engine(model, fused=False), model, data, ups)
+            assert set(theirs) == {"log_probs", "entropy", "sum_pi_squared"}
+
+            ce_verl.install()
+            model = ve.gpt_model(world, tied=tied, seed=11)  # the same weights
+            eng = ve.engine(model, fused=True, chunk_size=5)
+            assert eng.engine_config.use_fused_kernels
+            assert model.forward.__func__ is megatron_fused.fused_gpt_forward  # bound by verl's patch_fused_forward
+            data = ve.batch(LENGTHS, seed=5, temperatures=TEMPERATURES, flags=flags)
+            ours, g_ours = _run(eng, model, data, ups)
+            _compare(ours, theirs, g_ours, g_theirs, f"rank {rank} tp {world} tied={tied}")
+            # the caller's micro-batch still says what it asked for
+            from verl.utils import tensordict_utils as tu
+
+            assert tu.get_non_tensor_data(data, "calculate_sum_pi_squared", None) is True
+
+            # entropy off, Σp² off: log-probs only, the same values
+            data = ve.batch(LENGTHS, seed=5, temperatures=TEMPERATURES, flags={})
+            only, _ = _run(eng, model, data, ups)
+            assert set(only) == {"log_probs"}
+            torch.testing.assert_close(only["log_probs"].values(), theirs["log_probs"].values(), **VALUES)
+    finally:
+        ce_verl.uninstall()
+
+
+def _distillation(rank, world):
+    """verl's Megatron top-k distillation on the fused route: the keys verl's unfused route returns."""
+    from verl.trainer.distillation import distillation_ppo_loss
+    from verl.workers.config import ActorConfig
+    from verl.workers.config.distillation import DistillationConfig, DistillationLossConfig
+
+    g = torch.Generator().manual_seed(8)
+    k = 4
+    teacher = [torch.log_softmax(torch.randn(n, ve.V, generator=g) * 2, -1).topk(k, -1) for n in LENGTHS]
+    extra = {"teacher_ids": torch.nested.nested_tensor([t.indices for t in teacher], layout=torch.jagged),
+             "teacher_logprobs": torch.nested.nested_tensor([t.values for t in teacher], layout=torch.jagged)}
+    cfg = ActorConfig(strategy="megatron", ppo_micro_batch_size_per_gpu=1, rollout_n=1)
+    dcfg = DistillationConfig(distillation_loss=DistillationLossConfig(
+        loss_mode="forward_kl_topk", log_prob_min_clamp=-6.0, use_policy_gradient=False))
+    fn = functools.partial(distillation_ppo_loss, config=cfg, distillation_config=dcfg)
+    flags = dict(calculate_entropy=True, distillation_use_topk=True)
+    ups = _ups(4)
+    keys = ("log_probs", "entropy", "distillation_losses")
+    try:
+        with ve.cpu_only_replacements():
+            model = ve.gpt_model(world, tied=False, seed=2)
+            data = ve.batch(LENGTHS, seed=6, temperatures=[1.0] * 3, flags=flags, extra=extra)
+            theirs, g_theirs = _run(ve.engine(model, fused=False), model, data, ups, fn, keys)
+            ce_verl.install()
+            model = ve.gpt_model(world, tied=False, seed=2)
+            data = ve.batch(LENGTHS, seed=6, temperatures=[1.0] * 3, flags=flags, extra=extra)
+            ours, g_ours = _run(ve.engine(model, fused=True, chunk_size=4), model, data, ups, fn, keys)
+            assert {"distillation_losses", "student_mass", "teacher_mass", "overlap_count",
+                    "overlap_token_advantage"} <= set(theirs)
+            _compare(ours, theirs, g_ours, g_theirs, f"rank {rank} tp {world} distillation")
+    finally:
+        ce_verl.uninstall()
+
+
+def _engine_routes(rank, world):
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(world)
+    try:
+        for tied in (False, True):
+            _fused_vs_unfused(rank, world, tied)
+        _distillation(rank, world)
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_fused_route_equals_verls_unfused_route_tied_untied_and_distillation(world):
+    """Per-token temperatures, entropy, Σp² (verl refuses both on its fused route), distillation keys, grads."""
+    run_distributed(_engine_routes, world, timeout_s=120)
