@@ -132,6 +132,35 @@ def _distillation(rank, world):
         ce_verl.uninstall()
 
 
+def _hook_mode(rank, world, tied):
+    """megatron-core >= 0.18: verl passes its output processor through the model's forward; ours serves it."""
+    from chunked_entropy.integrations.verl import megatron_fused
+
+    flags = dict(calculate_entropy=True, calculate_sum_pi_squared=True)
+    ups = _ups(9)
+    try:
+        with ve.cpu_only_replacements():
+            model = ve.with_output_processor_hook(ve.gpt_model(world, tied=tied, seed=4))
+            data = ve.batch(LENGTHS, seed=2, temperatures=TEMPERATURES, flags=flags)
+            theirs, g_theirs = _run(ve.engine(model, fused=False), model, data, ups)
+            ce_verl.install()
+            model = ve.with_output_processor_hook(ve.gpt_model(world, tied=tied, seed=4))
+            eng = ve.engine(model, fused=True, chunk_size=6)
+            assert model._verl_fused_forward_mode == "hook" and "forward" not in model.__dict__
+            seen = []
+            own = megatron_fused.fused_output_processor
+            megatron_fused.fused_output_processor = lambda **kw: seen.append(kw["context"]) or own(**kw)
+            try:
+                data = ve.batch(LENGTHS, seed=2, temperatures=TEMPERATURES, flags=flags)
+                ours, g_ours = _run(eng, model, data, ups)
+            finally:
+                megatron_fused.fused_output_processor = own
+            assert len(seen) == 1 and isinstance(seen[0], megatron_fused.FusedRequest)
+            _compare(ours, theirs, g_ours, g_theirs, f"rank {rank} tp {world} tied={tied} hook mode")
+    finally:
+        ce_verl.uninstall()
+
+
 def _engine_routes(rank, world):
     from megatron.core import parallel_state
 
@@ -139,12 +168,56 @@ def _engine_routes(rank, world):
     try:
         for tied in (False, True):
             _fused_vs_unfused(rank, world, tied)
+            _hook_mode(rank, world, tied)
         _distillation(rank, world)
+        if world > 1:
+            _sequence_parallel(rank, world)
     finally:
         parallel_state.destroy_model_parallel()
 
 
 @pytest.mark.parametrize("world", [1, 2])
-def test_fused_route_equals_verls_unfused_route_tied_untied_and_distillation(world):
-    """Per-token temperatures, entropy, Σp² (verl refuses both on its fused route), distillation keys, grads."""
+def test_fused_route_equals_verls_unfused_route_tied_untied_hook_distillation_sp(world):
+    """Legacy and hook mode, tied and untied: per-token temperatures, entropy, Σp² (verl refuses both on its fused
+    route), distillation keys, every gradient; at TP 2 also the processor under sequence parallelism."""
     run_distributed(_engine_routes, world, timeout_s=120)
+
+
+def _sequence_parallel(rank, world):
+    """The fused processor with sequence-sharded hidden states (config.sequence_parallel, TP 2) equals the
+    unsharded call: values, the hidden states' gradient (a doubled one would show here) and the weight's."""
+    import types
+
+    from chunked_entropy.integrations.verl import megatron_fused
+
+    if world > 1:  # sequence parallelism shards over TP
+        # megatron-core's local spec refuses sequence_parallel in its torch LayerNorm (and its SP mappings allocate
+        # on CUDA): the output layer alone, told it is sequence-parallel as megatron-core's config sets it
+        layer = ve.gpt_model(world, tied=False, seed=3).output_layer
+        g = torch.Generator().manual_seed(1)
+        s = 10
+        hidden = torch.randn(s, 1, ve.HID, generator=g) * 3
+        labels = torch.randint(0, ve.V, (1, s), generator=g)
+        t = torch.rand(1, s, generator=g) + 0.5
+        t[0, -1] = 0.0  # verl's packing padding
+        ups = {k: torch.randn(1, s, generator=g) for k in ("log_probs", "entropy", "sum_pi_squared")}
+        request = megatron_fused.FusedRequest(temperature=t, chunk_size=3, sum_pi_squared=True)
+        runs = []
+        for sp in (True, False):
+            layer.sequence_parallel = sp
+            leaf = hidden.clone().requires_grad_()
+            h = leaf.chunk(world, dim=0)[rank] if sp else leaf
+            out = megatron_fused.fused_output_processor(
+                hidden_states=h, output_layer=layer, output_weight=None, labels=labels, context=request,
+                config=types.SimpleNamespace(sequence_parallel=sp))
+            sum((out[k] * ups[k]).sum() for k in ups).backward()
+            runs.append(({k: out[k].detach() for k in ups}, leaf.grad, layer.weight.grad.clone()))
+            layer.weight.grad = None
+        (sp_out, sp_gh, sp_gw), (full_out, full_gh, full_gw) = runs
+        for k in ups:
+            assert sp_out[k].shape == (1, s)
+            torch.testing.assert_close(sp_out[k], full_out[k], rtol=1e-6, atol=1e-6)
+        rows = slice(rank * s // world, (rank + 1) * s // world)
+        assert torch.count_nonzero(sp_gh[:rows.start]) + torch.count_nonzero(sp_gh[rows.stop:]) == 0
+        torch.testing.assert_close(sp_gh[rows], full_gh[rows], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(sp_gw, full_gw, rtol=1e-5, atol=1e-6)

@@ -101,7 +101,7 @@ def cpu_only_replacements():
             tracker.pop("values", None)
 
 
-def gpt_model(tp: int, *, tied: bool, seed: int = 0, mtp_layers: int = 0, sequence_parallel: bool = False):
+def gpt_model(tp: int, *, tied: bool, seed: int = 0, mtp_layers: int = 0):
     """A one-layer megatron-core GPTModel with RoPE, its weights the same at every TP size (CPU initialisation)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -112,8 +112,7 @@ def gpt_model(tp: int, *, tied: bool, seed: int = 0, mtp_layers: int = 0, sequen
         extra = dict(mtp_num_layers=mtp_layers, mtp_loss_scaling_factor=0.3)
     cfg = TransformerConfig(
         num_layers=1, hidden_size=HID, num_attention_heads=HEADS, tensor_model_parallel_size=tp,
-        use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
-        sequence_parallel=sequence_parallel, **extra,
+        use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0, **extra,
     )
     spec = get_gpt_layer_local_spec()
     spec.submodules.self_attention.submodules.core_attention = core_attention_cls()
@@ -166,3 +165,42 @@ def forward(eng, model, data, logits_processor_func=None):
     """verl's own ``forward_step`` on one micro-batch: its output dict (nested tensors, one row a sequence)."""
     output, _ = eng.forward_step(iter([data]), model, logits_processor_func, eng.postprocess_micro_batch_func)
     return output
+
+
+def with_output_processor_hook(model):
+    """``model`` as a GPTModel of megatron-core >= 0.18: ``forward`` takes ``output_processor`` and
+    ``output_processor_context`` and, after the decoder, returns ``output_processor(**kw)`` (0.19.2's contract:
+    keyword arguments ``hidden_states`` (sequence-sharded under SP), ``output_layer``, ``output_weight`` (the tied
+    embedding or None), ``labels``, ``context``, ``config``, and the forward's inputs). 0.18 needs Python >= 3.12;
+    this is 0.16.1's model with that hook added by a subclass (its own forward runs everything else)."""
+    from megatron.core.models.gpt import GPTModel
+
+    class HookedGPTModel(GPTModel):
+        def forward(self, input_ids, position_ids, attention_mask, decoder_input=None, labels=None,
+                    inference_context=None, packed_seq_params=None, extra_block_kwargs=None,
+                    runtime_gather_output=None, *, inference_params=None, loss_mask=None, padding_mask=None,
+                    output_processor=None, output_processor_context=None):
+            kw = dict(decoder_input=decoder_input, labels=labels, inference_context=inference_context,
+                      packed_seq_params=packed_seq_params, extra_block_kwargs=extra_block_kwargs,
+                      runtime_gather_output=runtime_gather_output, inference_params=inference_params,
+                      loss_mask=loss_mask, padding_mask=padding_mask)
+            if output_processor is None or not self.post_process:
+                return super().forward(input_ids, position_ids, attention_mask, **kw)
+
+            def postprocess(hidden_states, input_ids, position_ids, labels, *args, decoder_input=None,
+                            attention_mask=None, **rest):
+                weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
+                return output_processor(
+                    hidden_states=hidden_states, output_layer=self.output_layer, output_weight=weight, labels=labels,
+                    context=output_processor_context, config=self.config, input_ids=input_ids,
+                    position_ids=position_ids, attention_mask=attention_mask, decoder_input=decoder_input,
+                )
+
+            self._postprocess = postprocess
+            try:
+                return super().forward(input_ids, position_ids, attention_mask, **kw)
+            finally:
+                del self._postprocess
+
+    model.__class__ = HookedGPTModel
+    return model
