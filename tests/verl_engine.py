@@ -13,7 +13,10 @@ what cannot run on a CPU, replaced here and only here (:func:`cpu_only_replaceme
 - verl's ``forward_step`` moves the micro-batch to ``get_device_id()``, which
   verl's platform layer has no CPU answer for: ``"cpu"``;
 - megatron-core 0.16.1's MTP loss tracker allocates its buffer on
-  ``torch.cuda.current_device()``: on the CPU.
+  ``torch.cuda.current_device()``: on the CPU;
+- megatron-core's tensor-parallel ``_gather_along_last_dim`` (the MTP layer's
+  embedding concat at TP > 1) allocates its output on
+  ``torch.cuda.current_device()``: the same gather on the input's device.
 
 verl's Triton ``linear_cross_entropy`` is *not* replaced: it is what the
 plugin takes over (the fused route's reference is verl's unfused route on the
@@ -88,6 +91,19 @@ def cpu_only_replacements():
     swap(RotaryEmbedding, "get_emb", get_emb)
     # verl's platform layer has no CPU device id; forward_step moves the batch to get_device_id()
     swap(transformer_impl, "get_device_id", lambda: "cpu")
+    # megatron-core's tensor-parallel gather along the last dim (its MTP layer's embedding concat at TP > 1)
+    # allocates its output on torch.cuda.current_device(): the same gather, allocated on the input's device
+    from megatron.core.tensor_parallel import mappings
+
+    def gather_along_last_dim(input_, group):
+        world = group.size()
+        if world == 1:
+            return input_
+        out = torch.empty((input_.shape[0] * world, *input_.shape[1:]), dtype=input_.dtype, device=input_.device)
+        mappings.dist_all_gather_func(out, input_.contiguous(), group=group)
+        return torch.cat(out.chunk(world, dim=0), dim=-1).contiguous()
+
+    swap(mappings, "_gather_along_last_dim", gather_along_last_dim)
     # megatron-core 0.16.1's MTP loss tracker allocates its buffer on torch.cuda.current_device() the first time
     tracker = mtp.MTPLossLoggingHelper.tracker
     had = tracker.get("values")
