@@ -161,6 +161,33 @@ def _hook_mode(rank, world, tied):
         ce_verl.uninstall()
 
 
+def _fallback(rank, world):
+    """A model whose forward verl patched before the plugin was installed: verl's own route, one warning naming
+    the reason, and verl's own refusals where verl's route cannot serve (never a silently collapsed temperature)."""
+    import logging
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    log = logging.getLogger("chunked_entropy.integrations")
+    log.addHandler(handler)
+    try:
+        with ve.cpu_only_replacements():
+            model = ve.gpt_model(world, tied=False, seed=1)
+            eng = ve.engine(model, fused=True)  # verl's own _fused_GPTModel_forward bound
+            ce_verl.install()
+            for flags, match in ((dict(calculate_entropy=True), "uniform temperature"),
+                                 (dict(calculate_sum_pi_squared=True), "sum_pi_squared")):
+                data = ve.batch(LENGTHS, seed=5, temperatures=TEMPERATURES, flags=flags)
+                with pytest.raises(NotImplementedError, match=match):
+                    ve.forward(eng, model, data)
+    finally:
+        ce_verl.uninstall()
+        log.removeHandler(handler)
+    reasons = [r.getMessage() for r in records if "left to verl" in r.getMessage()]
+    assert len(reasons) == 1 and "patch_fused_forward ran before" in reasons[0], reasons
+
+
 def _engine_routes(rank, world):
     from megatron.core import parallel_state
 
@@ -170,6 +197,8 @@ def _engine_routes(rank, world):
             _fused_vs_unfused(rank, world, tied)
             _hook_mode(rank, world, tied)
         _distillation(rank, world)
+        if world == 1:
+            _fallback(rank, world)
         if world > 1:
             _sequence_parallel(rank, world)
     finally:
@@ -221,3 +250,34 @@ def _sequence_parallel(rank, world):
         assert torch.count_nonzero(sp_gh[:rows.start]) + torch.count_nonzero(sp_gh[rows.stop:]) == 0
         torch.testing.assert_close(sp_gh[rows], full_gh[rows], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(sp_gw, full_gw, rtol=1e-5, atol=1e-6)
+
+
+def test_install_checks_every_signature_all_or_nothing_and_leaves_the_value_model_to_verl(monkeypatch):
+    from verl.models.mcore import model_forward_fused, mtp_patch, registry
+    from verl.workers.engine.megatron import transformer_impl as ti
+
+    engine = ti.MegatronEngineWithLMHead
+    places = [(engine, "forward_step"), (engine, "_lm_head_logits_processor"), (ti, "_resolve_fused_temperature"),
+              (registry, "fused_forward_model_engine"), (model_forward_fused, "_fused_GPTModel_forward"),
+              (model_forward_fused, "fused_output_processor"), (mtp_patch, "_megatron_gptmodel_postprocess")]
+    verls = {(h, a): h.__dict__[a] for h, a in places}
+    value_step = ti.MegatronEngineWithValueHead.__dict__["forward_step"]
+    try:
+        ce_verl.install()
+        assert all(h.__dict__[a] is not verls[h, a] for h, a in places)
+        assert ti.MegatronEngineWithValueHead.__dict__["forward_step"] is value_step  # the value model: verl's
+        ce_verl.uninstall()
+        assert all(h.__dict__[a] is verls[h, a] for h, a in places)
+
+        def other(*args, unknown=None):
+            return None
+
+        for holder, attr in places:
+            with monkeypatch.context() as m:
+                m.setattr(holder, attr, other)
+                with pytest.raises(RuntimeError, match="Nothing was patched"):
+                    ce_verl.install()
+                assert not ce_verl.installed()
+                assert all(h.__dict__[a] is verls[h, a] for h, a in places if (h, a) != (holder, attr)), attr
+    finally:
+        ce_verl.uninstall()
