@@ -258,6 +258,7 @@ def test_install_checks_every_signature_all_or_nothing_and_leaves_the_value_mode
 
     engine = ti.MegatronEngineWithLMHead
     places = [(engine, "forward_step"), (engine, "_lm_head_logits_processor"), (ti, "_resolve_fused_temperature"),
+              (ti.MegatronEngine, "_maybe_enable_fused_kernels"),
               (registry, "fused_forward_model_engine"), (model_forward_fused, "_fused_GPTModel_forward"),
               (model_forward_fused, "fused_output_processor"), (mtp_patch, "_megatron_gptmodel_postprocess")]
     verls = {(h, a): h.__dict__[a] for h, a in places}

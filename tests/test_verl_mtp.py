@@ -1,7 +1,7 @@
 """verl 0.9.1's MTP heads (``model.mtp.enable_train``) on megatron-core 0.16.1, each MTP loss from the fused head.
 
-Driven through verl's real ``MegatronEngineWithLMHead.forward_step`` (unfused
-route, MTP training on, verl's own ``patch_engine_mtp``) on a tiny GPTModel
+Driven through verl's real ``MegatronEngineWithLMHead.forward_step`` (MTP
+training on, verl's own ``patch_engine_mtp``; ``use_fused_kernels`` off and on) on a tiny GPTModel
 with one or two MTP layers (packed ``thd``, unequal lengths), TP 1 and 2 over
 gloo, tied and untied. The reference is verl's own MTP path on the same
 weights: the MTP loss verl logs (megatron-core's tracker), the main head's
@@ -24,12 +24,13 @@ from tests import verl_engine as ve  # noqa: E402
 LENGTHS = [9, 5, 13]
 
 
-def _run(world, tied, mtp_layers, ups):
+def _run(world, tied, mtp_layers, ups, fused=False):
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
     from verl.utils.megatron_utils import patch_engine_mtp
 
     model = ve.gpt_model(world, tied=tied, seed=7, mtp_layers=mtp_layers)
-    eng = ve.engine(model, fused=False, mtp_train=True)
+    eng = ve.engine(model, fused=fused, mtp_train=True)
+    assert eng.engine_config.use_fused_kernels == fused
     eng.model_config.mtp.detach_encoder = False
     patch_engine_mtp([model], eng.model_config)  # what verl's initialize() does under MTP
     MTPLossLoggingHelper.tracker["values"].zero_()
@@ -51,15 +52,16 @@ def _compare(rank, world):
     ups = (torch.randn(sum(LENGTHS), generator=g), torch.randn(sum(LENGTHS), generator=g))
     try:
         with ve.cpu_only_replacements():
-            for tied, layers in ((False, 1), (True, 2)):
-                what = f"rank {rank} tp {world} tied={tied} mtp_layers={layers}"
+            for tied, layers, fused in ((False, 1, False), (True, 2, False), (False, 1, True), (True, 2, True)):
+                what = f"rank {rank} tp {world} tied={tied} mtp_layers={layers} fused route={fused}"
                 theirs, logged_theirs, g_theirs = _run(world, tied, layers, ups)
                 ce_verl.install()
                 calls = []
                 own = mtp.mtp_losses
-                mtp.mtp_losses = lambda *a, calls=calls, own=own, **k: calls.append(1) or own(*a, chunk_size=4, **k)
+                mtp.mtp_losses = lambda *a, calls=calls, own=own, **k: (
+                    calls.append(1) or own(*a, **{**k, "chunk_size": 4}))
                 try:
-                    ours, logged_ours, g_ours = _run(world, tied, layers, ups)
+                    ours, logged_ours, g_ours = _run(world, tied, layers, ups, fused=fused)
                 finally:
                     mtp.mtp_losses = own
                     ce_verl.uninstall()
@@ -80,5 +82,7 @@ def _compare(rank, world):
 
 
 @pytest.mark.parametrize("world", [1, 2])
-def test_mtp_losses_and_gradients_equal_verls_own_mtp_path(world):
+def test_mtp_losses_and_gradients_equal_verls_own_mtp_path_on_the_unfused_and_the_fused_route(world):
+    """verl turns the fused route off under MTP; with the plugin it stays on (megatron-core 0.16.1, legacy mode)
+    and serves both the main head and the MTP losses."""
     run_distributed(_compare, world, timeout_s=120)

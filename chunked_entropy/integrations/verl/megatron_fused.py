@@ -20,6 +20,10 @@ edited; every signature is checked first, all or nothing):
   dynamic CP and the rest stay verl's); on the unfused route it is verl's own;
 - ``_resolve_fused_temperature`` by :func:`resolve_fused_temperature`: no
   longer raises for a per-token temperature when the plugin serves the call;
+- ``MegatronEngine._maybe_enable_fused_kernels`` by
+  :func:`maybe_enable_fused_kernels`: under MTP training the fused route stays
+  on (legacy mode), its forward serving the MTP layers' losses too
+  (:func:`chunked_entropy.integrations.verl.mtp.mtp_hidden_states`);
 - ``registry.fused_forward_model_engine`` by :func:`fused_forward_model_engine`:
   verl's packing (``preprocess_thd_engine``, labels rolled, CP-split), the
   per-token temperature packed the same way (not rolled, as on verl's unfused
@@ -44,8 +48,9 @@ megatron-core GPTModel without ``output_layer``) goes to verl's own route, with
 one logged warning naming the reason (verl's own route then raises where it
 raises).
 
-Tested with verl 0.9.1 and megatron-core 0.16.1 (legacy mode); hook mode with a
-GPTModel subclass exposing megatron-core 0.19's ``output_processor`` contract.
+Tested with verl 0.9.1 and megatron-core 0.16.1 (legacy mode, with and without
+MTP); hook mode with a GPTModel subclass exposing megatron-core 0.19's
+``output_processor`` contract.
 """
 
 from __future__ import annotations
@@ -54,7 +59,7 @@ import contextvars
 import functools
 import itertools
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional, Union
 
 import torch
@@ -66,7 +71,7 @@ from .megatron import PADDING_TEMPERATURE
 
 __all__ = [
     "FusedRequest", "TARGETS", "forward_step", "fused_forward_model_engine", "fused_gpt_forward",
-    "fused_output_processor", "fused_outputs", "resolve_fused_temperature",
+    "fused_output_processor", "fused_outputs", "maybe_enable_fused_kernels", "resolve_fused_temperature",
 ]
 
 logger = logging.getLogger("chunked_entropy.integrations")
@@ -96,7 +101,9 @@ class FusedRequest:
     ``temperature``: a float, or the per-token ``[1, T]`` tensor packed (and
     CP-split) like the labels; values <= 0 (packing padding) read as verl's
     ``1e-8``. ``teacher``: ``(clamp, ids, log-probs)``, the teacher's top-k
-    ``[1, T, K]`` for verl's Megatron top-k distillation, or None.
+    ``[1, T, K]`` for verl's Megatron top-k distillation, or None. ``mtp``:
+    also the MTP layers' losses (MTP training on), attached to the hidden
+    states as verl attaches them (:func:`chunked_entropy.integrations.verl.mtp.mtp_hidden_states`).
     """
 
     temperature: Union[float, torch.Tensor] = 1.0
@@ -105,7 +112,7 @@ class FusedRequest:
     entropy: bool = True
     sum_pi_squared: bool = False
     teacher: Optional[tuple] = None
-    keys: tuple = field(default=(), compare=False)
+    mtp: bool = False
 
     def output_keys(self) -> tuple:
         keys = (["log_probs"] if self.log_probs else []) + (["entropy"] if self.entropy else [])
@@ -228,9 +235,20 @@ def fused_gpt_forward(
     request = _as_request(temperature)
     own_forward = model.__dict__.get("forward_backup") or type(model).forward.__get__(model)
 
-    def postprocess(hidden_states, input_ids, position_ids, labels, *args, **kw):
+    def postprocess(hidden_states, input_ids, position_ids, labels, rotary_pos_emb=None, rotary_pos_cos=None,
+                    rotary_pos_sin=None, mtp_in_postprocess=None, loss_mask=None, **kw):
         if not model.post_process:
             return hidden_states
+        if request.mtp and model.config.mtp_num_layers:  # MTP training: the MTP block and losses first
+            from . import mtp
+
+            keep = ("attention_mask", "padding_mask", "inference_params", "packed_seq_params", "sequence_len_offset",
+                    "extra_block_kwargs")
+            hidden_states = mtp.mtp_hidden_states(
+                model, hidden_states, input_ids=input_ids, position_ids=position_ids, labels=labels,
+                loss_mask=loss_mask, rotary_pos_emb=rotary_pos_emb, rotary_pos_cos=rotary_pos_cos,
+                rotary_pos_sin=rotary_pos_sin, mtp_in_postprocess=mtp_in_postprocess,
+                **{k: kw[k] for k in keep if k in kw})
         weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
         return _ppo_output(hidden_states, fused_outputs(hidden_states, model.output_layer, weight, labels, request))
 
@@ -264,6 +282,8 @@ class _Batch:
     log_probs: bool
     distillation: bool
     logits_processor_func: object
+    mtp: bool = False  # MTP training (model.mtp.enable and enable_train)
+    mtp_factor: Optional[float] = None  # verl's MTP loss normalization factor (calculate_per_token_loss)
 
 
 def forward_step(self, batch_iter, model, logits_processor_func, postprocess_micro_batch_func):
@@ -303,7 +323,7 @@ def forward_step(self, batch_iter, model, logits_processor_func, postprocess_mic
         batch=batch, temperature=temperature, chunk_size=int(self.engine_config.entropy_from_logits_chunk_size),
         entropy=flags["calculate_entropy"], sum_pi_squared=flags["calculate_sum_pi_squared"],
         log_probs=not flags["distillation_only"], distillation=flags["distillation_use_topk"],
-        logits_processor_func=logits_processor_func,
+        logits_processor_func=logits_processor_func, **_mtp_of(self, batch),
     )
     view = batch
     if flags["calculate_sum_pi_squared"]:  # verl's forward_step refuses it on the fused route: served here
@@ -322,6 +342,42 @@ def forward_step(self, batch_iter, model, logits_processor_func, postprocess_mic
         else:  # verl's own device-moved copy of our view: give it the flag back
             tu.assign_non_tensor_data(data, "calculate_sum_pi_squared", True)
     return output, post
+
+
+def _mtp_of(engine, batch) -> dict:
+    """MTP training on this engine, and verl's MTP loss normalization factor, as verl's forward_step reads them."""
+    from verl.utils import tensordict_utils as tu
+
+    mtp_cfg = getattr(engine.model_config, "mtp", None)
+    on = bool(getattr(mtp_cfg, "enable", False) and getattr(mtp_cfg, "enable_train", False))
+    factor = None
+    if on and getattr(engine.tf_config, "calculate_per_token_loss", False):
+        total = tu.get_non_tensor_data(batch, key="batch_num_tokens", default=0)
+        routed = tu.get_non_tensor_data(batch, key="routed_num_tokens", default=0)
+        if total > 0:
+            factor = routed / total
+    return {"mtp": on, "mtp_factor": factor}
+
+
+def maybe_enable_fused_kernels(self):
+    """verl's ``MegatronEngine._maybe_enable_fused_kernels``; under MTP the fused route stays on (legacy mode).
+
+    verl turns the fused route off when ``model.mtp.enable`` is set. With the
+    plugin the fused forward serves the MTP layers' losses too (megatron-core
+    < 0.18, where the forward is replaced): the route stays on there. Elsewhere
+    (hook mode, a value model, no remove-padding): verl's own decision.
+    """
+    own = _VERLS["_maybe_enable_fused_kernels"]
+    cfg = self.engine_config
+    mtp_on = bool(getattr(getattr(self.model_config, "mtp", None), "enable", False))
+    if not (cfg.use_fused_kernels and cfg.use_remove_padding and mtp_on and not self.is_value_model):
+        return own(self)
+    from verl.models.mcore import model_forward_fused as verl_fused
+
+    if any(verl_fused._supports_output_processor_hook(verl_fused._get_patching_model(m) or m) for m in self.module):
+        return own(self)  # megatron-core >= 0.18: its process_mtp_loss is left to verl, and so is this decision
+    for model in self.module:
+        verl_fused.patch_fused_forward(model)
 
 
 def resolve_fused_temperature(temperature):
@@ -405,7 +461,9 @@ def _serve(request: Optional[_Batch], *, model, input_ids, labels, multi_modal_i
         else None
     pack = dict(use_fp8_padding=config.fp8 in ("e4m3", "hybrid"), min_local_rows=min_rows,
                 pad_to_length_bucket=pad_to_length_bucket, cp_layout=cp_layout, local_cp_size=local_cp_size)
-    ids_packed, packed_seq_params, _ = preprocess_thd_engine(input_ids, pre_process=inner.pre_process, **pack)
+    mtp = request is not None and request.mtp and bool(getattr(config, "mtp_num_layers", None))
+    ids_packed, packed_seq_params, position_ids = preprocess_thd_engine(
+        input_ids, pre_process=inner.pre_process or (inner.post_process and mtp), **pack)
     labels_packed, _, _ = preprocess_thd_engine(labels, pre_process=True, need_roll=True, **pack)
     if request is None:  # called from outside forward_step: verl's own contract (one temperature)
         fused = FusedRequest(temperature=float(temperature), entropy=bool(calculate_entropy))
@@ -422,9 +480,14 @@ def _serve(request: Optional[_Batch], *, model, input_ids, labels, multi_modal_i
                     "'teacher_ids'/'teacher_logprobs'); this logits_processor_func needs the logits: set "
                     "use_fused_kernels=False")
         fused = FusedRequest(temperature=t_packed, chunk_size=request.chunk_size, log_probs=request.log_probs,
-                             entropy=request.entropy, sum_pi_squared=request.sum_pi_squared, teacher=teacher)
+                             entropy=request.entropy, sum_pi_squared=request.sum_pi_squared, teacher=teacher,
+                             mtp=mtp and inner.post_process)
     kwargs = dict(input_ids=ids_packed.contiguous(), attention_mask=None, position_ids=None,
                   packed_seq_params=packed_seq_params, labels=labels_packed.contiguous())
+    if fused.mtp:  # what verl's unfused route hands the model for MTP: position ids and the rolled loss mask
+        kwargs.update(_mtp_inputs(request, input_ids, pack), position_ids=position_ids)
+        if request.mtp_factor is not None:
+            packed_seq_params._verl_mtp_loss_normalization_factor = request.mtp_factor
     if router_padding_mask is not None:
         kwargs["padding_mask"] = router_padding_mask
     if verl_fused._use_output_processor_hook(model):
@@ -441,6 +504,23 @@ def _serve(request: Optional[_Batch], *, model, input_ids, labels, multi_modal_i
         value = out[key]
         result[key] = unpack(value.unsqueeze(0) if value.dim() == 1 else value)
     return result
+
+
+def _mtp_inputs(request: _Batch, input_ids, pack: dict) -> dict:
+    """verl's MTP loss mask (prompt zeros, then the response mask; rolled), packed like the labels."""
+    from verl.models.mcore.model_forward import _build_mtp_loss_mask_nested
+    from verl.models.mcore.util import preprocess_thd_engine
+
+    batch = request.batch
+    loss_mask = batch["loss_mask"].to(input_ids.device).to(bool)
+    attention_mask = batch["attention_mask"] if "attention_mask" in batch.keys() else None
+    response_attention = None
+    if attention_mask is not None and not loss_mask.is_nested:
+        response_attention = attention_mask[:, -loss_mask.shape[-1]:]
+    lengths = input_ids.offsets().diff().tolist()
+    mask = _build_mtp_loss_mask_nested(loss_mask, lengths, response_attention)
+    mask_packed = preprocess_thd_engine(mask, pre_process=True, need_roll=True, **pack)[0]
+    return {"loss_mask": mask_packed.contiguous()}
 
 
 def _on(batch, device):
@@ -477,6 +557,10 @@ TARGETS = (
     Target(ENGINE_MODULE, "forward_step", forward_step,
            _recording("forward_step", check_parameters(f"{_CLASS}.forward_step", _FORWARD_STEP, _VERL)),
            holder=_engine_class),
+    Target(ENGINE_MODULE, "_maybe_enable_fused_kernels", maybe_enable_fused_kernels,
+           _recording("_maybe_enable_fused_kernels",
+                      check_parameters("MegatronEngine._maybe_enable_fused_kernels", ("self",), _VERL)),
+           holder=lambda module: getattr(module, "MegatronEngine", None)),
     Target(ENGINE_MODULE, "_resolve_fused_temperature", resolve_fused_temperature,
            _recording("_resolve_fused_temperature",
                       check_parameters("_resolve_fused_temperature", ("temperature",), _VERL))),

@@ -33,7 +33,7 @@ import torch
 from ...head import ChunkedVocabParallelHead
 from .._common import Target, check_parameters
 
-__all__ = ["MTP_CHUNK_SIZE", "TARGETS", "gptmodel_postprocess", "mtp_losses"]
+__all__ = ["MTP_CHUNK_SIZE", "TARGETS", "gptmodel_postprocess", "mtp_hidden_states", "mtp_losses"]
 
 logger = logging.getLogger("chunked_entropy.integrations")
 
@@ -107,6 +107,30 @@ def mtp_losses(model, hidden_states, labels, loss_mask, *, output_weight, packed
     return hidden_states
 
 
+def mtp_hidden_states(model, hidden_states, *, input_ids, position_ids, labels, loss_mask, rotary_pos_emb,
+                      rotary_pos_cos, rotary_pos_sin, mtp_in_postprocess, attention_mask=None, padding_mask=None,
+                      inference_params=None, packed_seq_params=None, sequence_len_offset=None,
+                      extra_block_kwargs=None, mhc_multistream=None, chunk_size=None):
+    """At the last pipeline stage: the MTP block (as verl runs it) and every MTP layer's loss (:func:`mtp_losses`);
+    returns the main hidden states, the losses attached. Shared by the unfused route's postprocess and the fused
+    route's forward."""
+    output_weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
+    if mtp_in_postprocess:  # the MTP block, as verl runs it
+        kw = dict(extra_block_kwargs or {})
+        if "padding_mask" in signature(model.mtp.forward).parameters:
+            kw["padding_mask"] = padding_mask
+        if mhc_multistream is not None:
+            kw["mhc_multistream"] = mhc_multistream
+        hidden_states = model.mtp(
+            input_ids=input_ids, position_ids=position_ids, hidden_states=hidden_states,
+            attention_mask=attention_mask, inference_params=inference_params, rotary_pos_emb=rotary_pos_emb,
+            rotary_pos_cos=rotary_pos_cos, rotary_pos_sin=rotary_pos_sin, packed_seq_params=packed_seq_params,
+            sequence_len_offset=sequence_len_offset, embedding=model.embedding, **kw,
+        )
+    return mtp_losses(model, hidden_states, labels, loss_mask, output_weight=output_weight,
+                      packed_seq_params=packed_seq_params, chunk_size=chunk_size)
+
+
 def gptmodel_postprocess(
     self,
     hidden_states,
@@ -156,23 +180,15 @@ def gptmodel_postprocess(
             logger.warning("chunked_entropy: megatron-core's process_mtp_loss (>= 0.18) computes the MTP losses "
                            "here: left to verl and megatron-core")
         return own(self, hidden_states, input_ids, position_ids, labels, *rope, **rest)
-    output_weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
-    if mtp_in_postprocess:  # the MTP block, as verl runs it
-        kw = dict(extra_block_kwargs or {})
-        if "padding_mask" in signature(self.mtp.forward).parameters:
-            kw["padding_mask"] = padding_mask
-        if mhc_multistream is not None:
-            kw["mhc_multistream"] = mhc_multistream
-        hidden_states = self.mtp(
-            input_ids=input_ids, position_ids=position_ids, hidden_states=hidden_states,
-            attention_mask=attention_mask, inference_params=inference_params, rotary_pos_emb=rotary_pos_emb,
-            rotary_pos_cos=rotary_pos_cos, rotary_pos_sin=rotary_pos_sin, packed_seq_params=packed_seq_params,
-            sequence_len_offset=sequence_len_offset, embedding=self.embedding, **kw,
-        )
     if not self.post_process:
-        return hidden_states
-    hidden_states = mtp_losses(self, hidden_states, labels, loss_mask, output_weight=output_weight,
-                               packed_seq_params=packed_seq_params)
+        return own(self, hidden_states, input_ids, position_ids, labels, *rope, **rest)
+    hidden_states = mtp_hidden_states(
+        self, hidden_states, input_ids=input_ids, position_ids=position_ids, labels=labels, loss_mask=loss_mask,
+        rotary_pos_emb=rotary_pos_emb, rotary_pos_cos=rotary_pos_cos, rotary_pos_sin=rotary_pos_sin,
+        mtp_in_postprocess=mtp_in_postprocess, attention_mask=attention_mask, padding_mask=padding_mask,
+        inference_params=inference_params, packed_seq_params=packed_seq_params,
+        sequence_len_offset=sequence_len_offset, extra_block_kwargs=extra_block_kwargs, mhc_multistream=mhc_multistream,
+    )
     # the main head: verl's own function, its MTP part already done (no labels: logits only)
     rest["mtp_in_postprocess"] = False
     return own(self, hidden_states, input_ids, position_ids, None, *rope, **rest)
