@@ -128,6 +128,13 @@ def _distillation(rank, world):
             assert {"distillation_losses", "student_mass", "teacher_mass", "overlap_count",
                     "overlap_token_advantage"} <= set(theirs)
             _compare(ours, theirs, g_ours, g_theirs, f"rank {rank} tp {world} distillation")
+            # distillation_only: no log_probs, the distillation keys alone
+            flags = dict(distillation_use_topk=True, distillation_only=True)
+            data = ve.batch(LENGTHS, seed=6, temperatures=[1.0] * 3, flags=flags, extra=extra)
+            only, _ = _run(ve.engine(model, fused=True, chunk_size=4), model, data, ups, fn, keys)
+            assert "log_probs" not in only and "entropy" not in only
+            for k in ("distillation_losses", "student_mass", "teacher_mass"):
+                torch.testing.assert_close(only[k].values(), theirs[k].values(), **VALUES)
     finally:
         ce_verl.uninstall()
 

@@ -247,7 +247,7 @@ def fused_gpt_forward(
             hidden_states = mtp.mtp_hidden_states(
                 model, hidden_states, input_ids=input_ids, position_ids=position_ids, labels=labels,
                 loss_mask=loss_mask, rotary_pos_emb=rotary_pos_emb, rotary_pos_cos=rotary_pos_cos,
-                rotary_pos_sin=rotary_pos_sin, mtp_in_postprocess=mtp_in_postprocess,
+                rotary_pos_sin=rotary_pos_sin, mtp_in_postprocess=mtp_in_postprocess, chunk_size=request.chunk_size,
                 **{k: kw[k] for k in keep if k in kw})
         weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
         return _ppo_output(hidden_states, fused_outputs(hidden_states, model.output_layer, weight, labels, request))
