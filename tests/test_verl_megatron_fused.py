@@ -184,7 +184,8 @@ def _fallback(rank, world):
             eng = ve.engine(model, fused=True)  # verl's own _fused_GPTModel_forward bound
             ce_verl.install()
             for flags, match in ((dict(calculate_entropy=True), "uniform temperature"),
-                                 (dict(calculate_sum_pi_squared=True), "sum_pi_squared")):
+                                 (dict(calculate_sum_pi_squared=True), "sum_pi_squared"),
+                                 (dict(distillation_use_topk=True), "distillation_use_topk")):
                 data = ve.batch(LENGTHS, seed=5, temperatures=TEMPERATURES, flags=flags)
                 with pytest.raises(NotImplementedError, match=match):
                     ve.forward(eng, model, data)

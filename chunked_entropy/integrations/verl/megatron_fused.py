@@ -418,9 +418,12 @@ def fused_forward_model_engine(vision_model: bool = False):
             return _serve(request, **args)
         _warn_once(why)
         if request is not None:  # verl's own route, with verl's own refusals (never a silently dropped value)
-            if request.sum_pi_squared:
-                raise NotImplementedError(f"calculate_sum_pi_squared=True on verl's fused route, which "
-                                          f"chunked_entropy cannot serve here ({why}): set use_fused_kernels=False")
+            refused = ((request.sum_pi_squared, "calculate_sum_pi_squared=True"),
+                       (request.distillation, "distillation_use_topk=True (verl's fused route drops the keys)"))
+            for asked, what in refused:
+                if asked:
+                    raise NotImplementedError(f"{what} on verl's fused route, which chunked_entropy cannot serve "
+                                              f"here ({why}): set use_fused_kernels=False")
             args["temperature"] = _VERLS["_resolve_fused_temperature"](request.temperature)
         return own(**args)
 
