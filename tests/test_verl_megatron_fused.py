@@ -290,3 +290,31 @@ def test_install_checks_every_signature_all_or_nothing_and_leaves_the_value_mode
                 assert all(h.__dict__[a] is verls[h, a] for h, a in places if (h, a) != (holder, attr)), attr
     finally:
         ce_verl.uninstall()
+
+
+_HOOKED = r"""
+import sys, warnings
+warnings.simplefilter("ignore")
+import verl  # reads VERL_USE_EXTERNAL_MODULES: the plugin installs before verl's engine is imported
+assert "verl.models.mcore.registry" not in sys.modules, "the plugin imported verl's model code"
+from verl.workers.engine.megatron import transformer_impl as t
+from verl.models.mcore import model_forward_fused as f, mtp_patch as m, registry as r
+from chunked_entropy.integrations.verl import megatron_fused as ce, mtp
+assert t.MegatronEngineWithLMHead.forward_step is ce.forward_step
+assert t.MegatronEngine._maybe_enable_fused_kernels is ce.maybe_enable_fused_kernels
+assert t._resolve_fused_temperature is ce.resolve_fused_temperature
+assert r.fused_forward_model_engine is ce.fused_forward_model_engine
+assert f._fused_GPTModel_forward is ce.fused_gpt_forward and f.fused_output_processor is ce.fused_output_processor
+assert m._megatron_gptmodel_postprocess is mtp.gptmodel_postprocess
+print("PATCHED")
+"""
+
+
+def test_every_route_is_patched_through_verls_external_modules_hook():
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, VERL_USE_EXTERNAL_MODULES="chunked_entropy.integrations.verl_plugin")
+    p = subprocess.run([sys.executable, "-c", _HOOKED], capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0 and "PATCHED" in p.stdout, p.stderr[-3000:]
