@@ -196,6 +196,41 @@ def _fallback(rank, world):
     assert len(reasons) == 1 and "patch_fused_forward ran before" in reasons[0], reasons
 
 
+def _bf16(rank, world):
+    """A bf16 model behind megatron-core's Float16Module, as verl builds it: the fused route's values equal the
+    unfused route's (the same bf16 logits, float32 statistics), its gradients within bf16 rounding."""
+    import dataclasses
+
+    from megatron.core.transformer.module import Float16Module
+
+    flags = dict(calculate_entropy=True)
+    ups = _ups(12)
+    runs = []
+    try:
+        with ve.cpu_only_replacements():
+            for fused in (False, True):
+                if fused:
+                    ce_verl.install()
+                inner = ve.gpt_model(world, tied=False, seed=3)
+                model = Float16Module(dataclasses.replace(inner.config, bf16=True), inner)
+                eng = ve.engine(inner, fused=fused)
+                eng.module = [model]
+                eng._maybe_enable_fused_kernels()
+                data = ve.batch(LENGTHS, seed=1, temperatures=TEMPERATURES, flags=flags)
+                out, grads = _run(eng, model, data, ups)
+                runs.append((out, {n: g.float() for n, g in grads.items()}))
+    finally:
+        ce_verl.uninstall()
+    (theirs, g_theirs), (ours, g_ours) = runs
+    assert next(inner.parameters()).dtype == torch.bfloat16
+    for k in theirs:
+        torch.testing.assert_close(ours[k].values(), theirs[k].values(), **VALUES, msg=lambda m, k=k: f"bf16 {k}: {m}")
+    assert g_ours.keys() == g_theirs.keys()
+    for n, g in g_theirs.items():  # bf16 gradients: the two routes round differently, by up to a bf16 ulp or two
+        torch.testing.assert_close(g_ours[n], g, rtol=0, atol=2**-7 * float(g.abs().max()),
+                                   msg=lambda m, n=n: f"bf16 grad {n}: {m}")
+
+
 def _engine_routes(rank, world):
     from megatron.core import parallel_state
 
@@ -205,6 +240,7 @@ def _engine_routes(rank, world):
             _fused_vs_unfused(rank, world, tied)
             _hook_mode(rank, world, tied)
         _distillation(rank, world)
+        _bf16(rank, world)
         if world == 1:
             _fallback(rank, world)
         if world > 1:
