@@ -18,6 +18,10 @@ what cannot run on a CPU, replaced here and only here (:func:`cpu_only_replaceme
   embedding concat at TP > 1) allocates its output on
   ``torch.cuda.current_device()``: the same gather on the input's device.
 
+:func:`with_output_processor_hook` gives 0.16.1's model the ``output_processor``
+hook of megatron-core >= 0.18 (which needs Python >= 3.12 to install), with
+0.19.2's contract, through a subclass.
+
 verl's Triton ``linear_cross_entropy`` is *not* replaced: it is what the
 plugin takes over (the fused route's reference is verl's unfused route on the
 same weights, where the logits are computed by megatron-core's output layer).
