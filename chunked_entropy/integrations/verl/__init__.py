@@ -3,6 +3,8 @@
 One module per route, each listing what it replaces in verl (its ``TARGETS``):
 
 - :mod:`.megatron`: the Megatron engine's logits processor (the unfused route).
+- :mod:`.megatron_fused`: the Megatron engine's fused-kernel route (``use_fused_kernels=True``).
+- :mod:`.mtp`: the Megatron engine's MTP heads' losses (``model.mtp.enable_train``).
 - :mod:`.fsdp`: the FSDP engine's model outputs (unfused) and verl's fused-kernel classes (fused).
 
 Nothing in verl is edited. Load the patch in every worker with verl's own
@@ -19,18 +21,19 @@ Tested with verl 0.9.1 and megatron-core 0.16.1.
 from __future__ import annotations
 
 from .._common import Patch
-from . import fsdp, megatron
+from . import fsdp, megatron, megatron_fused, mtp
 from .megatron import TARGET_MODULE, lm_head_logits_processor
 
 __all__ = ["TARGET_MODULE", "install", "installed", "lm_head_logits_processor", "uninstall"]
 
 _PATCH = Patch(
     "verl",
-    [*megatron.TARGETS, *fsdp.TARGETS],
+    [*megatron.TARGETS, *megatron_fused.TARGETS, *mtp.TARGETS, *fsdp.TARGETS],
     "verl's MegatronEngineWithLMHead._lm_head_logits_processor now computes log-probs, entropy and "
-    "sum_pi_squared chunked, without div_ or clone (chunk size: entropy_from_logits_chunk_size); "
-    "FSDPEngineWithLMHead's outputs and verl's fused kernels (FusedLinearForPPO, linear_cross_entropy) come from "
-    "chunked_entropy",
+    "sum_pi_squared chunked, without div_ or clone (chunk size: entropy_from_logits_chunk_size); its fused route "
+    "(use_fused_kernels=True) runs chunked_entropy's fused head: per-token temperature, sum_pi_squared, top-k "
+    "distillation keys; its MTP heads' losses come from the fused head too; FSDPEngineWithLMHead's outputs and "
+    "verl's fused kernels (FusedLinearForPPO, linear_cross_entropy) come from chunked_entropy",
 )
 
 
