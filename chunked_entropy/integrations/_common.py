@@ -95,7 +95,9 @@ class Patch:
         self.name, self.targets, self.message = name, tuple(targets), message
         self._lock = threading.RLock()
         self._originals = {}  # id of the target -> (holder, original)
-        self._own = {}  # attribute -> the framework's own function, the first seen
+        # (attribute, replacement) -> the framework's own function, the first seen: two routes may replace
+        # attributes of one name (verl's engines each have a forward_step) with functions of their own
+        self._own = {}
         self._hook = None
         self._logged = False
 
@@ -104,8 +106,9 @@ class Patch:
         return bool(self._originals)
 
     def original(self, attr: str):
-        """The framework's own function replaced under ``attr`` (None before it was seen)."""
-        return self._own.get(attr)
+        """The framework's own function replaced under ``attr`` (the first target of that name; None before it
+        was seen)."""
+        return next((f for (name, _), f in self._own.items() if name == attr), None)
 
     def install(self) -> None:
         with self._lock:
@@ -135,16 +138,17 @@ class Patch:
             if original is None:
                 raise RuntimeError(f"chunked_entropy's {self.name} integration needs {t.module}.{t.attr}; this "
                                    f"{self.name} has none. Nothing was patched.")
+            key = (t.attr, t.replacement)
             if original is t.replacement:  # imported by name from a module patched already: ours
-                original = self._own.get(t.attr, seen.get(t.attr))
+                original = self._own.get(key, seen.get(key))
                 if original is None:
                     continue
             else:
                 t.check(original)
-                seen.setdefault(t.attr, original)
+                seen.setdefault(key, original)
             checked.append((t, holder, original))
-        for attr, original in seen.items():
-            self._own.setdefault(attr, original)
+        for key, original in seen.items():
+            self._own.setdefault(key, original)
         for t, holder, original in checked:
             self._originals[id(t)] = (holder, original)
             setattr(holder, t.attr, t.replacement)
