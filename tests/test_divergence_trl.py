@@ -1,0 +1,106 @@
+"""Against TRL 1.16's own ChunkedDivergenceFunction (trl/kernels/chunked_divergence.py, installed; on the CPU it
+runs its torch tiles): the same inputs, values and gradients within float32 rounding, for TRL's beta 0 (forward
+KL), 0.3 and 0.5 (generalized JSD) and 1 (reverse KL), with soft-caps, logit scales and a scalar temperature."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers import require
+
+require("trl")
+
+from trl.kernels.chunked_divergence import ChunkedDivergenceFunction  # noqa: E402
+
+from chunked_entropy import linear_divergence, linear_divergence_loss  # noqa: E402
+from chunked_entropy.integrations.trl import divergence_keywords  # noqa: E402
+from tests.test_divergence import reference  # noqa: E402  (the float64 definitions)
+
+BETAS = [0.0, 0.3, 0.5, 1.0]
+SETTINGS = {
+    "plain": dict(),
+    "soft-caps, logit scales, temperature": dict(
+        temperature=0.7, student_logit_scale=1.25, teacher_logit_scale=0.8,
+        student_final_logit_softcapping=6.0, teacher_final_logit_softcapping=9.0,
+    ),
+    "student soft-cap only, temperature 2": dict(temperature=2.0, student_final_logit_softcapping=4.0),
+}
+
+
+def _inputs(seed, n=50, hs=24, ht=40, v=333, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    new = lambda *s, k=1.0: (torch.randn(*s, generator=g) * k).to(dtype)  # noqa: E731
+    return (new(n, hs), new(v, hs, k=3 / hs**0.5), new(v, k=0.3), new(n, ht), new(v, ht, k=4 / ht**0.5),
+            new(v, k=0.3), torch.randn(n, generator=g))
+
+
+def _trl(hs, ws, bs, ht, wt, bt, beta, s):
+    return ChunkedDivergenceFunction.apply(
+        hs, ws, bs, ht, wt, bt, beta, s.get("temperature", 1.0), s.get("student_logit_scale", 1.0),
+        s.get("student_final_logit_softcapping"), s.get("teacher_logit_scale", 1.0),
+        s.get("teacher_final_logit_softcapping"))
+
+
+def _ours_kw(beta, s):
+    return divergence_keywords(beta, temperature=s.get("temperature", 1.0),
+                               student_logit_scale=s.get("student_logit_scale", 1.0),
+                               teacher_logit_scale=s.get("teacher_logit_scale", 1.0),
+                               student_softcap=s.get("student_final_logit_softcapping"),
+                               teacher_softcap=s.get("teacher_final_logit_softcapping"))
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+@pytest.mark.parametrize("beta", BETAS)
+def test_values_and_gradients_equal_trls(beta, setting):
+    s = SETTINGS[setting]
+    hs, ws, bs, ht, wt, bt, up = _inputs(int(beta * 10) + len(setting))
+    a = [t.clone().requires_grad_() for t in (hs, ws, bs)]
+    d_trl, ent_trl = _trl(*a, ht, wt, bt, beta, s)
+    (d_trl * up).sum().backward()
+    b = [t.clone().requires_grad_() for t in (hs, ws, bs)]
+    out = linear_divergence(b[0], b[1], ht, wt, student_bias=b[2], teacher_bias=bt, compute_entropy=True,
+                            chunk_size=16, **_ours_kw(beta, s))
+    (out.divergence * up).sum().backward()
+    tol = dict(rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(out.divergence, d_trl, **tol)
+    torch.testing.assert_close(out.entropy, ent_trl, **tol)
+    for x, y, name in zip(b, a, ("hidden", "weight", "bias"), strict=True):
+        torch.testing.assert_close(x.grad, y.grad, **tol, msg=lambda m, name=name: f"grad {name}: {m}")
+    # the loss form: TRL's trainer reduces with a mean over the valid rows
+    c = [t.clone().requires_grad_() for t in (hs, ws, bs)]
+    mask = up > -0.5
+    res = linear_divergence_loss(c[0], c[1], ht, wt, student_bias=c[2], teacher_bias=bt, label_mask=mask,
+                                 chunk_size=16, **_ours_kw(beta, s))
+    res.loss.backward()
+    e = [t.clone().requires_grad_() for t in (hs, ws, bs)]
+    d2, _ = _trl(*e, ht, wt, bt, beta, s)
+    ((d2 * mask).sum() / mask.sum()).backward()
+    torch.testing.assert_close(res.loss, (d2.detach() * mask).sum() / mask.sum(), **tol)
+    for x, y in zip(c, e, strict=True):
+        torch.testing.assert_close(x.grad, y.grad, **tol)
+
+
+@pytest.mark.parametrize("beta", BETAS)
+def test_bf16_no_worse_than_trl_on_the_same_inputs(beta):
+    s = SETTINGS["soft-caps, logit scales, temperature"]
+    hs, ws, bs, ht, wt, bt, up = _inputs(3, dtype=torch.bfloat16)
+    ref = [t.double().requires_grad_() for t in (hs, ws, bs)]
+    kw = _ours_kw(beta, s)
+    d_ref = reference(ref[0] @ ref[1].t() + ref[2], ht.double() @ wt.double().t() + bt.double(), kw["divergence"],
+                      kw["beta"], temperature=kw["temperature"],
+                      student=dict(softcap=kw["student_softcap"], logit_scale=kw["student_logit_scale"]),
+                      teacher=dict(softcap=kw["teacher_softcap"], logit_scale=kw["teacher_logit_scale"]))
+    g_ref = torch.autograd.grad((d_ref * up.double()).sum(), ref)
+    a = [t.clone().requires_grad_() for t in (hs, ws, bs)]
+    d_trl, _ = _trl(*a, ht, wt, bt, beta, s)
+    g_trl = torch.autograd.grad((d_trl * up).sum(), a)
+    b = [t.clone().requires_grad_() for t in (hs, ws, bs)]
+    # TRL projects bf16 inputs to float32 logits: the same choice here is logits_dtype=torch.float32
+    d = linear_divergence(b[0], b[1], ht, wt, student_bias=b[2], teacher_bias=bt, logits_dtype=torch.float32,
+                          **_ours_kw(beta, s)).divergence
+    g = torch.autograd.grad((d * up).sum(), b)
+    err = lambda x, y: (x.double() - y).abs().max().item()  # noqa: E731
+    assert err(d, d_ref) <= 1.5 * err(d_trl, d_ref) + 1e-6
+    for x, y, r in zip(g, g_trl, g_ref, strict=True):
+        assert err(x, r) <= 1.5 * err(y, r) + 1e-6
