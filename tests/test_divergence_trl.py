@@ -104,3 +104,65 @@ def test_bf16_no_worse_than_trl_on_the_same_inputs(beta):
     assert err(d, d_ref) <= 1.5 * err(d_trl, d_ref) + 1e-6
     for x, y, r in zip(g, g_trl, g_ref, strict=True):
         assert err(x, r) <= 1.5 * err(y, r) + 1e-6
+
+
+# ----------------------------------------------------------------------------- a real DistillationTrainer
+
+
+def _distill(tmp_path, patch, beta):
+    """Two DistillationTrainer steps: a tiny Qwen2 student (width 32) and a wider teacher (width 48) from local
+    configs with random weights, a word-level tokenizer made here (no hub download)."""
+    import warnings
+
+    from datasets import Dataset
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    from trl import DistillationConfig, DistillationTrainer
+
+    vocab = {w: i for i, w in enumerate(["<pad>", "<eos>"] + [f"w{i}" for i in range(62)])}
+    tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", eos_token="<eos>")
+    paths = {}
+    for name, width in (("student", 32), ("teacher", 48)):
+        paths[name] = tmp_path / name
+        if not paths[name].exists():
+            torch.manual_seed(1 if name == "teacher" else 0)
+            cfg = Qwen2Config(vocab_size=64, hidden_size=width, intermediate_size=64, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                              tie_word_embeddings=False)
+            Qwen2ForCausalLM(cfg).save_pretrained(paths[name])
+            tok.save_pretrained(paths[name])
+    data = Dataset.from_dict({"prompt": [" ".join(f"w{(i * 7 + j) % 60}" for j in range(4)) for i in range(8)]})
+    args = DistillationConfig(
+        output_dir=str(tmp_path / ("patched" if patch else "trl")), per_device_train_batch_size=4,
+        max_completion_length=6, max_steps=2, logging_steps=1, learning_rate=1e-2, report_to="none", use_cpu=True,
+        seed=0, temperature=0.8, beta=beta, save_strategy="no", bf16=False, disable_tqdm=True,
+        model_init_kwargs={"dtype": "float32"}, teacher_model_init_kwargs={"dtype": "float32"},
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = DistillationTrainer(model=str(paths["student"]), teacher_model=str(paths["teacher"]), args=args,
+                                      train_dataset=data, processing_class=tok)
+        from chunked_entropy.integrations import trl as ce_trl
+
+        loss_fn = ce_trl.patch_distillation_trainer(trainer, chunk_size=5) if patch else None
+        trainer.train()
+    return [h for h in trainer.state.log_history if "loss" in h], loss_fn, trainer
+
+
+def test_two_distillation_trainer_steps_match_trls_own_path(tmp_path, beta=0.5):
+    from chunked_entropy.integrations import trl as ce_trl
+
+    theirs, _, _ = _distill(tmp_path, False, beta)
+    ours, loss_fn, trainer = _distill(tmp_path, True, beta)
+    assert len(ours) == len(theirs) == 2 and loss_fn.calls >= 2
+    assert all(b["loss"] > 0 and b["entropy"] > 0 for b in theirs)
+    for a, b in zip(ours, theirs, strict=True):
+        for key in ("loss", "grad_norm", "entropy"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), (key, a[key], b[key])
+    assert ce_trl.patch_distillation_trainer(trainer) is loss_fn  # idempotent
+    ce_trl.unpatch_distillation_trainer(trainer)
+    assert "_compute_loss" not in trainer.__dict__
+    with pytest.raises(TypeError, match="DistillationTrainer"):
+        ce_trl.patch_distillation_trainer(object())
