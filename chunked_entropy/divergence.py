@@ -267,10 +267,9 @@ class _LinearDivergenceLossFunction(torch.autograd.Function):
         # gradients), allocated here instead of in backward; no reference to the inputs.
         ctx.save_for_backward(grad_h, gw, gb)
         ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
-        div = torch.where(weights != 0, pair.div, 0.0)
-        ent = stats.entropy() if plan.want.entropy else torch.zeros_like(div)
-        ctx.mark_non_differentiable(div, ent)
-        return (div * weights).sum(), div, ent
+        ent = stats.entropy() if plan.want.entropy else torch.zeros_like(pair.div)
+        ctx.mark_non_differentiable(pair.div, ent)
+        return (torch.where(weights != 0, pair.div, 0.0) * weights).sum(), pair.div, ent
 
     @staticmethod
     @once_differentiable
@@ -398,11 +397,15 @@ def linear_divergence(
             ``"forward_kl"`` and ``"reverse_kl"`` here). None for the KLs.
         labels: optional ``[...]`` int64 *global* ids (the full sequence under sequence parallelism): the
             student's log-probs at them come out of the same pass (``log_probs``).
-        student_bias, teacher_bias: ``[V_local]`` or None.
+        student_bias: ``[V_local]`` or None.
+        teacher_bias: ``[V_local]`` or None.
         temperature: a float > 0 or a tensor broadcasting to the tokens, applied to both models after
             their transforms.
-        student_softcap, student_logit_scale, teacher_softcap, teacher_logit_scale: each model's
-            transform, as ``softcap`` / ``logit_scale`` of :func:`~chunked_entropy.log_probs_and_entropy`.
+        student_softcap: the student's soft-cap, as ``softcap`` of
+            :func:`~chunked_entropy.log_probs_and_entropy`.
+        student_logit_scale: the student's logit scale, as ``logit_scale`` there.
+        teacher_softcap: the teacher's soft-cap.
+        teacher_logit_scale: the teacher's logit scale.
         label_mask: ``[...]`` bool; False rows (and, with ``labels``, rows labelled ``ignore_index``) have
             divergence 0 and no gradient.
         compute_entropy: also the student's entropy at ``temperature`` (with its gradient).
@@ -421,9 +424,10 @@ def linear_divergence(
         The teacher's tensors are detached: they never receive a gradient.
 
     Raises:
-        ValueError / TypeError before any work, naming the argument (and, under a group, the rank):
-        vocabularies that differ, hidden states of other leading shapes, a ``jsd`` ``beta`` outside
-        (0, 1), a non-positive temperature, NaN or inf in ``teacher_hidden``, ranks that disagree.
+        ValueError: before any work, naming the argument (and, under a group, the rank): vocabularies
+            that differ, hidden states of other leading shapes, a ``jsd`` ``beta`` outside (0, 1), a
+            non-positive temperature, NaN or inf in ``teacher_hidden``, ranks that disagree.
+        TypeError: tensors of the wrong kind or dtype, named.
 
     Memory:
         Saved for backward: references to the student's and the teacher's tensors (the teacher's hidden
@@ -553,7 +557,8 @@ def linear_divergence_loss(
         loss, div, ent = _LinearDivergenceLossFunction.apply(*args)
     else:
         loss, div, ent = _LinearDivergenceLossFunction.forward(_NoCtx(), *args)
-    return DivergenceLoss(loss, div.view(shape), ent.view(shape) if compute_entropy else None)
+    div = torch.where(valid, div, 0.0).view(shape)  # masked rows: 0, whatever their states held
+    return DivergenceLoss(loss, div, torch.where(valid, ent, 0.0).view(shape) if compute_entropy else None)
 
 
 # ----------------------------------------------------------------------------- from logits

@@ -80,6 +80,12 @@ PRESETS = {
         path="head", tokens=[8192], vocab=[131072], hidden=[4096], dtype="bfloat16",
         methods=["headloss", "fusedloss"], chunk_sizes=[2048],
     ),
+    # distillation from the teacher's hidden states (N=8192, H=512, V=32768, float32, the reverse KL): this
+    # library's per-token form and loss form against TRL 1.16's ChunkedDivergenceFunction and plain torch
+    "divergence": dict(
+        path="head", tokens=[8192], vocab=[32768], hidden=[512], dtype="float32", chunk_sizes=[256],
+        methods=["divergence", "divergenceloss", "trldivergence", "plaindivergence"],
+    ),
     # sampling replay: 64 kept ids per token against none, and the dense-mask route (slime's) on the same input
     "replay": dict(
         dtype="float32", chunk_sizes=[512], keep=[0, 64],
@@ -202,7 +208,7 @@ def build_cases(s: dict, device: str) -> list:
                 for n in s["tokens"]:
                     group = []
                     for m in methods:
-                        ours = m in ("chunked", "head", "distill") + LOSS_METHODS
+                        ours = m in ("chunked", "head", "distill", "divergence", "divergenceloss") + LOSS_METHODS
                         # replay: ours at every --keep value, the dense-mask route at the non-zero ones
                         keeps = s["keep"] if m in ("chunked", "head") else [0]
                         if m == "densekeep":
@@ -227,7 +233,8 @@ def plan_bytes(case: Case) -> int:
     shape = plan.Shape(case.tokens, case.vocab, case.hidden, 1, case.dtype)
     # a policy loss needs what its log-probs and entropy need (the fused one: no more)
     method = {"chunkedloss": "chunked", "headloss": "head", "liger": "head", "densekeep": "plain",
-              "distill": "chunked", "verldistill": "plain"}.get(case.method, case.method)
+              "distill": "chunked", "verldistill": "plain", "divergence": "head", "divergenceloss": "head",
+              "trldivergence": "plain", "plaindivergence": "plain"}.get(case.method, case.method)
     if method == "fusedloss":
         method = "head" if case.path == "head" else "chunked"
     e = plan.estimate(method, shape, case.chunk)
