@@ -166,3 +166,27 @@ def test_two_distillation_trainer_steps_match_trls_own_path(tmp_path, beta=0.5):
     assert "_compute_loss" not in trainer.__dict__
     with pytest.raises(TypeError, match="DistillationTrainer"):
         ce_trl.patch_distillation_trainer(object())
+
+
+@pytest.mark.parametrize("num_items", [None, 7])
+def test_chunked_divergence_loss_equals_trls(num_items):
+    from trl.trainer.distillation_trainer import _chunked_divergence_loss
+
+    from chunked_entropy.integrations.trl import chunked_divergence_loss
+
+    g = torch.Generator().manual_seed(4)
+    hs, ht = torch.randn(3, 6, 16, generator=g), torch.randn(3, 6, 24, generator=g)
+    ws, wt = torch.randn(50, 16, generator=g) / 2, torch.randn(50, 24, generator=g) / 2
+    mask = (torch.rand(3, 6, generator=g) > 0.3).long()
+    mask[1] = 0  # a sequence with no completion token
+    kw = dict(student_final_logit_softcapping=5.0, teacher_logit_scale=1.5, temperature=0.8,
+              num_items_in_batch=num_items)
+    results = []
+    for fn in (_chunked_divergence_loss, chunked_divergence_loss):
+        h, w = hs.clone().requires_grad_(), ws.clone().requires_grad_()
+        loss, ent, n = fn(h, ht, w, wt, mask, 0.3, **kw)
+        loss.backward()
+        results.append((loss.detach(), ent.detach(), n, h.grad, w.grad))
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-6)
+    assert results[0][3][1].abs().max() == 0  # masked rows: no gradient

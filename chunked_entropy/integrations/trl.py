@@ -356,10 +356,11 @@ def chunked_divergence_loss(student_hidden_states, teacher_hidden_states, studen
     :func:`~chunked_entropy.linear_divergence_loss`.
 
     Returns ``(loss, entropy_sum, n_valid)``: the divergence summed over the rows where
-    ``completion_mask`` is nonzero, divided by ``num_items_in_batch`` (or, when None, by the count of
-    those rows, at least 1); the student's entropy (at ``temperature``, detached) summed over them; the
-    count. Each model's matmul runs in the autocast dtype when autocast is on (as TRL's does), else in
-    its hidden states' dtype; half precision is projected to float32 logits, as TRL projects.
+    ``completion_mask`` is nonzero (only those rows are projected), divided by ``num_items_in_batch``
+    (or, when None, by the count of those rows, at least 1); the student's entropy (at ``temperature``,
+    detached) summed over them; the count. Each model's matmul runs in the autocast dtype when autocast
+    is on (as TRL's does), else in its hidden states' dtype; half precision is projected to float32
+    logits, as TRL projects.
     """
     device = student_hidden_states.device.type
     autocast = torch.is_autocast_enabled(device)
@@ -369,20 +370,23 @@ def chunked_divergence_loss(student_hidden_states, teacher_hidden_states, studen
     wt, bt = _whole(teacher_lm_head_weight, teacher_lm_head_bias, t_dtype)
     valid = completion_mask.reshape(-1) != 0
     n_valid = valid.sum()
-    hs = student_hidden_states.reshape(-1, student_hidden_states.shape[-1]).to(s_dtype)
-    ht = teacher_hidden_states.reshape(-1, teacher_hidden_states.shape[-1]).to(t_dtype)
+    # Only the completion rows are projected (as TRL's Triton path does): one boolean index of each model's
+    # hidden states, whose backward scatters the student's gradient back
+    hs = student_hidden_states.reshape(-1, student_hidden_states.shape[-1])[valid].to(s_dtype)
+    ht = teacher_hidden_states.reshape(-1, teacher_hidden_states.shape[-1])[valid].to(t_dtype)
+    if num_items_in_batch is None:
+        num_items_in_batch = n_valid.clamp(min=1)
     half = s_dtype in (torch.bfloat16, torch.float16)
     with torch.autocast(device, enabled=False):
         res = linear_divergence_loss(
-            hs, ws, ht, wt, student_bias=bs, teacher_bias=bt, label_mask=valid, compute_entropy=True,
+            hs, ws, ht, wt, student_bias=bs, teacher_bias=bt, compute_entropy=True, reduction="sum",
             normalizer=num_items_in_batch, chunk_size=chunk_size, logits_dtype=torch.float32 if half else None,
             **divergence_keywords(beta, temperature=temperature, student_logit_scale=student_logit_scale,
                                   teacher_logit_scale=teacher_logit_scale,
                                   student_softcap=student_final_logit_softcapping,
                                   teacher_softcap=teacher_final_logit_softcapping),
         )
-    entropy_sum = torch.where(valid, res.entropy, 0.0).sum()
-    return res.loss, entropy_sum, n_valid
+    return res.loss, res.entropy.sum(), n_valid
 
 
 @contextlib.contextmanager
