@@ -45,8 +45,9 @@ derivative only with a soft-cap). The teacher takes no gradient.
 
 **Memory.** The functions below read the offsets blocks (never write them) and
 allocate block-sized temporaries: :func:`divergence_terms` two (KL) or five
-(JSD), :func:`divergence_grad` two (KL) or four (JSD); all are freed before the
-next block.
+(JSD), of which it returns two (one for the forward KL) for
+:func:`grad_from_parts`; :func:`divergence_grad` two (KL) or four (JSD); all
+are freed before the next block.
 """
 
 from __future__ import annotations
@@ -130,20 +131,38 @@ def jsd_log_ratios(lp_s: torch.Tensor, lp_t: torch.Tensor, beta: float):
 
 
 def divergence_terms(y_s, y_t, ls_s, ls_t, spec: DivergenceSpec):
-    """Per-row sums of one block, ``(D, aux)``: the divergence's part on these columns and (JSD) ``K``'s.
+    """Per-row sums of one block, ``(D, aux, parts)``: the divergence's part on these columns, (JSD) ``K``'s,
+    and the blocks :func:`grad_from_parts` makes the gradient of (a loss formed in the same pass).
 
     ``y_s``, ``y_t``: ``[n, Vb]`` offsets to the rows' final maxima (read only);
     ``ls_s``, ``ls_t``: ``[n]`` the rows' final ``log s``.
     """
     lp_s, lp_t = log_probs(y_s, ls_s), log_probs(y_t, ls_t)
     if spec.kind == "forward_kl":
-        return lp_s.neg_().add_(lp_t).mul_(lp_t.exp_()).sum(dim=1), None
+        d = lp_s.neg_().add_(lp_t)  # lp_t - lp_s
+        p_t = lp_t.exp_()
+        return d.mul_(p_t).sum(dim=1), None, (p_t,)
     if spec.kind == "reverse_kl":
-        return lp_t.neg_().add_(lp_s).mul_(lp_s.exp_()).sum(dim=1), None
+        e = lp_t.neg_().add_(lp_s)  # lp_s - lp_t
+        p_s = lp_s.exp_()
+        e.mul_(p_s)  # p_s (lp_s - lp_t)
+        return e.sum(dim=1), None, (e, p_s)
     beta = spec.beta
     r_s, r_t = jsd_log_ratios(lp_s, lp_t, beta)
-    k = r_s.mul_(lp_s.exp_()).sum(dim=1)  # KL(s || m)
-    return r_t.mul_(lp_t.exp_()).sum(dim=1).mul_(beta).add_(k * (1.0 - beta)), k
+    p_s = lp_s.exp_()
+    e = r_s.mul_(p_s)  # p_s r_s
+    k = e.sum(dim=1)  # KL(s || m)
+    return r_t.mul_(lp_t.exp_()).sum(dim=1).mul_(beta).add_(k * (1.0 - beta)), k, (e, p_s)
+
+
+def grad_from_parts(parts: tuple, y_s, ls_s, aux: Optional[torch.Tensor], spec: DivergenceSpec) -> torch.Tensor:
+    """``dD / dx_s`` of one block from what :func:`divergence_terms` kept (overwritten), once the rows' ``aux``
+    is complete: ``p_s - p_t``, ``p_s (lp_s - lp_t) - p_s D`` or ``(1 - beta) (p_s r_s - p_s K)``."""
+    if spec.kind == "forward_kl":
+        return log_probs(y_s, ls_s).exp_().sub_(parts[0])
+    e, p_s = parts
+    g = e.addcmul_(p_s, aux.unsqueeze(1), value=-1.0)
+    return g if spec.kind == "reverse_kl" else g.mul_(1.0 - spec.beta)
 
 
 def divergence_grad(y_s, y_t, ls_s, ls_t, aux: Optional[torch.Tensor], spec: DivergenceSpec) -> torch.Tensor:

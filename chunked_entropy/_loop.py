@@ -358,11 +358,17 @@ def _pair_block(tok: Tokens, tf_t, fill, fill_t, bufs, bufs_t, a, b, v0, v1, *, 
     return x, xt, scratch, scratch_t, cap
 
 
-def _divergence_grad_block(tok: Tokens, spec, y, yt, rows, pair, scale, a, b, v0, cap, co=None, scratch=None):
+def _divergence_grad_block(tok: Tokens, spec, y, yt, rows, pair, scale, a, b, v0, cap, co=None, scratch=None,
+                           parts=None):
     """The gradient w.r.t. the student's raw logits of one block, from both offsets blocks (``y`` is
     overwritten with it): ``scale * dD/dx_s`` (``scale``: ``[b - a]``, the upstream gradient times ``kz``)
-    plus, with ``co``, the student's log-prob / entropy terms."""
-    gd = _divergence.divergence_grad(y, yt, rows.ls, pair.ls_t, pair.aux, spec).mul_(scale.unsqueeze(1))
+    plus, with ``co``, the student's log-prob / entropy terms. ``parts``: what the divergence's sums of this
+    block kept (then ``yt`` is not read)."""
+    if parts is not None:
+        gd = _divergence.grad_from_parts(parts, y, rows.ls, pair.aux, spec)
+    else:
+        gd = _divergence.divergence_grad(y, yt, rows.ls, pair.ls_t, pair.aux, spec)
+    gd.mul_(scale.unsqueeze(1))
     if co is not None and (co.c is not None or co.b is not None):
         _stats.grad_from_offsets_(y, _stats.Transform(), rows, tok.target[a:b], v0, co, scratch, None)
         y.add_(gd)
@@ -409,13 +415,15 @@ def pair_row_stats(
             if merged is not st:
                 _stats.shift_offsets_(x, st.m, merged.m, k)
                 _stats.shift_offsets_(xt, stt.m, merged_t.m, kt)
-            div, aux = _divergence.divergence_terms(x, xt, rows.ls, ls_t, spec)
+            div, aux, parts = _divergence.divergence_terms(x, xt, rows.ls, ls_t, spec)
+            if weights is None:
+                parts = None
         else:
             div = aux = None
             for v0, v1 in chunks(width, block):
                 x, xt, *_ = _pair_block(tok, tf_t, fill, fill_t, bufs, bufs_t, a, b, v0, v1,
                                         m=(merged.m, merged_t.m))
-                d, ka = _divergence.divergence_terms(x, xt, rows.ls, ls_t, spec)
+                d, ka, _ = _divergence.divergence_terms(x, xt, rows.ls, ls_t, spec)
                 div = d if div is None else div + d
                 aux = ka if aux is None else aux + ka
         sums = all_reduce_sum_(torch.stack([div] if aux is None else [div, aux]), group)
@@ -429,7 +437,9 @@ def pair_row_stats(
             continue
         scale = _scaled(weights[a:b], tok, a, b)
         if single:
-            yield a, b, 0, width, _divergence_grad_block(tok, spec, x, xt, rows, here, scale, a, b, 0, cap)
+            yield a, b, 0, width, _divergence_grad_block(tok, spec, x, xt, rows, here, scale, a, b, 0, cap,
+                                                         parts=parts)
+            parts = None
         else:
             for v0, v1 in chunks(width, block):
                 x, xt, _, _, cap = _pair_block(tok, tf_t, fill, fill_t, bufs, bufs_t, a, b, v0, v1,
