@@ -19,6 +19,7 @@ The walk is :mod:`chunked_entropy._loop`'s, with a second projection per block
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass, replace
 from typing import NamedTuple, Optional
 
@@ -36,7 +37,7 @@ from ._blocks import (
     reduce_hidden_grad,
     weak_group,
 )
-from ._checks import check_chunk, check_flag, check_float, is_real
+from ._checks import check_chunk, check_flag, check_float, check_positive, is_real
 from ._divergence import DivergenceSpec, PairRows
 from ._inputs import Rows, Tokens, check_transform_scale, compute_dtype, dtype_code, prepare_tokens
 from ._loop import new_row_stats, pair_grad_blocks, pair_row_stats
@@ -82,8 +83,7 @@ class _Teacher:
 
 
 def _bits(x) -> int:
-    import struct
-
+    """A float's exact bit pattern as an int (None: -1), for the cross-rank agreement."""
     return -1 if x is None else struct.unpack("<q", struct.pack("<d", float(x)))[0]
 
 
@@ -313,10 +313,10 @@ def _linear_call(student_hidden, student_weight, teacher_hidden, teacher_weight,
         v_local = student_weight.shape[0]
         cdt = compute_dtype(student_weight.dtype)
         float32 = check_logits_dtype(logits_dtype, student_weight)
-        tf_s = Transform(_positive("student_softcap", student_softcap),
-                         _positive("student_logit_scale", student_logit_scale))
-        tf_t = Transform(_positive("teacher_softcap", teacher_softcap),
-                         _positive("teacher_logit_scale", teacher_logit_scale))
+        tf_s = Transform(check_positive("student_softcap", student_softcap),
+                         check_positive("student_logit_scale", student_logit_scale))
+        tf_t = Transform(check_positive("teacher_softcap", teacher_softcap),
+                         check_positive("teacher_logit_scale", teacher_logit_scale))
         tok, valid, no_labels = _prepare(
             call, lead, labels, v_local=v_local, label_mask=label_mask, ignore_index=ignore_index,
             temperature=temperature, tf_s=tf_s, tf_t=tf_t, device=student_hidden.device, cdt=cdt, spec=spec,
@@ -343,12 +343,6 @@ def _linear_call(student_hidden, student_weight, teacher_hidden, teacher_weight,
     teacher = _Teacher(full_hidden(teacher_hidden.detach(), plan), teacher_weight.detach(),
                        None if teacher_bias is None else teacher_bias.detach(), tf_t)
     return tok, plan, spec, teacher, valid, no_labels, grads
-
-
-def _positive(name, value):
-    from ._checks import check_positive
-
-    return check_positive(name, value)
 
 
 def linear_divergence(
@@ -644,10 +638,10 @@ def divergence_from_logits(
         lead = student_logits.shape[:-1]
         v_local = student_logits.shape[-1]
         cdt = compute_dtype(student_logits.dtype)
-        tf_s = Transform(_positive("student_softcap", student_softcap),
-                         _positive("student_logit_scale", student_logit_scale))
-        tf_t = Transform(_positive("teacher_softcap", teacher_softcap),
-                         _positive("teacher_logit_scale", teacher_logit_scale))
+        tf_s = Transform(check_positive("student_softcap", student_softcap),
+                         check_positive("student_logit_scale", student_logit_scale))
+        tf_t = Transform(check_positive("teacher_softcap", teacher_softcap),
+                         check_positive("teacher_logit_scale", teacher_logit_scale))
         tok, valid, no_labels = _prepare(
             call, lead, labels, v_local=v_local, label_mask=label_mask, ignore_index=ignore_index,
             temperature=temperature, tf_s=tf_s, tf_t=tf_t, device=student_logits.device, cdt=cdt, spec=spec,
