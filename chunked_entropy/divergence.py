@@ -401,7 +401,8 @@ def linear_divergence(
         teacher_softcap: the teacher's soft-cap.
         teacher_logit_scale: the teacher's logit scale.
         label_mask: ``[...]`` bool; False rows (and, with ``labels``, rows labelled ``ignore_index``) have
-            divergence 0 and no gradient.
+            divergence 0 and no gradient. They are still projected (the walk has static shapes: no host
+            sync); a caller with many masked rows selects the kept rows first, as the TRL adapter does.
         compute_entropy: also the student's entropy at ``temperature`` (with its gradient).
         chunk_size: tokens per chunk (the default is a quarter of the fused head's: four blocks are live).
         vocab_chunk_size: also block the vocabulary: the per-chunk buffers become
@@ -411,6 +412,7 @@ def linear_divergence(
             states are replicated over it; the student's gradient is summed over it.
         sequence_parallel: both hidden states arrive split along dim 0, as the fused head's.
         logits_dtype: as in :func:`~chunked_entropy.linear_log_probs_and_entropy`, for both models.
+            The blocks run through the eager kernels (no ``backend="compile"`` here yet).
 
     Returns:
         :class:`DivergenceOutputs`, identical on every rank of ``process_group``. ``divergence`` and the

@@ -205,20 +205,24 @@ def test_float32_and_bf16_no_worse_than_plain_torch(kind, beta):
     grads_ref = torch.autograd.grad((d_ref * up).sum(), leaves)
     for dtype, slack in [(torch.float32, 2.0), (torch.bfloat16, 1.5)]:
         errs = {}
-        for who in ("plain", "ours"):
+        for who in ("plain", "ours", "ours from logits"):
             hs, ws = (p[k].to(dtype).requires_grad_() for k in ("hs", "ws"))
             ht, wt = p["ht"].to(dtype), p["wt"].to(dtype)
             if who == "plain":  # plain autograd in the inputs' dtype, float32 softmax for half precision
                 cast = (lambda z: z.float()) if dtype != torch.float32 else (lambda z: z)  # noqa: E731
                 d = reference(cast(hs @ ws.t()), cast(ht @ wt.t()), kind, beta, temperature=0.5)
-            else:
+            elif who == "ours":
                 d = linear_divergence(hs, ws, ht, wt, divergence=kind, beta=beta, temperature=0.5,
                                       chunk_size=16).divergence
+            else:  # the logits twin on the half-precision logits plain autograd forms
+                d = divergence_from_logits(hs @ ws.t(), ht @ wt.t(), divergence=kind, beta=beta, temperature=0.5,
+                                           chunk_size=16).divergence
             gh, gw = torch.autograd.grad((d * up.to(d.dtype)).sum(), (hs, ws))
             errs[who] = [(a.double() - b).abs().max().item()
                          for a, b in zip((d, gh, gw), (d_ref, *grads_ref), strict=True)]
         for i, what in enumerate(("divergence", "grad hidden", "grad weight")):
-            assert errs["ours"][i] <= slack * errs["plain"][i] + 1e-6, (dtype, what, errs)
+            for who in ("ours", "ours from logits"):
+                assert errs[who][i] <= slack * errs["plain"][i] + 1e-6, (dtype, who, what, errs)
 
 
 # ----------------------------------------------------------------------------- tensor parallelism, gloo
@@ -308,6 +312,17 @@ def _tp2(rank, world):
 
 def test_tensor_parallel_2_and_sequence_parallel():
     run_distributed(_tp2, 2)
+
+
+def _tp3(rank, world):
+    group = dist.group.WORLD
+    _tp_case(rank, group, kind="jsd", beta=0.7, sequence_parallel=True, vocab_chunk_size=3, seed=40)
+    _tp_case(rank, group, kind="reverse_kl", beta=None, sequence_parallel=False, vocab_chunk_size=None, seed=41,
+             loss=True)
+
+
+def test_tensor_parallel_3():
+    run_distributed(_tp3, 3)
 
 
 # ----------------------------------------------------------------------------- bad input
