@@ -129,7 +129,9 @@ def add_arguments(p, positive_int, int_list, name_list) -> None:
                         "issue3: fused head, N=16384,32768, H=512, V=32768, chunk 512, against "
                         "matmul+plain torch and matmul+logits path; loss: the fused policy loss against the fused "
                         "head + losses, N=16384, H=512, V=32768; loss-logits: the same from logits, N=8192; "
-                        "loss-gpu (with --device cuda): N=8192, H=4096, V=131072, bf16, chunk 2048")
+                        "loss-gpu (with --device cuda): N=8192, H=4096, V=131072, bf16, chunk 2048; divergence: "
+                        "the reverse KL from a student's and a teacher's hidden states, N=8192, H=512, V=32768, "
+                        "against TRL's ChunkedDivergenceFunction and plain torch")
     g.add_argument("--quick", action="store_true",
                    help="a small sweep that finishes in under 30 s "
                         "(both paths, N=256,1024, V=8192, H=256, chunk 256, 1 round)")
@@ -146,7 +148,9 @@ def add_arguments(p, positive_int, int_list, name_list) -> None:
     g.add_argument("--methods", type=name_list, metavar="M1,...",
                    help="subset of plain, clone, chunked, head (log-probs and entropy; the default: all that "
                         "apply to the path), or of chunkedloss, headloss, fusedloss (the policy loss: "
-                        "chunked/fused head + chunked_entropy.losses, or the fused policy loss)")
+                        "chunked/fused head + chunked_entropy.losses, or the fused policy loss), or of "
+                        "divergence, divergenceloss, trldivergence, plaindivergence (--path head: the reverse KL "
+                        "between two heads: linear_divergence, its loss form, TRL's function, plain torch)")
     g.add_argument("--keep", type=_counts, metavar="K1,...",
                    help="sampling replay: kept ids per token, in vLLM's CSR layout, for this library's methods "
                         "and the dense-mask route densekeep (0: no replay; default 0)")
