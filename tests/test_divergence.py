@@ -375,3 +375,34 @@ def test_nan_teacher_is_refused_before_any_work_and_nothing_is_written():
     for a, b in zip((hs, ws, ht, wt), before, strict=True):
         assert torch.equal(a.detach().nan_to_num(), b.nan_to_num())
     assert hs.grad is None
+
+
+# ----------------------------------------------------------------------------- no host sync per chunk
+
+
+@pytest.mark.parametrize("form", ["per token", "loss", "logits"])
+@pytest.mark.parametrize("kind,beta", KINDS)
+def test_host_syncs_do_not_grow_with_the_chunks(form, kind, beta):
+    from tests.test_host_syncs import _HostSyncs  # the dispatcher-level counter of the other ops' test
+
+    g = torch.Generator().manual_seed(3)
+    n, h, v = 64, 8, 40
+    hs, ws, ht, wt = torch.randn(n, h, generator=g), torch.randn(v, h, generator=g), torch.randn(n, 12, generator=g), \
+        torch.randn(v, 12, generator=g)
+    mask = torch.rand(n, generator=g) > 0.2
+    t = torch.rand(n, generator=g) + 0.5
+    counts = {}
+    for chunk, vcs in ((n, None), (n // 2, None), (n // 8, v // 3)):
+        a, w = hs.clone().requires_grad_(), ws.clone().requires_grad_()
+        kw = dict(divergence=kind, beta=beta, label_mask=mask, temperature=t, student_softcap=5.0, chunk_size=chunk)
+        with _HostSyncs() as s:
+            if form == "per token":
+                out = linear_divergence(a, w, ht, wt, vocab_chunk_size=vcs, compute_entropy=True, **kw)
+                (out.divergence.sum() + out.entropy.sum()).backward()
+            elif form == "loss":
+                linear_divergence_loss(a, w, ht, wt, vocab_chunk_size=vcs, **kw).loss.backward()
+            else:
+                divergence_from_logits(a @ w.t(), ht @ wt.t(), **kw).divergence.sum().backward()
+        counts[chunk] = s.ops
+    assert counts[n] == counts[n // 2] == counts[n // 8], counts
+    assert sum(counts[n].values()) <= 8, counts[n]
