@@ -298,6 +298,12 @@ def _tp2(rank, world):
     w = torch.randn(5 + rank, 4)
     with pytest.raises(ValueError, match="differs across"):
         linear_divergence(torch.randn(3, 4), w, torch.randn(3, 4), w.clone(), process_group=group)
+    # the new options are agreed too: a beta or a teacher soft-cap that differs is named
+    args = (torch.randn(3, 4), torch.randn(6, 4), torch.randn(3, 5), torch.randn(6, 5))
+    with pytest.raises(ValueError, match="beta differs across"):
+        linear_divergence(*args, divergence="jsd", beta=0.2 + 0.1 * rank, process_group=group)
+    with pytest.raises(ValueError, match="teacher_softcap differs across"):
+        linear_divergence(*args, teacher_softcap=10.0 + rank, process_group=group)
     # a NaN teacher on one rank: every rank raises, naming it
     ht = torch.randn(3, 4)
     if rank == 1:
