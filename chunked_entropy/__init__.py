@@ -8,10 +8,20 @@ Public API:
 - :class:`LogProbsEntropy`: the ``(log_probs, entropy)`` result.
 - :func:`linear_policy_loss` and :func:`policy_loss_from_logits`: the whole
   PPO/GRPO loss of the output layer, gradients formed in the forward pass.
+- :func:`linear_divergence`, :func:`linear_divergence_loss` and
+  :func:`divergence_from_logits`: forward KL, reverse KL or JSD between a
+  student's and a teacher's distributions, from their hidden states.
 """
 
 from ._outputs import LogProbsEntropy
 from .config import ChunkedEntropyConfig
+from .divergence import (
+    DivergenceLoss,
+    DivergenceOutputs,
+    divergence_from_logits,
+    linear_divergence,
+    linear_divergence_loss,
+)
 from .head import ChunkedVocabParallelHead
 from .linear import linear_log_probs_and_entropy
 from .logits import log_probs_and_entropy
@@ -20,7 +30,12 @@ from .policy import linear_policy_loss, policy_loss_from_logits
 __all__ = [
     "ChunkedEntropyConfig",
     "ChunkedVocabParallelHead",
+    "DivergenceLoss",
+    "DivergenceOutputs",
     "LogProbsEntropy",
+    "divergence_from_logits",
+    "linear_divergence",
+    "linear_divergence_loss",
     "linear_log_probs_and_entropy",
     "linear_policy_loss",
     "log_probs_and_entropy",

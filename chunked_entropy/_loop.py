@@ -18,10 +18,10 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from . import _at, _keep, _stats
+from . import _at, _divergence, _keep, _stats
 from ._inputs import Tokens, chunks
 from ._kernels import COMPILED
-from .parallel import reduce_stats
+from .parallel import all_reduce_sum_, reduce_stats
 
 Fill = Callable[[torch.Tensor, int, int, int, int], object]
 View = Optional[Callable[[int, int, int, int], torch.Tensor]]
@@ -332,3 +332,147 @@ def loss_grad_blocks(
             ent = None if kept is None else kept.chunk(a, b, n, chunk_size)
             yield a, b, 0, width, _refilled_grad(tok, fill, view, bufs, a, b, 0, width, rows, co, dtype,
                                                  compiled=compiled, into=into, ent=ent, co_k=co_k)
+
+
+# ----------------------------------------------------------------------------- two heads: a divergence
+#
+# The same walk with a second projection per block: the student's block (``fill``, the rows' Tokens ``tok``
+# with its transform) and the teacher's (``fill_t``, transform ``tf_t``, the same temperature). Each model's
+# statistics are the ones above; the divergence's per-row sums are the math of chunked_entropy._divergence.
+
+
+def _pair_block(tok: Tokens, tf_t, fill, fill_t, bufs, bufs_t, a, b, v0, v1, *, m=None, aux=False):
+    """Both blocks of rows ``[a, b)``, columns ``[v0, v1)``: as filled (``m`` None: for their statistics), or
+    as offsets to the rows' maxima ``m = (m_s, m_t)``. Returns ``(x_s, x_t, scratch_s, scratch_t, aux_s)``."""
+    x, scratch, cap = bufs.get(b - a, v1 - v0)
+    xt, scratch_t, _ = bufs_t.get(b - a, v1 - v0)
+    fill(x, a, b, v0, v1)
+    fill_t(xt, a, b, v0, v1)
+    if m is not None:
+        inv_t = tok.inv_t_rows(a, b)
+        tok.transform.to_u_(x)
+        if aux and tok.transform.softcap is not None:
+            torch.mul(x, x, out=cap).neg_().add_(1.0)
+        _stats.offsets_(x, m[0], tok.k_rows(a, b))
+        _stats.offsets_(tf_t.to_u_(xt), m[1], tf_t.k(inv_t))
+    return x, xt, scratch, scratch_t, cap
+
+
+def _divergence_grad_block(tok: Tokens, spec, y, yt, rows, pair, scale, a, b, v0, cap, co=None, scratch=None,
+                           parts=None):
+    """The gradient w.r.t. the student's raw logits of one block, from both offsets blocks (``y`` is
+    overwritten with it): ``scale * dD/dx_s`` (``scale``: ``[b - a]``, the upstream gradient times ``kz``)
+    plus, with ``co``, the student's log-prob / entropy terms. ``parts``: what the divergence's sums of this
+    block kept (then ``yt`` is not read)."""
+    if parts is not None:
+        gd = _divergence.grad_from_parts(parts, y, rows.ls, pair.aux, spec)
+    else:
+        gd = _divergence.divergence_grad(y, yt, rows.ls, pair.ls_t, pair.aux, spec)
+    gd.mul_(scale.unsqueeze(1))
+    if co is not None and (co.c is not None or co.b is not None):
+        _stats.grad_from_offsets_(y, _stats.Transform(), rows, tok.target[a:b], v0, co, scratch, None)
+        y.add_(gd)
+    else:
+        y.copy_(gd)
+    if tok.transform.softcap is not None:
+        y.mul_(cap)
+    return y
+
+
+def pair_row_stats(
+    tok: Tokens, tf_t, spec, fill: Fill, fill_t: Fill, *, width: int, block: int, chunk_size: int, group,
+    want_entropy: bool, dtype, device, out: _stats.RowStats, pair: "_divergence.PairRows",
+    weights: Optional[torch.Tensor] = None,
+) -> Iterator[tuple]:
+    """Forward of a divergence between two heads: fill ``out`` (the student's RowStats) and ``pair``.
+
+    A generator: it yields nothing unless ``weights`` (``[N]``, the upstream gradient of each row's
+    divergence, known before the walk: a loss that is a weighted sum) is given; then it yields
+    ``(a, b, v0, v1, g)`` as :func:`grad_blocks` does, the student's logit gradient formed in this walk.
+    Per chunk: both blocks of each vocabulary block (two projections), each model's statistics merged over
+    blocks and ``group`` (two MAX and two SUM all-reduces); then the divergence's sums (one SUM all-reduce):
+    from the blocks still held when the vocabulary is one block, else from each block filled again.
+    """
+    n = tok.n
+    single = block >= width
+    cap_aux = weights is not None and tok.transform.softcap is not None
+    bufs = Buffers(min(chunk_size, n), block, dtype, device, work=True, scratch=True, aux=cap_aux)
+    bufs_t = Buffers(min(chunk_size, n), block, dtype, device, work=True, scratch=True)
+    no_label = torch.full((min(chunk_size, n),), -1, dtype=torch.int64, device=device)
+    for a, b in chunks(n, chunk_size):
+        k, kt, target = tok.k_rows(a, b), tf_t.k(tok.inv_t_rows(a, b)), tok.target[a:b]
+        st = stt = None
+        for v0, v1 in chunks(width, block):
+            x, xt, scratch, scratch_t, cap = _pair_block(tok, tf_t, fill, fill_t, bufs, bufs_t, a, b, v0, v1)
+            local = _stats.block_stats(x, tok.transform, k, target, v0, scratch, want_w=want_entropy, want_q=False,
+                                       aux=cap if cap_aux and single else None)
+            local_t = _stats.block_stats(xt, tf_t, kt, no_label[: b - a], v0, scratch_t, want_w=False, want_q=False)
+            st, stt = _stats.merge_stats(st, local, k), _stats.merge_stats(stt, local_t, kt)
+        merged, merged_t = reduce_stats(st, group, k)[0], reduce_stats(stt, group, kt)[0]
+        rows = _stats.RowStats.from_block(merged, k)
+        ls_t = _stats.RowStats.from_block(merged_t, kt).ls
+        if single:  # the blocks are held: their offsets to the merged maxima
+            if merged is not st:
+                _stats.shift_offsets_(x, st.m, merged.m, k)
+                _stats.shift_offsets_(xt, stt.m, merged_t.m, kt)
+            div, aux, parts = _divergence.divergence_terms(x, xt, rows.ls, ls_t, spec)
+            if weights is None:
+                parts = None
+        else:
+            div = aux = None
+            for v0, v1 in chunks(width, block):
+                x, xt, *_ = _pair_block(tok, tf_t, fill, fill_t, bufs, bufs_t, a, b, v0, v1,
+                                        m=(merged.m, merged_t.m))
+                d, ka, _ = _divergence.divergence_terms(x, xt, rows.ls, ls_t, spec)
+                div = d if div is None else div + d
+                aux = ka if aux is None else aux + ka
+        sums = all_reduce_sum_(torch.stack([div] if aux is None else [div, aux]), group)
+        div, aux = sums[0], (sums[1] if aux is not None else (sums[0] if spec.needs_aux else None))
+        _store(out, rows, a, b)
+        here = _divergence.PairRows(merged_t.m, ls_t, div, aux)
+        for dst, src in zip(pair, here, strict=True):
+            if dst is not None:
+                dst[a:b] = src
+        if weights is None:
+            continue
+        scale = _scaled(weights[a:b], tok, a, b)
+        if single:
+            yield a, b, 0, width, _divergence_grad_block(tok, spec, x, xt, rows, here, scale, a, b, 0, cap,
+                                                         parts=parts)
+            parts = None
+        else:
+            for v0, v1 in chunks(width, block):
+                x, xt, _, _, cap = _pair_block(tok, tf_t, fill, fill_t, bufs, bufs_t, a, b, v0, v1,
+                                               m=(merged.m, merged_t.m), aux=True)
+                yield a, b, v0, v1, _divergence_grad_block(tok, spec, x, xt, rows, here, scale, a, b, v0, cap)
+
+
+def _scaled(g: torch.Tensor, tok: Tokens, a: int, b: int) -> torch.Tensor:
+    """``g * kz`` for rows ``[a, b)``: an upstream gradient times ``dx/dz`` up to the cap's derivative."""
+    kz = tok.transform.kz(tok.inv_t_rows(a, b))
+    if kz is None:
+        return g
+    return g * (kz.squeeze(1) if isinstance(kz, torch.Tensor) else kz)
+
+
+def pair_grad_blocks(
+    tok: Tokens, tf_t, spec, fill: Fill, fill_t: Fill, *, width: int, block: int, chunk_size: int,
+    stats: _stats.RowStats, pair: "_divergence.PairRows", grads, dtype, device,
+) -> Iterator[tuple]:
+    """Backward of :func:`pair_row_stats`: yield ``(a, b, v0, v1, g)``, the gradient w.r.t. the student's raw
+    logits of each block, both blocks filled again (two projections). ``grads``: the upstream gradients of
+    ``(divergence, log_probs, entropy)`` (None: no term)."""
+    n = tok.n
+    g_div, g_lp, g_h = (None if g is None else g.reshape(-1).to(dtype) for g in grads)
+    bufs = Buffers(min(chunk_size, n), block, dtype, device, work=True, scratch=True,
+                   aux=tok.transform.softcap is not None)
+    bufs_t = Buffers(min(chunk_size, n), block, dtype, device, work=True, scratch=False)
+    for a, b in chunks(n, chunk_size):
+        rows, here = stats.rows(a, b), pair.rows(a, b)
+        co = tok.coefficients(a, b, None if g_lp is None else g_lp[a:b], None if g_h is None else g_h[a:b], None)
+        scale = _scaled(torch.zeros(b - a, dtype=dtype, device=device) if g_div is None else g_div[a:b], tok, a, b)
+        for v0, v1 in chunks(width, block):
+            x, xt, scratch, _, cap = _pair_block(tok, tf_t, fill, fill_t, bufs, bufs_t, a, b, v0, v1,
+                                                 m=(rows.m, here.m_t), aux=True)
+            yield a, b, v0, v1, _divergence_grad_block(tok, spec, x, xt, rows, here, scale, a, b, v0, cap,
+                                                       co=co, scratch=scratch)

@@ -37,10 +37,14 @@ PATHS = ("logits", "head")
 METHODS = {
     "logits": ("plain", "clone", "chunked", "chunkedloss", "fusedloss", "densekeep", "distill", "verldistill"),
     "head": ("plain", "clone", "chunked", "head", "headloss", "fusedloss", "liger", "densekeep", "verlfsdp",
-             "fsdpplugin", "verlfused", "fusedplugin"),
+             "fsdpplugin", "verlfused", "fusedplugin",
+             *("divergence", "divergenceloss", "trldivergence", "plaindivergence")),
 }
 #: verl's FSDP engine, its own routes and the plugin's, on hidden states and an lm_head weight (verl installed).
 VERL_FSDP_METHODS = ("verlfsdp", "fsdpplugin", "verlfused", "fusedplugin")
+#: Distillation from the teacher's hidden states (a teacher of the student's width, TRL's default beta 1: the
+#: reverse KL): this library's per-token form and loss form, TRL's ChunkedDivergenceFunction, plain torch.
+DIVERGENCE_METHODS = ("divergence", "divergenceloss", "trldivergence", "plaindivergence")
 #: What a sweep measures when --methods is not given: log-probs and entropy, every way.
 DEFAULT_METHODS = {"logits": ("plain", "clone", "chunked"), "head": ("plain", "clone", "chunked", "head")}
 #: Methods that compute the policy loss (the others: log-probs and entropy, with random upstream gradients).
@@ -96,6 +100,10 @@ class Case:
             "fsdpplugin": f"matmul + verl FSDP engine's prepare_model_outputs (plugin), chunk {self.chunk}",
             "verlfused": f"verl's FusedLinearForPPO, torch backend (verl's own), chunk {self.chunk}",
             "fusedplugin": f"verl's FusedLinearForPPO (plugin), chunk {self.chunk}",
+            "divergence": f"linear_divergence (reverse KL, per token), chunk {self.chunk}",
+            "divergenceloss": f"linear_divergence_loss (reverse KL, mean), chunk {self.chunk}",
+            "trldivergence": "TRL 1.16 ChunkedDivergenceFunction (beta 1; torch tiles off Triton)",
+            "plaindivergence": "plain torch: two matmuls, two log_softmax, reverse KL",
         }[self.method]
         if self.path == "head" and self.method in ("plain", "clone", "chunked", "densekeep"):
             name = "matmul + " + name
@@ -164,6 +172,11 @@ class Inputs:
             shard = w if world == 1 else w[lo : lo + vl].clone()
             del w
             self.weight = shard.to(dt).requires_grad_(True)
+            if case.method in DIVERGENCE_METHODS:  # the teacher: its hidden states and weight shard, no gradient
+                self.teacher_hidden = torch.randn(n, h, generator=g, device=dev).to(dt)
+                tw = torch.randn(v, h, generator=g, device=dev).mul_(2.5 / h**0.5)
+                self.teacher_weight = (tw if world == 1 else tw[lo : lo + vl].clone()).to(dt)
+                del tw
 
     def clear_grads(self):
         for t in (self.logits, self.hidden, self.weight):
@@ -312,8 +325,37 @@ def verl_fsdp_loss(case: Case, inp: Inputs, group):
     return loss + out["distillation_losses"].values().sum() if case.topk else loss
 
 
+def divergence_loss(case: Case, inp: Inputs, group):
+    """The reverse KL between the student's and the teacher's distributions: ``sum(g * D)`` (the loss form: the
+    mean of ``D``), each method on the same hidden states and weights."""
+    hs, ws, ht, wt = inp.hidden, inp.weight, inp.teacher_hidden, inp.teacher_weight
+    if case.method == "divergence":
+        from chunked_entropy import linear_divergence
+
+        d = linear_divergence(hs, ws, ht, wt, divergence="reverse_kl", chunk_size=case.chunk, process_group=group)
+        return (d.divergence * inp.g_lp).sum()
+    if case.method == "divergenceloss":
+        from chunked_entropy import linear_divergence_loss
+
+        return linear_divergence_loss(hs, ws, ht, wt, divergence="reverse_kl", chunk_size=case.chunk,
+                                      process_group=group).loss
+    if group is not None:
+        raise ValueError(f"{case.method} has no vocabulary parallelism; use tp=1")
+    if case.method == "trldivergence":
+        from trl.kernels.chunked_divergence import ChunkedDivergenceFunction
+
+        d, _ = ChunkedDivergenceFunction.apply(hs, ws, None, ht, wt, None, 1.0)
+        return (d * inp.g_lp).sum()
+    lps = torch.log_softmax((hs @ ws.t()).float(), dim=-1)
+    with torch.no_grad():
+        lpt = torch.log_softmax((ht @ wt.t()).float(), dim=-1)
+    return ((lps.exp() * (lps - lpt)).sum(-1) * inp.g_lp).sum()
+
+
 def loss_of(case: Case, inp: Inputs, group):
     """The scalar whose backward we time: ``sum(g_lp * log_prob + g_h * entropy)``, or the policy loss."""
+    if case.method in DIVERGENCE_METHODS:
+        return divergence_loss(case, inp, group)
     if case.method == "liger":  # a peer, when installed: its fused linear cross entropy (no entropy)
         try:
             from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss

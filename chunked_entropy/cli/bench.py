@@ -87,6 +87,12 @@ PRESETS = {
         path="head", tokens=[8192], vocab=[131072], hidden=[4096], dtype="bfloat16",
         methods=["headloss", "fusedloss"], chunk_sizes=[2048],
     ),
+    # distillation from the teacher's hidden states (N=8192, H=512, V=32768, float32, the reverse KL): this
+    # library's per-token form and loss form against TRL 1.16's ChunkedDivergenceFunction and plain torch
+    "divergence": dict(
+        path="head", tokens=[8192], vocab=[32768], hidden=[512], dtype="float32", chunk_sizes=[256],
+        methods=["divergence", "divergenceloss", "trldivergence", "plaindivergence"],
+    ),
     # sampling replay: 64 kept ids per token against none, and the dense-mask route (slime's) on the same input
     "replay": dict(
         dtype="float32", chunk_sizes=[512], keep=[0, 64],
@@ -130,7 +136,9 @@ def add_arguments(p, positive_int, int_list, name_list) -> None:
                         "issue3: fused head, N=16384,32768, H=512, V=32768, chunk 512, against "
                         "matmul+plain torch and matmul+logits path; loss: the fused policy loss against the fused "
                         "head + losses, N=16384, H=512, V=32768; loss-logits: the same from logits, N=8192; "
-                        "loss-gpu (with --device cuda): N=8192, H=4096, V=131072, bf16, chunk 2048")
+                        "loss-gpu (with --device cuda): N=8192, H=4096, V=131072, bf16, chunk 2048; divergence: "
+                        "the reverse KL from a student's and a teacher's hidden states, N=8192, H=512, V=32768, "
+                        "against TRL's ChunkedDivergenceFunction and plain torch")
     g.add_argument("--quick", action="store_true",
                    help="a small sweep that finishes in under 30 s "
                         "(both paths, N=256,1024, V=8192, H=256, chunk 256, 1 round)")
@@ -147,7 +155,9 @@ def add_arguments(p, positive_int, int_list, name_list) -> None:
     g.add_argument("--methods", type=name_list, metavar="M1,...",
                    help="subset of plain, clone, chunked, head (log-probs and entropy; the default: all that "
                         "apply to the path), or of chunkedloss, headloss, fusedloss (the policy loss: "
-                        "chunked/fused head + chunked_entropy.losses, or the fused policy loss)")
+                        "chunked/fused head + chunked_entropy.losses, or the fused policy loss), or of "
+                        "divergence, divergenceloss, trldivergence, plaindivergence (--path head: the reverse KL "
+                        "between two heads: linear_divergence, its loss form, TRL's function, plain torch)")
     g.add_argument("--keep", type=_counts, metavar="K1,...",
                    help="sampling replay: kept ids per token, in vLLM's CSR layout, for this library's methods "
                         "and the dense-mask route densekeep (0: no replay; default 0)")
@@ -209,7 +219,8 @@ def build_cases(s: dict, device: str) -> list:
                 for n in s["tokens"]:
                     group = []
                     for m in methods:
-                        ours = m in ("chunked", "head", "distill") + LOSS_METHODS + VERL_FSDP_METHODS
+                        ours = m in ("chunked", "head", "distill", "divergence", "divergenceloss") + LOSS_METHODS + \
+                            VERL_FSDP_METHODS
                         # replay: ours at every --keep value, the dense-mask route at the non-zero ones
                         keeps = s["keep"] if m in ("chunked", "head") else [0]
                         if m == "densekeep":
@@ -237,7 +248,8 @@ def plan_bytes(case: Case) -> int:
     # a policy loss needs what its log-probs and entropy need (the fused one: no more)
     method = {"chunkedloss": "chunked", "headloss": "head", "liger": "head", "densekeep": "plain",
               "distill": "chunked", "verldistill": "plain", "verlfsdp": "plain", "fsdpplugin": "chunked",
-              "verlfused": "head", "fusedplugin": "head"}.get(case.method, case.method)
+              "verlfused": "head", "fusedplugin": "head", "divergence": "head", "divergenceloss": "head",
+              "trldivergence": "plain", "plaindivergence": "plain"}.get(case.method, case.method)
     if method == "fusedloss":
         method = "head" if case.path == "head" else "chunked"
     e = plan.estimate(method, shape, case.chunk)

@@ -19,6 +19,15 @@ split by ``batch_size``, the MoE ``aux_loss`` of ``compute_aux_loss``, the
 ``(logps, entropies, aux_loss)``. The entropy has its exact gradient, so
 ``entropy_coef`` (TRL's entropy bonus) trains through it.
 
+**Distillation.** TRL 1.16's ``DistillationTrainer`` computes its loss in
+``trl.trainer.distillation_trainer._chunked_divergence_loss`` (over
+``ChunkedDivergenceFunction``, both models' hidden states and LM heads).
+:func:`patch_distillation_trainer` makes that call run
+:func:`chunked_divergence_loss` instead, for that trainer only: the loss of
+:func:`~chunked_entropy.linear_divergence_loss` (gradients formed in forward:
+four projection-sized matmuls per step instead of six), with TRL's ``beta``
+(:func:`divergence_keywords`), transforms, temperature and reduction.
+
 Tested with TRL 1.16.0 and Transformers 5.24.0.
 """
 
@@ -31,16 +40,21 @@ from typing import Optional
 import torch
 
 from .._checks import check_chunk
+from ..divergence import linear_divergence_loss
 from ..linear import linear_log_probs_and_entropy
 from ..logits import log_probs_and_entropy
 from ._common import check_id_dtype, check_id_range, check_ids, check_logits
 
 __all__ = [
     "FusedHeadKernel",
+    "chunked_divergence_loss",
+    "divergence_keywords",
     "entropy_from_logits",
+    "patch_distillation_trainer",
     "patch_trainer",
     "selective_log_softmax",
     "selective_log_softmax_and_entropy",
+    "unpatch_distillation_trainer",
     "unpatch_trainer",
 ]
 
@@ -302,3 +316,135 @@ def unpatch_trainer(trainer) -> None:
     existing = trainer.__dict__.get("_get_per_token_logps_and_entropies")
     if existing is not None and hasattr(existing, "chunked_entropy_kernel"):
         del trainer.__dict__["_get_per_token_logps_and_entropies"]
+
+
+# ----------------------------------------------------------------------------- DistillationTrainer
+
+
+def divergence_keywords(beta, *, temperature=1.0, student_logit_scale=1.0, teacher_logit_scale=1.0,
+                        student_softcap=None, teacher_softcap=None) -> dict:
+    """TRL's divergence settings as keywords of :func:`~chunked_entropy.linear_divergence`.
+
+    TRL's ``beta``: 0 the forward KL(teacher || student), 1 the reverse KL(student || teacher), in between
+    the generalized JSD with the mixture ``(1 - beta) p_s + beta p_t``. A logit scale of 1.0 is no scale.
+    """
+    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0.0 <= beta <= 1.0:
+        raise ValueError(f"beta must be a float in [0, 1] (TRL's convention), got {beta!r}")
+    kind = "forward_kl" if beta == 0 else "reverse_kl" if beta == 1 else "jsd"
+    scale = lambda x: None if x is None or x == 1.0 else x  # noqa: E731
+    return dict(divergence=kind, beta=float(beta) if kind == "jsd" else None, temperature=float(temperature),
+                student_logit_scale=scale(student_logit_scale), teacher_logit_scale=scale(teacher_logit_scale),
+                student_softcap=student_softcap, teacher_softcap=teacher_softcap)
+
+
+def _whole(weight, bias, dtype):
+    """A head's weight and bias as plain tensors in ``dtype`` (an FSDP2 DTensor gathered once, as TRL does)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(weight, DTensor):
+        weight = weight.full_tensor()
+        bias = None if bias is None else bias.full_tensor()
+    return weight.to(dtype), None if bias is None else bias.to(dtype)
+
+
+def chunked_divergence_loss(student_hidden_states, teacher_hidden_states, student_lm_head_weight,
+                            teacher_lm_head_weight, completion_mask, beta, num_items_in_batch=None,
+                            student_lm_head_bias=None, teacher_lm_head_bias=None, student_logit_scale=1.0,
+                            teacher_logit_scale=1.0, student_final_logit_softcapping=None,
+                            teacher_final_logit_softcapping=None, temperature=1.0, *, chunk_size: int = 256):
+    """TRL 1.16's ``_chunked_divergence_loss`` (same arguments and results) on
+    :func:`~chunked_entropy.linear_divergence_loss`.
+
+    Returns ``(loss, entropy_sum, n_valid)``: the divergence summed over the rows where
+    ``completion_mask`` is nonzero (only those rows are projected), divided by ``num_items_in_batch``
+    (or, when None, by the count of those rows, at least 1); the student's entropy (at ``temperature``,
+    detached) summed over them; the count. Each model's matmul runs in the autocast dtype when autocast
+    is on (as TRL's does), else in its hidden states' dtype; half precision is projected to float32
+    logits, as TRL projects.
+    """
+    device = student_hidden_states.device.type
+    autocast = torch.is_autocast_enabled(device)
+    s_dtype = torch.get_autocast_dtype(device) if autocast else student_hidden_states.dtype
+    t_dtype = torch.get_autocast_dtype(device) if autocast else teacher_hidden_states.dtype
+    ws, bs = _whole(student_lm_head_weight, student_lm_head_bias, s_dtype)
+    wt, bt = _whole(teacher_lm_head_weight, teacher_lm_head_bias, t_dtype)
+    valid = completion_mask.reshape(-1) != 0
+    n_valid = valid.sum()
+    # Only the completion rows are projected (as TRL's Triton path does): one boolean index of each model's
+    # hidden states, whose backward scatters the student's gradient back
+    hs = student_hidden_states.reshape(-1, student_hidden_states.shape[-1])[valid].to(s_dtype)
+    ht = teacher_hidden_states.reshape(-1, teacher_hidden_states.shape[-1])[valid].to(t_dtype)
+    if num_items_in_batch is None:
+        num_items_in_batch = n_valid.clamp(min=1)
+    half = s_dtype in (torch.bfloat16, torch.float16)
+    with torch.autocast(device, enabled=False):
+        res = linear_divergence_loss(
+            hs, ws, ht, wt, student_bias=bs, teacher_bias=bt, compute_entropy=True, reduction="sum",
+            normalizer=num_items_in_batch, chunk_size=chunk_size, logits_dtype=torch.float32 if half else None,
+            **divergence_keywords(beta, temperature=temperature, student_logit_scale=student_logit_scale,
+                                  teacher_logit_scale=teacher_logit_scale,
+                                  student_softcap=student_final_logit_softcapping,
+                                  teacher_softcap=teacher_final_logit_softcapping),
+        )
+    return res.loss, res.entropy.sum(), n_valid
+
+
+@contextlib.contextmanager
+def _divergence_swapped(fn):
+    import trl.trainer.distillation_trainer as trl_distill
+
+    previous = trl_distill._chunked_divergence_loss
+    trl_distill._chunked_divergence_loss = fn
+    try:
+        yield
+    finally:
+        trl_distill._chunked_divergence_loss = previous
+
+
+def patch_distillation_trainer(trainer, *, chunk_size: int = 256):
+    """Make a TRL 1.16 ``DistillationTrainer`` compute its loss with :func:`chunked_divergence_loss`.
+
+    Wraps the trainer's ``_compute_loss`` so that, while it runs, TRL's ``_chunked_divergence_loss`` is this
+    library's (for this trainer only). Everything else is TRL's: the backbones, the completion and tool
+    masks, the reduction by ``num_items_in_batch``, the entropy metric. Idempotent;
+    :func:`unpatch_distillation_trainer` undoes it. Returns the loss function in use (its ``calls``
+    counts the calls).
+
+    Raises:
+        TypeError: the trainer is not a ``DistillationTrainer`` (no ``_compute_loss``). Nothing is patched.
+        RuntimeError: this TRL has no ``trl.trainer.distillation_trainer._chunked_divergence_loss``.
+    """
+    check_chunk("chunk_size", chunk_size)
+    if not callable(getattr(type(trainer), "_compute_loss", None)) or not hasattr(trainer, "teacher_model"):
+        raise TypeError(f"patch_distillation_trainer needs TRL's DistillationTrainer, got {type(trainer).__name__}")
+    import trl.trainer.distillation_trainer as trl_distill
+
+    if not hasattr(trl_distill, "_chunked_divergence_loss"):
+        raise RuntimeError("this TRL has no trl.trainer.distillation_trainer._chunked_divergence_loss (TRL 1.16's "
+                           "chunked loss); nothing was patched")
+    existing = trainer.__dict__.get("_compute_loss")
+    if existing is not None and hasattr(existing, "chunked_entropy_loss"):
+        return existing.chunked_entropy_loss
+
+    def loss(*args, **kwargs):
+        loss.calls += 1
+        return chunked_divergence_loss(*args, **kwargs, chunk_size=chunk_size)
+
+    loss.calls = 0
+    original = trainer._compute_loss
+
+    @functools.wraps(original)
+    def compute_loss(*args, **kwargs):
+        with _divergence_swapped(loss):
+            return original(*args, **kwargs)
+
+    compute_loss.chunked_entropy_loss = loss
+    trainer._compute_loss = compute_loss
+    return loss
+
+
+def unpatch_distillation_trainer(trainer) -> None:
+    """Undo :func:`patch_distillation_trainer` (a no-op on an unpatched trainer)."""
+    existing = trainer.__dict__.get("_compute_loss")
+    if existing is not None and hasattr(existing, "chunked_entropy_loss"):
+        del trainer.__dict__["_compute_loss"]

@@ -1,0 +1,177 @@
+"""The math of a divergence between two distributions over one vocabulary: its per-token value and gradient.
+
+A sibling of :mod:`chunked_entropy._stats` on its floor. The student's logits
+``z_s`` and the teacher's ``z_t`` of one row each go through their own
+:class:`~chunked_entropy._stats.Transform` and the shared temperature:
+
+    x_s = transform_s(z_s) / t,   x_t = transform_t(z_t) / t,
+    p_s = softmax(x_s),           p_t = softmax(x_t).
+
+Each distribution's offsets ``y = x - max x``, log-sum-exp ``ls = log sum exp y``
+(and, for the student, the entropy and the label's log-prob) are the ordinary
+per-row statistics of :mod:`chunked_entropy._stats`, merged over vocabulary
+blocks and tensor-parallel shards as there. Once both rows' ``ls`` are known,
+the log-probabilities of every entry are ``lp = y - ls``, and each divergence is
+a plain sum of per-entry terms over the vocabulary, so blocks and shards add
+(one SUM all-reduce):
+
+==============  ========================================  ==========================================
+divergence      per-token value ``D``                     ``dD / dx_s,j``
+==============  ========================================  ==========================================
+forward KL      ``sum_j p_t (lp_t - lp_s)``  KL(t || s)   ``p_s,j - p_t,j``
+reverse KL      ``sum_j p_s (lp_s - lp_t)``  KL(s || t)   ``p_s,j (lp_s,j - lp_t,j - D)``
+JSD(beta)       ``beta KL(t || m) + (1 - beta) KL(s || m)``  ``(1 - beta) p_s,j (r_s,j - K)``
+==============  ========================================  ==========================================
+
+with the mixture ``m = (1 - beta) p_s + beta p_t`` (TRL's generalized JSD:
+``beta`` -> 0 and -> 1 both make it vanish, so TRL's ``beta = 0`` and ``1`` name
+the forward and the reverse KL instead), ``r_s = lp_s - log m``,
+``r_t = lp_t - log m`` and ``K = KL(s || m) = sum_j p_s r_s`` (a second per-row
+sum the JSD's gradient reads). The JSD's gradient has no ``log m`` term of its
+own: ``sum_i (beta p_t,i + (1 - beta) p_s,i) d log m_i / dx_j = sum_i dm_i / dx_j = 0``.
+
+**Log-ratios without cancellation.** With ``d = lp_t - lp_s + log(beta / (1 - beta))``,
+
+    r_s = -log(1 - beta) - softplus(d),      r_t = -log(beta) - softplus(-d),
+
+both formed from ``d`` directly (never as ``log m`` subtracted from a log-prob),
+so an entry where one model's probability underflows keeps an exact ratio.
+A teacher equal to the student gives ``lp_t - lp_s = 0`` entry by entry: ``D``
+and its gradient are exactly 0.
+
+The gradient w.r.t. the student's raw logits is ``dD/dx_s * kz * (1 - u**2)``
+as in :mod:`chunked_entropy._stats` (``kz = logit_scale / t``; the cap's
+derivative only with a soft-cap). The teacher takes no gradient.
+
+**Memory.** The functions below read the offsets blocks (never write them) and
+allocate block-sized temporaries: :func:`divergence_terms` two (KL) or five
+(JSD), of which it returns two (one for the forward KL) for
+:func:`grad_from_parts`; :func:`divergence_grad` two (KL) or four (JSD); all
+are freed before the next block.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple, Optional
+
+import torch
+import torch.nn.functional as F
+
+from ._checks import check_real
+
+#: The divergences, by the name the ops take.
+KINDS = ("forward_kl", "reverse_kl", "jsd")
+
+
+@dataclass(frozen=True)
+class DivergenceSpec:
+    """Which divergence: ``kind`` one of :data:`KINDS`; ``beta`` the JSD's mixture weight in (0, 1)."""
+
+    kind: str = "forward_kl"
+    beta: Optional[float] = None
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"divergence must be one of {', '.join(map(repr, KINDS))}, got {self.kind!r}")
+        if self.kind == "jsd":
+            if self.beta is None:
+                raise ValueError("divergence='jsd' needs beta, the teacher's weight in the mixture, in (0, 1)")
+            beta = check_real("beta", self.beta, low=0.0, high=1.0, low_open=True, high_open=True)
+            object.__setattr__(self, "beta", beta)
+        elif self.beta is not None:
+            raise ValueError(
+                f"beta is the JSD's mixture weight; divergence={self.kind!r} takes none (got beta={self.beta!r}). "
+                "TRL's beta 0 is divergence='forward_kl', beta 1 divergence='reverse_kl'"
+            )
+
+    @staticmethod
+    def from_trl_beta(beta) -> "DivergenceSpec":
+        """TRL's convention: ``beta`` 0 the forward KL, 1 the reverse KL, in between the generalized JSD."""
+        beta = check_real("beta", beta, low=0.0, high=1.0)
+        if beta == 0.0:
+            return DivergenceSpec("forward_kl")
+        if beta == 1.0:
+            return DivergenceSpec("reverse_kl")
+        return DivergenceSpec("jsd", beta)
+
+    @property
+    def needs_aux(self) -> bool:
+        """Whether the gradient reads a per-row sum beyond the log-sum-exps (reverse KL: ``D``; JSD: ``K``)."""
+        return self.kind != "forward_kl"
+
+
+class PairRows(NamedTuple):
+    """Per-row results of the forward loop: the teacher's row max and ``log s`` (offsets units as in
+    :class:`~chunked_entropy._stats.RowStats`), the divergence ``D`` and the gradient's extra sum ``aux``
+    (``D`` for the reverse KL, ``K`` for the JSD, None for the forward KL)."""
+
+    m_t: torch.Tensor
+    ls_t: torch.Tensor
+    div: torch.Tensor
+    aux: Optional[torch.Tensor]
+
+    def rows(self, a: int, b: int) -> "PairRows":
+        return PairRows(*(None if t is None else t[a:b] for t in self))
+
+
+def log_probs(y: torch.Tensor, ls: torch.Tensor) -> torch.Tensor:
+    """``lp = y - log s``: a block's log-probabilities from its offsets to the row max (a new block)."""
+    return y - ls.unsqueeze(1)
+
+
+def jsd_log_ratios(lp_s: torch.Tensor, lp_t: torch.Tensor, beta: float):
+    """``(r_s, r_t) = (lp_s - log m, lp_t - log m)`` for ``m = (1 - beta) p_s + beta p_t``, each from
+    ``d = lp_t - lp_s + log(beta / (1 - beta))`` through one softplus (no cancellation)."""
+    d = torch.sub(lp_t, lp_s).add_(math.log(beta) - math.log1p(-beta))
+    r_t = F.softplus(d.neg()).neg_().sub_(math.log(beta))
+    r_s = F.softplus(d).neg_().sub_(math.log1p(-beta))
+    return r_s, r_t
+
+
+def divergence_terms(y_s, y_t, ls_s, ls_t, spec: DivergenceSpec):
+    """Per-row sums of one block, ``(D, aux, parts)``: the divergence's part on these columns, (JSD) ``K``'s,
+    and the blocks :func:`grad_from_parts` makes the gradient of (a loss formed in the same pass).
+
+    ``y_s``, ``y_t``: ``[n, Vb]`` offsets to the rows' final maxima (read only);
+    ``ls_s``, ``ls_t``: ``[n]`` the rows' final ``log s``.
+    """
+    lp_s, lp_t = log_probs(y_s, ls_s), log_probs(y_t, ls_t)
+    if spec.kind == "forward_kl":
+        d = lp_s.neg_().add_(lp_t)  # lp_t - lp_s
+        p_t = lp_t.exp_()
+        return d.mul_(p_t).sum(dim=1), None, (p_t,)
+    if spec.kind == "reverse_kl":
+        e = lp_t.neg_().add_(lp_s)  # lp_s - lp_t
+        p_s = lp_s.exp_()
+        e.mul_(p_s)  # p_s (lp_s - lp_t)
+        return e.sum(dim=1), None, (e, p_s)
+    beta = spec.beta
+    r_s, r_t = jsd_log_ratios(lp_s, lp_t, beta)
+    p_s = lp_s.exp_()
+    e = r_s.mul_(p_s)  # p_s r_s
+    k = e.sum(dim=1)  # KL(s || m)
+    return r_t.mul_(lp_t.exp_()).sum(dim=1).mul_(beta).add_(k * (1.0 - beta)), k, (e, p_s)
+
+
+def grad_from_parts(parts: tuple, y_s, ls_s, aux: Optional[torch.Tensor], spec: DivergenceSpec) -> torch.Tensor:
+    """``dD / dx_s`` of one block from what :func:`divergence_terms` kept (overwritten), once the rows' ``aux``
+    is complete: ``p_s - p_t``, ``p_s (lp_s - lp_t) - p_s D`` or ``(1 - beta) (p_s r_s - p_s K)``."""
+    if spec.kind == "forward_kl":
+        return log_probs(y_s, ls_s).exp_().sub_(parts[0])
+    e, p_s = parts
+    g = e.addcmul_(p_s, aux.unsqueeze(1), value=-1.0)
+    return g if spec.kind == "reverse_kl" else g.mul_(1.0 - spec.beta)
+
+
+def divergence_grad(y_s, y_t, ls_s, ls_t, aux: Optional[torch.Tensor], spec: DivergenceSpec) -> torch.Tensor:
+    """``dD / dx_s`` of one ``[n, Vb]`` block (a new block), from the offsets (read only) and the rows'
+    final ``log s`` and ``aux`` (see :class:`PairRows`)."""
+    lp_s, lp_t = log_probs(y_s, ls_s), log_probs(y_t, ls_t)
+    if spec.kind == "forward_kl":
+        return lp_s.exp_().sub_(lp_t.exp_())
+    if spec.kind == "reverse_kl":
+        return lp_t.neg_().add_(lp_s).sub_(aux.unsqueeze(1)).mul_(lp_s.exp_())
+    r_s, _ = jsd_log_ratios(lp_s, lp_t, spec.beta)
+    return r_s.sub_(aux.unsqueeze(1)).mul_(lp_s.exp_()).mul_(1.0 - spec.beta)

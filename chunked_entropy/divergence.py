@@ -1,0 +1,670 @@
+"""Divergences between a student's and a teacher's next-token distributions; neither model's logits formed.
+
+Floor 4 (ops), beside :mod:`chunked_entropy.linear` and :mod:`chunked_entropy.policy`:
+
+- :func:`linear_divergence`: per-token forward KL, reverse KL or generalized JSD
+  from both models' hidden states and (vocab-parallel) output weights, with the
+  student's log-probs at labels and entropy from the same pass; gradients into
+  the student only.
+- :func:`linear_divergence_loss`: the weighted sum (or mean) of it, the
+  student's gradients formed inside the forward walk (four projection-sized
+  matmuls per step: two projections, two gradient matmuls).
+- :func:`divergence_from_logits`: the same from logits the caller holds.
+
+The walk is :mod:`chunked_entropy._loop`'s, with a second projection per block
+(:func:`~chunked_entropy._loop.pair_row_stats`); the math is
+:mod:`chunked_entropy._divergence`.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass, replace
+from typing import NamedTuple, Optional
+
+import torch
+
+from ._autograd import graph_is_kept, once_differentiable
+from ._blocks import (
+    Plan,
+    check_logits_dtype,
+    full_hidden,
+    linear_filler,
+    linear_grads,
+    live_group,
+    logits_source,
+    reduce_hidden_grad,
+    weak_group,
+)
+from ._checks import check_chunk, check_flag, check_float, check_positive, is_real
+from ._divergence import DivergenceSpec, PairRows
+from ._inputs import Rows, Tokens, check_transform_scale, compute_dtype, dtype_code, prepare_tokens
+from ._loop import new_row_stats, pair_grad_blocks, pair_row_stats
+from ._stats import RowStats, Transform, Want
+from .parallel import agreed_call, fingerprint_floats
+
+__all__ = [
+    "DivergenceLoss",
+    "DivergenceOutputs",
+    "divergence_from_logits",
+    "linear_divergence",
+    "linear_divergence_loss",
+]
+
+
+class DivergenceOutputs(NamedTuple):
+    """Per-token outputs, each in the tokens' leading shape: ``divergence`` (0 on masked rows),
+    ``log_probs`` (the student's at ``labels``; None without labels) and ``entropy`` (the student's, at the
+    divergence's temperature; None unless ``compute_entropy``)."""
+
+    divergence: torch.Tensor
+    log_probs: Optional[torch.Tensor] = None
+    entropy: Optional[torch.Tensor] = None
+
+
+class DivergenceLoss(NamedTuple):
+    """The loss form's result: the scalar ``loss`` (differentiable w.r.t. the student) and, detached, the
+    per-token ``divergence`` and (``compute_entropy``) ``entropy`` it was made of, for logging."""
+
+    loss: torch.Tensor
+    divergence: torch.Tensor
+    entropy: Optional[torch.Tensor] = None
+
+
+@dataclass(frozen=True)
+class _Teacher:
+    """The teacher's side of a call: detached tensors and its transform (no gradient ever flows here)."""
+
+    source: object  # the filled rows: hidden states (full sequence) or logits
+    weight: Optional[torch.Tensor]
+    bias: Optional[torch.Tensor]
+    transform: Transform
+
+
+def _bits(x) -> int:
+    """A float's exact bit pattern as an int (None: -1), for the cross-rank agreement."""
+    return -1 if x is None else struct.unpack("<q", struct.pack("<d", float(x)))[0]
+
+
+def _spec(divergence, beta) -> DivergenceSpec:
+    if not isinstance(divergence, str):
+        raise TypeError(f"divergence must be a str ('forward_kl', 'reverse_kl' or 'jsd'), got {divergence!r}")
+    if beta is not None and not is_real(beta):
+        raise TypeError(f"beta must be a float in (0, 1) or None, got {beta!r}")
+    return DivergenceSpec(divergence, beta)
+
+
+def _check_head(prefix: str, hidden, weight, bias) -> None:
+    """One model's hidden states, weight and bias, named with its prefix."""
+    check_float(f"{prefix}_hidden", hidden)
+    check_float(f"{prefix}_weight", weight, dim=2)
+    if hidden.dim() < 1 or hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"{prefix}_hidden must be [..., H] with H == {prefix}_weight.shape[1] == {weight.shape[1]}, "
+            f"got shape {tuple(hidden.shape)}"
+        )
+    if hidden.dtype != weight.dtype:
+        raise TypeError(f"{prefix}_hidden ({hidden.dtype}) and {prefix}_weight ({weight.dtype}) must have one dtype")
+    if hidden.device != weight.device:
+        raise ValueError(f"{prefix}_hidden is on {hidden.device} but {prefix}_weight is on {weight.device}")
+    if bias is not None:
+        check_float(f"{prefix}_bias", bias)
+        if bias.shape != (weight.shape[0],):
+            raise ValueError(f"{prefix}_bias must have shape ({weight.shape[0]},) (V_local), got {tuple(bias.shape)}")
+        if bias.device != weight.device:
+            raise ValueError(f"{prefix}_bias is on {bias.device} but {prefix}_weight is on {weight.device}")
+
+
+def _check_pair(student, teacher, what: str) -> None:
+    """The two models' inputs must describe the same tokens and the same vocabulary shard."""
+    if teacher.shape[:-1] != student.shape[:-1]:
+        raise ValueError(
+            f"teacher_{what} must have the leading shape of student_{what}, {tuple(student.shape[:-1])} "
+            f"(the same tokens), got {tuple(teacher.shape[:-1])}"
+        )
+    if teacher.device != student.device:
+        raise ValueError(f"teacher_{what} is on {teacher.device} but student_{what} is on {student.device}")
+
+
+def _prepare(call, lead, labels, *, v_local, label_mask, ignore_index, temperature, tf_s, tf_t, device, cdt,
+             spec, teacher_values, teacher_name):
+    """Tokens (the student's labels and temperatures, checked as the other ops check them), the rows the
+    divergence counts, and the teacher's checks; every rank records what it must agree on."""
+    no_labels = labels is None
+    if no_labels:
+        labels = torch.full(tuple(lead), ignore_index, dtype=torch.int64, device=device)
+    tok = prepare_tokens(labels, lead, v_local, call=call, label_mask=label_mask, ignore_index=ignore_index,
+                         temperature=temperature, device=device, dtype=cdt, transform=tf_s)
+    if no_labels:
+        valid = (torch.ones(tok.n, dtype=torch.bool, device=device) if label_mask is None
+                 else label_mask.reshape(-1).to(device=device, dtype=torch.bool))
+    else:
+        valid = tok.valid
+    check_transform_scale(tf_t, tok.inv_t, cdt, call)
+    call.require(torch.isfinite(teacher_values).all(),
+                 f"{teacher_name} must be finite (no NaN or inf): a teacher's NaN would poison every divergence")
+    call.agree("teacher_softcap", _bits(tf_t.softcap))
+    call.agree("teacher_logit_scale", _bits(tf_t.logit_scale))
+    call.agree("divergence (0 forward_kl, 1 reverse_kl, 2 jsd)", ("forward_kl", "reverse_kl", "jsd").index(spec.kind))
+    call.agree("beta", _bits(spec.beta))
+    if call.world > 1:
+        call.agree("label_mask (the rows the divergence counts)", fingerprint_floats(valid.to(torch.float32)))
+    return tok, valid, no_labels
+
+
+def _outputs(tok: Tokens, stats: RowStats, pair: PairRows, valid, want: Want):
+    div = torch.where(valid, pair.div, 0.0)
+    lp = torch.where(tok.valid, stats.log_probs(), 0.0)
+    ent = stats.entropy() if want.entropy else torch.zeros_like(div)
+    return div, lp, ent
+
+
+def _new_pair(n, spec: DivergenceSpec, dtype, device) -> PairRows:
+    new = lambda: torch.empty(n, dtype=dtype, device=device)  # noqa: E731
+    return PairRows(new(), new(), new(), new() if spec.needs_aux else None)
+
+
+def _walk(tok, teacher_fill, spec, fill, *, width, plan: Plan, teacher: _Teacher, dtype, device, weights=None):
+    """``pair_row_stats`` over fresh per-token arrays: ``(the generator, stats, pair)``."""
+    stats = new_row_stats(tok.n, plan.want, dtype, device)
+    pair = _new_pair(tok.n, spec, dtype, device)
+    gen = pair_row_stats(tok, teacher.transform, spec, fill, teacher_fill, width=width, block=plan.vocab_chunk_size,
+                         chunk_size=plan.chunk_size, group=plan.group, want_entropy=plan.want.entropy, dtype=dtype,
+                         device=device, out=stats, pair=pair, weights=weights)
+    return gen, stats, pair
+
+
+def _exhaust(gen) -> None:
+    for _ in gen:
+        pass
+
+
+def _teacher_fill(teacher: _Teacher, plan: Plan):
+    return linear_filler(Rows(teacher.source), teacher.weight, teacher.bias, plan.float32_logits)
+
+
+def _saved_rows(stats: RowStats, pair: PairRows) -> tuple:
+    return (stats.m, stats.ls, stats.ws, pair.m_t, pair.ls_t, pair.div, pair.aux)
+
+
+def _rows_from_saved(t) -> tuple:
+    m, ls, ws, m_t, ls_t, div, aux = t
+    return RowStats(m, ls, ws, None, None), PairRows(m_t, ls_t, div, aux)
+
+
+class _LinearDivergenceFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, teacher: _Teacher, tok: Tokens, plan: Plan, spec, valid):
+        h_full = full_hidden(hidden, plan)
+        cdt = compute_dtype(weight.dtype)
+        gen, stats, pair = _walk(tok, _teacher_fill(teacher, plan), spec,
+                                 linear_filler(Rows(h_full), weight, bias, plan.float32_logits),
+                                 width=weight.shape[0], plan=plan, teacher=teacher, dtype=cdt, device=weight.device)
+        _exhaust(gen)
+        # Saved: references to the student's hidden (this rank's slice under sequence parallelism), weight
+        # and bias, the teacher's (detached; its full hidden states under sequence parallelism), and five to
+        # seven float32 per token.
+        ctx.save_for_backward(hidden, weight, bias, valid, *_saved_rows(stats, pair))
+        ctx.teacher, ctx.tok, ctx.spec = teacher, tok, spec
+        ctx.plan, ctx.group = replace(plan, group=None), weak_group(plan.group)
+        ctx.set_materialize_grads(False)
+        return _outputs(tok, stats, pair, valid, plan.want)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g_div, g_lp, g_h):
+        hidden, weight, bias, valid, *saved = ctx.saved_tensors
+        stats, pair = _rows_from_saved(saved)
+        tok, plan = ctx.tok, replace(ctx.plan, group=live_group(ctx.group))
+        need = ctx.needs_input_grad[:3]
+        if g_div is None and g_lp is None and g_h is None:
+            return (None,) * 8
+        if g_div is not None:
+            g_div = torch.where(valid, g_div.reshape(-1), 0.0)
+        if not plan.want.entropy:
+            g_h = None
+        h_full = full_hidden(hidden, plan)
+        rows = Rows(h_full)
+        cdt = stats.ls.dtype
+        blocks = pair_grad_blocks(
+            tok, ctx.teacher.transform, ctx.spec, linear_filler(rows, weight, bias, plan.float32_logits),
+            _teacher_fill(ctx.teacher, plan), width=weight.shape[0], block=plan.vocab_chunk_size,
+            chunk_size=plan.chunk_size, stats=stats, pair=pair, grads=(g_div, g_lp, g_h), dtype=cdt,
+            device=weight.device,
+        )
+        grad_h, gw, gb = linear_grads(blocks, rows, weight, n=tok.n, hidden_dtype=hidden.dtype,
+                                      chunk_size=plan.chunk_size, need=need, float32=plan.float32_logits)
+        grad_hidden = None if grad_h is None else reduce_hidden_grad(grad_h, h_full.shape, plan)
+        return (grad_hidden, None if gw is None else gw.to(weight.dtype), None if gb is None else gb.to(bias.dtype),
+                None, None, None, None, None)
+
+
+def _scaled_grad(t: Optional[torch.Tensor], g: torch.Tensor, dtype) -> Optional[torch.Tensor]:
+    """A gradient stored in forward times the scalar upstream ``g``, as a tensor the caller owns."""
+    if t is None:
+        return None
+    t = t * g.to(t.dtype) if graph_is_kept() else t.mul_(g.to(t.dtype))
+    return t.to(dtype)
+
+
+class _LinearDivergenceLossFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, teacher: _Teacher, tok: Tokens, plan: Plan, spec, weights):
+        need = ctx.needs_input_grad[:3]
+        h_full = full_hidden(hidden, plan)
+        rows = Rows(h_full)
+        cdt = compute_dtype(weight.dtype)
+        gen, stats, pair = _walk(tok, _teacher_fill(teacher, plan), spec,
+                                 linear_filler(rows, weight, bias, plan.float32_logits), width=weight.shape[0],
+                                 plan=plan, teacher=teacher, dtype=cdt, device=weight.device,
+                                 weights=weights if any(need) else None)
+        grad_h, gw, gb = linear_grads(gen, rows, weight, n=tok.n, hidden_dtype=hidden.dtype,
+                                      chunk_size=plan.chunk_size, need=need, float32=plan.float32_logits)
+        if grad_h is not None:
+            grad_h = reduce_hidden_grad(grad_h, h_full.shape, plan)
+        # Saved: the gradients themselves (the hidden states' in their dtype, the float32 weight and bias
+        # gradients), allocated here instead of in backward; no reference to the inputs.
+        ctx.save_for_backward(grad_h, gw, gb)
+        ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
+        ent = stats.entropy() if plan.want.entropy else torch.zeros_like(pair.div)
+        ctx.mark_non_differentiable(pair.div, ent)
+        return (torch.where(weights != 0, pair.div, 0.0) * weights).sum(), pair.div, ent
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g, _d, _e):
+        grad_h, gw, gb = ctx.saved_tensors
+        if g is None:
+            return (None,) * 8
+        return (_scaled_grad(grad_h, g, None if grad_h is None else grad_h.dtype),
+                _scaled_grad(gw, g, ctx.dtypes[0]), _scaled_grad(gb, g, ctx.dtypes[1]),
+                None, None, None, None, None)
+
+
+def _linear_call(student_hidden, student_weight, teacher_hidden, teacher_weight, *, divergence, beta, labels,
+                 student_bias, teacher_bias, temperature, student_softcap, student_logit_scale, teacher_softcap,
+                 teacher_logit_scale, label_mask, ignore_index, chunk_size, vocab_chunk_size, process_group,
+                 sequence_parallel, compute_entropy, logits_dtype, loss: bool):
+    """Check everything (every rank agreeing) and prepare: ``(tok, plan, spec, teacher, valid, no_labels)``."""
+    with agreed_call(process_group) as call:
+        spec = _spec(divergence, beta)
+        sequence_parallel = check_flag("sequence_parallel", sequence_parallel)
+        compute_entropy = check_flag("compute_entropy", compute_entropy)
+        _check_head("student", student_hidden, student_weight, student_bias)
+        _check_head("teacher", teacher_hidden, teacher_weight, teacher_bias)
+        _check_pair(student_hidden, teacher_hidden, "hidden")
+        if teacher_weight.shape[0] != student_weight.shape[0]:
+            raise ValueError(
+                f"teacher_weight has {teacher_weight.shape[0]} vocabulary rows but student_weight has "
+                f"{student_weight.shape[0]}: the divergence needs one vocabulary, sharded the same way "
+                "(rank r holds ids [r*V_local, (r+1)*V_local) of both heads)"
+            )
+        if teacher_weight.device != student_weight.device:
+            raise ValueError(f"teacher_weight is on {teacher_weight.device} but student_weight is on "
+                             f"{student_weight.device}")
+        check_chunk("chunk_size", chunk_size)
+        check_chunk("vocab_chunk_size", vocab_chunk_size, optional=True)
+        lead = student_hidden.shape[:-1]
+        if sequence_parallel:
+            if student_hidden.dim() < 2:
+                raise ValueError("with sequence_parallel=True, student_hidden and teacher_hidden must be [S/P, ..., H]")
+            lead = torch.Size((student_hidden.shape[0] * call.world,) + tuple(student_hidden.shape[1:-1]))
+        v_local = student_weight.shape[0]
+        cdt = compute_dtype(student_weight.dtype)
+        float32 = check_logits_dtype(logits_dtype, student_weight)
+        tf_s = Transform(check_positive("student_softcap", student_softcap),
+                         check_positive("student_logit_scale", student_logit_scale))
+        tf_t = Transform(check_positive("teacher_softcap", teacher_softcap),
+                         check_positive("teacher_logit_scale", teacher_logit_scale))
+        tok, valid, no_labels = _prepare(
+            call, lead, labels, v_local=v_local, label_mask=label_mask, ignore_index=ignore_index,
+            temperature=temperature, tf_s=tf_s, tf_t=tf_t, device=student_hidden.device, cdt=cdt, spec=spec,
+            teacher_values=teacher_hidden, teacher_name="teacher_hidden",
+        )
+        plan = Plan(chunk_size=chunk_size, vocab_chunk_size=min(vocab_chunk_size or v_local, v_local),
+                    group=process_group, sequence_parallel=sequence_parallel, want=Want(compute_entropy, False),
+                    float32_logits=float32)
+        grads = torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (student_hidden, student_weight, student_bias))
+        call.agree_all({
+            "chunk_size": chunk_size, "vocab_chunk_size": plan.vocab_chunk_size, "compute_entropy": compute_entropy,
+            "sequence_parallel": sequence_parallel,
+            "student_hidden.shape[0] (sequence-parallel slice)": student_hidden.shape[0],
+            "the student's hidden size (student_weight.shape[1])": student_weight.shape[1],
+            "the teacher's hidden size (teacher_weight.shape[1])": teacher_weight.shape[1],
+            "student_weight.dtype (0 float32, 1 bfloat16, 2 float16, 3 float64)": dtype_code(student_weight.dtype),
+            "teacher_weight.dtype (0 float32, 1 bfloat16, 2 float16, 3 float64)": dtype_code(teacher_weight.dtype),
+            "student_bias is not None": student_bias is not None, "teacher_bias is not None": teacher_bias is not None,
+            "whether gradients are computed": grads, "logits_dtype (1: float32 blocks)": float32,
+            "student_hidden.requires_grad (under grad mode)": bool(grads and student_hidden.requires_grad),
+            "the loss form": loss,
+        })
+    teacher = _Teacher(full_hidden(teacher_hidden.detach(), plan), teacher_weight.detach(),
+                       None if teacher_bias is None else teacher_bias.detach(), tf_t)
+    return tok, plan, spec, teacher, valid, no_labels, grads
+
+
+def linear_divergence(
+    student_hidden: torch.Tensor,
+    student_weight: torch.Tensor,
+    teacher_hidden: torch.Tensor,
+    teacher_weight: torch.Tensor,
+    *,
+    divergence: str = "forward_kl",
+    beta: Optional[float] = None,
+    labels: Optional[torch.Tensor] = None,
+    student_bias: Optional[torch.Tensor] = None,
+    teacher_bias: Optional[torch.Tensor] = None,
+    temperature=1.0,
+    student_softcap: Optional[float] = None,
+    student_logit_scale: Optional[float] = None,
+    teacher_softcap: Optional[float] = None,
+    teacher_logit_scale: Optional[float] = None,
+    label_mask: Optional[torch.Tensor] = None,
+    ignore_index: int = -100,
+    compute_entropy: bool = False,
+    chunk_size: int = 256,
+    vocab_chunk_size: Optional[int] = None,
+    process_group=None,
+    sequence_parallel: bool = False,
+    logits_dtype: Optional[torch.dtype] = None,
+) -> DivergenceOutputs:
+    """Per-token divergence between the student's and the teacher's next-token distributions.
+
+    ``p_s = softmax(transform_s(student_hidden @ student_weight.T + student_bias) / temperature)`` and
+    ``p_t`` likewise from the teacher's, ``transform(z) = softcap * tanh(logit_scale * z / softcap)`` (each
+    part optional, per model). Neither model's logits exist beyond one ``[chunk_size, vocab_chunk_size]``
+    block at a time.
+
+    Args:
+        student_hidden: ``[..., H_s]`` (``[S/P, B, H_s]``, this rank's slice, with ``sequence_parallel``).
+        student_weight: ``[V_local, H_s]``, this rank's vocabulary shard of the student's output layer.
+        teacher_hidden: ``[..., H_t]`` with the student's leading shape (the teacher's width may differ).
+        teacher_weight: ``[V_local, H_t]``: the same vocabulary shard as ``student_weight`` (rank ``r``
+            holds ids ``[r * V_local, (r + 1) * V_local)`` of both heads).
+        divergence: ``"forward_kl"``, KL(teacher || student) (mode-covering, what SFT on the teacher's
+            distribution minimizes); ``"reverse_kl"``, KL(student || teacher) (mode-seeking, on-policy
+            distillation's usual choice); ``"jsd"``, TRL's generalized JSD
+            ``beta * KL(t || m) + (1 - beta) * KL(s || m)`` with ``m = (1 - beta) p_s + beta p_t``.
+        beta: the JSD's ``beta`` in (0, 1) (its limits are 0, not the KLs; TRL's ``beta`` 0 and 1 are
+            ``"forward_kl"`` and ``"reverse_kl"`` here). None for the KLs.
+        labels: optional ``[...]`` int64 *global* ids (the full sequence under sequence parallelism): the
+            student's log-probs at them come out of the same pass (``log_probs``).
+        student_bias: ``[V_local]`` or None.
+        teacher_bias: ``[V_local]`` or None.
+        temperature: a float > 0 or a tensor broadcasting to the tokens, applied to both models after
+            their transforms.
+        student_softcap: the student's soft-cap, as ``softcap`` of
+            :func:`~chunked_entropy.log_probs_and_entropy`.
+        student_logit_scale: the student's logit scale, as ``logit_scale`` there.
+        teacher_softcap: the teacher's soft-cap.
+        teacher_logit_scale: the teacher's logit scale.
+        label_mask: ``[...]`` bool; False rows (and, with ``labels``, rows labelled ``ignore_index``) have
+            divergence 0 and no gradient. They are still projected (the walk has static shapes: no host
+            sync); a caller with many masked rows selects the kept rows first, as the TRL adapter does.
+        compute_entropy: also the student's entropy at ``temperature`` (with its gradient).
+        chunk_size: tokens per chunk (the default is a quarter of the fused head's: four blocks are live).
+        vocab_chunk_size: also block the vocabulary: the per-chunk buffers become
+            ``chunk_size * vocab_chunk_size``; forward then fills each block twice (statistics, then the
+            divergence's sums, which need both models' final log-sum-exps).
+        process_group: the tensor-parallel group over which both weights are sharded by rows. Both hidden
+            states are replicated over it; the student's gradient is summed over it.
+        sequence_parallel: both hidden states arrive split along dim 0, as the fused head's.
+        logits_dtype: as in :func:`~chunked_entropy.linear_log_probs_and_entropy`, for both models.
+            The blocks run through the eager kernels (no ``backend="compile"`` here yet).
+
+    Returns:
+        :class:`DivergenceOutputs`, identical on every rank of ``process_group``. ``divergence`` and the
+        optional outputs have gradients w.r.t. ``student_hidden``, ``student_weight`` and ``student_bias``.
+        The teacher's tensors are detached: they never receive a gradient.
+
+    Raises:
+        ValueError: before any work, naming the argument (and, under a group, the rank): vocabularies
+            that differ, hidden states of other leading shapes, a ``jsd`` ``beta`` outside (0, 1), a
+            non-positive temperature, NaN or inf in ``teacher_hidden``, ranks that disagree.
+        TypeError: tensors of the wrong kind or dtype, named.
+
+    Memory:
+        Saved for backward: references to the student's and the teacher's tensors (the teacher's hidden
+        states gathered whole under sequence parallelism) and five to seven float32 per token. Forward and
+        backward each hold four float32 ``[chunk_size, vocab_chunk_size]`` buffers (a fifth in backward with
+        a student soft-cap) plus the divergence's block temporaries (two for the KLs, five for the JSD; see
+        :mod:`chunked_entropy._divergence`). Backward allocates the student's gradients. No ``[tokens, V]``
+        tensor of either model exists. Inputs are never written.
+    """
+    tok, plan, spec, teacher, valid, no_labels, grads = _linear_call(
+        student_hidden, student_weight, teacher_hidden, teacher_weight, divergence=divergence, beta=beta,
+        labels=labels, student_bias=student_bias, teacher_bias=teacher_bias, temperature=temperature,
+        student_softcap=student_softcap, student_logit_scale=student_logit_scale, teacher_softcap=teacher_softcap,
+        teacher_logit_scale=teacher_logit_scale, label_mask=label_mask, ignore_index=ignore_index,
+        chunk_size=chunk_size, vocab_chunk_size=vocab_chunk_size, process_group=process_group,
+        sequence_parallel=sequence_parallel, compute_entropy=compute_entropy, logits_dtype=logits_dtype, loss=False,
+    )
+    if tok.n == 0:
+        z = torch.zeros(tok.shape, dtype=compute_dtype(student_weight.dtype), device=student_hidden.device)
+        if grads:
+            z = z + sum(t.sum() * 0 for t in (student_hidden, student_weight, student_bias) if t is not None)
+        return DivergenceOutputs(z, None if no_labels else z, z if compute_entropy else None)
+    args = (student_hidden, student_weight, student_bias, teacher, tok, plan, spec, valid)
+    if grads:
+        div, lp, ent = _LinearDivergenceFunction.apply(*args)
+    else:
+        div, lp, ent = _LinearDivergenceFunction.forward(_NoCtx(), *args)
+    shape = tuple(tok.shape)
+    return DivergenceOutputs(div.view(shape), None if no_labels else lp.view(shape),
+                             ent.view(shape) if compute_entropy else None)
+
+
+class _NoCtx:
+    """A stand-in for autograd's ctx when no gradient is needed: forward runs bare, nothing is kept."""
+
+    needs_input_grad = (False,) * 8
+
+    def save_for_backward(self, *args):
+        pass
+
+    def set_materialize_grads(self, value):
+        pass
+
+    def mark_non_differentiable(self, *args):
+        pass
+
+
+def linear_divergence_loss(
+    student_hidden: torch.Tensor,
+    student_weight: torch.Tensor,
+    teacher_hidden: torch.Tensor,
+    teacher_weight: torch.Tensor,
+    *,
+    divergence: str = "forward_kl",
+    beta: Optional[float] = None,
+    reduction: str = "mean",
+    normalizer=None,
+    weights: Optional[torch.Tensor] = None,
+    student_bias: Optional[torch.Tensor] = None,
+    teacher_bias: Optional[torch.Tensor] = None,
+    temperature=1.0,
+    student_softcap: Optional[float] = None,
+    student_logit_scale: Optional[float] = None,
+    teacher_softcap: Optional[float] = None,
+    teacher_logit_scale: Optional[float] = None,
+    label_mask: Optional[torch.Tensor] = None,
+    compute_entropy: bool = False,
+    chunk_size: int = 256,
+    vocab_chunk_size: Optional[int] = None,
+    process_group=None,
+    sequence_parallel: bool = False,
+    logits_dtype: Optional[torch.dtype] = None,
+) -> DivergenceLoss:
+    """The divergence as a trainer's loss, its gradients formed in forward: ``sum_i w_i * D_i``.
+
+    ``w_i`` is ``label_mask_i`` (times ``weights_i`` when given), divided by the number of counted rows
+    (``reduction="mean"``, at least 1), by ``normalizer`` (a number or 0-d tensor, e.g. TRL's
+    ``num_items_in_batch``), or by nothing (``reduction="sum"``). Arguments otherwise as
+    :func:`linear_divergence` (no labels: the loss form is the divergence alone).
+
+    Forward walks each chunk once with the vocabulary in one block: two projections, the statistics,
+    the divergence's sums, then the student's logit gradient from the blocks still held and its two
+    gradient matmuls (``g @ W_s`` and ``g.T @ h_s``): four projection-sized matmuls per step, where a
+    per-token form and its backward take six. With ``vocab_chunk_size`` each block is filled three times.
+    Backward only scales the stored gradients by the loss's upstream gradient.
+
+    Memory:
+        Holds the student's gradients (``[tokens, H_s]`` in its dtype, float32 ``[V_local, H_s]`` and
+        ``[V_local]``) from forward to backward instead of references to the inputs, plus what
+        :func:`linear_divergence` holds per chunk (a fifth buffer with a student soft-cap).
+    """
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+    tok, plan, spec, teacher, valid, _, grads = _linear_call(
+        student_hidden, student_weight, teacher_hidden, teacher_weight, divergence=divergence, beta=beta,
+        labels=None, student_bias=student_bias, teacher_bias=teacher_bias, temperature=temperature,
+        student_softcap=student_softcap, student_logit_scale=student_logit_scale, teacher_softcap=teacher_softcap,
+        teacher_logit_scale=teacher_logit_scale, label_mask=label_mask, ignore_index=-100,
+        chunk_size=chunk_size, vocab_chunk_size=vocab_chunk_size, process_group=process_group,
+        sequence_parallel=sequence_parallel, compute_entropy=compute_entropy, logits_dtype=logits_dtype, loss=True,
+    )
+    cdt = compute_dtype(student_weight.dtype)
+    w = valid.to(cdt)
+    if weights is not None:
+        check_float("weights", weights)
+        if weights.shape != tok.shape:
+            raise ValueError(f"weights must have the tokens' shape {tuple(tok.shape)}, got {tuple(weights.shape)}")
+        w = w * weights.detach().reshape(-1).to(device=w.device, dtype=cdt)
+    if normalizer is not None:
+        if isinstance(normalizer, torch.Tensor):
+            w = w / normalizer.detach().to(device=w.device, dtype=cdt)
+        elif is_real(normalizer) and math.isfinite(normalizer) and normalizer > 0:
+            w = w / float(normalizer)
+        else:
+            raise ValueError(f"normalizer must be a number > 0 or a tensor, got {normalizer!r}")
+    elif reduction == "mean":
+        w = w / valid.sum().clamp(min=1).to(cdt)
+    shape = tuple(tok.shape)
+    if tok.n == 0:
+        z = torch.zeros((), dtype=cdt, device=student_hidden.device)
+        if grads:
+            z = z + sum(t.sum() * 0 for t in (student_hidden, student_weight, student_bias) if t is not None)
+        e = torch.zeros(shape, dtype=cdt, device=student_hidden.device)
+        return DivergenceLoss(z, e, e if compute_entropy else None)
+    args = (student_hidden, student_weight, student_bias, teacher, tok, plan, spec, w)
+    if grads:
+        loss, div, ent = _LinearDivergenceLossFunction.apply(*args)
+    else:
+        loss, div, ent = _LinearDivergenceLossFunction.forward(_NoCtx(), *args)
+    div = torch.where(valid, div, 0.0).view(shape)  # masked rows: 0, whatever their states held
+    return DivergenceLoss(loss, div, torch.where(valid, ent, 0.0).view(shape) if compute_entropy else None)
+
+
+# ----------------------------------------------------------------------------- from logits
+
+
+class _LogitsDivergenceFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, teacher: _Teacher, tok: Tokens, plan: Plan, spec, valid):
+        v = logits.shape[-1]
+        cdt = compute_dtype(logits.dtype)
+        fill, _ = logits_source(logits)
+        gen, stats, pair = _walk(tok, logits_source(teacher.source)[0], spec, fill, width=v, plan=plan,
+                                 teacher=teacher, dtype=cdt, device=logits.device)
+        _exhaust(gen)
+        # Saved: the student's logits and the teacher's (references, detached) and five to seven float32 per token.
+        ctx.save_for_backward(logits, valid, *_saved_rows(stats, pair))
+        ctx.teacher, ctx.tok, ctx.spec = teacher, tok, spec
+        ctx.plan = replace(plan, group=None)
+        ctx.set_materialize_grads(False)
+        return _outputs(tok, stats, pair, valid, plan.want)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g_div, g_lp, g_h):
+        logits, valid, *saved = ctx.saved_tensors
+        stats, pair = _rows_from_saved(saved)
+        if g_div is None and g_lp is None and g_h is None:
+            return (None,) * 6
+        if g_div is not None:
+            g_div = torch.where(valid, g_div.reshape(-1), 0.0)
+        plan, tok = ctx.plan, ctx.tok
+        if not plan.want.entropy:
+            g_h = None
+        v = logits.shape[-1]
+        grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        gflat = grad.view(tok.n, v)
+        blocks = pair_grad_blocks(tok, ctx.teacher.transform, ctx.spec, logits_source(logits)[0],
+                                  logits_source(ctx.teacher.source)[0], width=v, block=plan.vocab_chunk_size,
+                                  chunk_size=plan.chunk_size, stats=stats, pair=pair, grads=(g_div, g_lp, g_h),
+                                  dtype=stats.ls.dtype, device=logits.device)
+        for a, b, v0, v1, g in blocks:
+            gflat[a:b, v0:v1].copy_(g)
+        return grad, None, None, None, None, None
+
+
+def divergence_from_logits(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    *,
+    divergence: str = "forward_kl",
+    beta: Optional[float] = None,
+    labels: Optional[torch.Tensor] = None,
+    temperature=1.0,
+    student_softcap: Optional[float] = None,
+    student_logit_scale: Optional[float] = None,
+    teacher_softcap: Optional[float] = None,
+    teacher_logit_scale: Optional[float] = None,
+    label_mask: Optional[torch.Tensor] = None,
+    ignore_index: int = -100,
+    compute_entropy: bool = False,
+    chunk_size: int = 1024,
+    process_group=None,
+) -> DivergenceOutputs:
+    """:func:`linear_divergence` from logits the caller holds: ``[..., V_local]`` each, the same shard.
+
+    Neither log-softmax is formed: each chunk of rows is copied into float32 buffers (four of
+    ``[chunk_size, V_local]``, plus the divergence's temporaries) and reduced to per-token statistics;
+    backward fills them again and writes the gradient w.r.t. ``student_logits`` (its shape and dtype;
+    the teacher's logits get none). Arguments as :func:`linear_divergence`.
+    """
+    with agreed_call(process_group) as call:
+        spec = _spec(divergence, beta)
+        compute_entropy = check_flag("compute_entropy", compute_entropy)
+        check_float("student_logits", student_logits)
+        check_float("teacher_logits", teacher_logits)
+        if student_logits.dim() < 1 or teacher_logits.shape[-1] != student_logits.shape[-1]:
+            raise ValueError(
+                f"teacher_logits has {teacher_logits.shape[-1]} vocabulary columns but student_logits has "
+                f"{student_logits.shape[-1]}: the divergence needs one vocabulary, sharded the same way"
+            )
+        _check_pair(student_logits, teacher_logits, "logits")
+        check_chunk("chunk_size", chunk_size)
+        lead = student_logits.shape[:-1]
+        v_local = student_logits.shape[-1]
+        cdt = compute_dtype(student_logits.dtype)
+        tf_s = Transform(check_positive("student_softcap", student_softcap),
+                         check_positive("student_logit_scale", student_logit_scale))
+        tf_t = Transform(check_positive("teacher_softcap", teacher_softcap),
+                         check_positive("teacher_logit_scale", teacher_logit_scale))
+        tok, valid, no_labels = _prepare(
+            call, lead, labels, v_local=v_local, label_mask=label_mask, ignore_index=ignore_index,
+            temperature=temperature, tf_s=tf_s, tf_t=tf_t, device=student_logits.device, cdt=cdt, spec=spec,
+            teacher_values=teacher_logits, teacher_name="teacher_logits",
+        )
+        grads = torch.is_grad_enabled() and student_logits.requires_grad
+        call.agree_all({"chunk_size": chunk_size, "compute_entropy": compute_entropy,
+                        "whether gradients are computed": grads})
+    plan = Plan(chunk_size=chunk_size, vocab_chunk_size=v_local, group=process_group, sequence_parallel=False,
+                want=Want(compute_entropy, False))
+    teacher = _Teacher(teacher_logits.detach(), None, None, tf_t)
+    shape = tuple(lead)
+    if tok.n == 0:
+        z = torch.zeros(shape, dtype=cdt, device=student_logits.device)
+        if grads:
+            z = z + student_logits.sum() * 0
+        return DivergenceOutputs(z, None if no_labels else z, z if compute_entropy else None)
+    args = (student_logits, teacher, tok, plan, spec, valid)
+    if grads:
+        div, lp, ent = _LogitsDivergenceFunction.apply(*args)
+    else:
+        div, lp, ent = _LogitsDivergenceFunction.forward(_NoCtx(), *args)
+    return DivergenceOutputs(div.view(shape), None if no_labels else lp.view(shape),
+                             ent.view(shape) if compute_entropy else None)

@@ -1,0 +1,414 @@
+"""Divergences between a student's and a teacher's distributions: values and gradients against float64
+references written from the definitions, from logits and from hidden states, TP 2 and SP over gloo,
+the loss form, half precision, and bad input."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from chunked_entropy import divergence_from_logits, linear_divergence, linear_divergence_loss
+from tests.helpers import run_distributed
+
+KINDS = [("forward_kl", None), ("reverse_kl", None), ("jsd", 0.3)]
+
+
+def transformed(z, *, temperature=1.0, softcap=None, logit_scale=None):
+    """``softcap * tanh(logit_scale * z / softcap) / t`` in the logits' dtype (float64 here)."""
+    if isinstance(temperature, torch.Tensor):
+        temperature = torch.broadcast_to(temperature.to(z.dtype), z.shape[:-1]).unsqueeze(-1)
+    z = z if logit_scale is None else z * logit_scale
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    return z / temperature
+
+
+def reference(zs, zt, kind, beta=None, *, temperature=1.0, student=None, teacher=None):
+    """The per-token divergence from its definition, float64, differentiable w.r.t. ``zs``.
+
+    forward KL = sum p_t log(p_t / p_s); reverse KL = sum p_s log(p_s / p_t); JSD(beta) =
+    beta KL(p_t || m) + (1 - beta) KL(p_s || m), m = (1 - beta) p_s + beta p_t (TRL's generalized JSD).
+    """
+    lps = torch.log_softmax(transformed(zs, temperature=temperature, **(student or {})), -1)
+    lpt = torch.log_softmax(transformed(zt, temperature=temperature, **(teacher or {})), -1)
+    ps, pt = lps.exp(), lpt.exp()
+    if kind == "forward_kl":
+        return (pt * (lpt - lps)).sum(-1)
+    if kind == "reverse_kl":
+        return (ps * (lps - lpt)).sum(-1)
+    log_m = torch.logaddexp(lps + math.log(1 - beta), lpt + math.log(beta))  # log m, also where m underflows
+    return beta * (pt * (lpt - log_m)).sum(-1) + (1 - beta) * (ps * (lps - log_m)).sum(-1)
+
+
+def student_reference(zs, labels, *, temperature=1.0, student=None, valid=None):
+    """The student's log-prob at ``labels`` (0 where not valid) and entropy, float64."""
+    lps = torch.log_softmax(transformed(zs, temperature=temperature, **(student or {})), -1)
+    lp = lps.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return torch.where(valid, lp, 0.0), -(lps.exp() * lps).sum(-1)
+
+
+def _close(actual, expected, what, tol=1e-9):
+    torch.testing.assert_close(actual.double(), expected.double(), rtol=tol, atol=tol, msg=lambda m: f"{what}: {m}")
+
+
+CASES = {
+    "plain": dict(),
+    "student offset": dict(offset_s=3e3),
+    "teacher offset": dict(offset_t=-5e3),
+    "tiny temperature": dict(temperature=0.02),
+    "per-token temperature": dict(temperature="per-token"),
+    "soft-cap on the student": dict(student=dict(softcap=4.0, logit_scale=1.3)),
+    "soft-cap on the teacher": dict(teacher=dict(softcap=3.0), temperature=0.7),
+    "masked rows": dict(masked=True),
+}
+
+
+def _problem(seed, n=(3, 7), v=29, *, offset_s=0.0, offset_t=0.0, temperature=1.0, masked=False, scale=3.0):
+    g = torch.Generator().manual_seed(seed)
+    zs = torch.randn(*n, v, generator=g, dtype=torch.float64) * scale + offset_s
+    zt = torch.randn(*n, v, generator=g, dtype=torch.float64) * scale + offset_t
+    zt[0, 0] = zs[0, 0] - offset_s + offset_t  # one row where teacher == student up to a constant shift
+    labels = torch.randint(0, v, n, generator=g)
+    mask = None
+    if masked:
+        mask = torch.rand(*n, generator=g) > 0.3
+        labels[0, 1] = -100
+    if temperature == "per-token":
+        temperature = torch.rand(*n, generator=g, dtype=torch.float64) * 1.5 + 0.05
+    ups = [torch.randn(*n, generator=g, dtype=torch.float64) for _ in range(3)]
+    return zs, zt, labels, mask, temperature, ups
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("kind,beta", KINDS)
+def test_from_logits_matches_float64_definitions(kind, beta, case):
+    spec = dict(CASES[case])
+    student, teacher = spec.pop("student", None), spec.pop("teacher", None)
+    seed = 10 * [k for k, _ in KINDS].index(kind) + list(CASES).index(case)  # fixed: hash() varies per process
+    zs, zt, labels, mask, t, (g_d, g_lp, g_h) = _problem(seed, **spec)
+    valid = labels != -100 if mask is None else (labels != -100) & mask
+    rows = valid  # with labels, a row labelled ignore_index counts no divergence either
+    zs_ref = zs.clone().requires_grad_()
+    d_ref = torch.where(rows, reference(zs_ref, zt, kind, beta, temperature=t, student=student, teacher=teacher), 0.0)
+    lp_ref, h_ref = student_reference(zs_ref, labels, temperature=t, student=student, valid=valid)
+    (g_ref,) = torch.autograd.grad((d_ref * g_d + lp_ref * g_lp + h_ref * g_h).sum(), zs_ref)
+
+    x = zs.clone().requires_grad_()
+    zs_before, zt_before = zs.clone(), zt.clone()
+    kw = dict(student_softcap=(student or {}).get("softcap"), student_logit_scale=(student or {}).get("logit_scale"),
+              teacher_softcap=(teacher or {}).get("softcap"), teacher_logit_scale=(teacher or {}).get("logit_scale"))
+    out = divergence_from_logits(x, zt, divergence=kind, beta=beta, labels=labels, label_mask=mask, temperature=t,
+                                 compute_entropy=True, chunk_size=5, **kw)
+    (g,) = torch.autograd.grad((out.divergence * g_d + out.log_probs * g_lp + out.entropy * g_h).sum(), x)
+    _close(out.divergence, d_ref, "divergence")
+    _close(out.log_probs, lp_ref, "log_probs")
+    _close(out.entropy, h_ref, "entropy")
+    _close(g, g_ref, "grad student_logits")
+    assert torch.equal(zs, zs_before) and torch.equal(zt, zt_before)  # caller tensors untouched
+    if student is None and teacher is None:  # row [0, 0]: the teacher is the student shifted by a constant
+        assert out.divergence[0, 0].abs().item() < 1e-12
+
+
+@pytest.mark.parametrize("kind,beta", KINDS)
+def test_teacher_equal_to_student_gives_zero_and_no_gradient(kind, beta):
+    h = torch.randn(11, 8)
+    w = torch.randn(40, 8) * 4
+    hs, ws = h.clone().requires_grad_(), w.clone().requires_grad_()
+    out = linear_divergence(hs, ws, h, w, divergence=kind, beta=beta, temperature=0.3, chunk_size=4)
+    gh, gw = torch.autograd.grad((out.divergence * torch.randn(11)).sum(), (hs, ws))
+    assert out.divergence.abs().max().item() < 1e-6
+    assert gh.abs().max().item() < 1e-6 and gw.abs().max().item() < 1e-6
+    zs = (h @ w.t()).requires_grad_()
+    d = divergence_from_logits(zs, zs.detach().clone(), divergence=kind, beta=beta).divergence
+    assert d.abs().max().item() < 1e-6
+
+
+def _linear_problem(seed, *, n=(2, 9), hs=12, ht=20, v=37, dtype=torch.float64, teacher_scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    new = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    t = dict(hs=new(*n, hs), ws=new(v, hs) / hs**0.5 * 3, bs=new(v) * 0.5,
+             ht=new(*n, ht), wt=new(v, ht) / ht**0.5 * 3 * teacher_scale, bt=new(v) * 0.5)
+    return {k: x.to(dtype) for k, x in t.items()}, g
+
+
+@pytest.mark.parametrize("kind,beta", KINDS)
+@pytest.mark.parametrize("vocab_chunk_size", [None, 10])
+def test_linear_matches_float64_definitions(kind, beta, vocab_chunk_size):
+    p, g = _linear_problem(7 + (vocab_chunk_size or 0))
+    n = p["hs"].shape[:-1]
+    labels = torch.randint(0, 37, n, generator=g)
+    labels[1, 2] = -100
+    mask = torch.rand(*n, generator=g) > 0.2
+    t = torch.rand(*n, generator=g, dtype=torch.float64) + 0.3
+    tfs = dict(softcap=6.0)
+    tft = dict(logit_scale=0.8)
+    ups = [torch.randn(*n, generator=g, dtype=torch.float64) for _ in range(3)]
+    leaves = [p[k].clone().requires_grad_() for k in ("hs", "ws", "bs")]
+    zs = leaves[0] @ leaves[1].t() + leaves[2]
+    zt = p["ht"] @ p["wt"].t() + p["bt"]
+    valid = (labels != -100) & mask
+    d_ref = torch.where(valid, reference(zs, zt, kind, beta, temperature=t, student=tfs, teacher=tft), 0.0)
+    lp_ref, h_ref = student_reference(zs, labels, temperature=t, student=tfs, valid=valid)
+    grads_ref = torch.autograd.grad((d_ref * ups[0] + lp_ref * ups[1] + h_ref * ups[2]).sum(), leaves)
+
+    ours = [p[k].clone().requires_grad_() for k in ("hs", "ws", "bs")]
+    teacher = [p[k].clone().requires_grad_() for k in ("ht", "wt", "bt")]  # must get no gradient
+    out = linear_divergence(ours[0], ours[1], teacher[0], teacher[1], student_bias=ours[2], teacher_bias=teacher[2],
+                            divergence=kind, beta=beta, labels=labels, label_mask=mask, temperature=t,
+                            student_softcap=6.0, teacher_logit_scale=0.8, compute_entropy=True, chunk_size=5,
+                            vocab_chunk_size=vocab_chunk_size)
+    (out.divergence * ups[0] + out.log_probs * ups[1] + out.entropy * ups[2]).sum().backward()
+    _close(out.divergence, d_ref, "divergence")
+    _close(out.log_probs, lp_ref, "log_probs")
+    _close(out.entropy, h_ref, "entropy")
+    for name, a, b in zip(("student_hidden", "student_weight", "student_bias"), ours, grads_ref, strict=True):
+        _close(a.grad, b, f"grad {name}")
+    assert all(x.grad is None for x in teacher)
+
+
+@pytest.mark.parametrize("kind,beta", KINDS)
+@pytest.mark.parametrize("vocab_chunk_size", [None, 16])
+def test_loss_form_matches_the_per_token_form(kind, beta, vocab_chunk_size):
+    p, g = _linear_problem(11)
+    n = p["hs"].shape[:-1]
+    mask = torch.rand(*n, generator=g) > 0.3
+    w = torch.rand(*n, generator=g, dtype=torch.float64)
+    kw = dict(divergence=kind, beta=beta, temperature=0.6, student_softcap=5.0, teacher_softcap=7.0, chunk_size=4,
+              vocab_chunk_size=vocab_chunk_size, label_mask=mask)
+    for reduction, normalizer, weights in [("mean", None, None), ("sum", None, w), ("mean", 13.0, None)]:
+        a = [p[k].clone().requires_grad_() for k in ("hs", "ws", "bs")]
+        b = [p[k].clone().requires_grad_() for k in ("hs", "ws", "bs")]
+        out = linear_divergence(a[0], a[1], p["ht"], p["wt"], student_bias=a[2], teacher_bias=p["bt"], **kw)
+        d = out.divergence * (1 if weights is None else weights)
+        expected = d.sum() / (normalizer or (mask.sum() if reduction == "mean" else 1))
+        expected.backward()
+        res = linear_divergence_loss(b[0], b[1], p["ht"], p["wt"], student_bias=b[2], teacher_bias=p["bt"],
+                                     reduction=reduction, normalizer=normalizer, weights=weights,
+                                     compute_entropy=True, **kw)
+        (res.loss * 2.5).backward()
+        _close(res.loss, expected, f"loss {reduction} {normalizer}")
+        _close(res.divergence, out.divergence, "per-token divergence")
+        assert not res.divergence.requires_grad
+        for x, y, name in zip(b, a, ("hidden", "weight", "bias"), strict=True):
+            _close(x.grad, 2.5 * y.grad, f"grad {name}")
+
+
+@pytest.mark.parametrize("kind,beta", KINDS)
+def test_float32_and_bf16_no_worse_than_plain_torch(kind, beta):
+    p, g = _linear_problem(5, n=(64,), hs=32, ht=48, v=300, teacher_scale=2.0)
+    up = torch.randn(64, generator=g, dtype=torch.float64)
+    leaves = [p[k].clone().requires_grad_() for k in ("hs", "ws")]
+    d_ref = reference(leaves[0] @ leaves[1].t(), p["ht"] @ p["wt"].t(), kind, beta, temperature=0.5)
+    grads_ref = torch.autograd.grad((d_ref * up).sum(), leaves)
+    for dtype, slack in [(torch.float32, 2.0), (torch.bfloat16, 1.5)]:
+        errs = {}
+        for who in ("plain", "ours", "ours from logits"):
+            hs, ws = (p[k].to(dtype).requires_grad_() for k in ("hs", "ws"))
+            ht, wt = p["ht"].to(dtype), p["wt"].to(dtype)
+            if who == "plain":  # plain autograd in the inputs' dtype, float32 softmax for half precision
+                cast = (lambda z: z.float()) if dtype != torch.float32 else (lambda z: z)  # noqa: E731
+                d = reference(cast(hs @ ws.t()), cast(ht @ wt.t()), kind, beta, temperature=0.5)
+            elif who == "ours":
+                d = linear_divergence(hs, ws, ht, wt, divergence=kind, beta=beta, temperature=0.5,
+                                      chunk_size=16).divergence
+            else:  # the logits twin on the half-precision logits plain autograd forms
+                d = divergence_from_logits(hs @ ws.t(), ht @ wt.t(), divergence=kind, beta=beta, temperature=0.5,
+                                           chunk_size=16).divergence
+            gh, gw = torch.autograd.grad((d * up.to(d.dtype)).sum(), (hs, ws))
+            errs[who] = [(a.double() - b).abs().max().item()
+                         for a, b in zip((d, gh, gw), (d_ref, *grads_ref), strict=True)]
+        for i, what in enumerate(("divergence", "grad hidden", "grad weight")):
+            for who in ("ours", "ours from logits"):
+                assert errs[who][i] <= slack * errs["plain"][i] + 1e-6, (dtype, who, what, errs)
+
+
+# ----------------------------------------------------------------------------- tensor parallelism, gloo
+
+
+def _tp_case(rank, group, *, kind, beta, sequence_parallel, vocab_chunk_size, seed, loss=False):
+    world = dist.get_world_size(group)
+    r = dist.get_rank(group)
+    seq, batch, hs, ht, v = 6, 2, 10, 14, 24
+    g = torch.Generator().manual_seed(seed)
+    new = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    h_s, w_s, b_s = new(seq, batch, hs), new(v, hs) * 0.8, new(v) * 0.3
+    h_t, w_t = new(seq, batch, ht), new(v, ht) * 0.8
+    labels = torch.randint(0, v, (seq, batch), generator=g)
+    mask = torch.rand(seq, batch, generator=g) > 0.2
+    t = torch.rand(1, batch, generator=g, dtype=torch.float64) + 0.4
+    ups = [new(seq, batch) for _ in range(3)]
+    # reference on the full problem
+    leaves = [x.clone().requires_grad_() for x in (h_s, w_s, b_s)]
+    zs = leaves[0] @ leaves[1].t() + leaves[2]
+    zt = h_t @ w_t.t()
+    d_ref = torch.where(mask, reference(zs, zt, kind, beta, temperature=t, student=dict(softcap=5.0)), 0.0)
+    lp_ref, h_ref = student_reference(zs, labels, temperature=t, student=dict(softcap=5.0), valid=mask)
+    if loss:
+        total = (d_ref * mask).sum() / mask.sum()
+    else:
+        total = (d_ref * ups[0] + lp_ref * ups[1] + h_ref * ups[2]).sum()
+    grads_ref = torch.autograd.grad(total, leaves)
+    # this rank's shard (and slice)
+    vl, sl = v // world, seq // world
+    rows = slice(r * vl, (r + 1) * vl)
+    cut = (lambda x: x[r * sl:(r + 1) * sl]) if sequence_parallel else (lambda x: x)
+    mine = [cut(h_s).clone().requires_grad_(), w_s[rows].clone().requires_grad_(), b_s[rows].clone().requires_grad_()]
+    kw = dict(divergence=kind, beta=beta, student_bias=mine[2], temperature=t, student_softcap=5.0, label_mask=mask,
+              chunk_size=5, vocab_chunk_size=vocab_chunk_size, process_group=group,
+              sequence_parallel=sequence_parallel)
+    what = f"rank {r} {kind} sp={sequence_parallel} vcs={vocab_chunk_size} loss={loss}"
+    if loss:
+        res = linear_divergence_loss(mine[0], mine[1], cut(h_t), w_t[rows], **kw)
+        res.loss.backward()
+        _close(res.loss, total, f"{what}: loss")
+    else:
+        out = linear_divergence(mine[0], mine[1], cut(h_t), w_t[rows], labels=labels, compute_entropy=True, **kw)
+        (out.divergence * ups[0] + out.log_probs * ups[1] + out.entropy * ups[2]).sum().backward()
+        _close(out.divergence, d_ref, f"{what}: divergence")
+        _close(out.log_probs, lp_ref, f"{what}: log_probs")
+        _close(out.entropy, h_ref, f"{what}: entropy")
+    _close(mine[0].grad, cut(grads_ref[0]), f"{what}: grad hidden")
+    _close(mine[1].grad, grads_ref[1][rows], f"{what}: grad weight")
+    _close(mine[2].grad, grads_ref[2][rows], f"{what}: grad bias")
+    # the logits twin over the same shards
+    x = zs.detach()[..., rows].clone().requires_grad_()
+    out = divergence_from_logits(x, zt[..., rows], divergence=kind, beta=beta, labels=labels, label_mask=mask,
+                                 temperature=t, student_softcap=5.0, compute_entropy=True, chunk_size=4,
+                                 process_group=group)
+    _close(out.divergence, d_ref, f"{what}: divergence from logits")
+    if not loss:
+        zs_ref = zs.detach().clone().requires_grad_()
+        d2 = torch.where(mask, reference(zs_ref, zt, kind, beta, temperature=t, student=dict(softcap=5.0)), 0.0)
+        (gz,) = torch.autograd.grad((d2 * ups[0]).sum(), zs_ref)
+        (gx,) = torch.autograd.grad((out.divergence * ups[0]).sum(), x)
+        _close(gx, gz[..., rows], f"{what}: grad student_logits")
+
+
+def _tp2(rank, world):
+    group = dist.group.WORLD
+    for i, (kind, beta) in enumerate(KINDS):
+        _tp_case(rank, group, kind=kind, beta=beta, sequence_parallel=False, vocab_chunk_size=None, seed=10 + i)
+        _tp_case(rank, group, kind=kind, beta=beta, sequence_parallel=True, vocab_chunk_size=5, seed=20 + i)
+        _tp_case(rank, group, kind=kind, beta=beta, sequence_parallel=True, vocab_chunk_size=None, seed=30 + i,
+                 loss=True)
+    # bad input under TP: weights sharded differently are refused on every rank, naming the rank
+    w = torch.randn(5 + rank, 4)
+    with pytest.raises(ValueError, match="differs across"):
+        linear_divergence(torch.randn(3, 4), w, torch.randn(3, 4), w.clone(), process_group=group)
+    # the new options are agreed too: a beta or a teacher soft-cap that differs is named
+    args = (torch.randn(3, 4), torch.randn(6, 4), torch.randn(3, 5), torch.randn(6, 5))
+    with pytest.raises(ValueError, match="beta differs across"):
+        linear_divergence(*args, divergence="jsd", beta=0.2 + 0.1 * rank, process_group=group)
+    with pytest.raises(ValueError, match="teacher_softcap differs across"):
+        linear_divergence(*args, teacher_softcap=10.0 + rank, process_group=group)
+    # a NaN teacher on one rank: every rank raises, naming it
+    ht = torch.randn(3, 4)
+    if rank == 1:
+        ht[1, 2] = math.nan
+    with pytest.raises(ValueError, match="teacher_hidden must be finite.*rank 1"):
+        linear_divergence(torch.randn(3, 4), torch.randn(6, 4), ht, torch.randn(6, 4), process_group=group)
+    # and the group still works
+    out = linear_divergence(torch.ones(3, 4), torch.ones(6, 4), torch.ones(3, 4), torch.ones(6, 4),
+                            process_group=group)
+    assert out.divergence.abs().max() == 0
+
+
+def test_tensor_parallel_2_and_sequence_parallel():
+    run_distributed(_tp2, 2)
+
+
+def _tp3(rank, world):
+    group = dist.group.WORLD
+    _tp_case(rank, group, kind="jsd", beta=0.7, sequence_parallel=True, vocab_chunk_size=3, seed=40)
+    _tp_case(rank, group, kind="reverse_kl", beta=None, sequence_parallel=False, vocab_chunk_size=None, seed=41,
+             loss=True)
+
+
+def test_tensor_parallel_3():
+    run_distributed(_tp3, 3)
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def _args():
+    return torch.randn(4, 6), torch.randn(10, 6), torch.randn(4, 8), torch.randn(10, 8)
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda a: (a[0], a[1], a[2], torch.randn(11, 8)), "teacher_weight has 11 vocabulary rows"),
+    (lambda a: (a[0], a[1], torch.randn(5, 8), a[3]), "teacher_hidden must have the leading shape"),
+    (lambda a: (a[0], a[1], torch.randn(4, 7), a[3]), "teacher_hidden must be"),
+    (lambda a: (a[0].double(), a[1], a[2], a[3]), "student_hidden .* and student_weight"),
+])
+def test_bad_tensors_are_named(change, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        linear_divergence(*change(_args()))
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(divergence="jsd", beta=0.0), r"beta must be in \(0.0, 1.0\)"),
+    (dict(divergence="jsd", beta=1.0), r"beta must be in \(0.0, 1.0\)"),
+    (dict(divergence="jsd"), "needs beta"),
+    (dict(divergence="forward_kl", beta=0.5), "takes none"),
+    (dict(divergence="kl"), "divergence must be one of"),
+    (dict(temperature=0.0), "temperature must be finite and > 0"),
+    (dict(temperature=torch.tensor([1.0, -1.0, 1.0, 1.0])), "temperature must be finite and > 0"),
+    (dict(teacher_softcap=-1.0), "teacher_softcap must be"),
+    (dict(chunk_size=0), "chunk_size must be"),
+])
+def test_bad_options_are_named(kw, match):
+    with pytest.raises(ValueError, match=match):
+        linear_divergence(*_args(), **kw)
+
+
+def test_nan_teacher_is_refused_before_any_work_and_nothing_is_written():
+    hs, ws, ht, wt = _args()
+    ht[2, 3] = math.nan
+    hs.requires_grad_()
+    before = [t.clone() for t in (hs, ws, ht, wt)]
+    with pytest.raises(ValueError, match="teacher_hidden must be finite"):
+        linear_divergence(hs, ws, ht, wt)
+    zt = torch.randn(4, 10)
+    zt[0, 0] = math.nan
+    with pytest.raises(ValueError, match="teacher_logits must be finite"):
+        divergence_from_logits(torch.randn(4, 10), zt)
+    with pytest.raises(ValueError, match="teacher_logits has 9 vocabulary columns"):
+        divergence_from_logits(torch.randn(4, 10), torch.randn(4, 9))
+    for a, b in zip((hs, ws, ht, wt), before, strict=True):
+        assert torch.equal(a.detach().nan_to_num(), b.nan_to_num())
+    assert hs.grad is None
+
+
+# ----------------------------------------------------------------------------- no host sync per chunk
+
+
+@pytest.mark.parametrize("form", ["per token", "loss", "logits"])
+@pytest.mark.parametrize("kind,beta", KINDS)
+def test_host_syncs_do_not_grow_with_the_chunks(form, kind, beta):
+    from tests.test_host_syncs import _HostSyncs  # the dispatcher-level counter of the other ops' test
+
+    g = torch.Generator().manual_seed(3)
+    n, h, v = 64, 8, 40
+    hs, ws, ht, wt = torch.randn(n, h, generator=g), torch.randn(v, h, generator=g), torch.randn(n, 12, generator=g), \
+        torch.randn(v, 12, generator=g)
+    mask = torch.rand(n, generator=g) > 0.2
+    t = torch.rand(n, generator=g) + 0.5
+    counts = {}
+    for chunk, vcs in ((n, None), (n // 2, None), (n // 8, v // 3)):
+        a, w = hs.clone().requires_grad_(), ws.clone().requires_grad_()
+        kw = dict(divergence=kind, beta=beta, label_mask=mask, temperature=t, student_softcap=5.0, chunk_size=chunk)
+        with _HostSyncs() as s:
+            if form == "per token":
+                out = linear_divergence(a, w, ht, wt, vocab_chunk_size=vcs, compute_entropy=True, **kw)
+                (out.divergence.sum() + out.entropy.sum()).backward()
+            elif form == "loss":
+                linear_divergence_loss(a, w, ht, wt, vocab_chunk_size=vcs, **kw).loss.backward()
+            else:
+                divergence_from_logits(a @ w.t(), ht @ wt.t(), **kw).divergence.sum().backward()
+        counts[chunk] = s.ops
+    assert counts[n] == counts[n // 2] == counts[n // 8], counts
+    assert sum(counts[n].values()) <= 8, counts[n]
