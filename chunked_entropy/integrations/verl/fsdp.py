@@ -101,7 +101,9 @@ def _check_temperature(temperature) -> None:
         if not temperature.is_floating_point():
             raise TypeError(f'micro_batch["temperature"] must be a float or a float tensor, got {temperature.dtype}')
         bad = ~(torch.isfinite(temperature) & (temperature > 0))
-        if bool(bad.any()):
+        if temperature.device.type != "cpu":  # on an accelerator: a device-side assertion, no host sync
+            torch._assert_async(~bad.any(), 'micro_batch["temperature"] must be finite and > 0 for every sample')
+        elif bool(bad.any()):
             i = int(bad.reshape(-1).nonzero()[0, 0])
             raise ValueError(f'micro_batch["temperature"] must be finite and > 0 for every sample; sample {i} has '
                              f"{float(temperature.reshape(-1)[i])!r}")
