@@ -189,10 +189,15 @@ def forward(eng, model, data, logits_processor_func=None):
 
 def with_output_processor_hook(model):
     """``model`` as a GPTModel of megatron-core >= 0.18: ``forward`` takes ``output_processor`` and
-    ``output_processor_context`` and, after the decoder, returns ``output_processor(**kw)`` (0.19.2's contract:
-    keyword arguments ``hidden_states`` (sequence-sharded under SP), ``output_layer``, ``output_weight`` (the tied
-    embedding or None), ``labels``, ``context``, ``config``, and the forward's inputs). 0.18 needs Python >= 3.12;
-    this is 0.16.1's model with that hook added by a subclass (its own forward runs everything else)."""
+    ``output_processor_context`` and hands them to ``self._postprocess`` (an instance attribute when verl's MTP
+    patch bound its own), whose class version, when a processor is given, runs the MTP block, then
+    ``process_mtp_loss`` (0.19's, :func:`process_mtp_loss_019`) and returns ``output_processor(**kw)`` (0.19's
+    keywords: ``hidden_states`` (sequence-sharded under SP), ``output_layer``, ``output_weight`` (the tied
+    embedding or None), ``labels``, ``loss_mask``, ``context``, ``config`` and the forward's inputs).
+    Written after megatron-core core_r0.19.0 at f8837c04ef (version 0.19.1; no core_v0.19.2 tag in the mirror
+    read), megatron/core/models/gpt/gpt_model.py, ``GPTModel.forward`` (lines 519-618) and ``_postprocess``
+    (lines 620-737). 0.18 needs Python >= 3.12: this is 0.16.1's model with that contract added by a subclass;
+    without a processor, 0.16.1's own ``_postprocess`` runs."""
     from megatron.core.models.gpt import GPTModel
 
     class HookedGPTModel(GPTModel):
@@ -200,27 +205,183 @@ def with_output_processor_hook(model):
                     inference_context=None, packed_seq_params=None, extra_block_kwargs=None,
                     runtime_gather_output=None, *, inference_params=None, loss_mask=None, padding_mask=None,
                     output_processor=None, output_processor_context=None):
-            kw = dict(decoder_input=decoder_input, labels=labels, inference_context=inference_context,
-                      packed_seq_params=packed_seq_params, extra_block_kwargs=extra_block_kwargs,
-                      runtime_gather_output=runtime_gather_output, inference_params=inference_params,
-                      loss_mask=loss_mask, padding_mask=padding_mask)
-            if output_processor is None or not self.post_process:
-                return super().forward(input_ids, position_ids, attention_mask, **kw)
+            # 0.19's forward: 0.16.1's preprocess and decoder (the same calls), then the postprocess with the hook
+            pre = self._preprocess(input_ids=input_ids, position_ids=position_ids, decoder_input=decoder_input,
+                                   inference_context=inference_context, packed_seq_params=packed_seq_params,
+                                   padding_mask=padding_mask)
+            decoder_input, rotary_pos_emb, rotary_pos_cos, rotary_pos_sin, sequence_len_offset, padding_mask = pre[:6]
+            hidden_states = self.decoder(
+                hidden_states=decoder_input, attention_mask=attention_mask, inference_context=inference_context,
+                rotary_pos_emb=rotary_pos_emb, rotary_pos_cos=rotary_pos_cos, rotary_pos_sin=rotary_pos_sin,
+                rotary_pos_cos_sin=pre[6] if len(pre) == 7 else None, packed_seq_params=packed_seq_params,
+                sequence_len_offset=sequence_len_offset, padding_mask=padding_mask, **(extra_block_kwargs or {}))
+            return self._postprocess(
+                hidden_states=hidden_states, input_ids=input_ids, position_ids=position_ids, labels=labels,
+                rotary_pos_emb=rotary_pos_emb, rotary_pos_cos=rotary_pos_cos, rotary_pos_sin=rotary_pos_sin,
+                mtp_in_postprocess=self.mtp_process, loss_mask=loss_mask, decoder_input=decoder_input,
+                attention_mask=attention_mask, padding_mask=padding_mask, inference_params=inference_params,
+                packed_seq_params=packed_seq_params, sequence_len_offset=sequence_len_offset,
+                runtime_gather_output=runtime_gather_output, extra_block_kwargs=extra_block_kwargs,
+                inference_context=inference_context, output_processor=output_processor,
+                output_processor_context=output_processor_context)
 
-            def postprocess(hidden_states, input_ids, position_ids, labels, *args, decoder_input=None,
-                            attention_mask=None, **rest):
-                weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
-                return output_processor(
-                    hidden_states=hidden_states, output_layer=self.output_layer, output_weight=weight, labels=labels,
-                    context=output_processor_context, config=self.config, input_ids=input_ids,
-                    position_ids=position_ids, attention_mask=attention_mask, decoder_input=decoder_input,
-                )
-
-            self._postprocess = postprocess
-            try:
-                return super().forward(input_ids, position_ids, attention_mask, **kw)
-            finally:
-                del self._postprocess
+        def _postprocess(self, hidden_states, input_ids, position_ids, labels, rotary_pos_emb, rotary_pos_cos,
+                         rotary_pos_sin, mtp_in_postprocess=None, loss_mask=None, decoder_input=None,
+                         attention_mask=None, padding_mask=None, inference_params=None, packed_seq_params=None,
+                         sequence_len_offset=None, runtime_gather_output=None, extra_block_kwargs=None,
+                         inference_context=None, output_processor=None, output_processor_context=None):
+            if output_processor is None:  # 0.16.1's own (no padding_mask there)
+                return super()._postprocess(
+                    hidden_states, input_ids, position_ids, labels, rotary_pos_emb, rotary_pos_cos, rotary_pos_sin,
+                    mtp_in_postprocess=mtp_in_postprocess, loss_mask=loss_mask, decoder_input=decoder_input,
+                    attention_mask=attention_mask, inference_params=inference_params,
+                    packed_seq_params=packed_seq_params, sequence_len_offset=sequence_len_offset,
+                    runtime_gather_output=runtime_gather_output, extra_block_kwargs=extra_block_kwargs,
+                    inference_context=inference_context)
+            weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
+            if mtp_in_postprocess:  # 0.16.1's MTP block has no padding_mask parameter
+                hidden_states = self.mtp(
+                    input_ids=input_ids, position_ids=position_ids, hidden_states=hidden_states,
+                    attention_mask=attention_mask, inference_params=None, rotary_pos_emb=rotary_pos_emb,
+                    rotary_pos_cos=rotary_pos_cos, rotary_pos_sin=rotary_pos_sin,
+                    packed_seq_params=packed_seq_params, sequence_len_offset=sequence_len_offset,
+                    embedding=self.embedding, **(extra_block_kwargs or {}))
+            if not self.post_process:
+                return hidden_states
+            if self.config.mtp_num_layers:
+                hidden_states = process_mtp_loss_019(
+                    hidden_states=hidden_states, labels=labels, loss_mask=loss_mask, output_layer=self.output_layer,
+                    output_weight=weight, runtime_gather_output=runtime_gather_output, is_training=self.training,
+                    compute_language_model_loss=self.compute_language_model_loss, config=self.config,
+                    cp_group=self.pg_collection.cp, tp_group=self.tp_group, packed_seq_params=packed_seq_params,
+                    scale_logits_fn=None, input_ids=input_ids)
+            return output_processor(
+                hidden_states=hidden_states, output_layer=self.output_layer, output_weight=weight, labels=labels,
+                loss_mask=loss_mask, input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
+                decoder_input=decoder_input, inference_context=inference_context, packed_seq_params=packed_seq_params,
+                runtime_gather_output=runtime_gather_output, context=output_processor_context,
+                compute_language_model_loss=self.compute_language_model_loss, scale_logits=None, config=self.config)
 
     model.__class__ = HookedGPTModel
     return model
+
+
+# ----------------------------------------------------------------------------- megatron-core 0.19's process_mtp_loss
+# Written after megatron-core core_r0.19.0 at f8837c04ef (0.19.1), megatron/core/transformer/multi_token_prediction.py:
+# process_mtp_loss (lines 760-894), _compute_mtp_acceptance_counts and _vocab_parallel_argmax (lines 484-553),
+# MTPLossLoggingHelper.save_metrics_to_tracker (lines 348-385). Built on 0.16.1's roll_tensor, MTPLossAutoScaler,
+# output layer and compute_language_model_loss (the same in 0.19); the tracker's buffers are allocated on the loss's
+# device (0.19 allocates them on torch.cuda.current_device()).
+
+
+def _vocab_parallel_argmax(logits, group):
+    size = torch.distributed.get_world_size(group)
+    vals, ids = logits.max(dim=-1)
+    all_vals = [torch.empty_like(vals) for _ in range(size)]
+    all_ids = [torch.empty_like(ids) for _ in range(size)]
+    torch.distributed.all_gather(all_vals, vals, group=group)
+    torch.distributed.all_gather(all_ids, ids, group=group)
+    rank = torch.stack(all_vals).argmax(dim=0)
+    return rank * logits.shape[-1] + torch.stack(all_ids).gather(0, rank.unsqueeze(0)).squeeze(0)
+
+
+def _acceptance_counts(logits, labels, loss_mask, output_layer, runtime_gather_output, tp_group):
+    with torch.no_grad():
+        sharded = (not runtime_gather_output) if runtime_gather_output is not None \
+            else not getattr(output_layer, "gather_output", False)
+        if tp_group is not None and tp_group.size() > 1 and sharded:
+            preds = _vocab_parallel_argmax(logits, tp_group)
+        else:
+            preds = logits.argmax(dim=-1)
+        valid = loss_mask.transpose(0, 1).bool()
+        return ((preds == labels.transpose(0, 1)) & valid).sum().float(), valid.sum().float()
+
+
+def save_metrics_to_tracker(loss, correct, total, layer_number, num_layers, reduce_group=None, avg_group=None):
+    """megatron-core 0.19's ``MTPLossLoggingHelper.save_metrics_to_tracker`` (0.16.1 has ``save_loss_to_tracker``)."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    if layer_number is None:
+        return
+    tracker = MTPLossLoggingHelper.tracker
+    for key in ("loss_values", "correct_values", "total_values"):
+        if key not in tracker:
+            tracker[key] = torch.zeros(num_layers, device=loss.device)
+    tracker["loss_values"][layer_number] += loss.detach()
+    tracker["correct_values"][layer_number] += correct.detach()
+    tracker["total_values"][layer_number] += total.detach()
+    tracker["reduce_group"], tracker["avg_group"] = reduce_group, avg_group
+
+
+def process_mtp_loss_019(hidden_states, labels, loss_mask, output_layer, output_weight, runtime_gather_output,
+                         is_training, compute_language_model_loss, config, cp_group=None, tp_group=None,
+                         packed_seq_params=None, scale_logits_fn=None, input_ids=None):
+    """megatron-core 0.19's ``process_mtp_loss`` (the reference the plugin's ``process_mtp_loss`` is tested against)."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler, roll_tensor
+
+    n = config.mtp_num_layers
+    parts = torch.chunk(hidden_states, 1 + n, dim=0)
+    hidden_states = parts[0]
+    roll = dict(shifts=-1, dims=-1, cp_group=cp_group, packed_seq_params=packed_seq_params)
+    derived = labels is None
+    if derived:
+        if input_ids is None:
+            return hidden_states
+        labels, _ = roll_tensor(input_ids, **roll)
+    if getattr(config, "mtp_detach_heads", False):
+        output_weight = (output_weight if output_weight is not None else output_layer.weight).detach()
+    mtp_labels = labels.clone()
+    if loss_mask is None:
+        loss_mask = torch.ones_like(mtp_labels)
+    if derived:
+        loss_mask, _ = roll_tensor(loss_mask, **roll)
+    original_num_tokens = loss_mask.sum()
+    for i in range(n):
+        logits, _ = output_layer(parts[i + 1], weight=output_weight, runtime_gather_output=runtime_gather_output)
+        if scale_logits_fn is not None:
+            logits = scale_logits_fn(logits)
+        mtp_labels, _ = roll_tensor(mtp_labels, **roll)
+        loss_mask, num_tokens = roll_tensor(loss_mask, **roll)
+        loss = loss_mask * compute_language_model_loss(mtp_labels, logits)
+        if is_training:
+            logged = torch.sum(loss) * (num_tokens > 0).to(loss.dtype) / num_tokens.clamp(min=1)
+            correct, total = _acceptance_counts(logits, mtp_labels, loss_mask, output_layer, runtime_gather_output,
+                                                tp_group)
+            save_metrics_to_tracker(logged, correct, total, i, n,
+                                    avg_group=parallel_state.get_data_parallel_group(with_context_parallel=True))
+        scale = config.mtp_loss_scaling_factor / n
+        if config.calculate_per_token_loss:
+            attached = scale * loss * (original_num_tokens / torch.clamp(num_tokens, min=1))
+        else:
+            attached = scale * loss / num_tokens.clamp(min=1)
+        hidden_states = MTPLossAutoScaler.apply(hidden_states, attached)
+    return hidden_states
+
+
+@contextlib.contextmanager
+def megatron_019_mtp():
+    """What verl's ``mtp_patch`` finds at import under megatron-core 0.19 (``_HAS_PROCESS_MTP_LOSS``,
+    ``_process_mtp_loss`` and its parameters), and 0.19's tracker method, for the duration."""
+    from inspect import signature
+
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+    from verl.models.mcore import mtp_patch
+
+    saved = {k: mtp_patch.__dict__.get(k) for k in ("_HAS_PROCESS_MTP_LOSS", "_process_mtp_loss",
+                                                      "_PROCESS_MTP_LOSS_PARAMS")}
+    mtp_patch._HAS_PROCESS_MTP_LOSS = True
+    mtp_patch._process_mtp_loss = process_mtp_loss_019
+    mtp_patch._PROCESS_MTP_LOSS_PARAMS = set(signature(process_mtp_loss_019).parameters)
+    MTPLossLoggingHelper.save_metrics_to_tracker = staticmethod(save_metrics_to_tracker)
+    try:
+        yield
+    finally:
+        del MTPLossLoggingHelper.save_metrics_to_tracker
+        for key in ("loss_values", "correct_values", "total_values"):
+            MTPLossLoggingHelper.tracker.pop(key, None)
+        for k, v in saved.items():
+            if v is None:
+                mtp_patch.__dict__.pop(k, None)
+            else:
+                setattr(mtp_patch, k, v)

@@ -22,8 +22,9 @@ edited; every signature is checked first, all or nothing):
   longer raises for a per-token temperature when the plugin serves the call;
 - ``MegatronEngine._maybe_enable_fused_kernels`` by
   :func:`maybe_enable_fused_kernels`: under MTP training the fused route stays
-  on (legacy mode), its forward serving the MTP layers' losses too
-  (:func:`chunked_entropy.integrations.verl.mtp.mtp_hidden_states`);
+  on, the MTP layers' losses served too (legacy mode: by its forward,
+  :func:`chunked_entropy.integrations.verl.mtp.mtp_hidden_states`; hook mode:
+  by the plugin's MTP postprocess, :func:`chunked_entropy.integrations.verl.mtp.process_mtp_loss`);
 - ``registry.fused_forward_model_engine`` by :func:`fused_forward_model_engine`:
   verl's packing (``preprocess_thd_engine``, labels rolled, CP-split), the
   per-token temperature packed the same way (not rolled, as on verl's unfused
@@ -49,8 +50,8 @@ one logged warning naming the reason (verl's own route then raises where it
 raises).
 
 Tested with verl 0.9.1 and megatron-core 0.16.1 (legacy mode, with and without
-MTP); hook mode with a GPTModel subclass exposing megatron-core 0.19's
-``output_processor`` contract.
+MTP); hook mode (with and without MTP) with a GPTModel subclass exposing
+megatron-core 0.19's ``output_processor`` and ``process_mtp_loss`` contracts.
 """
 
 from __future__ import annotations
@@ -360,12 +361,16 @@ def _mtp_of(engine, batch) -> dict:
 
 
 def maybe_enable_fused_kernels(self):
-    """verl's ``MegatronEngine._maybe_enable_fused_kernels``; under MTP the fused route stays on (legacy mode).
+    """verl's ``MegatronEngine._maybe_enable_fused_kernels``; under MTP the fused route stays on.
 
     verl turns the fused route off when ``model.mtp.enable`` is set. With the
-    plugin the fused forward serves the MTP layers' losses too (megatron-core
-    < 0.18, where the forward is replaced): the route stays on there. Elsewhere
-    (hook mode, a value model, no remove-padding): verl's own decision.
+    plugin the MTP layers' losses are served beside the fused head: by the
+    fused forward (megatron-core < 0.18, where the forward is replaced) or by
+    the plugin's MTP postprocess, which computes them with
+    :func:`chunked_entropy.integrations.verl.mtp.process_mtp_loss` and then
+    calls megatron-core's ``output_processor`` hook (>= 0.18; verl's own
+    postprocess would drop the hook). Elsewhere (MuP logit scaling in hook
+    mode, a value model, no remove-padding): verl's own decision.
     """
     own = _VERLS["_maybe_enable_fused_kernels"]
     cfg = self.engine_config
@@ -374,8 +379,9 @@ def maybe_enable_fused_kernels(self):
         return own(self)
     from verl.models.mcore import model_forward_fused as verl_fused
 
-    if any(verl_fused._supports_output_processor_hook(verl_fused._get_patching_model(m) or m) for m in self.module):
-        return own(self)  # megatron-core >= 0.18: its process_mtp_loss is left to verl, and so is this decision
+    models = [verl_fused._get_patching_model(m) or m for m in self.module]
+    if any(verl_fused._supports_output_processor_hook(m) and getattr(m.config, "use_mup", False) for m in models):
+        return own(self)  # hook mode with MuP: the MTP losses are left to megatron-core, and so is this decision
     for model in self.module:
         verl_fused.patch_fused_forward(model)
 
