@@ -377,7 +377,7 @@ def run_sweep(groups, repeats: int, timeout: float, force: bool, progress: Progr
             if case.method == "plain" and rows[-1]["status"] == "ok":
                 plain_time = rows[-1]["time_s"]
         for row in rows[-len(group):]:
-            if plain_time and row["status"] == "ok":
+            if plain_time and row["status"] == "ok" and row["tp"] == 1:  # plain torch runs on one rank
                 row["speed_vs_plain"] = plain_time / row["time_s"]
     return rows
 
