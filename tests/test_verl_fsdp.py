@@ -433,10 +433,38 @@ def test_bench_preset_runs_verls_routes_and_the_plugins(capsys, tmp_path):
     from chunked_entropy.cli import main
 
     code = main(["bench", "--preset", "verl-fsdp", "--tokens", "64", "--vocab", "512", "--hidden", "16",
-                 "--chunk-sizes", "32", "--topk", "8", "--methods", "fsdpplugin,verlfused", "--no-progress", "--out",
-                 str(tmp_path)])
+                 "--chunk-sizes", "32", "--topk", "8", "--methods", "fsdpplugin,verlfused", "--tp", "1",
+                 "--no-progress", "--out", str(tmp_path)])
     err = capsys.readouterr().err
     assert code == 0, err
     rows = {r["method"]: r for r in csv.DictReader(open(tmp_path / "results.csv"))}
     assert {r["status"] for r in rows.values()} == {"ok"}, rows
-    assert {m: int(r["topk"]) for m, r in rows.items()} == dict(fsdpplugin=8, verlfused=0)
+    assert {m: (int(r["topk"]), int(r["tp"])) for m, r in rows.items()} == dict(fsdpplugin=(8, 1), verlfused=(0, 1))
+
+
+def test_bench_preset_runs_the_vocab_sharded_dtensor_case_on_two_ranks(capsys, tmp_path):
+    """``chunked-entropy bench --preset verl-fsdp --tp 2`` at a tiny shape: verl's unfused route on the logits as a
+    vocabulary-sharded DTensor over 2 gloo ranks, verl's own (``full_tensor()``) and the plugin's (each case checks
+    that its route is the one it names, and that the plugin did not hand the DTensor to verl's own), with top-k
+    distillation on; each rank's peak is reported. A --tp that does not divide the vocabulary is refused first."""
+    import csv
+    import json
+
+    from chunked_entropy.cli import main
+
+    args = ["bench", "--preset", "verl-fsdp", "--tokens", "64", "--vocab", "512", "--hidden", "16", "--chunk-sizes",
+            "32", "--topk", "8", "--methods", "verlfsdp,fsdpplugin", "--no-progress", "--out", str(tmp_path)]
+    assert main(args[:-2] + ["--tp", "3", "--out", str(tmp_path / "no")]) == 2
+    assert "--tp" in capsys.readouterr().err
+    assert not (tmp_path / "no" / "results.csv").exists()
+    code = main(args + ["--tp", "2"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    rows = {r["method"]: r for r in csv.DictReader(open(tmp_path / "results.csv"))}
+    assert set(rows) == {"verlfsdp", "fsdpplugin"}, rows
+    assert {r["status"] for r in rows.values()} == {"ok"}, rows
+    assert {(int(r["tp"]), int(r["topk"])) for r in rows.values()} == {(2, 8)}
+    for r in json.load(open(tmp_path / "results.json"))["results"]:
+        assert len(r["peak_bytes_ranks"]) == 2 and max(r["peak_bytes_ranks"]) == r["peak_bytes"], r
+        assert "vocabulary-sharded DTensor over 2 ranks" in r["label"]
+    assert captured.out.count("(ranks ") == 2

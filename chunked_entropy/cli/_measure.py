@@ -15,7 +15,7 @@ runs one forward+backward and reports
 
 Run as ``python -m chunked_entropy _case '<json>'`` it prints one JSON line; with
 ``tp > 1`` it spawns that many gloo processes and reports the largest peak and
-time over the ranks.
+time over the ranks, and each rank's peak (``peak_bytes_ranks``).
 """
 
 from __future__ import annotations
@@ -42,6 +42,9 @@ METHODS = {
 }
 #: verl's FSDP engine, its own routes and the plugin's, on hidden states and an lm_head weight (verl installed).
 VERL_FSDP_METHODS = ("verlfsdp", "fsdpplugin", "verlfused", "fusedplugin")
+#: Methods measured with the vocabulary over ``tp`` ranks (gloo on CPU): this library's paths with the process
+#: group, the clone workaround, and verl's unfused FSDP routes on logits that are a vocabulary-sharded DTensor.
+TP_METHODS = ("clone", "chunked", "head", "verlfsdp", "fsdpplugin")
 #: Distillation from the teacher's hidden states (a teacher of the student's width, TRL's default beta 1: the
 #: reverse KL): this library's per-token form and loss form, TRL's ChunkedDivergenceFunction, plain torch.
 DIVERGENCE_METHODS = ("divergence", "divergenceloss", "trldivergence", "plaindivergence")
@@ -115,6 +118,9 @@ class Case:
             name += f", {self.loss_mode}"
         if self.method in LOSS_METHODS and self.seq_len:
             name += f", {self.tokens // self.seq_len} x {self.seq_len}"
+        if self.tp > 1:
+            name += (f", logits a vocabulary-sharded DTensor over {self.tp} ranks" if self.method in VERL_FSDP_METHODS
+                     else f", TP {self.tp}")
         if self.backend != "eager":
             name += f" [{self.backend}]"
         return name
@@ -266,11 +272,17 @@ def distillation_loss(case: Case, inp: Inputs, group):
 def verl_fsdp_loss(case: Case, inp: Inputs, group):
     """verl's FSDP engine on one packed sequence (temperature 1, entropy on, top-k distillation with ``topk``):
     the unfused route through the engine's real ``prepare_model_outputs`` on ``hidden @ weight.T``, or the fused
-    route through verl's real ``FusedLinearForPPO``; verl's own code, or with the plugin installed."""
-    if group is not None:
-        raise ValueError("verl's FSDP routes are measured on one rank; use tp=1")
+    route through verl's real ``FusedLinearForPPO``; verl's own code, or with the plugin installed.
+
+    With a process group (``tp > 1``, the unfused routes): the logits ``hidden @ weight_shard.T`` of each rank,
+    as one vocabulary-sharded DTensor (``Shard(-1)`` on a 1-D mesh of the group), as a ``ColwiseParallel`` lm_head
+    returns them: verl's own gathers the full vocabulary on every rank (``full_tensor()``), the plugin reads the
+    local shard with the mesh's group."""
+    if group is not None and case.method not in ("verlfsdp", "fsdpplugin"):
+        raise ValueError("verl's fused FSDP routes are measured on one rank; use tp=1")
     import contextlib
     import functools
+    import logging
     import warnings
     from types import SimpleNamespace
 
@@ -320,7 +332,23 @@ def verl_fsdp_loss(case: Case, inp: Inputs, group):
     output_args = {"temperature_is_one": True, "input_ids_rmpad_rolled": inp.labels, "pad_size": 0,
                    "temperature_rmpad": torch.ones(n, device=inp.labels.device)}
     logits = (inp.hidden @ inp.weight.t()).unsqueeze(0)
-    out = engine.prepare_model_outputs(SimpleNamespace(logits=logits), output_args, batch, loss_fn)
+    if group is not None:
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.tensor import DTensor, Shard
+
+        mesh = DeviceMesh.from_group(group, logits.device.type)
+        logits = DTensor.from_local(logits, mesh, [Shard(-1)], run_check=False)
+    # what the plugin cannot serve runs verl's own with a logged warning: here that would measure the wrong route
+    fallbacks, handler = [], logging.Handler(logging.WARNING)
+    handler.emit = lambda record: fallbacks.append(record.getMessage())
+    log = logging.getLogger("chunked_entropy.integrations")
+    log.addHandler(handler)
+    try:
+        out = engine.prepare_model_outputs(SimpleNamespace(logits=logits), output_args, batch, loss_fn)
+    finally:
+        log.removeHandler(handler)
+    if plugged and fallbacks:
+        raise RuntimeError(f"the plugin ran verl's own route here: {fallbacks[0]}")
     loss = (out["log_probs"].values() * inp.g_lp).sum() + (out["entropy"].values() * inp.g_h).sum()
     return loss + out["distillation_losses"].values().sum() if case.topk else loss
 
@@ -565,6 +593,7 @@ def _worker(rank, world, port, case_json, out_file):
             out = {
                 "peak_bytes": max(r["peak_bytes"] for r in every),
                 "time_s": max(r["time_s"] for r in every),
+                "peak_bytes_ranks": [r["peak_bytes"] for r in every],
             }
             with open(out_file, "w") as f:
                 json.dump(out, f)

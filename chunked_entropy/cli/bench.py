@@ -24,7 +24,7 @@ import tempfile
 import time
 
 from . import plan
-from ._measure import DEFAULT_METHODS, LOSS_METHODS, METHODS, VERL_FSDP_METHODS, Case, run_fresh
+from ._measure import DEFAULT_METHODS, LOSS_METHODS, METHODS, TP_METHODS, VERL_FSDP_METHODS, Case, run_fresh
 
 PRESETS = {
     "issue2": dict(
@@ -54,11 +54,12 @@ PRESETS = {
         methods=["chunked", "distill", "verldistill"], topk=[128], backends=["eager", "compile"],
     ),
     # verl's FSDP engine: its unfused route (prepare_model_outputs on the logits) and its fused torch route
-    # (FusedLinearForPPO), each verl's own and with the plugin, against the library's fused head; --topk 128 (the
-    # unfused routes) adds verl's top-k distillation
+    # (FusedLinearForPPO), each verl's own and with the plugin, against the library's fused head; and the unfused
+    # route at TP 2 (gloo), the logits a vocabulary-sharded DTensor (a ColwiseParallel head's): each rank's peak;
+    # --topk 128 (the unfused routes) adds verl's top-k distillation
     "verl-fsdp": dict(
         path="head", tokens=[8192], vocab=[32768], hidden=[256], dtype="float32", chunk_sizes=[512], repeats=1,
-        methods=["verlfsdp", "fsdpplugin", "verlfused", "fusedplugin", "head"], topk=[0],
+        methods=["verlfsdp", "fsdpplugin", "verlfused", "fusedplugin", "head"], topk=[0], tp=[1, 2],
     ),
     "loss-logits": dict(
         path="logits", tokens=[8192], vocab=[32768], dtype="float32",
@@ -104,11 +105,11 @@ PRESETS = {
 }
 DEFAULTS = dict(
     path="logits", tokens=[1024, 2048, 4096, 8192], vocab=[32768], hidden=[512], dtype="float32",
-    methods=None, chunk_sizes=[512], repeats=3, backends=["eager"], keep=[0], loss_modes=["vanilla"],
+    methods=None, chunk_sizes=[512], repeats=3, backends=["eager"], keep=[0], loss_modes=["vanilla"], tp=[1],
 )
 QUICK = dict(
     path="both", tokens=[256, 1024], vocab=[8192], hidden=[256], dtype="float32",
-    methods=None, chunk_sizes=[256], repeats=1, backends=["eager"], keep=[0], loss_modes=["vanilla"],
+    methods=None, chunk_sizes=[256], repeats=1, backends=["eager"], keep=[0], loss_modes=["vanilla"], tp=[1],
 )
 
 
@@ -172,6 +173,11 @@ def add_arguments(p, positive_int, int_list, name_list) -> None:
                         "log_probs_at and top_k) and verldistill (verl's forward_kl_topk); default 128 with them")
     g.add_argument("--backends", type=name_list, metavar="B1,...",
                    help="per-block kernels of this library's methods: eager, compile, auto (default eager)")
+    g.add_argument("--tp", type=int_list, metavar="T1,...",
+                   help="tensor-parallel sizes: the vocabulary over that many ranks (gloo processes on CPU) for "
+                        f"{', '.join(TP_METHODS)} (verl's unfused FSDP routes: the logits a vocabulary-sharded "
+                        "DTensor); the other methods on one rank (default 1); the peak is the largest rank's, "
+                        "each rank's beside it")
     g.add_argument("--dtype", choices=sorted(plan.DTYPE_BYTES), help="dtype of the inputs (default float32)")
     g.add_argument("--device", default="cpu", help="cpu or cuda[:i] (default cpu)")
     r = p.add_argument_group("how")
@@ -199,7 +205,7 @@ def _settings(args) -> dict:
         base.update(PRESETS[args.preset])
         base.setdefault("repeats", 3)
     for k in ("path", "tokens", "vocab", "hidden", "chunk_sizes", "methods", "dtype", "repeats", "backends", "keep",
-              "loss_modes", "topk", "seq_len"):
+              "loss_modes", "topk", "seq_len", "tp"):
         v = getattr(args, k)
         if v is not None:
             base[k] = v
@@ -217,8 +223,13 @@ def build_cases(s: dict, device: str) -> list:
         for v in s["vocab"]:
             for h in (s["hidden"] if path == "head" else [0]):
                 for n in s["tokens"]:
-                    group = []
-                    for m in methods:
+                    group, seen = [], set()
+                    # tensor parallelism: the vocabulary over each --tp size's ranks where the method has it (in
+                    # TP_METHODS); the others on one rank, once
+                    for tp, m in [(t if m in TP_METHODS else 1, m) for t in s.get("tp") or [1] for m in methods]:
+                        if (tp, m) in seen:
+                            continue
+                        seen.add((tp, m))
                         ours = m in ("chunked", "head", "distill", "divergence", "divergenceloss") + LOSS_METHODS + \
                             VERL_FSDP_METHODS
                         # replay: ours at every --keep value, the dense-mask route at the non-zero ones
@@ -237,14 +248,15 @@ def build_cases(s: dict, device: str) -> list:
                                         group.append(Case(path=path, method=m, tokens=n, vocab=v, hidden=h,
                                                           chunk=c, dtype=s["dtype"], device=device, backend=be,
                                                           warm=bool(s.get("warm")), keep=kk, loss_mode=lm,
-                                                          topk=topk, seq_len=seq_len))
+                                                          topk=topk, seq_len=seq_len, tp=tp))
                     groups.append(group)
     return groups
 
 
 def plan_bytes(case: Case) -> int:
     """The plan's estimate of the case's peak over its inputs."""
-    shape = plan.Shape(case.tokens, case.vocab, case.hidden, 1, case.dtype)
+    # one rank's: its vocabulary shard (verl's own unfused route gathers the full vocabulary on every rank)
+    shape = plan.Shape(case.tokens, case.vocab, case.hidden, 1 if case.method == "verlfsdp" else case.tp, case.dtype)
     # a policy loss needs what its log-probs and entropy need (the fused one: no more)
     method = {"chunkedloss": "chunked", "headloss": "head", "liger": "head", "densekeep": "plain",
               "distill": "chunked", "verldistill": "plain", "verlfsdp": "plain", "fsdpplugin": "chunked",
@@ -262,15 +274,16 @@ def plan_bytes(case: Case) -> int:
         return e.over_logits + extra
     e = dataclasses.replace(e, total=e.total + extra)
     # over hidden and weight: the total, and the lm_head's gradients when they come last
-    grads = case.hidden * (case.tokens + case.vocab) * 4
+    grads = case.hidden * (case.tokens + case.vocab // case.tp) * 4
     return max(e.total, grads) if method != "head" else e.total
 
 
 def input_bytes(case: Case) -> int:
+    """One rank's inputs."""
     b = plan.DTYPE_BYTES[case.dtype]
     if case.path == "logits":
-        return case.tokens * case.vocab * b
-    return (case.tokens + case.vocab) * case.hidden * b
+        return case.tokens * case.vocab // case.tp * b
+    return (case.tokens + case.vocab // case.tp) * case.hidden * b
 
 
 def available_bytes(device: str) -> int:
@@ -345,7 +358,8 @@ def run_sweep(groups, repeats: int, timeout: float, force: bool, progress: Progr
             k = r % len(group)
             for case in group[k:] + group[:k]:
                 progress.show("running " + _describe(case))
-                need = plan_bytes(case) + input_bytes(case)
+                # on CPU every rank is a process of this machine
+                need = (plan_bytes(case) + input_bytes(case)) * (case.tp if case.device == "cpu" else 1)
                 avail = available_bytes(case.device)
                 if not force and need > 0.85 * avail:
                     res = {"status": "skipped",
@@ -363,7 +377,7 @@ def run_sweep(groups, repeats: int, timeout: float, force: bool, progress: Progr
             if case.method == "plain" and rows[-1]["status"] == "ok":
                 plain_time = rows[-1]["time_s"]
         for row in rows[-len(group):]:
-            if plain_time and row["status"] == "ok":
+            if plain_time and row["status"] == "ok" and row["tp"] == 1:  # plain torch runs on one rank
                 row["speed_vs_plain"] = plain_time / row["time_s"]
     return rows
 
@@ -373,7 +387,7 @@ def _summarise(case: Case, results: list) -> dict:
     lb = case.tokens * case.vocab * plan.DTYPE_BYTES[case.dtype]
     row = dataclasses.asdict(case)
     row.update(label=case.label, logits_bytes=lb, plan_bytes=plan_bytes(case), repeats=len(results),
-               peak_bytes=None, peak_x_logits=None, time_s=None, time_min=None, time_max=None,
+               peak_bytes=None, peak_bytes_ranks=None, peak_x_logits=None, time_s=None, time_min=None, time_max=None,
                cpu_user_s=None, cpu_sys_s=None, speed_vs_plain=None, floor_s=None,
                status="ok" if ok else results[-1]["status"],
                error="" if ok else results[-1].get("error", ""))
@@ -382,6 +396,9 @@ def _summarise(case: Case, results: list) -> dict:
         times = [r["time_s"] for r in ok]
         row.update(peak_bytes=int(peak), peak_x_logits=peak / lb, time_s=statistics.median(times),
                    time_min=min(times), time_max=max(times))
+        if all("peak_bytes_ranks" in r for r in ok):  # tp > 1: each rank's peak (median over rounds)
+            ranks = zip(*(r["peak_bytes_ranks"] for r in ok), strict=True)
+            row.update(peak_bytes_ranks=[int(statistics.median(p)) for p in ranks])
         if all("floor_s" in r for r in ok):
             row.update(floor_s=statistics.median(r["floor_s"] for r in ok))
         if all("cpu_user_s" in r for r in ok):  # not reported over several ranks
@@ -400,7 +417,10 @@ def markdown_table(rows: list) -> str:
         if r["status"] == "ok":
             spread = f" ({r['time_min']:.2f}-{r['time_max']:.2f})" if r["repeats"] > 1 else ""
             floor = r.get("floor_s")
-            vals = [plan.fmt_bytes(r["peak_bytes"]), f"{r['peak_x_logits']:.3f}", plan.fmt_bytes(r["plan_bytes"]),
+            peak = plan.fmt_bytes(r["peak_bytes"])
+            if r.get("peak_bytes_ranks"):  # tp > 1: the largest, and each rank's
+                peak += " (ranks " + ", ".join(plan.fmt_bytes(p) for p in r["peak_bytes_ranks"]) + ")"
+            vals = [peak, f"{r['peak_x_logits']:.3f}", plan.fmt_bytes(r["plan_bytes"]),
                     f"{r['time_s']:.3f} s{spread}",
                     f"{r['speed_vs_plain']:.2f}x" if r["speed_vs_plain"] else "-",
                     f"{floor:.3f} s" if floor else "-", f"{r['time_s'] / floor:.2f}" if floor else "-"]
@@ -544,6 +564,10 @@ def run(args) -> int:
     for name in ("tokens", "vocab", "hidden", "chunk_sizes"):
         if any(x < 1 for x in s[name]):
             raise BenchError(f"--{name.replace('_', '-')}: values must be >= 1")
+    if any(t < 1 for t in s["tp"]):
+        raise BenchError("--tp: values must be >= 1")
+    if any(v % t for v in s["vocab"] for t in s["tp"]):
+        raise BenchError(f"--tp: every value must divide every --vocab value ({s['vocab']}), got {s['tp']}")
     if s.get("seq_len") and any(n % s["seq_len"] for n in s["tokens"]):
         raise BenchError(f"--seq-len {s['seq_len']} must divide every --tokens value ({s['tokens']})")
     parts = PRESETS[args.preset].get("parts") if args.preset else None
@@ -569,7 +593,8 @@ def run(args) -> int:
     print(markdown_table(rows))
     print()
     print("peak extra memory: peak over the inputs during one forward+backward, gradients included "
-          "(median over rounds); x logits: that peak / the [tokens, V] logits' size; plan: the estimate of "
+          "(median over rounds; over tp ranks the largest, each rank's in brackets); x logits: that peak / the "
+          "[tokens, V] logits' size (the full vocabulary's); plan: the estimate of "
           "`chunked-entropy plan`; speed vs plain: plain torch's median time / this method's.")
     print(f"Wrote {csv_path} and {json_path}.")
     if args.plot:
