@@ -72,27 +72,32 @@ def check_logits_dtype(logits_dtype, weight: torch.Tensor) -> bool:
     )
 
 
+def check_head(hidden, weight, bias, prefix: str = "") -> None:
+    """One head's hidden states ``[..., H]``, weight ``[V_local, H]`` and bias ``[V_local]`` (or None): float, of one
+    dtype and device; each named with ``prefix`` (``"student_"``, ``"teacher_"`` for a divergence's two heads)."""
+    h, w, b = f"{prefix}hidden", f"{prefix}weight", f"{prefix}bias"
+    check_float(h, hidden)
+    check_float(w, weight, dim=2)
+    if hidden.dim() < 1 or hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(f"{h} must be [..., H] with H == {w}.shape[1] == {weight.shape[1]}, "
+                         f"got shape {tuple(hidden.shape)}")
+    if hidden.dtype != weight.dtype:
+        raise TypeError(f"{h} ({hidden.dtype}) and {w} ({weight.dtype}) must have the same dtype")
+    check_device(h, hidden, weight.device, w)
+    if bias is not None:
+        check_float(b, bias)
+        if bias.shape != (weight.shape[0],):
+            raise ValueError(f"{b} must have shape ({weight.shape[0]},) (V_local), got {tuple(bias.shape)}")
+        check_device(b, bias, weight.device, w)
+
+
 def check_linear_args(hidden, weight, bias, labels, world: int, sequence_parallel: bool, vocab_chunk_size):
     """Check the fused head's tensors; returns the labels' expected leading shape.
 
     ``world`` is the size of the tensor-parallel group (the sequence-parallel
     slice of ``hidden`` is ``1 / world`` of the sequence).
     """
-    check_float("hidden", hidden)
-    check_float("weight", weight, dim=2)
-    if hidden.dim() < 1 or hidden.shape[-1] != weight.shape[1]:
-        raise ValueError(
-            f"hidden must be [..., H] with H == weight.shape[1] == {weight.shape[1]}, "
-            f"got shape {tuple(hidden.shape)}"
-        )
-    if hidden.dtype != weight.dtype:
-        raise TypeError(f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must have the same dtype")
-    check_device("hidden", hidden, weight.device, "weight")
-    if bias is not None:
-        check_float("bias", bias)
-        if bias.shape != (weight.shape[0],):
-            raise ValueError(f"bias must have shape ({weight.shape[0]},) (V_local), got {tuple(bias.shape)}")
-        check_device("bias", bias, weight.device, "weight")
+    check_head(hidden, weight, bias)
     check_chunk("vocab_chunk_size", vocab_chunk_size, optional=True)
     if not isinstance(labels, torch.Tensor):
         raise TypeError(f"labels must be a torch.Tensor of int64 ids, got {type(labels).__name__}")

@@ -28,6 +28,7 @@ import torch
 from ._autograd import graph_is_kept, once_differentiable
 from ._blocks import (
     Plan,
+    check_head,
     check_logits_dtype,
     full_hidden,
     linear_filler,
@@ -37,7 +38,7 @@ from ._blocks import (
     reduce_hidden_grad,
     weak_group,
 )
-from ._checks import check_chunk, check_flag, check_float, check_positive, is_real
+from ._checks import check_chunk, check_device, check_flag, check_float, check_positive, is_real
 from ._divergence import DivergenceSpec, PairRows
 from ._inputs import Rows, Tokens, check_transform_scale, compute_dtype, dtype_code, prepare_tokens
 from ._loop import new_row_stats, pair_grad_blocks, pair_row_stats
@@ -95,27 +96,6 @@ def _spec(divergence, beta) -> DivergenceSpec:
     return DivergenceSpec(divergence, beta)
 
 
-def _check_head(prefix: str, hidden, weight, bias) -> None:
-    """One model's hidden states, weight and bias, named with its prefix."""
-    check_float(f"{prefix}_hidden", hidden)
-    check_float(f"{prefix}_weight", weight, dim=2)
-    if hidden.dim() < 1 or hidden.shape[-1] != weight.shape[1]:
-        raise ValueError(
-            f"{prefix}_hidden must be [..., H] with H == {prefix}_weight.shape[1] == {weight.shape[1]}, "
-            f"got shape {tuple(hidden.shape)}"
-        )
-    if hidden.dtype != weight.dtype:
-        raise TypeError(f"{prefix}_hidden ({hidden.dtype}) and {prefix}_weight ({weight.dtype}) must have one dtype")
-    if hidden.device != weight.device:
-        raise ValueError(f"{prefix}_hidden is on {hidden.device} but {prefix}_weight is on {weight.device}")
-    if bias is not None:
-        check_float(f"{prefix}_bias", bias)
-        if bias.shape != (weight.shape[0],):
-            raise ValueError(f"{prefix}_bias must have shape ({weight.shape[0]},) (V_local), got {tuple(bias.shape)}")
-        if bias.device != weight.device:
-            raise ValueError(f"{prefix}_bias is on {bias.device} but {prefix}_weight is on {weight.device}")
-
-
 def _check_pair(student, teacher, what: str) -> None:
     """The two models' inputs must describe the same tokens and the same vocabulary shard."""
     if teacher.shape[:-1] != student.shape[:-1]:
@@ -123,8 +103,7 @@ def _check_pair(student, teacher, what: str) -> None:
             f"teacher_{what} must have the leading shape of student_{what}, {tuple(student.shape[:-1])} "
             f"(the same tokens), got {tuple(teacher.shape[:-1])}"
         )
-    if teacher.device != student.device:
-        raise ValueError(f"teacher_{what} is on {teacher.device} but student_{what} is on {student.device}")
+    check_device(f"teacher_{what}", teacher, student.device, f"student_{what}")
 
 
 def _prepare(call, lead, labels, *, v_local, label_mask, ignore_index, temperature, tf_s, tf_t, device, cdt,
@@ -291,8 +270,8 @@ def _linear_call(student_hidden, student_weight, teacher_hidden, teacher_weight,
         spec = _spec(divergence, beta)
         sequence_parallel = check_flag("sequence_parallel", sequence_parallel)
         compute_entropy = check_flag("compute_entropy", compute_entropy)
-        _check_head("student", student_hidden, student_weight, student_bias)
-        _check_head("teacher", teacher_hidden, teacher_weight, teacher_bias)
+        check_head(student_hidden, student_weight, student_bias, "student_")
+        check_head(teacher_hidden, teacher_weight, teacher_bias, "teacher_")
         _check_pair(student_hidden, teacher_hidden, "hidden")
         if teacher_weight.shape[0] != student_weight.shape[0]:
             raise ValueError(
