@@ -90,8 +90,6 @@ def _compare(rank, world):
         parallel_state.destroy_model_parallel()
 
 
-
-
 def _run_hook(world, tied, mtp_layers, detach_heads, ups, fused=False):
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
     from verl.utils.megatron_utils import patch_engine_mtp

@@ -79,7 +79,6 @@ def mtp_losses(model, hidden_states, labels, loss_mask, *, output_weight, packed
     """
     from megatron.core import parallel_state
     from megatron.core.transformer.multi_token_prediction import (
-        MTPLossAutoScaler,
         MTPLossLoggingHelper,
         roll_tensor,
     )
@@ -112,12 +111,22 @@ def mtp_losses(model, hidden_states, labels, loss_mask, *, output_weight, packed
             logged = loss.sum() / num_tokens if num_tokens > 0 else loss.new_tensor(0.0)
             MTPLossLoggingHelper.save_loss_to_tracker(
                 logged, i, n, avg_group=parallel_state.get_data_parallel_group(with_context_parallel=True))
-        if cfg.calculate_per_token_loss:  # verl re-normalises by the rolled token count
-            attached = scale * loss * (original_num_tokens / torch.clamp(num_tokens, min=1))
-        else:
-            attached = scale * loss / num_tokens.clamp(min=1)
-        hidden_states = MTPLossAutoScaler.apply(hidden_states, attached)
+        hidden_states = _attach(hidden_states, loss, scale, num_tokens, original_num_tokens,
+                                cfg.calculate_per_token_loss)
     return hidden_states
+
+
+def _attach(hidden_states, loss, scale, num_tokens, original_num_tokens, per_token: bool):
+    """An MTP layer's ``[B, S]`` losses attached to the main hidden states' backward (megatron-core's
+    ``MTPLossAutoScaler``), normalised as megatron-core and verl do: per token, re-normalised by the rolled
+    count (verl), else by the rolled count."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
+
+    if per_token:
+        attached = scale * loss * (original_num_tokens / torch.clamp(num_tokens, min=1))
+    else:
+        attached = scale * loss / num_tokens.clamp(min=1)
+    return MTPLossAutoScaler.apply(hidden_states, attached)
 
 
 def mtp_hidden_states(model, hidden_states, *, input_ids, position_ids, labels, loss_mask, rotary_pos_emb,
@@ -229,7 +238,6 @@ def process_mtp_loss(hidden_states, labels, loss_mask, output_layer, output_weig
     """
     from megatron.core import parallel_state
     from megatron.core.transformer.multi_token_prediction import (
-        MTPLossAutoScaler,
         MTPLossLoggingHelper,
         roll_tensor,
     )
@@ -276,11 +284,8 @@ def process_mtp_loss(hidden_states, labels, loss_mask, output_layer, output_weig
                     metrics(logged, correct, valid.sum().float(), i, n, avg_group=avg_group)
             else:
                 MTPLossLoggingHelper.save_loss_to_tracker(logged, i, n, avg_group=avg_group)
-        if config.calculate_per_token_loss:
-            attached = scale * loss * (original_num_tokens / torch.clamp(num_tokens, min=1))
-        else:
-            attached = scale * loss / num_tokens.clamp(min=1)
-        hidden_states = MTPLossAutoScaler.apply(hidden_states, attached)
+        hidden_states = _attach(hidden_states, loss, scale, num_tokens, original_num_tokens,
+                                config.calculate_per_token_loss)
     return hidden_states
 
 
