@@ -154,7 +154,7 @@ def _logits_block(h, w, bias, out, float32: bool = False):
         torch.mm(h, w.t(), out=out)
     elif not float32:  # half-precision matmul, as the model's own layer would do, then float32
         out.copy_(torch.mm(h, w.t()))
-    elif h.device.type == "cuda":
+    elif half_mm_native(h.device):
         torch.mm(h, w.t(), out_dtype=out.dtype, out=out)
     else:
         torch.mm(h.to(out.dtype), w.t().to(out.dtype), out=out)
@@ -182,66 +182,170 @@ def linear_row_stats(h_full, weight, bias, tok: Tokens, plan: Plan):
     )
 
 
-def linear_grads(blocks, rows: Rows, weight, *, n: int, hidden_dtype, chunk_size: int, need, gw=None,
-                 float32: bool = False):
+#: What a vocabulary-outermost walk (:func:`grad_vocab_block`) may hold in its ``[tokens, block]`` gradient buffer.
+GRAD_BUFFER_BYTES = 64 * 2**20
+
+
+def grad_vocab_block(n: int, weight: torch.Tensor, plan: Plan, need_w: bool) -> Optional[int]:
+    """The vocabulary block of a gradient walk that takes vocabulary blocks outermost, or None (chunks outermost).
+
+    Half-precision weights only, and only when their gradient is wanted: each
+    block's weight gradient is then one matmul over all ``n`` tokens, in the
+    weight's dtype (float32 accumulation inside the matmul, as half-precision
+    autograd forms it), and no float32 ``[V_local, H]`` accumulator exists. The
+    block is ``vocab_chunk_size`` when the vocabulary is blocked, else as wide
+    as a ``[n, block]`` gradient buffer of :data:`GRAD_BUFFER_BYTES` allows (a
+    multiple of 128 columns). Float32 weights accumulate straight into their
+    float32 gradient, chunk by chunk: no buffer at all.
+    """
+    v = weight.shape[0]
+    if not need_w or weight.dtype not in (torch.bfloat16, torch.float16):
+        return None
+    if plan.vocab_chunk_size < v:
+        return plan.vocab_chunk_size
+    size = 4 if plan.float32_logits else weight.element_size()
+    block = max(1, GRAD_BUFFER_BYTES // (max(n, 1) * size))
+    return min(v, max(128, block - block % 128))
+
+
+def linear_grads(blocks, rows: Rows, weight, *, n: int, hidden_dtype, chunk_size: int, need, main_grad=None,
+                 float32: bool = False, vocab_block: Optional[int] = None, weight_grad_dtype=None):
     """Turn the logit-gradient blocks of the chunk loop into gradients of hidden, weight and bias.
 
     ``blocks`` yields ``(a, b, v0, v1, g)`` with ``g = dL/dlogits`` of rows
-    ``[a, b)`` and columns ``[v0, v1)``; ``need`` says which of
-    ``(hidden, weight, bias)`` want a gradient. Returns ``(grad_h [n, H]`` in
-    ``hidden_dtype``, the float32 weight-gradient accumulator ``[V, H]`` (or
-    ``gw`` itself, accumulated into), the float32 bias gradient ``[V])``, each
-    None where not needed. Two matmuls per block: ``g @ W`` and ``g.T @ h``;
-    with half-precision weights ``g @ W`` is a half-precision matmul (``g``
-    rounded to the weight's dtype, as half-precision autograd rounds it),
-    unless ``float32`` (``logits_dtype=torch.float32``): then the block's
-    weight rows are cast to float32 for it. With vocabulary blocks, each
-    block's partial ``g @ W`` is accumulated in float32 (a half-precision one
-    overflows where the blocks' sum would not: a loss scale times a common
-    offset of the weight rows); the hidden states' gradient is rounded to
-    their dtype once, after the last block. On a CPU that costs a float32 copy
-    of the block's weight rows (``[vocab_chunk_size, H]``); on CUDA none.
+    ``[a, b)`` and columns ``[v0, v1)``: chunks outermost (each chunk's
+    vocabulary blocks in order), or with ``vocab_block`` (see
+    :func:`grad_vocab_block`) vocabulary blocks of that width outermost (each
+    block's chunks in order). ``need`` says which of ``(hidden, weight,
+    bias)`` want a gradient. Returns ``(grad_h [n, H]`` in ``hidden_dtype``,
+    the weight gradient in the weight's dtype or ``weight_grad_dtype`` (None
+    when it went into ``main_grad``, Megatron's float32 accumulator, added
+    to), the float32 bias
+    gradient ``[V])``, each None where not needed.
+
+    Every matmul of half-precision weights takes half-precision operands, as
+    half-precision autograd does: ``g`` is rounded to the weight's dtype, and
+    each product is accumulated in float32 inside the matmul (CUDA:
+    ``out_dtype=torch.float32``; a CPU, which has no such kernel, forms the
+    same exact sum of products from float32 copies of the operands). With
+    ``float32`` (``logits_dtype=torch.float32``) ``g`` stays float32 and the
+    weight rows are widened: the backward of a float32 matmul, as documented.
+
+    Memory, beyond the gradients themselves: chunks outermost (float32
+    weights), a ``[chunk_size, H]`` accumulator of the chunk's hidden-state
+    gradient, and the weight gradient accumulated in place (with
+    half-precision weights, only a divergence's loss form walks so: a float32
+    ``[V, H]`` accumulator);
+    vocabulary blocks outermost (half-precision weights), a float32
+    ``[n, H]`` hidden-state accumulator and one ``[n, vocab_block]`` gradient
+    buffer in the weight's dtype (:data:`GRAD_BUFFER_BYTES`), no ``[V, H]``
+    float32 tensor.
     """
     need_h, need_w, need_b = need
     v, hdim = weight.shape
     dev = weight.device
     cdt = compute_dtype(weight.dtype)
+    gb = torch.zeros(v, dtype=cdt, device=dev) if need_b else None
+    gw = None
+    if need_w and main_grad is None:
+        gw = (torch.zeros if vocab_block is None else torch.empty)(v, hdim, dtype=weight_grad_dtype or weight.dtype,
+                                                                   device=dev)
+    if vocab_block is not None:
+        return _grads_vocab_outer(blocks, rows, weight, n, hidden_dtype, need, main_grad, float32, vocab_block,
+                                  gw, gb)
+    acc_w = gw if main_grad is None else main_grad
+    if need_w and acc_w.dtype != cdt:  # chunks outermost with half-precision weights (not the fused ops' order)
+        acc_w = torch.zeros(v, hdim, dtype=cdt, device=dev)
     grad_h = torch.empty(n, hdim, dtype=hidden_dtype, device=dev) if need_h else None
     gh = torch.empty(min(chunk_size, n), hdim, dtype=cdt, device=dev) if need_h else None
-    if need_w and gw is None:
-        gw = torch.zeros(v, hdim, dtype=cdt, device=dev)
-    gb = torch.zeros(v, dtype=cdt, device=dev) if need_b else None
-    h32 = gh_c = None
+    h = gh_c = None
     for a, b, v0, v1, g in blocks:  # g: [rows, block] dL/dlogits in the compute dtype
         if v0 == 0:  # a new chunk of rows
-            h = rows(a, b)
-            h32 = (h if h.dtype == cdt else h.to(cdt)) if need_w else None
+            h = rows(a, b) if need_w else None
             gh_c = gh[: b - a].zero_() if need_h else None
         w = weight[v0:v1]
+        gq = g if (w.dtype == cdt or float32) else g.to(w.dtype)  # rounded as half-precision autograd rounds it
         if need_h:
-            if w.dtype == cdt:
-                gh_c.addmm_(g, w)
-            elif float32:
-                gh_c.addmm_(g, w.to(cdt))
-            elif v1 - v0 < v:  # one block's partial sum: accumulated in float32, where it cannot overflow
-                gh_c.add_(_half_mm(g.to(w.dtype), w, cdt))
-            else:
-                gh_c.add_(torch.mm(g.to(w.dtype), w))
+            _acc_mm_(gh_c, gq, w, whole=v1 - v0 == v)
         if need_w:
-            gw[v0:v1].addmm_(g.t(), h32)
+            _acc_mm_(acc_w[v0:v1], gq.t(), h)
         if need_b:
             gb[v0:v1].add_(g.sum(dim=0))
         if need_h and v1 == v:  # the chunk's last block
             grad_h[a:b].copy_(gh_c)
-    return grad_h, (gw if need_w else None), gb
+    if need_w and acc_w is not gw and acc_w is not main_grad:
+        (gw if main_grad is None else main_grad).add_(acc_w)
+    return grad_h, gw, gb
 
 
-def _half_mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+def _grads_vocab_outer(blocks, rows: Rows, weight, n, hidden_dtype, need, main_grad, float32, vocab_block, gw, gb):
+    """:func:`linear_grads` over vocabulary blocks outermost: each block's weight gradient is one matmul over
+    all tokens, from the block's ``[n, vocab_block]`` gradient gathered chunk by chunk."""
+    need_h, need_w, need_b = need
+    v, hdim = weight.shape
+    dev = weight.device
+    cdt = compute_dtype(weight.dtype)
+    gdt = cdt if float32 else weight.dtype
+    gh = torch.zeros(n, hdim, dtype=cdt, device=dev) if need_h else None
+    buf = torch.empty(n * min(vocab_block, v), dtype=gdt, device=dev) if need_w else None
+    h_all = rows(0, n) if need_w else None
+    for a, b, v0, v1, g in blocks:
+        w = weight[v0:v1]
+        gq = g if gdt == cdt else g.to(gdt)
+        if need_h:
+            _acc_mm_(gh[a:b], gq, w, whole=False)
+        if need_b:
+            gb[v0:v1].add_(g.sum(dim=0))
+        if not need_w:
+            continue
+        gblk = buf[: n * (v1 - v0)].view(n, v1 - v0)
+        gblk[a:b].copy_(gq)
+        if b == n:  # the block's last chunk: its weight gradient over every token, in one matmul
+            if main_grad is not None:
+                main_grad[v0:v1].add_(_half_mm(gblk.t(), h_all, cdt, float32))
+            elif gw.dtype == gdt and h_all.dtype == gdt:
+                torch.mm(gblk.t(), h_all, out=gw[v0:v1])
+            else:
+                gw[v0:v1].copy_(_half_mm(gblk.t(), h_all, cdt, float32))
+    grad_h = None if gh is None else (gh if hidden_dtype == cdt else gh.to(hidden_dtype))
+    return grad_h, gw, gb
+
+
+def _acc_mm_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, whole: bool = True) -> None:
+    """``acc += a @ b``, ``acc`` float32 (or float64). Operands of ``acc``'s dtype: an ``addmm_``. Half-precision
+    operands: their product, accumulated in float32 inside the matmul (:func:`_half_mm`); ``whole``: this is the
+    entire sum (one vocabulary block), rounded to the operands' dtype first as half-precision autograd rounds its
+    ``g @ W`` (a partial sum over blocks is kept in float32, where it cannot overflow). Mixed (``float32``
+    logits: a float32 ``a``, half ``b``): ``b`` widened."""
+    if a.dtype == acc.dtype and b.dtype == acc.dtype:
+        acc.addmm_(a, b)
+    elif a.dtype != b.dtype:
+        acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
+    elif whole:
+        acc.add_(torch.mm(a, b))
+    else:
+        acc.add_(_half_mm(a, b, acc.dtype))
+
+
+def _half_mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, widen: bool = False) -> torch.Tensor:
     """``a @ b`` of half-precision operands, with a ``out_dtype`` (float32) result: the product a
-    half-precision matmul forms before it rounds its output (on CUDA without casting the operands)."""
-    if a.device.type == "cuda":
+    half-precision matmul forms before it rounds its output. On CUDA the operands stay half precision
+    (``out_dtype``: tensor cores); a CPU has no such kernel, and multiplies float32 copies (each product of
+    two half-precision numbers is exact in float32, so the sum is the same). ``widen``: a float32 ``a``
+    (``logits_dtype=torch.float32``): ``b`` widened, a float32 matmul as documented."""
+    if a.dtype == out_dtype and b.dtype == out_dtype:
+        return torch.mm(a, b)
+    if widen or a.dtype != b.dtype:
+        return torch.mm(a.to(out_dtype), b.to(out_dtype))
+    if half_mm_native(a.device):
         return torch.mm(a, b, out_dtype=out_dtype)
     return torch.mm(a.to(out_dtype), b.to(out_dtype))
+
+
+def half_mm_native(device: torch.device) -> bool:
+    """Whether this device multiplies half-precision operands into a float32 result (``torch.mm(...,
+    out_dtype=torch.float32)``): CUDA does; a CPU does not."""
+    return device.type == "cuda"
 
 
 def reduce_hidden_grad(grad_h: torch.Tensor, full_shape, plan: Plan) -> torch.Tensor:

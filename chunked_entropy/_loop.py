@@ -151,7 +151,7 @@ def grad_blocks(
     tok: Tokens, fill: Fill, *, width: int, block: int, chunk_size: int,
     stats: _stats.RowStats, grads, dtype, device,
     into: Optional[Callable[[int, int], torch.Tensor]] = None, compiled: bool = False, view: View = None,
-    at_grads: Optional[torch.Tensor] = None,
+    at_grads: Optional[torch.Tensor] = None, vocab_outer: bool = False,
 ) -> Iterator[tuple]:
     """Backward: yield ``(a, b, v0, v1, g)``, the gradient w.r.t. each block's raw logits.
 
@@ -164,7 +164,11 @@ def grad_blocks(
     to each block (see :mod:`chunked_entropy._keep`). ``at_grads``: the
     upstream gradients ``[N, K + k]`` of distillation's log-probs at
     ``tok.at``'s ids, their sparse term added to each block (see
-    :mod:`chunked_entropy._at`).
+    :mod:`chunked_entropy._at`). ``vocab_outer``: the vocabulary blocks are
+    walked outermost, each block's chunks in order (the fused head's
+    half-precision weight gradient, one matmul per block:
+    :func:`chunked_entropy._blocks.linear_grads`); the per-token coefficients
+    are then formed once per block and chunk (a few vectors of the chunk).
     """
     n, kept, at = tok.n, tok.keep, tok.at
     at_ids = None if at_grads is None else at.all_ids()
@@ -175,10 +179,12 @@ def grad_blocks(
         min(chunk_size, n), block, dtype, device, work=into is None or (compiled and view is None),
         scratch=(g_h is not None or g_q is not None) and not compiled, aux=softcap and not compiled,
     )
-    for a, b in chunks(n, chunk_size):
+
+    def chunk(a, b):
+        """What the gradient of rows ``[a, b)`` reads: ``_refilled_grad``'s keywords."""
         co = tok.coefficients(a, b, *(None if g is None else g[a:b] for g in (g_lp, g_h, g_q)))
         rows = stats.rows(a, b)
-        ent = co_k = coef = total = None
+        ent = co_k = sparse = None
         if kept is not None:
             ent = kept.chunk(a, b, n, chunk_size)
             co, co_k = _keep.split(co, rows.truncated, kept.of_kept)
@@ -187,10 +193,22 @@ def grad_blocks(
             coef = at_grads[a:b] if kz is None else at_grads[a:b] * kz
             total = coef.sum(dim=1)
             co = co._replace(c=total if co.c is None else co.c + total)
+            sparse = (at_ids, coef, total)
+        return dict(rows=rows, co=co, ent=ent, co_k=co_k, at=sparse)
+
+    def block_grad(a, b, v0, v1, parts):
+        return _refilled_grad(tok, fill, view, bufs, a, b, v0, v1, parts["rows"], parts["co"], dtype,
+                              compiled=compiled, into=into, ent=parts["ent"], co_k=parts["co_k"], at=parts["at"])
+
+    if vocab_outer:
         for v0, v1 in chunks(width, block):
-            g = _refilled_grad(tok, fill, view, bufs, a, b, v0, v1, rows, co, dtype, compiled=compiled, into=into,
-                               ent=ent, co_k=co_k, at=(at_ids, coef, total) if at_ids is not None else None)
-            yield a, b, v0, v1, g
+            for a, b in chunks(n, chunk_size):
+                yield a, b, v0, v1, block_grad(a, b, v0, v1, chunk(a, b))
+        return
+    for a, b in chunks(n, chunk_size):
+        parts = chunk(a, b)
+        for v0, v1 in chunks(width, block):
+            yield a, b, v0, v1, block_grad(a, b, v0, v1, parts)
 
 
 def _refilled_grad(tok: Tokens, fill: Fill, view: View, bufs: Buffers, a, b, v0, v1, rows, co, dtype, *,
@@ -243,7 +261,7 @@ def loss_grad_blocks(
     tok: Tokens, fill: Fill, *, width: int, block: int, chunk_size: int, group, want: _stats.Want,
     token_grads: TokenGrads, stats: _stats.RowStats, dtype, device,
     into: Optional[Callable[[int, int], torch.Tensor]] = None, compiled: bool = False, view: View = None,
-    span: Optional[int] = 1,
+    span: Optional[int] = 1, grad_block: Optional[int] = None,
 ) -> Iterator[tuple]:
     """Forward of a loss whose per-token upstream gradients follow from the tokens' outputs.
 
@@ -267,10 +285,13 @@ def loss_grad_blocks(
     instead of four; a group of ``g`` chunks fills ``2g - 1``. With
     vocabulary blocks (``block < width``) a row's statistics are complete only
     after its last block: a statistics pass runs first and the gradient pass
-    refills each block.
+    refills each block. ``grad_block``: the same two passes, the gradient pass
+    walking vocabulary blocks of that width outermost (``vocab_outer`` of
+    :func:`grad_blocks`: a half-precision weight's gradient, one matmul per
+    block).
     """
     n, kept = tok.n, tok.keep
-    if block < width:
+    if block < width or grad_block is not None:
         full = row_stats(tok, fill, width=width, block=block, chunk_size=chunk_size, group=group,
                          want=want, dtype=dtype, device=device, compiled=compiled, view=view)
         _store(stats, full, 0, n)
@@ -280,9 +301,10 @@ def loss_grad_blocks(
             parts = [token_grads(0, n, stats.rows(0, n).log_probs())]
         # None: that output has no term
         ups = [None if p[0] is None else torch.cat(p) for p in zip(*parts, strict=True)]
-        yield from grad_blocks(tok, fill, width=width, block=block, chunk_size=chunk_size, stats=stats,
-                               grads=(ups[0], ups[1], None), dtype=dtype, device=device, into=into,
-                               compiled=compiled, view=view)
+        yield from grad_blocks(tok, fill, width=width, block=block if grad_block is None else grad_block,
+                               chunk_size=chunk_size, stats=stats, grads=(ups[0], ups[1], None), dtype=dtype,
+                               device=device, into=into, compiled=compiled, view=view,
+                               vocab_outer=grad_block is not None)
         return
     chunk_size, group_size = _grouping(n, span, chunk_size)
     softcap = tok.transform.softcap is not None

@@ -22,6 +22,7 @@ from ._blocks import (
     check_linear_args,
     check_logits_dtype,
     full_hidden,
+    grad_vocab_block,
     linear_filler,
     linear_grads,
     linear_row_stats,
@@ -76,27 +77,21 @@ class _HeadFunction(torch.autograd.Function):
         n, v = tok.n, weight.shape[0]
         rows = Rows(h_full)
         dev = weight.device
-        # main_grad in the compute dtype is accumulated into directly; a half-precision
-        # main_grad (Megatron allows bf16/fp16 ones) gets one float32 sum, added at the end.
-        into_main = need_w and ctx.main_grad is not None and ctx.main_grad.dtype == cdt
+        vocab_block = grad_vocab_block(n, weight, plan, need_w)
         blocks = grad_blocks(
-            tok, linear_filler(rows, weight, bias, plan.float32_logits), width=v, block=plan.vocab_chunk_size,
+            tok, linear_filler(rows, weight, bias, plan.float32_logits), width=v,
+            block=plan.vocab_chunk_size if vocab_block is None else vocab_block, vocab_outer=vocab_block is not None,
             chunk_size=plan.chunk_size, stats=stats, grads=grads, dtype=cdt, device=dev,
             compiled=plan.compiled, at_grads=at_grads,
         )
-        grad_h, gw, gb = linear_grads(
+        grad_h, grad_weight, gb = linear_grads(
             blocks, rows, weight, n=n, hidden_dtype=hidden.dtype, chunk_size=plan.chunk_size,
-            need=(need_h, need_w, need_b), gw=ctx.main_grad if into_main else None, float32=plan.float32_logits,
+            need=(need_h, need_w, need_b), main_grad=ctx.main_grad if need_w else None,
+            float32=plan.float32_logits, vocab_block=vocab_block,
         )
         grad_hidden = None if grad_h is None else reduce_hidden_grad(grad_h, h_full.shape, plan)
-        grad_weight = None
-        if need_w:
-            if ctx.main_grad is None:
-                grad_weight = gw.to(weight.dtype)
-            else:
-                if not into_main:
-                    ctx.main_grad.add_(gw)
-                grad_weight = main_grad_result(ctx.weight_param, ctx.main_grad)
+        if need_w and ctx.main_grad is not None:
+            grad_weight = main_grad_result(ctx.weight_param, ctx.main_grad)
         grad_bias = gb.to(bias.dtype) if need_b else None
         return grad_hidden, grad_weight, grad_bias, None, None, None
 

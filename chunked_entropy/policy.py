@@ -43,6 +43,7 @@ from ._blocks import (
     check_linear_args,
     check_logits_dtype,
     full_hidden,
+    grad_vocab_block,
     linear_filler,
     linear_grads,
     linear_row_stats,
@@ -275,20 +276,25 @@ class _HeadLossFunction(torch.autograd.Function):
         rows = Rows(token_major(h_full, plan))
         n = tok.n
         stats = new_row_stats(n, Want(), cdt, weight.device, tok.keep)
+        vocab_block = grad_vocab_block(n, weight, plan, need[1])
         blocks = loss_grad_blocks(
             tok, linear_filler(rows, weight, bias, plan.float32_logits), width=weight.shape[0],
             block=plan.vocab_chunk_size,
             chunk_size=plan.chunk_size, group=plan.group, want=plan.want, token_grads=objective.token_grads,
-            span=objective.span,
+            span=objective.span, grad_block=vocab_block,
             stats=stats, dtype=cdt, device=weight.device, compiled=plan.compiled,
         )
+        # With main_grad (Megatron's float32 accumulator) the weight gradient is kept in float32 until the
+        # upstream gradient scales it in backward; else in the weight's dtype.
         grad_h, gw, gb = linear_grads(blocks, rows, weight, n=n, hidden_dtype=hidden.dtype,
-                                      chunk_size=plan.chunk_size, need=need, float32=plan.float32_logits)
+                                      chunk_size=plan.chunk_size, need=need, float32=plan.float32_logits,
+                                      vocab_block=vocab_block, weight_grad_dtype=None if main_grad is None else cdt)
         if grad_h is not None:
             grad_h = reduce_hidden_grad(token_major_grad(grad_h, h_full.shape, plan), h_full.shape, plan)
         loss = objective.finish(tok, stats)
-        # Saved: the gradients themselves (grad_hidden in hidden's dtype, the float32 weight and bias
-        # gradients), allocated here instead of in backward; no reference to the inputs.
+        # Saved: the gradients themselves (grad_hidden in hidden's dtype, the weight's in its dtype, or float32
+        # with main_grad, the float32 bias gradient), allocated here instead of in backward; no reference to the
+        # inputs.
         ctx.save_for_backward(grad_h, gw, gb)
         ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
         ctx.main_grad = main_grad
