@@ -479,22 +479,36 @@ def _scaled(g: torch.Tensor, tok: Tokens, a: int, b: int) -> torch.Tensor:
 
 def pair_grad_blocks(
     tok: Tokens, tf_t, spec, fill: Fill, fill_t: Fill, *, width: int, block: int, chunk_size: int,
-    stats: _stats.RowStats, pair: "_divergence.PairRows", grads, dtype, device,
+    stats: _stats.RowStats, pair: "_divergence.PairRows", grads, dtype, device, vocab_outer: bool = False,
 ) -> Iterator[tuple]:
     """Backward of :func:`pair_row_stats`: yield ``(a, b, v0, v1, g)``, the gradient w.r.t. the student's raw
     logits of each block, both blocks filled again (two projections). ``grads``: the upstream gradients of
-    ``(divergence, log_probs, entropy)`` (None: no term)."""
+    ``(divergence, log_probs, entropy)`` (None: no term). ``vocab_outer``: vocabulary blocks outermost, as in
+    :func:`grad_blocks`."""
     n = tok.n
     g_div, g_lp, g_h = (None if g is None else g.reshape(-1).to(dtype) for g in grads)
     bufs = Buffers(min(chunk_size, n), block, dtype, device, work=True, scratch=True,
                    aux=tok.transform.softcap is not None)
     bufs_t = Buffers(min(chunk_size, n), block, dtype, device, work=True, scratch=False)
-    for a, b in chunks(n, chunk_size):
+
+    def chunk(a, b):
         rows, here = stats.rows(a, b), pair.rows(a, b)
         co = tok.coefficients(a, b, None if g_lp is None else g_lp[a:b], None if g_h is None else g_h[a:b], None)
         scale = _scaled(torch.zeros(b - a, dtype=dtype, device=device) if g_div is None else g_div[a:b], tok, a, b)
+        return rows, here, co, scale
+
+    def block_grad(a, b, v0, v1, parts):
+        rows, here, co, scale = parts
+        x, xt, scratch, _, cap = _pair_block(tok, tf_t, fill, fill_t, bufs, bufs_t, a, b, v0, v1,
+                                             m=(rows.m, here.m_t), aux=True)
+        return _divergence_grad_block(tok, spec, x, xt, rows, here, scale, a, b, v0, cap, co=co, scratch=scratch)
+
+    if vocab_outer:
         for v0, v1 in chunks(width, block):
-            x, xt, scratch, _, cap = _pair_block(tok, tf_t, fill, fill_t, bufs, bufs_t, a, b, v0, v1,
-                                                 m=(rows.m, here.m_t), aux=True)
-            yield a, b, v0, v1, _divergence_grad_block(tok, spec, x, xt, rows, here, scale, a, b, v0, cap,
-                                                       co=co, scratch=scratch)
+            for a, b in chunks(n, chunk_size):
+                yield a, b, v0, v1, block_grad(a, b, v0, v1, chunk(a, b))
+        return
+    for a, b in chunks(n, chunk_size):
+        parts = chunk(a, b)
+        for v0, v1 in chunks(width, block):
+            yield a, b, v0, v1, block_grad(a, b, v0, v1, parts)

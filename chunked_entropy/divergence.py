@@ -31,6 +31,7 @@ from ._blocks import (
     check_head,
     check_logits_dtype,
     full_hidden,
+    grad_vocab_block,
     linear_filler,
     linear_grads,
     live_group,
@@ -206,14 +207,17 @@ class _LinearDivergenceFunction(torch.autograd.Function):
         h_full = full_hidden(hidden, plan)
         rows = Rows(h_full)
         cdt = stats.ls.dtype
+        vocab_block = grad_vocab_block(tok.n, weight, plan, need[1])
         blocks = pair_grad_blocks(
             tok, ctx.teacher.transform, ctx.spec, linear_filler(rows, weight, bias, plan.float32_logits),
-            _teacher_fill(ctx.teacher, plan), width=weight.shape[0], block=plan.vocab_chunk_size,
+            _teacher_fill(ctx.teacher, plan), width=weight.shape[0],
+            block=plan.vocab_chunk_size if vocab_block is None else vocab_block, vocab_outer=vocab_block is not None,
             chunk_size=plan.chunk_size, stats=stats, pair=pair, grads=(g_div, g_lp, g_h), dtype=cdt,
             device=weight.device,
         )
         grad_h, gw, gb = linear_grads(blocks, rows, weight, n=tok.n, hidden_dtype=hidden.dtype,
-                                      chunk_size=plan.chunk_size, need=need, float32=plan.float32_logits)
+                                      chunk_size=plan.chunk_size, need=need, float32=plan.float32_logits,
+                                      vocab_block=vocab_block)
         grad_hidden = None if grad_h is None else reduce_hidden_grad(grad_h, h_full.shape, plan)
         return (grad_hidden, None if gw is None else gw.to(weight.dtype), None if gb is None else gb.to(bias.dtype),
                 None, None, None, None, None)
