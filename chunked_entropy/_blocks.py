@@ -59,6 +59,24 @@ class Plan:
     float32_logits: bool = False  # half-precision weights: each block's matmul in float32 (logits_dtype=float32)
 
 
+#: The most one float32 ``[chunk, block]`` buffer of an op over hidden states takes when ``vocab_chunk_size``
+#: is not given (:func:`resolve_vocab_chunk`): 128 MiB, a chunk of 1024 rows over a 32768-column shard.
+CHUNK_BUFFER_BYTES = 128 * 2**20
+
+
+def resolve_vocab_chunk(vocab_chunk_size: Optional[int], chunk_size: int, n: int, v_local: int) -> int:
+    """The vocabulary block of an op over hidden states: ``vocab_chunk_size`` when given (at most ``V_local``);
+    else the whole shard while a float32 ``[min(chunk_size, n), V_local]`` buffer fits
+    :data:`CHUNK_BUFFER_BYTES`, and otherwise the widest multiple of 128 columns that does (a 152k-column
+    vocabulary at 1024 rows a chunk: blocks of 32768, 128 MiB buffers instead of 593 MiB)."""
+    if vocab_chunk_size is not None:
+        return min(vocab_chunk_size, v_local)
+    rows = max(1, min(chunk_size, n))
+    if rows * v_local * 4 <= CHUNK_BUFFER_BYTES:
+        return v_local
+    return min(v_local, max(128, CHUNK_BUFFER_BYTES // (rows * 4) // 128 * 128))
+
+
 def check_logits_dtype(logits_dtype, weight: torch.Tensor) -> bool:
     """``logits_dtype``: None (the weight's dtype, as the model's own layer), the weight's dtype, or
     ``torch.float32``. Returns whether half-precision blocks are computed in float32 instead."""

@@ -37,6 +37,7 @@ from ._blocks import (
     live_group,
     logits_source,
     reduce_hidden_grad,
+    resolve_vocab_chunk,
     weak_group,
 )
 from ._checks import check_chunk, check_device, check_flag, check_float, check_positive, is_real
@@ -305,7 +306,8 @@ def _linear_call(student_hidden, student_weight, teacher_hidden, teacher_weight,
             temperature=temperature, tf_s=tf_s, tf_t=tf_t, device=student_hidden.device, cdt=cdt, spec=spec,
             teacher_values=teacher_hidden, teacher_name="teacher_hidden",
         )
-        plan = Plan(chunk_size=chunk_size, vocab_chunk_size=min(vocab_chunk_size or v_local, v_local),
+        plan = Plan(chunk_size=chunk_size,
+                    vocab_chunk_size=resolve_vocab_chunk(vocab_chunk_size, chunk_size, math.prod(lead), v_local),
                     group=process_group, sequence_parallel=sequence_parallel, want=Want(compute_entropy, False),
                     float32_logits=float32)
         grads = torch.is_grad_enabled() and any(

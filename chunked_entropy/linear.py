@@ -11,6 +11,7 @@ the weight and the bias (:func:`chunked_entropy._blocks.linear_grads`).
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from typing import Optional
 
@@ -31,6 +32,7 @@ from ._blocks import (
     main_grad_of,
     main_grad_result,
     reduce_hidden_grad,
+    resolve_vocab_chunk,
     weak_group,
 )
 from ._checks import check_chunk, check_flag
@@ -150,6 +152,9 @@ def linear_log_probs_and_entropy(
         vocab_chunk_size: also block the vocabulary (merging statistics with
             an online softmax), so that the per-chunk buffers are
             ``chunk_size * vocab_chunk_size`` instead of ``chunk_size * V_local``.
+            None: the whole shard while a float32 ``[chunk_size, V_local]``
+            buffer is at most 128 MiB, else the widest multiple of 128 columns
+            that is (a 152k vocabulary at chunk 1024: blocks of 32768).
         gradient_accumulation_fusion: accumulate the weight gradient into
             ``weight.main_grad`` (float32), as Megatron's linear layers do with
             that option; None means "when ``weight`` has ``main_grad``".
@@ -187,19 +192,31 @@ def linear_log_probs_and_entropy(
     Memory:
         Saved for backward: references to ``hidden``, ``weight`` and ``bias``
         and two to four float32 per token. No ``[tokens, V_local]`` tensor is
-        ever allocated: forward and backward each hold one or two float32
-        ``[chunk_size, vocab_chunk_size]`` buffers (a third in backward with
-        ``softcap``; plus the half-precision matmul output when the weight is
-        bf16/fp16, or with ``logits_dtype=torch.float32`` off CUDA the block's
-        float32 hidden and weight rows; in backward, with half-precision
-        weights and vocabulary blocks, each block's ``g @ W`` is summed in
-        float32, off CUDA through a float32 copy of the block's weight rows).
-        Backward also allocates
-        the gradients: ``grad_hidden`` ``[tokens, H]``, a float32 ``[V_local, H]``
-        weight-gradient accumulator (none with ``main_grad``) and a float32
-        ``[V_local]`` bias accumulator. Sequence parallelism gathers the
-        hidden states once in forward and once in backward (``[S, B, H]``).
-        ``keep`` adds what it adds to :func:`~chunked_entropy.log_probs_and_entropy`.
+        ever allocated. Forward holds two float32 ``[chunk_size,
+        vocab_chunk_size]`` buffers (128 MiB each at most by default; plus the
+        half-precision matmul output of a block when the weight is bf16/fp16,
+        or with ``logits_dtype=torch.float32`` off CUDA the block's float32
+        hidden and weight rows). Backward allocates the gradients themselves
+        (``grad_hidden`` ``[tokens, H]`` and the weight's in their dtypes, a
+        float32 ``[V_local]`` bias gradient) and, beyond them:
+
+        - float32 weights: the same chunk buffers (a third with ``softcap``)
+          and a float32 ``[chunk_size, H]`` accumulator of the chunk's
+          hidden-state gradient; the weight gradient is accumulated in place.
+        - bf16/fp16 weights: the vocabulary is walked in blocks outermost, each
+          block's weight gradient one matmul over all tokens with
+          half-precision operands (float32 accumulation inside it), from a
+          ``[tokens, block]`` gradient buffer of at most 64 MiB in the weight's
+          dtype; plus a float32 ``[tokens, H]`` hidden-state accumulator and
+          ``[chunk_size, block]`` chunk buffers. No float32 ``[V_local, H]``
+          tensor. At 8192 tokens, H = 4096, V = 151936, bf16, chunk 1024:
+          about 320 MiB in forward, 250 MiB in backward.
+        - ``main_grad`` (Megatron's gradient-accumulation fusion): the weight
+          gradient is added there, in float32, block by block.
+
+        Sequence parallelism gathers the hidden states once in forward and
+        once in backward (``[S, B, H]``). ``keep`` adds what it adds to
+        :func:`~chunked_entropy.log_probs_and_entropy`.
     """
     with agreed_call(process_group) as call:  # every rank validates; a refused call raises on all of them
         sequence_parallel = check_flag("sequence_parallel", sequence_parallel)
@@ -216,7 +233,7 @@ def linear_log_probs_and_entropy(
         grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
         plan = Plan(
             chunk_size=chunk_size,
-            vocab_chunk_size=min(vocab_chunk_size or v_local, v_local),
+            vocab_chunk_size=resolve_vocab_chunk(vocab_chunk_size, chunk_size, math.prod(lead), v_local),
             group=process_group,
             sequence_parallel=sequence_parallel,
             want=want,

@@ -31,6 +31,7 @@ tokens by the mask alone (:func:`~chunked_entropy.losses.agg_weights`), so:
 
 from __future__ import annotations
 
+import math
 import zlib
 from dataclasses import dataclass, field
 from typing import Optional
@@ -53,6 +54,7 @@ from ._blocks import (
     main_grad_of,
     main_grad_result,
     reduce_hidden_grad,
+    resolve_vocab_chunk,
     token_major,
     token_major_grad,
 )
@@ -445,12 +447,19 @@ def linear_policy_loss(
 
     Memory:
         Saved between forward and backward: the gradients of ``hidden``
-        (``[B, T, H]``, its dtype), ``weight`` (float32 ``[V_local, H]``) and
-        ``bias``, allocated in forward instead of backward; nothing else
-        (no reference to the inputs, no per-token statistics). Per chunk, two
-        float32 ``[chunk_size, V_local]`` buffers (``vocab_chunk_size``
-        columns with blocks; three with ``softcap``). Nothing of size
-        ``[tokens, V]`` ever exists. Under ``torch.no_grad()`` only the loss
+        (``[B, T, H]``, its dtype), ``weight`` (``[V_local, H]`` in its dtype;
+        float32 with ``main_grad``) and ``bias``, allocated in forward instead
+        of backward; nothing else (no reference to the inputs, no per-token
+        statistics). Per chunk, two float32 ``[chunk_size, V_local]`` buffers
+        (``vocab_chunk_size`` columns with blocks, by default when that
+        buffer would exceed 128 MiB; three with ``softcap``). bf16/fp16
+        weights take a statistics pass, then the gradient pass over
+        vocabulary blocks outermost, as the fused head's backward does (each
+        block's weight gradient one half-precision matmul over all tokens; a
+        ``[tokens, block]`` buffer of at most 64 MiB and a float32
+        ``[tokens, H]`` accumulator; no float32 ``[V_local, H]`` tensor): four
+        matmul passes instead of three. Nothing of size ``[tokens, V]`` ever
+        exists. Under ``torch.no_grad()`` only the loss
         and metrics are computed (one matmul pass, no gradient buffers).
         ``loss.backward()`` scales the stored gradients by its upstream
         gradient (any scalar: e.g. ``1 / grad_accum_steps``) and hands them
@@ -482,7 +491,8 @@ def linear_policy_loss(
         objective = _Objective(opts, labels, old_log_probs, advantages, loss_mask, ref_log_probs, rollout_is_weights,
                                rollout_log_probs, generator, cdt)
         grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
-        plan = Plan(chunk_size=chunk_size, vocab_chunk_size=min(vocab_chunk_size or v_local, v_local),
+        plan = Plan(chunk_size=chunk_size,
+                    vocab_chunk_size=resolve_vocab_chunk(vocab_chunk_size, chunk_size, math.prod(lead), v_local),
                     group=process_group, sequence_parallel=sequence_parallel, want=Want(),
                     compiled=use_compiled(check_backend(backend), hidden.device),
                     float32_logits=check_logits_dtype(logits_dtype, weight))

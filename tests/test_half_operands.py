@@ -135,3 +135,22 @@ def test_weight_gradient_is_one_matmul_per_vocabulary_block(monkeypatch):
     n, h = 24, 16
     wgrads = [shapes for shapes in mode.shapes if shapes[1] == (n, h)]
     assert wgrads == [((128, n), (n, h)), ((128, n), (n, h)), ((44, n), (n, h))], wgrads
+
+
+def test_unblocked_vocabulary_is_blocked_to_the_chunk_buffer_budget(monkeypatch):
+    # vocab_chunk_size not given: a float32 [chunk, V] buffer over CHUNK_BUFFER_BYTES blocks the vocabulary in
+    # multiples of 128 columns, with the same results as asking for those blocks
+    hidden, weight, labels, up = _data(torch.float32, v=600)
+    monkeypatch.setattr(blocks, "CHUNK_BUFFER_BYTES", 8 * 256 * 4)  # 8-row chunks: blocks of 256 columns
+    assert blocks.resolve_vocab_chunk(None, 8, 24, 600) == 256
+    assert blocks.resolve_vocab_chunk(None, 8, 24, 200) == 200 and blocks.resolve_vocab_chunk(50, 8, 24, 600) == 50
+    results = []
+    for kw in ({}, dict(vocab_chunk_size=256)):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        mode = _MatmulLog()
+        with mode:
+            _head(h, w, labels, up, **kw).backward()
+        widths = {shapes[1][1] for shapes in mode.shapes if shapes[0] == (8, 16)}  # h_chunk @ W_block.T
+        results.append((widths, h.grad, w.grad))
+    assert results[0][0] == {256, 88}, results[0][0]
+    assert all(torch.equal(a, b) for a, b in zip(results[0][1:], results[1][1:], strict=True))
