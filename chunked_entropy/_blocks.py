@@ -307,10 +307,17 @@ def _grads_vocab_outer(blocks, rows: Rows, weight, n, hidden_dtype, need, main_g
     gh = torch.zeros(n, hdim, dtype=cdt, device=dev) if need_h else None
     buf = torch.empty(n * min(vocab_block, v), dtype=gdt, device=dev) if need_w else None
     h_all = rows(0, n) if need_w else None
+    # Off CUDA a half-precision product is formed from float32 copies (_half_mm): the block's weight rows are
+    # widened once per block, not once per chunk ([block, H] float32, on such devices only).
+    widen = need_h and not half_mm_native(dev) and weight.dtype != cdt
+    w = None
     for a, b, v0, v1, g in blocks:
-        w = weight[v0:v1]
+        if a == 0:
+            w = weight[v0:v1].to(cdt) if widen else weight[v0:v1]
         gq = g if gdt == cdt else g.to(gdt)
-        if need_h:
+        if widen:  # _half_mm's float32 copies, the weight rows' made once per block
+            gh[a:b].add_(torch.mm(gq.to(cdt), w))
+        elif need_h:
             _acc_mm_(gh[a:b], gq, w, whole=False)
         if need_b:
             gb[v0:v1].add_(g.sum(dim=0))
