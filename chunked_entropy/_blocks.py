@@ -22,6 +22,7 @@ from ._checks import check_chunk, check_device, check_float
 from ._inputs import Rows, Tokens, compute_dtype, dtype_code
 from ._loop import row_stats
 from ._stats import Want
+from .config import grad_vocab_block_for, vocab_block_for
 from .parallel import all_gather_dim0, all_reduce_sum_, reduce_scatter_dim0
 
 # ----------------------------------------------------------------------------- given logits
@@ -59,22 +60,9 @@ class Plan:
     float32_logits: bool = False  # half-precision weights: each block's matmul in float32 (logits_dtype=float32)
 
 
-#: The most one float32 ``[chunk, block]`` buffer of an op over hidden states takes when ``vocab_chunk_size``
-#: is not given (:func:`resolve_vocab_chunk`): 128 MiB, a chunk of 1024 rows over a 32768-column shard.
-CHUNK_BUFFER_BYTES = 128 * 2**20
-
-
 def resolve_vocab_chunk(vocab_chunk_size: Optional[int], chunk_size: int, n: int, v_local: int) -> int:
-    """The vocabulary block of an op over hidden states: ``vocab_chunk_size`` when given (at most ``V_local``);
-    else the whole shard while a float32 ``[min(chunk_size, n), V_local]`` buffer fits
-    :data:`CHUNK_BUFFER_BYTES`, and otherwise the widest multiple of 128 columns that does (a 152k-column
-    vocabulary at 1024 rows a chunk: blocks of 32768, 128 MiB buffers instead of 593 MiB)."""
-    if vocab_chunk_size is not None:
-        return min(vocab_chunk_size, v_local)
-    rows = max(1, min(chunk_size, n))
-    if rows * v_local * 4 <= CHUNK_BUFFER_BYTES:
-        return v_local
-    return min(v_local, max(128, CHUNK_BUFFER_BYTES // (rows * 4) // 128 * 128))
+    """The forward's vocabulary block (:func:`chunked_entropy.config.vocab_block_for`)."""
+    return vocab_block_for(vocab_chunk_size, chunk_size, n, v_local)
 
 
 def check_logits_dtype(logits_dtype, weight: torch.Tensor) -> bool:
@@ -200,10 +188,6 @@ def linear_row_stats(h_full, weight, bias, tok: Tokens, plan: Plan):
     )
 
 
-#: What a vocabulary-outermost walk (:func:`grad_vocab_block`) may hold in its ``[tokens, block]`` gradient buffer.
-GRAD_BUFFER_BYTES = 64 * 2**20
-
-
 def grad_vocab_block(n: int, weight: torch.Tensor, plan: Plan, need_w: bool) -> Optional[int]:
     """The vocabulary block of a gradient walk that takes vocabulary blocks outermost, or None (chunks outermost).
 
@@ -212,8 +196,8 @@ def grad_vocab_block(n: int, weight: torch.Tensor, plan: Plan, need_w: bool) -> 
     weight's dtype (float32 accumulation inside the matmul, as half-precision
     autograd forms it), and no float32 ``[V_local, H]`` accumulator exists. The
     block is ``vocab_chunk_size`` when the vocabulary is blocked, else as wide
-    as a ``[n, block]`` gradient buffer of :data:`GRAD_BUFFER_BYTES` allows (a
-    multiple of 128 columns). Float32 weights accumulate straight into their
+    as a ``[n, block]`` gradient buffer of 64 MiB allows (a multiple of 128
+    columns; :func:`chunked_entropy.config.grad_vocab_block_for`). Float32 weights accumulate straight into their
     float32 gradient, chunk by chunk: no buffer at all.
     """
     v = weight.shape[0]
@@ -221,9 +205,7 @@ def grad_vocab_block(n: int, weight: torch.Tensor, plan: Plan, need_w: bool) -> 
         return None
     if plan.vocab_chunk_size < v:
         return plan.vocab_chunk_size
-    size = 4 if plan.float32_logits else weight.element_size()
-    block = max(1, GRAD_BUFFER_BYTES // (max(n, 1) * size))
-    return min(v, max(128, block - block % 128))
+    return grad_vocab_block_for(n, v, 4 if plan.float32_logits else weight.element_size())
 
 
 def linear_grads(blocks, rows: Rows, weight, *, n: int, hidden_dtype, chunk_size: int, need, main_grad=None,
@@ -256,7 +238,7 @@ def linear_grads(blocks, rows: Rows, weight, *, n: int, hidden_dtype, chunk_size
     ``[V, H]`` accumulator);
     vocabulary blocks outermost (half-precision weights), a float32
     ``[n, H]`` hidden-state accumulator and one ``[n, vocab_block]`` gradient
-    buffer in the weight's dtype (:data:`GRAD_BUFFER_BYTES`), no ``[V, H]``
+    buffer in the weight's dtype (64 MiB at most), no ``[V, H]``
     float32 tensor.
     """
     need_h, need_w, need_b = need

@@ -30,6 +30,36 @@ _FLOAT32_MAX = 3.4028234663852886e38
 _ABSENT = object()
 
 
+#: The most one float32 ``[chunk, block]`` buffer of an op over hidden states takes when ``vocab_chunk_size``
+#: is not given (:func:`vocab_block_for`): 128 MiB, a chunk of 1024 rows over a 32768-column shard.
+CHUNK_BUFFER_BYTES = 128 * 2**20
+
+#: What a backward over vocabulary blocks outermost (:func:`grad_vocab_block_for`) may hold in its
+#: ``[tokens, block]`` gradient buffer.
+GRAD_BUFFER_BYTES = 64 * 2**20
+
+
+def vocab_block_for(vocab_chunk_size: Optional[int], chunk_size: int, n: int, v_local: int) -> int:
+    """The vocabulary block of an op over hidden states: ``vocab_chunk_size`` when given (at most ``V_local``);
+    else the whole shard while a float32 ``[min(chunk_size, n), V_local]`` buffer fits
+    :data:`CHUNK_BUFFER_BYTES`, and otherwise the widest multiple of 128 columns that does (a 152k-column
+    vocabulary at 1024 rows a chunk: blocks of 32768, 128 MiB buffers instead of 593 MiB)."""
+    if vocab_chunk_size is not None:
+        return min(vocab_chunk_size, v_local)
+    rows = max(1, min(chunk_size, n))
+    if rows * v_local * _BUFFER_ITEMSIZE <= CHUNK_BUFFER_BYTES:
+        return v_local
+    return min(v_local, max(128, CHUNK_BUFFER_BYTES // (rows * _BUFFER_ITEMSIZE) // 128 * 128))
+
+
+def grad_vocab_block_for(n: int, v_local: int, itemsize: int) -> int:
+    """The vocabulary block of a half-precision weight's backward, which walks the blocks outermost: as wide
+    as a ``[n, block]`` gradient buffer of ``itemsize``-byte elements allows within :data:`GRAD_BUFFER_BYTES`
+    (a multiple of 128 columns, at least 128), at most ``V_local``."""
+    block = max(1, GRAD_BUFFER_BYTES // (max(n, 1) * itemsize))
+    return min(v_local, max(128, block - block % 128))
+
+
 def _get(cfg, key: str, path: str):
     """``cfg[key]``, or ``_ABSENT``; works on dicts, OmegaConf configs and verl's BaseConfig dataclasses.
 

@@ -267,8 +267,22 @@ def test_plan_formulas_by_hand():
     assert plan_mod.estimate("plain", s).over_logits == 5 * n * v * 4
     assert plan_mod.estimate("clone", s).total == 3 * n * v * 4 + 2 * n * v * 2
     assert plan_mod.estimate("chunked", s, c).over_logits == n * v * 2 + 2 * big_c
-    head = 2 * big_c + v * h * 4 + n * h * 2 + c * h * 4 + v * 4 + c * h * 4 + max(c * v * 2 + c * h * 2, v * h * 2)
+    # bf16: the weight gradient in bf16, the backward over vocabulary blocks of vg columns (a [n, vg] bf16 buffer)
+    vg = 2000  # 64 MiB / (1000 tokens * 2 bytes) is over V_local: one block
+    head = (v * h * 2 + n * h * 2 + v * 4) + 2 * c * vg * 4 + n * h * 4 + n * vg * 2 + c * vg * 2 + c * h * 4
     assert plan_mod.estimate("head", s, c).total == head
+    cpu = plan_mod.Shape(tokens=1000, vocab=4000, hidden=64, tp=2, dtype="bfloat16", bias=True, device="cpu")
+    assert plan_mod.estimate("head", cpu, c).total == head + vg * h * 4 + c * vg * 4
+    f32 = plan_mod.Shape(tokens=1000, vocab=4000, hidden=64, tp=2, dtype="float32", bias=True)
+    assert plan_mod.estimate("head", f32, c).total == 2 * big_c + v * h * 4 + n * h * 4 + c * h * 4 + v * 4
+    # a 152k vocabulary at 1024 rows a chunk: the forward blocks it to 128 MiB buffers (32768 columns)
+    big = plan_mod.Shape(tokens=8192, vocab=151936, hidden=4096, dtype="bfloat16")
+    vg = 64 * MiB // (8192 * 2)
+    bwd = (151936 * 4096 * 2 + 8192 * 4096 * 2) + 2 * 1024 * vg * 4 + 8192 * 4096 * 4 + 8192 * vg * 2 \
+        + 1024 * vg * 2 + 1024 * 4096 * 4
+    fwd = 2 * 1024 * 32768 * 4 + 1024 * 32768 * 2
+    assert plan_mod.estimate("head", big, 1024).total == max(fwd, bwd)
+    assert plan_mod.estimate("head", big, 1024).working == fwd  # 320 MiB, the forward's buffers
     assert plan_mod.parse_size("1.5GiB") == int(1.5 * GiB) and plan_mod.parse_size("512M") == 512 * MiB
 
 
@@ -292,9 +306,14 @@ def test_plan_formulas_within_15_percent_of_bench(capsys, tmp_path):
                         "--no-progress", "--out", str(out_dir))
     assert code == 0, err
     rows += json.load(open(out_dir / "results.json"))["results"]
-    assert len(rows) == 4 + 2 + 2 and all(r["status"] == "ok" for r in rows), rows
+    code, _, err = _run(capsys, "bench", "--path", "head", "--tokens", "4096", "--vocab", "8192", "--hidden",
+                        "512", "--methods", "head", "--chunk-sizes", "512", "--dtype", "bfloat16", "--repeats", "1",
+                        "--no-progress", "--out", str(out_dir))
+    assert code == 0, err
+    rows += json.load(open(out_dir / "results.json"))["results"]
+    assert len(rows) == 4 + 2 + 2 + 1 and all(r["status"] == "ok" for r in rows), rows
     for r in rows:
-        shape = plan_mod.Shape(r["tokens"], r["vocab"], r["hidden"], 1, r["dtype"])
+        shape = plan_mod.Shape(r["tokens"], r["vocab"], r["hidden"], 1, r["dtype"], device="cpu")
         e = plan_mod.estimate(r["method"], shape, r["chunk"])
         predicted = e.over_logits if r["path"] == "logits" else e.total
         assert abs(r["peak_bytes"] - predicted) <= 0.15 * predicted, (

@@ -21,6 +21,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import chunked_entropy._blocks as blocks
+import chunked_entropy.config as config
 from chunked_entropy import (
     linear_divergence,
     linear_divergence_loss,
@@ -130,7 +131,7 @@ def test_float32_logits_ask_for_float32_matmuls(monkeypatch):
 def test_weight_gradient_is_one_matmul_per_vocabulary_block(monkeypatch):
     # half-precision weights: each block's weight gradient is one matmul over every token ([tokens, block].T @
     # [tokens, H]), not one per chunk summed into a float32 [V, H] accumulator
-    monkeypatch.setattr(blocks, "GRAD_BUFFER_BYTES", 24 * 128 * 2)  # blocks of 128 columns for 24 bf16 tokens
+    monkeypatch.setattr(config, "GRAD_BUFFER_BYTES", 24 * 128 * 2)  # blocks of 128 columns for 24 bf16 tokens
     mode, _ = _grads("head", torch.bfloat16, True, monkeypatch)
     n, h = 24, 16
     wgrads = [shapes for shapes in mode.shapes if shapes[1] == (n, h)]
@@ -141,7 +142,7 @@ def test_unblocked_vocabulary_is_blocked_to_the_chunk_buffer_budget(monkeypatch)
     # vocab_chunk_size not given: a float32 [chunk, V] buffer over CHUNK_BUFFER_BYTES blocks the vocabulary in
     # multiples of 128 columns, with the same results as asking for those blocks
     hidden, weight, labels, up = _data(torch.float32, v=600)
-    monkeypatch.setattr(blocks, "CHUNK_BUFFER_BYTES", 8 * 256 * 4)  # 8-row chunks: blocks of 256 columns
+    monkeypatch.setattr(config, "CHUNK_BUFFER_BYTES", 8 * 256 * 4)  # 8-row chunks: blocks of 256 columns
     assert blocks.resolve_vocab_chunk(None, 8, 24, 600) == 256
     assert blocks.resolve_vocab_chunk(None, 8, 24, 200) == 200 and blocks.resolve_vocab_chunk(50, 8, 24, 600) == 50
     results = []

@@ -40,13 +40,23 @@ Two figures per approach:
     ``log_softmax`` has its output, so its total stays ``5L``. The lm_head's own
     gradients (``Hg + Wg``) come after the peak for these approaches.
 
-    - fused head: ``2C + Wg + Hg + c*H*4`` (+ ``V*4`` with a bias); with
-      half precision also ``c*H*4 + max(c*V*B + c*H*B, V*H*B)``: two float32
-      chunk buffers, the weight-gradient accumulator, the hidden states'
-      gradient and its per-chunk float32 accumulator; in half precision the
-      float32 copy of the chunk's hidden states and either the chunk's
-      half-precision gradient for the matmul or the final cast of the weight
-      gradient. No ``[N, V]`` tensor ever exists.
+    - fused head, float32: ``2C + Wg + Hg + c*H*4`` (+ ``V*4`` with a bias):
+      two float32 chunk buffers, the weight gradient (accumulated in
+      place), the hidden states' gradient and its per-chunk float32
+      accumulator. ``C`` uses the forward's vocabulary block: the whole
+      shard while ``C`` is at most 128 MiB, else the widest multiple of 128
+      columns that keeps it there.
+    - fused head, bf16/fp16: forward ``2C + c*Vf*B`` (the block's
+      half-precision matmul output); backward walks vocabulary blocks of
+      ``Vg`` columns outermost (a ``[N, Vg]`` gradient buffer of at most
+      64 MiB in the weight's dtype): ``Wg' + Hg + 2*c*Vg*4 + N*H*4 + N*Vg*B
+      + c*Vg*B + c*H*4``, where ``Wg' = V*H*B`` is the weight gradient in
+      its own dtype (no float32 ``[V, H]`` accumulator), ``N*H*4`` the
+      hidden states' float32 accumulator and ``c*Vg*B`` the block's
+      half-precision matmul output, then its gradient rounded for the matmuls; on a CPU (``--device cpu``) also
+      ``Vg*H*4 + c*Vg*4``, float32 copies of the half-precision operands
+      (a CPU has no half-precision matmul into float32). No ``[N, V]``
+      tensor ever exists.
 
 Not counted: a few float32 and int64 vectors per token (tens of bytes per
 token), and what the matmul library keeps for the life of the process (about
@@ -67,6 +77,8 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
+from chunked_entropy.config import grad_vocab_block_for, vocab_block_for
+
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 MiB = 2**20
 GiB = 2**30
@@ -84,6 +96,7 @@ class Shape:
     tp: int = 1
     dtype: str = "float32"
     bias: bool = False
+    device: str = "cuda"  # "cpu": no half-precision matmul into float32 there (see the fused head's formula)
 
     @property
     def v_local(self) -> int:
@@ -105,6 +118,7 @@ class Estimate:
     chunk: int  # 0 where there is none
     over_logits: Optional[int]  # None for the fused head: it has no logits input
     total: int
+    working: Optional[int] = None  # the fused head's peak beyond its inputs and their gradients
 
     @property
     def label(self) -> str:
@@ -133,11 +147,18 @@ def estimate(approach: str, shape: Shape, chunk: int = 0) -> Estimate:
         over = max(2 * big_c, lb + big_c + (big_c if half else 0))
         return Estimate("chunked", chunk, over, over + lb)
     if approach == "head":
-        fwd = 2 * big_c + (c * v * b if half else 0)
-        bwd = 2 * big_c + v * h * 4 + n * h * b + c * h * 4 + (v * 4 if shape.bias else 0)
-        if half:
-            bwd += c * h * 4 + max(c * v * b + c * h * b, v * h * b)
-        return Estimate("head", chunk, None, max(fwd, bwd))
+        vf = vocab_block_for(None, c, n, v)  # the forward's vocabulary block
+        fwd = 2 * c * vf * 4 + (c * vf * b if half else 0)
+        if not half:
+            grads = v * h * 4 + n * h * b + (v * 4 if shape.bias else 0)
+            bwd = grads + 2 * c * vf * 4 + c * h * 4
+            return Estimate("head", chunk, None, max(fwd, bwd), max(fwd, bwd - grads))
+        vg = grad_vocab_block_for(n, v, b)  # the backward's, walked outermost
+        grads = v * h * b + n * h * b + (v * 4 if shape.bias else 0)
+        bwd = grads + 2 * c * vg * 4 + n * h * 4 + n * vg * b + c * vg * b + c * h * 4
+        if shape.device != "cuda":  # no half-precision matmul into float32: float32 copies of its operands
+            bwd += vg * h * 4 + c * vg * 4
+        return Estimate("head", chunk, None, max(fwd, bwd), max(fwd, bwd - grads))
     raise ValueError(f"unknown approach {approach!r}")
 
 
@@ -222,12 +243,15 @@ def add_arguments(p: argparse.ArgumentParser, positive_int, int_list) -> None:
                    help="memory available for the loss head per rank, e.g. 8GiB; "
                         "the recommendation must fit it (default: no limit)")
     p.add_argument("--bias", action="store_true", help="the lm_head has a bias (fused head estimate)")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                   help="where it runs: a CPU has no half-precision matmul into float32, so a bf16/fp16 fused "
+                        "head's backward holds float32 copies of its operands there (default cuda)")
     p.add_argument("--chunk-sizes", type=int_list, default=list(DEFAULT_CHUNKS), metavar="C1,C2,...",
                    help="chunk sizes to list (default " + ",".join(map(str, DEFAULT_CHUNKS)) + ")")
 
 
 def run(args) -> int:
-    shape = Shape(args.tokens, args.vocab, args.hidden or 0, args.tp, args.dtype, args.bias)
+    shape = Shape(args.tokens, args.vocab, args.hidden or 0, args.tp, args.dtype, args.bias, args.device)
     rows = estimates(shape, args.chunk_sizes)
     rec = recommend(shape, args.budget, args.chunk_sizes)
     print(
@@ -245,6 +269,10 @@ def run(args) -> int:
     print()
     print("'over the logits': peak on top of logits that already exist (includes their gradient).")
     print("'total': peak when the lm_head matmul runs in the step (includes the logits it makes).")
+    heads = [e for e in rows if e.working is not None]
+    if heads:
+        print("Fused head's working memory, beyond its inputs and their gradients: "
+              + ", ".join(f"chunk {e.chunk}: {fmt_bytes(e.working)}" for e in heads) + ".")
     if args.budget is not None:
         print(f"Budget: {fmt_bytes(args.budget)} per rank.")
     print()
