@@ -239,16 +239,25 @@ class _LinearDivergenceLossFunction(torch.autograd.Function):
         h_full = full_hidden(hidden, plan)
         rows = Rows(h_full)
         cdt = compute_dtype(weight.dtype)
-        gen, stats, pair = _walk(tok, _teacher_fill(teacher, plan), spec,
-                                 linear_filler(rows, weight, bias, plan.float32_logits), width=weight.shape[0],
-                                 plan=plan, teacher=teacher, dtype=cdt, device=weight.device,
-                                 weights=weights if any(need) else None)
+        fill, teacher_fill = linear_filler(rows, weight, bias, plan.float32_logits), _teacher_fill(teacher, plan)
+        # half-precision weights: the statistics walk, then the gradients over vocabulary blocks outermost (as
+        # the backward of linear_divergence walks them); else the gradients in the statistics walk
+        vocab_block = grad_vocab_block(tok.n, weight, plan, need[1])
+        gen, stats, pair = _walk(tok, teacher_fill, spec, fill, width=weight.shape[0], plan=plan, teacher=teacher,
+                                 dtype=cdt, device=weight.device,
+                                 weights=weights if any(need) and vocab_block is None else None)
+        if vocab_block is not None:
+            _exhaust(gen)
+            gen = pair_grad_blocks(tok, teacher.transform, spec, fill, teacher_fill, width=weight.shape[0],
+                                   block=vocab_block, chunk_size=plan.chunk_size, stats=stats, pair=pair,
+                                   grads=(weights, None, None), dtype=cdt, device=weight.device, vocab_outer=True)
         grad_h, gw, gb = linear_grads(gen, rows, weight, n=tok.n, hidden_dtype=hidden.dtype,
-                                      chunk_size=plan.chunk_size, need=need, float32=plan.float32_logits)
+                                      chunk_size=plan.chunk_size, need=need, float32=plan.float32_logits,
+                                      vocab_block=vocab_block)
         if grad_h is not None:
             grad_h = reduce_hidden_grad(grad_h, h_full.shape, plan)
-        # Saved: the gradients themselves (the hidden states' in their dtype, the float32 weight and bias
-        # gradients), allocated here instead of in backward; no reference to the inputs.
+        # Saved: the gradients themselves (the hidden states' and the weight's in their dtypes, the float32
+        # bias gradient), allocated here instead of in backward; no reference to the inputs.
         ctx.save_for_backward(grad_h, gw, gb)
         ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
         ent = stats.entropy() if plan.want.entropy else torch.zeros_like(pair.div)

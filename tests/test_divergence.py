@@ -205,7 +205,7 @@ def test_float32_and_bf16_no_worse_than_plain_torch(kind, beta):
     grads_ref = torch.autograd.grad((d_ref * up).sum(), leaves)
     for dtype, slack in [(torch.float32, 2.0), (torch.bfloat16, 1.5)]:
         errs = {}
-        for who in ("plain", "ours", "ours from logits"):
+        for who in ("plain", "ours", "ours from logits", "ours, loss form"):
             hs, ws = (p[k].to(dtype).requires_grad_() for k in ("hs", "ws"))
             ht, wt = p["ht"].to(dtype), p["wt"].to(dtype)
             if who == "plain":  # plain autograd in the inputs' dtype, float32 softmax for half precision
@@ -214,14 +214,21 @@ def test_float32_and_bf16_no_worse_than_plain_torch(kind, beta):
             elif who == "ours":
                 d = linear_divergence(hs, ws, ht, wt, divergence=kind, beta=beta, temperature=0.5,
                                       chunk_size=16).divergence
-            else:  # the logits twin on the half-precision logits plain autograd forms
+            elif who == "ours from logits":  # the logits twin on the half-precision logits plain autograd forms
                 d = divergence_from_logits(hs @ ws.t(), ht @ wt.t(), divergence=kind, beta=beta, temperature=0.5,
                                            chunk_size=16).divergence
+            else:  # the loss form: the gradient formed in forward (half precision: vocabulary blocks outermost)
+                res = linear_divergence_loss(hs, ws, ht, wt, divergence=kind, beta=beta, temperature=0.5,
+                                             chunk_size=16, weights=up.float(), reduction="sum")
+                d = res.divergence
+                errs[who] = [(a.double() - b).abs().max().item() for a, b in
+                             zip((d, *torch.autograd.grad(res.loss, (hs, ws))), (d_ref, *grads_ref), strict=True)]
+                continue
             gh, gw = torch.autograd.grad((d * up.to(d.dtype)).sum(), (hs, ws))
             errs[who] = [(a.double() - b).abs().max().item()
                          for a, b in zip((d, gh, gw), (d_ref, *grads_ref), strict=True)]
         for i, what in enumerate(("divergence", "grad hidden", "grad weight")):
-            for who in ("ours", "ours from logits"):
+            for who in ("ours", "ours from logits", "ours, loss form"):
                 assert errs[who][i] <= slack * errs["plain"][i] + 1e-6, (dtype, who, what, errs)
 
 

@@ -221,6 +221,40 @@ def test_half_precision_heads_train_as_plain_autograd(dtype, vocab_chunk_size, o
         assert err_ours <= 3 * err_plain + 1e-6 * e.abs().max().item(), (name, err_ours, err_plain)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("vocab_chunk_size", [None, 17])
+@pytest.mark.parametrize("offset,scale", [(0.0, 1.0), (8.0, 1e4)], ids=["plain", "loss_scale_offset"])
+def test_half_precision_fused_loss_trains_as_plain_autograd(dtype, vocab_chunk_size, offset, scale):
+    # the fused policy loss forms its gradients in forward (half precision: a statistics pass, then vocabulary
+    # blocks outermost, the weight gradient stored in the weight's dtype) and scales them by the upstream
+    # gradient (a loss scale) in backward
+    hidden, weight, labels, ups = _half_case(dtype, offset, scale)
+    g = torch.Generator().manual_seed(5)
+    old = _plain(hidden.double(), weight.double(), labels)[0].float() + 0.05 * torch.randn(labels.shape, generator=g)
+    adv, mask = torch.randn(labels.shape, generator=g), torch.rand(labels.shape, generator=g) > 0.2
+
+    def plain_loss(h, w):
+        lp, ent = _plain(h, w, labels)
+        pg, _ = losses.policy_loss(lp, old.to(lp.dtype), adv.to(lp.dtype), mask)
+        return pg - 0.01 * (ent * mask).sum() / mask.sum()
+
+    def fused_loss(h, w):
+        return linear_policy_loss(h, w, labels, old, adv, mask, entropy_coeff=0.01, chunk_size=8,
+                                  vocab_chunk_size=vocab_chunk_size)[0]
+
+    def grads(fn, dt):
+        h, w = (t.detach().to(dt).clone().requires_grad_() for t in (hidden, weight))
+        (fn(h, w) * scale).backward()
+        return h.grad.double(), w.grad.double()
+
+    exact, theirs, mine = grads(plain_loss, torch.float64), grads(plain_loss, dtype), grads(fused_loss, dtype)
+    for name, e, t, m in zip(("hidden", "weight"), exact, theirs, mine, strict=True):
+        assert torch.isfinite(t).all(), f"plain {dtype} autograd itself overflowed: not a fair case"
+        assert torch.isfinite(m).all(), f"{name}'s gradient is not finite"
+        err_plain, err_ours = (t - e).abs().max().item(), (m - e).abs().max().item()
+        assert err_ours <= 3 * err_plain + 1e-6 * e.abs().max().item(), (name, err_ours, err_plain)
+
+
 # ----------------------------------------------------------------------------- top_k order
 
 
