@@ -14,7 +14,7 @@ from ._autograd import once_differentiable
 from ._blocks import logits_row_stats, logits_source
 from ._checks import check_chunk, check_flag, check_float
 from ._inputs import Tokens, compute_dtype, dtype_code, prepare_tokens
-from ._kernels import check_backend, use_compiled
+from ._kernels import Kernels, check_backend, use_compiled
 from ._loop import grad_blocks
 from ._outputs import LogProbsEntropy, empty_outputs, pack_outputs, run_outputs, split_grads, without_labels
 from ._stats import RowStats, Transform, Want
@@ -23,7 +23,7 @@ from .parallel import agreed_call
 
 class _LogitsFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, tok: Tokens, chunk_size: int, group, want: Want, compiled: bool):
+    def forward(ctx, logits, tok: Tokens, chunk_size: int, group, want: Want, compiled: Kernels):
         r = logits_row_stats(logits, tok, chunk_size, group, want, compiled)
         # Saved: the input reference (no copy) and two to four float32 per token (twice that and a
         # flag with kept sets, whose entries the Tokens hold; distillation's ids and top-k the Tokens hold too).
