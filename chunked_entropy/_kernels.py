@@ -169,6 +169,10 @@ class _Triton:
                               "(slow, for tests), or use backend='auto' or 'eager' on the CPU")
         return None
 
+    def compiled_for(self, device: torch.device) -> bool:
+        """Whether compiled (not interpreted) kernels can run on ``device``: what ``backend="auto"`` may pick."""
+        return self.why_not(device) is None and not self.module().INTERPRETED
+
     def stats(self, z, tf, k, target, v0, want_w, want_q, dtype):
         return self.module().stats(z, tf, k, target, v0, want_w, want_q, dtype)
 
@@ -209,8 +213,7 @@ def _choose(device: torch.device):
     the compiled ones, each where it runs; eager (None) off :data:`AUTO_FAST` devices or where neither runs."""
     if device.type not in AUTO_FAST:
         return None
-    mod = TRITON.module()
-    if mod is not None and not mod.INTERPRETED and _probe(TRITON, "Triton", device):
+    if TRITON.compiled_for(device) and _probe(TRITON, "Triton", device):
         return TRITON
     if _probe(COMPILED, "compiled", device):
         return COMPILED

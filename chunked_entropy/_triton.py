@@ -34,14 +34,26 @@ through Triton's interpreter (numpy, on CPU tensors: slow, for tests), and
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 from . import _stats
 
+
+def _interpreting() -> bool:
+    """Whether ``triton.jit`` makes interpreted functions now: Triton's own switch (``triton.knobs``), or
+    its environment variable in Triton versions without ``knobs``."""
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
 #: Whether these kernels run through Triton's interpreter (``TRITON_INTERPRET=1`` when this module was imported).
-INTERPRETED = bool(triton.knobs.runtime.interpret)
+INTERPRETED = _interpreting()
 
 #: The widest column tile a program reads at once (a power of 2); tests lower it to walk several tiles.
 MAX_TILE = 4096
@@ -73,6 +85,15 @@ else:
     @triton.jit
     def _tanh(x):
         return libdevice.tanh(x)
+
+
+@triton.jit
+def _to_bf16(x):
+    """float32 ``x`` rounded to the nearest bfloat16, ties to even (by its bits: the interpreter's own cast
+    truncates, so the rounding is written out, the same on every backend; inf and NaN stay so)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = bits + (0x7FFF + ((bits >> 16) & 1))
+    return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit
@@ -158,7 +179,7 @@ def _stats_kernel(
 def _grad_kernel(
     z_ptr, stride_zr, stride_zc, out_ptr, stride_or, stride_oc, width, cap_ptr, k_ptr, stride_k,
     m_ptr, ls_ptr, ws_ptr, s2_ptr, target_ptr, v0, c_ptr, b_ptr, a_ptr,
-    HAS_CAP: tl.constexpr, HAS_C: tl.constexpr, HAS_B: tl.constexpr, HAS_A: tl.constexpr,
+    HAS_CAP: tl.constexpr, HAS_C: tl.constexpr, HAS_B: tl.constexpr, HAS_A: tl.constexpr, OUT_BF16: tl.constexpr,
     TILE: tl.constexpr, COMPUTE: tl.constexpr, NEG_FLOOR: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -202,6 +223,8 @@ def _grad_kernel(
             g += tl.where(cols == label, c, 0.0)
         if HAS_CAP:
             g = g * (1.0 - u * u)
+        if OUT_BF16:
+            g = _to_bf16(g)
         tl.store(out_row + cols * stride_oc, g.to(out_ptr.dtype.element_ty), mask=inside)
 
 
@@ -272,6 +295,7 @@ def grad(z, out, tf: _stats.Transform, k, row: _stats.RowStats, target, v0: int,
         _vec(row.m), _vec(row.ls), vec(row.ws if b is not None else None), vec(row.s2 if a is not None else None),
         _vec(target), v0, vec(c), vec(b), vec(a),
         HAS_CAP=cap is not None, HAS_C=c is not None, HAS_B=b is not None, HAS_A=a is not None,
+        OUT_BF16=out.dtype == torch.bfloat16 and dtype == torch.float32,
         TILE=tile, COMPUTE=_COMPUTE[dtype], NEG_FLOOR=_NEG_FLOOR, num_warps=warps,
     )
     return out

@@ -75,7 +75,7 @@ def log_probs_and_entropy(
     softcap: Optional[float] = None,
     logit_scale: Optional[float] = None,
     compute_sum_pi_squared: bool = False,
-    backend: str = "eager",
+    backend: str = "auto",
     keep=None,
     entropy_of: str = "full",
     log_probs_at: Optional[torch.Tensor] = None,
@@ -121,12 +121,19 @@ def log_probs_and_entropy(
             or None.
         compute_sum_pi_squared: also return ``sum_j p_j**2`` per token (as
             ``.sum_pi_squared``, with its gradient), from the same pass.
-        backend: ``"eager"`` (the reference: in-place PyTorch ops per
-            block), ``"compile"`` (each block's statistics and gradient as
-            one ``torch.compile``d pass that reads the logits directly,
-            compiled on first use) or ``"auto"`` (compiled where
-            ``torch.compile`` works on this device, else eager, with one
-            warning). See :mod:`chunked_entropy._kernels`.
+        backend: which kernels run each block's math: ``"auto"`` (the
+            default: the fast path of the device, the Triton kernels on
+            CUDA when Triton is importable, else the compiled ones, each
+            tried once per process and skipped with one warning where it
+            fails; ``"eager"`` on the CPU and other devices), ``"eager"``
+            (the reference: in-place PyTorch ops per block), ``"compile"``
+            (each block's statistics and gradient as one ``torch.compile``d
+            pass that reads the logits directly, compiled on first use) or
+            ``"triton"`` (the same two passes as Triton kernels; on a CPU
+            tensor only under Triton's interpreter, ``TRITON_INTERPRET=1``,
+            for tests; a clear error where Triton is not installed). The
+            compiled and Triton kernels allocate no ``[chunk_size, V]``
+            buffer on this path. See :mod:`chunked_entropy._kernels`.
         keep: sampling replay: the rollout's kept set of each token (top-k /
             top-p), or None. The log-prob is then taken over the softmax
             restricted to the row's kept set; the label always counts as
