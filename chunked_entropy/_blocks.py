@@ -29,7 +29,8 @@ from .parallel import all_gather_dim0, all_reduce_sum_, reduce_scatter_dim0
 
 
 def logits_source(logits: torch.Tensor):
-    """``fill`` (copy a chunk of rows into our buffer) and ``view`` (the rows themselves, for the compiled kernels)."""
+    """``fill`` (copy a chunk of rows into our buffer) and ``view`` (the rows themselves, for the compiled and
+    Triton kernels)."""
     rows = Rows(logits)
     return (lambda x, a, b, v0, v1: x.copy_(rows(a, b))), (lambda a, b, v0, v1: rows(a, b))
 

@@ -159,7 +159,7 @@ def grad_blocks(
 
     ``g`` lives in a reused buffer, valid until the next step. ``into(a, b)``
     optionally supplies the buffer to compute in (the logits path passes the
-    rows of the gradient itself, saving a buffer; the compiled kernels write
+    rows of the gradient itself, saving a buffer; the compiled and Triton kernels write
     it in its own dtype). ``grads`` are the upstream gradients of
     ``(log_probs, entropy, sum_pi_squared)`` (None: that output has none, and
     costs nothing). With sampling replay the kept sets' sparse term is added

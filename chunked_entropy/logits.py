@@ -48,7 +48,7 @@ class _LogitsFunction(torch.autograd.Function):
         gflat = grad.view(n, v)
         fill, view = logits_source(logits)
         # The gradient's own rows are the working buffer when they hold the compute dtype, and
-        # always for the compiled kernels (they write the gradient in its own dtype).
+        # always for the compiled and Triton kernels (they write the gradient in its own dtype).
         cdt = stats.ls.dtype
         direct = logits.dtype == cdt or ctx.compiled
         blocks = grad_blocks(
@@ -183,7 +183,8 @@ def log_probs_and_entropy(
         shape) plus at most two such buffers, three with ``softcap`` (one
         less for float32 logits: the gradient's rows are the working
         buffer). An output that receives no gradient costs no backward work.
-        With the compiled kernels no buffer is allocated: forward reads the
+        With the compiled or Triton kernels (``backend="compile"``,
+        ``"triton"``, and ``"auto"`` on CUDA) no buffer is allocated: forward reads the
         logits in place, backward writes straight into the gradient. With
         ``keep``: the kept sets as entries (two int64 and two flags per kept id and
         per token, held until backward; about 46 bytes per kept id at the
