@@ -229,7 +229,8 @@ def _grad_kernel(
 
 
 def _tile(width: int) -> tuple:
-    """The column tile and warps for a row of ``width`` columns."""
+    """The column tile and warps for a row of ``width`` columns. (Both launches also state
+    ``enable_fp_fusion=True``, Triton's default until 3.9, which warns that 3.10 changes it.)"""
     tile = min(triton.next_power_of_2(max(width, 1)), MAX_TILE)
     return tile, (8 if tile >= 2048 else 4)
 
@@ -270,7 +271,7 @@ def stats(z, tf: _stats.Transform, k, target, v0: int, want_w: bool, want_q: boo
             z, z.stride(0), z.stride(1), width, kt if cap is None else cap, kt, sk, _vec(target), v0,
             m, ones, rest, w, q, zl,
             HAS_CAP=cap is not None, WANT_W=bool(want_w), WANT_Q=bool(want_q),
-            TILE=tile, COMPUTE=_COMPUTE[dtype], NEG_FLOOR=_NEG_FLOOR, num_warps=warps,
+            TILE=tile, COMPUTE=_COMPUTE[dtype], NEG_FLOOR=_NEG_FLOOR, num_warps=warps, enable_fp_fusion=True,
         )
     return _stats.BlockStats(m, ones, rest, w if want_w else None, q if want_q else None, zl)
 
@@ -296,7 +297,7 @@ def grad(z, out, tf: _stats.Transform, k, row: _stats.RowStats, target, v0: int,
         _vec(target), v0, vec(c), vec(b), vec(a),
         HAS_CAP=cap is not None, HAS_C=c is not None, HAS_B=b is not None, HAS_A=a is not None,
         OUT_BF16=out.dtype == torch.bfloat16 and dtype == torch.float32,
-        TILE=tile, COMPUTE=_COMPUTE[dtype], NEG_FLOOR=_NEG_FLOOR, num_warps=warps,
+        TILE=tile, COMPUTE=_COMPUTE[dtype], NEG_FLOOR=_NEG_FLOOR, num_warps=warps, enable_fp_fusion=True,
     )
     return out
 

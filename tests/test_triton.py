@@ -134,3 +134,44 @@ except RuntimeError as e:
     assert r.returncode == 0, r.stderr[-4000:]
     assert "refused: backend='triton' needs Triton, which cannot be imported here" in r.stdout, r.stdout
     assert "pip install triton" in r.stdout
+
+
+def _compile_for_sm90(kernel, types: dict, consts: dict):
+    """Triton's compiler, run ahead of time for an H100/H200 (sm_90) on this machine, no GPU needed: it checks
+    what the interpreter does not (types in the loops, constexpr branches, lowering to PTX and a cubin)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig = {name: "constexpr" if name in consts else types[name] for name in kernel.arg_names}
+    return triton.compile(ASTSource(kernel, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": 8, "enable_fp_fusion": True})
+
+
+@needs_triton
+@pytest.mark.skipif(INTERPRETING, reason="this process interprets Triton kernels")
+@pytest.mark.parametrize("half", ["bf16", "fp16"])
+def test_the_kernels_compile_for_a_gpu(half):
+    """The richest variant of each kernel (a half-precision block, the soft-cap, every statistic and gradient
+    term) through the whole compiler, down to a cubin."""
+    from chunked_entropy import _triton
+
+    if _triton.INTERPRETED:
+        pytest.skip("Triton was imported with TRITON_INTERPRET set in this process")
+    f32 = "*fp32"
+    stats = _compile_for_sm90(
+        _triton._stats_kernel,
+        dict(z_ptr=f"*{half}", stride_zr="i64", stride_zc="i32", width="i32", cap_ptr=f32, k_ptr=f32, stride_k="i32",
+             target_ptr="*i64", v0="i32", m_ptr=f32, ones_ptr=f32, rest_ptr=f32, w_ptr=f32, q_ptr=f32, zl_ptr=f32),
+        dict(HAS_CAP=True, WANT_W=True, WANT_Q=True, TILE=4096, COMPUTE=_triton.tl.float32,
+             NEG_FLOOR=_triton._NEG_FLOOR))
+    grad = _compile_for_sm90(
+        _triton._grad_kernel,
+        dict(z_ptr=f"*{half}", stride_zr="i64", stride_zc="i32", out_ptr=f"*{half}", stride_or="i64",
+             stride_oc="i32", width="i32", cap_ptr=f32, k_ptr=f32, stride_k="i32", m_ptr=f32, ls_ptr=f32,
+             ws_ptr=f32, s2_ptr=f32, target_ptr="*i64", v0="i32", c_ptr=f32, b_ptr=f32, a_ptr=f32),
+        dict(HAS_CAP=True, HAS_C=True, HAS_B=True, HAS_A=True, OUT_BF16=half == "bf16", TILE=4096,
+             COMPUTE=_triton.tl.float32, NEG_FLOOR=_triton._NEG_FLOOR))
+    for k in (stats, grad):
+        assert k.asm["cubin"] and "ld.global" in k.asm["ptx"]
+    assert "__nv_tanhf" in stats.asm["ttir"]  # libdevice's tanh, not the interpreter's formula
