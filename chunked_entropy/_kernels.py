@@ -23,7 +23,7 @@ The loop (:mod:`chunked_entropy._loop`) takes the chosen kernels as an object
 with ``stats`` and ``grad`` (:data:`COMPILED`, :data:`TRITON`), or None for
 eager: :func:`use_compiled`.
 
-One kernel of each kind serves every call with the same input dtype and the
+One compiled kernel of each kind serves every call with the same input dtype and the
 same presence of a soft-cap (its value is a tensor, not a constant of the
 kernel): the kernels always compute every statistic and every gradient
 term (zeros stand for an absent one: a few flops per element in a pass bound
@@ -189,8 +189,8 @@ AUTO_FAST = ("cuda",)
 _auto = {}  # device type -> the kernels backend="auto" chose there (None: eager)
 
 
-def _probe(kernels, name: str, device: torch.device) -> bool:
-    """Run both kernels once on a tiny block; False (and one warning) if that fails."""
+def _probe(kernels, name: str, device: torch.device, then: str) -> bool:
+    """Run both kernels once on a tiny block; False (and one warning saying what runs ``then``) if that fails."""
     try:
         z = torch.randn(3, 5, device=device)
         target = torch.tensor([0, 4, -1], device=device)
@@ -202,7 +202,7 @@ def _probe(kernels, name: str, device: torch.device) -> bool:
     except Exception as e:  # noqa: BLE001 - any failure of the compiler means: use the next kernels
         warnings.warn(
             f"chunked_entropy: backend='auto' could not run its {name} kernels on {device.type} "
-            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); using the next ones",
+            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); trying {then}",
             RuntimeWarning, stacklevel=4,
         )
         return False
@@ -213,9 +213,9 @@ def _choose(device: torch.device):
     the compiled ones, each where it runs; eager (None) off :data:`AUTO_FAST` devices or where neither runs."""
     if device.type not in AUTO_FAST:
         return None
-    if TRITON.compiled_for(device) and _probe(TRITON, "Triton", device):
+    if TRITON.compiled_for(device) and _probe(TRITON, "Triton", device, "the compiled kernels"):
         return TRITON
-    if _probe(COMPILED, "compiled", device):
+    if _probe(COMPILED, "compiled", device, "the eager kernels"):
         return COMPILED
     return None
 
