@@ -329,3 +329,33 @@ def test_fused_policy_loss_matches_eager(path):
         results.append((loss.detach(), h.grad, w.grad))
     for a, b in zip(*results, strict=True):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("extra", ["keep", "log_probs_at"])
+def test_replay_and_distillation_ride_on_the_kernels(extra):
+    """Sampling replay's kept sets and distillation's ids are read from the block the kernels read: the same
+    results as eager, values and gradients, on the logits path and the fused head (vocabulary blocks)."""
+    g = torch.Generator().manual_seed(5)
+    h, w = torch.randn(2, 6, 8, generator=g), torch.randn(W, 8, generator=g) / 2
+    labels = torch.randint(0, W, (2, 6), generator=g)
+    kw = ({"keep": torch.rand(2, 6, W, generator=g) > 0.5} if extra == "keep"
+          else {"log_probs_at": torch.randint(0, W, (2, 6, 3), generator=g), "top_k": 2})
+    ups = [torch.randn(2, 6, generator=g, dtype=torch.float64) for _ in range(2)]
+    up_at = torch.randn(2, 6, 3, generator=g)
+    for path in ("logits", "head"):
+        results = []
+        for backend in ("eager", "triton"):
+            hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+            if path == "logits":
+                out = log_probs_and_entropy(hh @ ww.T, labels, chunk_size=4, temperature=0.7, backend=backend, **kw)
+            else:
+                out = linear_log_probs_and_entropy(hh, ww, labels, chunk_size=4, vocab_chunk_size=16,
+                                                   temperature=0.7, backend=backend, **kw)
+            loss = sum((o.double() * u).sum() for o, u in zip((out.log_probs, out.entropy), ups, strict=True))
+            if extra == "log_probs_at":
+                loss = loss + (out.log_probs_at * up_at).sum()
+            loss.backward()
+            vals = [out.log_probs, out.entropy] + ([out.log_probs_at, out.top_k_log_probs] if extra != "keep" else [])
+            results.append(vals + [hh.grad, ww.grad])
+        for a, b in zip(*results, strict=True):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
