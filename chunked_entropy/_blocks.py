@@ -20,6 +20,7 @@ from einops import rearrange
 
 from ._checks import check_chunk, check_device, check_float
 from ._inputs import Rows, Tokens, compute_dtype, dtype_code
+from ._kernels import Kernels
 from ._loop import row_stats
 from ._stats import Want
 from .config import grad_vocab_block_for, vocab_block_for
@@ -29,12 +30,13 @@ from .parallel import all_gather_dim0, all_reduce_sum_, reduce_scatter_dim0
 
 
 def logits_source(logits: torch.Tensor):
-    """``fill`` (copy a chunk of rows into our buffer) and ``view`` (the rows themselves, for the compiled kernels)."""
+    """``fill`` (copy a chunk of rows into our buffer) and ``view`` (the rows themselves, for the compiled and
+    Triton kernels)."""
     rows = Rows(logits)
     return (lambda x, a, b, v0, v1: x.copy_(rows(a, b))), (lambda a, b, v0, v1: rows(a, b))
 
 
-def logits_row_stats(logits, tok: Tokens, chunk_size: int, group, want: Want, compiled: bool = False):
+def logits_row_stats(logits, tok: Tokens, chunk_size: int, group, want: Want, compiled: Kernels = None):
     """Per-token :class:`~chunked_entropy._stats.RowStats` of given logits, one chunk of rows at a time."""
     fill, view = logits_source(logits)
     v = logits.shape[-1]
@@ -56,7 +58,7 @@ class Plan:
     group: object
     sequence_parallel: bool
     want: Want
-    compiled: bool = False
+    compiled: Kernels = None  # the per-block kernels (None: eager); see _kernels.use_compiled
     float32_logits: bool = False  # half-precision weights: each block's matmul in float32 (logits_dtype=float32)
 
 

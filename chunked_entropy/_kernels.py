@@ -1,4 +1,4 @@
-"""Which implementation of the per-block math runs: eager (the reference) or compiled.
+"""Which implementation of the per-block math runs: eager (the reference), compiled, or Triton.
 
 ``backend="eager"`` runs :func:`chunked_entropy._stats.block_stats` and
 :func:`~chunked_entropy._stats.block_grad`: a dozen in-place PyTorch ops per
@@ -7,17 +7,30 @@ block in our own buffers. ``backend="compile"`` runs
 :func:`~chunked_entropy._stats.grad_of_block` through ``torch.compile``
 (inductor: C++/OpenMP on CPU, Triton on GPU), each fused into one pass: the
 statistics read the block once and write per-row vectors; the gradient reads
-it once and writes the gradient block. ``"auto"`` compiles where that works
-and falls back to eager, once, with one warning, where it does not.
+it once and writes the gradient block. ``backend="triton"`` runs the same
+two passes as hand-written Triton kernels (:mod:`chunked_entropy._triton`,
+imported on first use: the library works without Triton).
 
-One kernel of each kind serves every call with the same input dtype and the
+``"auto"`` (every op's default) chooses by device: on CUDA, the Triton
+kernels when Triton is importable, else the compiled ones, each tried once on
+a tiny block first (a failure warns once and moves on to the next, down to
+eager); on the CPU and other devices, eager. On a CPU tensor
+``backend="triton"`` runs only through Triton's interpreter (opt-in:
+``TRITON_INTERPRET=1`` in the environment before Triton is first imported;
+slow, for tests).
+
+The loop (:mod:`chunked_entropy._loop`) takes the chosen kernels as an object
+with ``stats`` and ``grad`` (:data:`COMPILED`, :data:`TRITON`), or None for
+eager: :func:`use_compiled`.
+
+One compiled kernel of each kind serves every call with the same input dtype and the
 same presence of a soft-cap (its value is a tensor, not a constant of the
 kernel): the kernels always compute every statistic and every gradient
 term (zeros stand for an absent one: a few flops per element in a pass bound
 by reading the block), take the temperature as a per-row column, and get
 contiguous per-row inputs and at least two rows.
 
-Shapes are compiled as dynamic (rows, columns, the block's first column), so
+The compiled kernels' shapes are compiled as dynamic (rows, columns, the block's first column), so
 chunk sizes, the last partial chunk, vocabulary blocks, token counts and
 temperatures reuse one compilation, made on first use in the process.
 Collectives stay outside: the kernels see one rank's block.
@@ -27,12 +40,13 @@ from __future__ import annotations
 
 import threading
 import warnings
+from typing import Optional, Union
 
 import torch
 
 from . import _stats
 
-BACKENDS = ("auto", "eager", "compile")
+BACKENDS = ("auto", "eager", "compile", "triton")
 
 
 def check_backend(value) -> str:
@@ -123,35 +137,105 @@ def _rows_of(n: int, *tensors):
     return tuple(t.detach().contiguous() for t in tensors)
 
 
+class _Triton:
+    """The Triton kernels (:mod:`chunked_entropy._triton`), imported on first use; same contracts as
+    :class:`_Compiled`."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._mod = None
+        self._error = None
+
+    def module(self):
+        """The kernels' module, or None (``self._error`` says why) where Triton cannot be imported."""
+        with self._lock:
+            if self._mod is None and self._error is None:
+                try:
+                    from . import _triton
+                    self._mod = _triton
+                except Exception as e:  # noqa: BLE001 - not installed, or broken: the backend is unavailable
+                    self._error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            return self._mod
+
+    def why_not(self, device: torch.device):
+        """Why the kernels cannot run on ``device`` (an exception naming ``backend``), or None when they can."""
+        mod = self.module()
+        if mod is None:
+            return RuntimeError(f"backend='triton' needs Triton, which cannot be imported here ({self._error}); "
+                                "install it (pip install triton) or use backend='auto', 'compile' or 'eager'")
+        if device.type == "cpu" and not mod.INTERPRETED:
+            return ValueError("backend='triton' runs on a CPU tensor only through Triton's interpreter: set "
+                              "TRITON_INTERPRET=1 in the environment before the first backend='triton' call "
+                              "(slow, for tests), or use backend='auto' or 'eager' on the CPU")
+        return None
+
+    def compiled_for(self, device: torch.device) -> bool:
+        """Whether compiled (not interpreted) kernels can run on ``device``: what ``backend="auto"`` may pick."""
+        return self.why_not(device) is None and not self.module().INTERPRETED
+
+    def stats(self, z, tf, k, target, v0, want_w, want_q, dtype):
+        return self.module().stats(z, tf, k, target, v0, want_w, want_q, dtype)
+
+    def grad(self, z, out, tf, k, row, target, v0, co, dtype):
+        return self.module().grad(z, out, tf, k, row, target, v0, co, dtype)
+
+
 COMPILED = _Compiled()
-_auto = {}  # device type -> True (compiled works) / False (fell back)
+TRITON = _Triton()
+#: What the loop takes as ``compiled``: the kernels of a call, or None for the eager ones.
+Kernels = Optional[Union[_Compiled, _Triton]]
+#: Device types where ``backend="auto"`` tries the fast kernels (elsewhere it is eager).
+AUTO_FAST = ("cuda",)
+_auto = {}  # device type -> the kernels backend="auto" chose there (None: eager)
 
 
-def _probe(device: torch.device) -> bool:
-    """Compile and run both kernels once on a tiny block; False (and one warning) if that fails."""
+def _probe(kernels, name: str, device: torch.device, then: str) -> bool:
+    """Run both kernels once on a tiny block; False (and one warning saying what runs ``then``) if that fails."""
     try:
         z = torch.randn(3, 5, device=device)
         target = torch.tensor([0, 4, -1], device=device)
-        st = COMPILED.stats(z, _stats.Transform(), None, target, 0, True, False, torch.float32)
+        st = kernels.stats(z, _stats.Transform(), None, target, 0, True, False, torch.float32)
         row = _stats.RowStats.from_block(st, None)
         co = _stats.Coefficients(torch.ones(3, device=device), torch.ones(3, device=device), None)
-        COMPILED.grad(z, torch.empty_like(z), _stats.Transform(), None, row, target, 0, co, torch.float32)
+        kernels.grad(z, torch.empty_like(z), _stats.Transform(), None, row, target, 0, co, torch.float32)
         return True
-    except Exception as e:  # noqa: BLE001 - any failure of the compiler means: use eager
+    except Exception as e:  # noqa: BLE001 - any failure of the compiler means: use the next kernels
         warnings.warn(
-            f"chunked_entropy: backend='auto' could not compile its kernels on {device.type} "
-            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); using the eager kernels",
-            RuntimeWarning, stacklevel=3,
+            f"chunked_entropy: backend='auto' could not run its {name} kernels on {device.type} "
+            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); trying {then}",
+            RuntimeWarning, stacklevel=4,
         )
         return False
 
 
-def use_compiled(backend: str, device: torch.device) -> bool:
-    """Whether this call runs the compiled kernels."""
+def _choose(device: torch.device):
+    """``backend="auto"``'s kernels on ``device``: Triton (compiled, not interpreted) where importable, else
+    the compiled ones, each where it runs; eager (None) off :data:`AUTO_FAST` devices or where neither runs."""
+    if device.type not in AUTO_FAST:
+        return None
+    if TRITON.compiled_for(device) and _probe(TRITON, "Triton", device, "the compiled kernels"):
+        return TRITON
+    if _probe(COMPILED, "compiled", device, "the eager kernels"):
+        return COMPILED
+    return None
+
+
+def use_compiled(backend: str, device: torch.device):
+    """The kernels this call runs (:data:`COMPILED`, :data:`TRITON`), or None for the eager ones.
+
+    Raises:
+        RuntimeError: ``backend="triton"`` without an importable Triton.
+        ValueError: ``backend="triton"`` on a CPU tensor without Triton's interpreter.
+    """
     if backend == "eager":
-        return False
+        return None
     if backend == "compile":
-        return True
+        return COMPILED
+    if backend == "triton":
+        why = TRITON.why_not(device)
+        if why is not None:
+            raise why
+        return TRITON
     if device.type not in _auto:
-        _auto[device.type] = _probe(device)
+        _auto[device.type] = _choose(device)
     return _auto[device.type]

@@ -6,9 +6,11 @@ raw logits come from, which the caller passes as ``fill(x, a, b, v0, v1)``:
 write the logits of rows ``[a, b)`` and shard columns ``[v0, v1)`` into ``x``
 (a buffer of ours). The math on each block is :mod:`chunked_entropy._stats`.
 
-With ``compiled=True`` the blocks go through the compiled kernels of
-:mod:`chunked_entropy._kernels`, which only read a block: the logits path then
-passes ``view(a, b, v0, v1)``, its own rows, and nothing is copied.
+With ``compiled`` set to a kernels object of :mod:`chunked_entropy._kernels`
+(the compiled or the Triton kernels: its ``stats`` and ``grad``; None for the
+eager ones), the blocks go through those kernels, which only read a block: the
+logits path then passes ``view(a, b, v0, v1)``, its own rows, and nothing is
+copied.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 
 from . import _at, _divergence, _keep, _stats
 from ._inputs import Tokens, chunks
-from ._kernels import COMPILED
+from ._kernels import Kernels
 from .parallel import all_reduce_sum_, reduce_stats
 
 Fill = Callable[[torch.Tensor, int, int, int, int], object]
@@ -104,7 +106,7 @@ def _block_kept(kept, ent, z, v0, tf, k, dtype):
 
 def row_stats(
     tok: Tokens, fill: Fill, *, width: int, block: int, chunk_size: int, group,
-    want: _stats.Want, dtype, device, compiled: bool = False, view: View = None,
+    want: _stats.Want, dtype, device, compiled: Kernels = None, view: View = None,
 ) -> _stats.RowStats:
     """Forward: the per-token statistics of every row, merged over blocks and over ``group``.
 
@@ -129,7 +131,7 @@ def row_stats(
             if at is not None:  # distillation's ids and top-k, read before the block is overwritten
                 cand = at.block(z, a, b, v0, cand)
             if compiled:
-                blk = COMPILED.stats(z, tok.transform, k, target, v0, want.entropy, want.sum_pi_squared, dtype)
+                blk = compiled.stats(z, tok.transform, k, target, v0, want.entropy, want.sum_pi_squared, dtype)
             else:
                 blk = _stats.block_stats(
                     z, tok.transform, k, target, v0, scratch, want_w=want.entropy, want_q=want.sum_pi_squared
@@ -150,14 +152,14 @@ def row_stats(
 def grad_blocks(
     tok: Tokens, fill: Fill, *, width: int, block: int, chunk_size: int,
     stats: _stats.RowStats, grads, dtype, device,
-    into: Optional[Callable[[int, int], torch.Tensor]] = None, compiled: bool = False, view: View = None,
+    into: Optional[Callable[[int, int], torch.Tensor]] = None, compiled: Kernels = None, view: View = None,
     at_grads: Optional[torch.Tensor] = None, vocab_outer: bool = False,
 ) -> Iterator[tuple]:
     """Backward: yield ``(a, b, v0, v1, g)``, the gradient w.r.t. each block's raw logits.
 
     ``g`` lives in a reused buffer, valid until the next step. ``into(a, b)``
     optionally supplies the buffer to compute in (the logits path passes the
-    rows of the gradient itself, saving a buffer; the compiled kernels write
+    rows of the gradient itself, saving a buffer; the compiled and Triton kernels write
     it in its own dtype). ``grads`` are the upstream gradients of
     ``(log_probs, entropy, sum_pi_squared)`` (None: that output has none, and
     costs nothing). With sampling replay the kept sets' sparse term is added
@@ -212,7 +214,7 @@ def grad_blocks(
 
 
 def _refilled_grad(tok: Tokens, fill: Fill, view: View, bufs: Buffers, a, b, v0, v1, rows, co, dtype, *,
-                   compiled: bool, into, ent=None, co_k=None, at=None) -> torch.Tensor:
+                   compiled: Kernels, into, ent=None, co_k=None, at=None) -> torch.Tensor:
     """The gradient w.r.t. the raw logits of rows ``[a, b)``, columns ``[v0, v1)``, the block filled again,
     from the rows' finished statistics and coefficients; with replay's and distillation's sparse terms
     (``at``: ``(ids, coefficients, their sums)``)."""
@@ -224,7 +226,7 @@ def _refilled_grad(tok: Tokens, fill: Fill, view: View, bufs: Buffers, a, b, v0,
         gk = _block_kept(kept, ent, z, v0, tok.transform, k, dtype)
         ea, ra = _block_at(tok.at, at_ids, target, a, b, v0, z, tok.transform)
         out = x if into is None else into(a, b)
-        g = COMPILED.grad(z, out, tok.transform, k, rows, target, v0, co, dtype)
+        g = compiled.grad(z, out, tok.transform, k, rows, target, v0, co, dtype)
     else:
         if into is not None:
             x = into(a, b)
@@ -260,7 +262,7 @@ def _grouping(n: int, span: Optional[int], chunk_size: int) -> tuple:
 def loss_grad_blocks(
     tok: Tokens, fill: Fill, *, width: int, block: int, chunk_size: int, group, want: _stats.Want,
     token_grads: TokenGrads, stats: _stats.RowStats, dtype, device,
-    into: Optional[Callable[[int, int], torch.Tensor]] = None, compiled: bool = False, view: View = None,
+    into: Optional[Callable[[int, int], torch.Tensor]] = None, compiled: Kernels = None, view: View = None,
     span: Optional[int] = 1, grad_block: Optional[int] = None,
 ) -> Iterator[tuple]:
     """Forward of a loss whose per-token upstream gradients follow from the tokens' outputs.
@@ -325,7 +327,7 @@ def loss_grad_blocks(
             if compiled:  # the kernels only read the block: statistics, then the gradient, from the same one
                 z = _read(fill, view, x, a, b, 0, width)
                 gk = _block_kept(kept, ent, z, 0, tok.transform, k, dtype)
-                local = COMPILED.stats(z, tok.transform, k, target, 0, want.entropy, want.sum_pi_squared, dtype)
+                local = compiled.stats(z, tok.transform, k, target, 0, want.entropy, want.sum_pi_squared, dtype)
             else:
                 if into is not None:
                     x = into(a, b)
@@ -340,7 +342,7 @@ def loss_grad_blocks(
         co, co_k = coefficients(a, b, g0, ups, rows)  # the last chunk, from its kept block
         if compiled:
             out = x if into is None else into(a, b)
-            g = COMPILED.grad(z, out, tok.transform, k, rows, target, 0, co, dtype)
+            g = compiled.grad(z, out, tok.transform, k, rows, target, 0, co, dtype)
         else:
             y = _stats.shift_offsets_(x, local.m, merged.m, k) if merged is not local else x
             g = _stats.grad_from_offsets_(y, tok.transform, rows, target, 0, co, scratch, aux)

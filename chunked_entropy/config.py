@@ -103,8 +103,8 @@ def _check_field(name: str, key: str, value):
             raise ValueError(f"{key} must be an int >= 1{extra}, got {value!r}")
         return int(value)
     if name == "backend":
-        if value not in ("auto", "eager", "compile"):
-            raise ValueError(f"{key} must be 'auto', 'eager' or 'compile', got {value!r}")
+        if value not in ("auto", "eager", "compile", "triton"):  # _kernels.BACKENDS (config sits below it)
+            raise ValueError(f"{key} must be 'auto', 'eager', 'compile' or 'triton', got {value!r}")
         return value
     if name in ("fused_head", "compute_entropy"):
         if not isinstance(value, bool):
@@ -138,8 +138,9 @@ class ChunkedEntropyConfig:
         temperature: the sampling temperature the logits are divided by.
         compute_entropy: compute the entropy as well as the log-probs (two
             buffers per chunk instead of one).
-        backend: the per-block kernels: ``"eager"`` (default), ``"compile"``
-            or ``"auto"`` (see :func:`~chunked_entropy.log_probs_and_entropy`).
+        backend: the per-block kernels: ``"auto"`` (default: by device),
+            ``"eager"``, ``"compile"`` or ``"triton"`` (see
+            :func:`~chunked_entropy.log_probs_and_entropy`).
 
     Raises:
         ValueError: a field has a bad value; the message names the field.
@@ -156,7 +157,7 @@ class ChunkedEntropyConfig:
     fused_head: bool = False
     temperature: float = 1.0
     compute_entropy: bool = True
-    backend: str = "eager"
+    backend: str = "auto"
 
     def __post_init__(self):
         for f in dataclasses.fields(self):

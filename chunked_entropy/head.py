@@ -57,7 +57,8 @@ class ChunkedVocabParallelHead(nn.Module):
     copied: training the head trains the original layer. ``softcap`` and
     ``logit_scale`` are the model's logit transform (see
     :func:`~chunked_entropy.log_probs_and_entropy`), fixed per head,
-    ``backend`` chooses the eager or compiled per-block kernels, and
+    ``backend`` chooses the per-block kernels (``"auto"``, ``"eager"``,
+    ``"compile"``, ``"triton"``; see :func:`~chunked_entropy.log_probs_and_entropy`), and
     ``logits_dtype=torch.float32`` keeps a bf16/fp16 head's matmuls in float32
     (see :func:`linear_log_probs_and_entropy`; the default rounds the logits to
     the weight's dtype, as the model's own layer and a vLLM rollout do).
@@ -82,7 +83,7 @@ class ChunkedVocabParallelHead(nn.Module):
         gradient_accumulation_fusion: Optional[bool] = None,
         softcap: Optional[float] = None,
         logit_scale: Optional[float] = None,
-        backend: str = "eager",
+        backend: str = "auto",
         logits_dtype: Optional[torch.dtype] = None,
     ):
         super().__init__()

@@ -116,7 +116,7 @@ def linear_log_probs_and_entropy(
     softcap: Optional[float] = None,
     logit_scale: Optional[float] = None,
     compute_sum_pi_squared: bool = False,
-    backend: str = "eager",
+    backend: str = "auto",
     keep=None,
     entropy_of: str = "full",
     logits_dtype: Optional[torch.dtype] = None,
@@ -162,8 +162,8 @@ def linear_log_probs_and_entropy(
         logit_scale: as in :func:`~chunked_entropy.log_probs_and_entropy`.
         compute_sum_pi_squared: as in :func:`~chunked_entropy.log_probs_and_entropy`.
         backend: as in :func:`~chunked_entropy.log_probs_and_entropy`; the
-            matmuls stay cuBLAS/BLAS calls, the compiled kernels fuse the
-            work on each block of their output.
+            matmuls stay cuBLAS/BLAS calls, the compiled and Triton kernels
+            fuse the work on each block of their output.
         keep: sampling replay's kept sets, as in
             :func:`~chunked_entropy.log_probs_and_entropy`, over the tokens in
             the order of the flattened ``labels`` (with sequence parallelism:

@@ -14,7 +14,7 @@ from ._autograd import once_differentiable
 from ._blocks import logits_row_stats, logits_source
 from ._checks import check_chunk, check_flag, check_float
 from ._inputs import Tokens, compute_dtype, dtype_code, prepare_tokens
-from ._kernels import check_backend, use_compiled
+from ._kernels import Kernels, check_backend, use_compiled
 from ._loop import grad_blocks
 from ._outputs import LogProbsEntropy, empty_outputs, pack_outputs, run_outputs, split_grads, without_labels
 from ._stats import RowStats, Transform, Want
@@ -23,7 +23,7 @@ from .parallel import agreed_call
 
 class _LogitsFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, tok: Tokens, chunk_size: int, group, want: Want, compiled: bool):
+    def forward(ctx, logits, tok: Tokens, chunk_size: int, group, want: Want, compiled: Kernels):
         r = logits_row_stats(logits, tok, chunk_size, group, want, compiled)
         # Saved: the input reference (no copy) and two to four float32 per token (twice that and a
         # flag with kept sets, whose entries the Tokens hold; distillation's ids and top-k the Tokens hold too).
@@ -48,7 +48,7 @@ class _LogitsFunction(torch.autograd.Function):
         gflat = grad.view(n, v)
         fill, view = logits_source(logits)
         # The gradient's own rows are the working buffer when they hold the compute dtype, and
-        # always for the compiled kernels (they write the gradient in its own dtype).
+        # always for the compiled and Triton kernels (they write the gradient in its own dtype).
         cdt = stats.ls.dtype
         direct = logits.dtype == cdt or ctx.compiled
         blocks = grad_blocks(
@@ -75,7 +75,7 @@ def log_probs_and_entropy(
     softcap: Optional[float] = None,
     logit_scale: Optional[float] = None,
     compute_sum_pi_squared: bool = False,
-    backend: str = "eager",
+    backend: str = "auto",
     keep=None,
     entropy_of: str = "full",
     log_probs_at: Optional[torch.Tensor] = None,
@@ -121,12 +121,19 @@ def log_probs_and_entropy(
             or None.
         compute_sum_pi_squared: also return ``sum_j p_j**2`` per token (as
             ``.sum_pi_squared``, with its gradient), from the same pass.
-        backend: ``"eager"`` (the reference: in-place PyTorch ops per
-            block), ``"compile"`` (each block's statistics and gradient as
-            one ``torch.compile``d pass that reads the logits directly,
-            compiled on first use) or ``"auto"`` (compiled where
-            ``torch.compile`` works on this device, else eager, with one
-            warning). See :mod:`chunked_entropy._kernels`.
+        backend: which kernels run each block's math: ``"auto"`` (the
+            default: the fast path of the device, the Triton kernels on
+            CUDA when Triton is importable, else the compiled ones, each
+            tried once per process and skipped with one warning where it
+            fails; ``"eager"`` on the CPU and other devices), ``"eager"``
+            (the reference: in-place PyTorch ops per block), ``"compile"``
+            (each block's statistics and gradient as one ``torch.compile``d
+            pass that reads the logits directly, compiled on first use) or
+            ``"triton"`` (the same two passes as Triton kernels; on a CPU
+            tensor only under Triton's interpreter, ``TRITON_INTERPRET=1``,
+            for tests; a clear error where Triton is not installed). The
+            compiled and Triton kernels allocate no ``[chunk_size, V]``
+            buffer on this path. See :mod:`chunked_entropy._kernels`.
         keep: sampling replay: the rollout's kept set of each token (top-k /
             top-p), or None. The log-prob is then taken over the softmax
             restricted to the row's kept set; the label always counts as
@@ -176,7 +183,8 @@ def log_probs_and_entropy(
         shape) plus at most two such buffers, three with ``softcap`` (one
         less for float32 logits: the gradient's rows are the working
         buffer). An output that receives no gradient costs no backward work.
-        With the compiled kernels no buffer is allocated: forward reads the
+        With the compiled or Triton kernels (``backend="compile"``,
+        ``"triton"``, and ``"auto"`` on CUDA) no buffer is allocated: forward reads the
         logits in place, backward writes straight into the gradient. With
         ``keep``: the kept sets as entries (two int64 and two flags per kept id and
         per token, held until backward; about 46 bytes per kept id at the

@@ -60,7 +60,7 @@ from ._blocks import (
 )
 from ._checks import check_chunk, check_flag, check_float, check_real
 from ._inputs import Rows, Tokens, compute_dtype, dtype_code, prepare_tokens
-from ._kernels import check_backend, use_compiled
+from ._kernels import Kernels, check_backend, use_compiled
 from ._loop import loss_grad_blocks, new_row_stats
 from ._stats import RowStats, Transform, Want
 from .losses import KL_KINDS, Aggregation, PolicyOptions, kl_penalty, kl_penalty_grad, rollout_correction
@@ -349,7 +349,7 @@ def linear_policy_loss(
     softcap: Optional[float] = None,
     logit_scale: Optional[float] = None,
     gradient_accumulation_fusion: Optional[bool] = None,
-    backend: str = "eager",
+    backend: str = "auto",
     keep=None,
     entropy_of: str = "full",
     logits_dtype: Optional[torch.dtype] = None,
@@ -521,7 +521,7 @@ def linear_policy_loss(
 
 class _LogitsLossFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, tok: Tokens, chunk_size: int, group, objective: _Objective, compiled: bool):
+    def forward(ctx, logits, tok: Tokens, chunk_size: int, group, objective: _Objective, compiled: Kernels):
         n, v = tok.n, logits.shape[-1]
         cdt = compute_dtype(logits.dtype)
         fill, view = logits_source(logits)
@@ -576,7 +576,7 @@ def policy_loss_from_logits(
     process_group=None,
     softcap: Optional[float] = None,
     logit_scale: Optional[float] = None,
-    backend: str = "eager",
+    backend: str = "auto",
     keep=None,
     entropy_of: str = "full",
     **fields,

@@ -172,7 +172,8 @@ def add_arguments(p, positive_int, int_list, name_list) -> None:
                    help="distillation: the teacher's top-k per token of the methods distill (this library: "
                         "log_probs_at and top_k) and verldistill (verl's forward_kl_topk); default 128 with them")
     g.add_argument("--backends", type=name_list, metavar="B1,...",
-                   help="per-block kernels of this library's methods: eager, compile, auto (default eager)")
+                   help="per-block kernels of this library's methods: eager, compile, triton, auto "
+                        "(default eager)")
     g.add_argument("--tp", type=int_list, metavar="T1,...",
                    help="tensor-parallel sizes: the vocabulary over that many ranks (gloo processes on CPU) for "
                         f"{', '.join(TP_METHODS)} (verl's unfused FSDP routes: the logits a vocabulary-sharded "
@@ -548,8 +549,8 @@ def run(args) -> int:
     if args.plot:
         check_plot_available(args.plot)
     for be in s["backends"]:
-        if be not in ("eager", "compile", "auto"):
-            raise BenchError(f"--backends: unknown backend {be!r}; expected some of eager, compile, auto")
+        if be not in ("eager", "compile", "triton", "auto"):
+            raise BenchError(f"--backends: unknown backend {be!r}; expected some of eager, compile, triton, auto")
     known = sorted(set(METHODS["head"]) | set(METHODS["logits"]))
     for m in s["methods"] or []:
         if m not in known:

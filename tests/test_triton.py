@@ -1,0 +1,178 @@
+"""backend="triton": its kernels through Triton's interpreter, and how the backend is chosen and refused.
+
+The kernels' own tests are in :mod:`tests.triton_cases`, run here in a
+subprocess with ``TRITON_INTERPRET=1``: the variable must be set before
+Triton is imported (it decides, at decoration, whether a kernel is compiled
+or interpreted), and must not reach the other tests of this process.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from chunked_entropy import ChunkedEntropyConfig, _kernels, linear_log_probs_and_entropy, log_probs_and_entropy
+
+ROOT = Path(__file__).resolve().parents[1]
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+needs_triton = pytest.mark.skipif(not _triton_importable(),
+                                  reason="Triton is not installed (the test extra installs it: pip install triton)")
+
+
+def _python(code: str, **env) -> subprocess.CompletedProcess:
+    e = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    e["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), e.get("PYTHONPATH")) if p)
+    e.update(env)
+    return subprocess.run([sys.executable, *code], cwd=ROOT, env=e, capture_output=True, text=True, timeout=300)
+
+
+@needs_triton
+def test_kernels_through_the_interpreter():
+    r = _python(["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/triton_cases.py"], TRITON_INTERPRET="1")
+    assert r.returncode == 0, f"tests/triton_cases.py under TRITON_INTERPRET=1:\n{r.stdout[-8000:]}\n{r.stderr[-4000:]}"
+    assert " passed" in r.stdout and "skipped" not in r.stdout, r.stdout[-2000:]
+
+
+@needs_triton
+@pytest.mark.skipif(INTERPRETING, reason="this process interprets Triton kernels")
+def test_on_the_cpu_without_the_interpreter_a_clear_error_before_any_work():
+    z = torch.randn(4, 9, requires_grad=True)
+    with pytest.raises(ValueError, match=r"backend='triton' runs on a CPU tensor only through Triton's interpreter"):
+        log_probs_and_entropy(z, torch.tensor([0, 1, 2, 3]), backend="triton")
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        linear_log_probs_and_entropy(torch.randn(4, 3), torch.randn(9, 3), torch.tensor([0, 1, 2, 3]),
+                                     backend="triton")
+    assert z.grad is None
+
+
+def test_auto_is_eager_on_the_cpu_and_the_default():
+    assert _kernels.use_compiled("auto", torch.device("cpu")) is None
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(3, 5, 17, generator=g).requires_grad_()
+    labels = torch.randint(0, 17, (3, 5), generator=g)
+    outs = []
+    for kw in ({}, {"backend": "eager"}):
+        z.grad = None
+        lp, ent = log_probs_and_entropy(z, labels, chunk_size=4, **kw)
+        (lp.sum() + 0.3 * ent.sum()).backward()
+        outs.append((lp, ent, z.grad))
+    for a, b in zip(*outs, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert ChunkedEntropyConfig().backend == "auto" and ChunkedEntropyConfig(backend="triton").backend == "triton"
+
+
+def test_an_unknown_backend_lists_triton():
+    with pytest.raises(ValueError, match=r"backend must be one of 'auto', 'eager', 'compile', 'triton', got 'fast'"):
+        log_probs_and_entropy(torch.randn(2, 5), torch.tensor([0, 1]), backend="fast")
+    with pytest.raises(ValueError, match=r"backend must be 'auto', 'eager', 'compile' or 'triton'"):
+        ChunkedEntropyConfig(backend="cuda")
+
+
+def test_auto_on_a_fast_device_tries_triton_then_compiled_then_eager(monkeypatch):
+    """The order of ``"auto"``'s choice, each failure one warning, the choice made once per device type (the CPU
+    stands in for CUDA here; each kernel is made to fail, since neither may run on this machine)."""
+    monkeypatch.setattr(_kernels, "_auto", {})
+    monkeypatch.setattr(_kernels, "AUTO_FAST", ("cpu",))
+    monkeypatch.setattr(_kernels.TRITON, "compiled_for", lambda device: True)
+
+    def broken(name):
+        def fail(*args, **kwargs):
+            raise RuntimeError(f"no {name} here")
+        return fail
+
+    monkeypatch.setattr(_kernels.TRITON, "stats", broken("Triton"))
+    monkeypatch.setattr(_kernels.COMPILED, "stats", broken("compiler"))
+    z, labels = torch.randn(4, 7), torch.tensor([0, 1, 2, 6])
+    with pytest.warns(RuntimeWarning) as record:
+        a = log_probs_and_entropy(z, labels)
+    assert [str(w.message).split(" kernels")[0] for w in record] == [
+        "chunked_entropy: backend='auto' could not run its Triton",
+        "chunked_entropy: backend='auto' could not run its compiled",
+    ]
+    assert str(record[0].message).endswith("(RuntimeError: no Triton here); trying the compiled kernels")
+    assert str(record[1].message).endswith("(RuntimeError: no compiler here); trying the eager kernels")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        b = log_probs_and_entropy(z, labels)
+    torch.testing.assert_close(a.log_probs, log_probs_and_entropy(z, labels, backend="eager").log_probs)
+    torch.testing.assert_close(b.entropy, a.entropy)
+
+
+def test_without_triton_the_library_works_and_refuses_backend_triton():
+    # sys.modules["triton"] = None makes "import triton" raise ImportError: the library as on a machine without it
+    code = """
+import sys
+sys.modules["triton"] = None
+import torch
+from chunked_entropy import log_probs_and_entropy, _kernels
+z, labels = torch.randn(3, 11), torch.tensor([0, 5, 10])
+lp, ent = log_probs_and_entropy(z, labels)
+ref = torch.log_softmax(z, dim=-1).gather(1, labels[:, None]).squeeze(1)
+torch.testing.assert_close(lp, ref)
+assert _kernels.use_compiled("auto", torch.device("cpu")) is None
+try:
+    log_probs_and_entropy(z, labels, backend="triton")
+except RuntimeError as e:
+    print("refused:", e)
+"""
+    r = _python(["-c", code])
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert "refused: backend='triton' needs Triton, which cannot be imported here" in r.stdout, r.stdout
+    assert "pip install triton" in r.stdout
+
+
+def _compile_for_sm90(kernel, types: dict, consts: dict):
+    """Triton's compiler, run ahead of time for an H100/H200 (sm_90) on this machine, no GPU needed: it checks
+    what the interpreter does not (types in the loops, constexpr branches, lowering to PTX and a cubin)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig = {name: "constexpr" if name in consts else types[name] for name in kernel.arg_names}
+    return triton.compile(ASTSource(kernel, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": 8, "enable_fp_fusion": True})
+
+
+@needs_triton
+@pytest.mark.skipif(INTERPRETING, reason="this process interprets Triton kernels")
+@pytest.mark.parametrize("half", ["bf16", "fp16"])
+def test_the_kernels_compile_for_a_gpu(half):
+    """The richest variant of each kernel (a half-precision block, the soft-cap, every statistic and gradient
+    term) through the whole compiler, down to a cubin."""
+    from chunked_entropy import _triton
+
+    if _triton.INTERPRETED:
+        pytest.skip("Triton was imported with TRITON_INTERPRET set in this process")
+    f32 = "*fp32"
+    stats = _compile_for_sm90(
+        _triton._stats_kernel,
+        dict(z_ptr=f"*{half}", stride_zr="i64", stride_zc="i32", width="i32", cap_ptr=f32, k_ptr=f32, stride_k="i32",
+             target_ptr="*i64", v0="i32", m_ptr=f32, ones_ptr=f32, rest_ptr=f32, w_ptr=f32, q_ptr=f32, zl_ptr=f32),
+        dict(HAS_CAP=True, WANT_W=True, WANT_Q=True, TILE=4096, COMPUTE=_triton.tl.float32,
+             NEG_FLOOR=_triton._NEG_FLOOR))
+    grad = _compile_for_sm90(
+        _triton._grad_kernel,
+        dict(z_ptr=f"*{half}", stride_zr="i64", stride_zc="i32", out_ptr=f"*{half}", stride_or="i64",
+             stride_oc="i32", width="i32", cap_ptr=f32, k_ptr=f32, stride_k="i32", m_ptr=f32, ls_ptr=f32,
+             ws_ptr=f32, s2_ptr=f32, target_ptr="*i64", v0="i32", c_ptr=f32, b_ptr=f32, a_ptr=f32),
+        dict(HAS_CAP=True, HAS_C=True, HAS_B=True, HAS_A=True, OUT_BF16=half == "bf16", TILE=4096,
+             COMPUTE=_triton.tl.float32, NEG_FLOOR=_triton._NEG_FLOOR))
+    for k in (stats, grad):
+        assert k.asm["cubin"] and "ld.global" in k.asm["ptx"]
+    assert "__nv_tanhf" in stats.asm["ttir"]  # libdevice's tanh, not the interpreter's formula

@@ -1,0 +1,361 @@
+"""The Triton kernels (backend="triton") through Triton's interpreter, on small shapes.
+
+Not collected by the suite itself (the name does not start with ``test_``):
+:mod:`tests.test_triton` runs this file with pytest in a subprocess whose
+environment has ``TRITON_INTERPRET=1``, which must be set before Triton is
+imported, and must not reach the other tests (Inductor's own Triton code
+would turn interpreted too).
+
+Each kernel is checked against the eager kernels on the same block (float32
+reassociation) and against float64 written from the definitions; the ops
+against :func:`tests.helpers.reference` (float64, plain autograd), with
+random upstream gradients on every output. The columns are walked in tiles
+of 16 (``_triton.MAX_TILE``), so a row of 37 columns takes three tiles, the
+last one partial.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+from chunked_entropy import (
+    _kernels,
+    _stats,
+    linear_log_probs_and_entropy,
+    linear_policy_loss,
+    log_probs_and_entropy,
+    policy_loss_from_logits,
+)
+from tests.helpers import reference
+
+if os.environ.get("TRITON_INTERPRET") != "1":  # pragma: no cover - guarded by tests/test_triton.py
+    pytest.skip("run by tests/test_triton.py with TRITON_INTERPRET=1", allow_module_level=True)
+
+from chunked_entropy import _triton  # noqa: E402 - after the interpreter check
+
+W = 37  # columns of a block: three tiles of 16
+HALF = (torch.bfloat16, torch.float16)
+TRANSFORMS = {"plain": _stats.Transform(), "capped": _stats.Transform(softcap=3.0, logit_scale=0.7),
+              "scaled": _stats.Transform(logit_scale=1.3)}
+
+
+@pytest.fixture(autouse=True)
+def _small_tiles(monkeypatch):
+    monkeypatch.setattr(_triton, "MAX_TILE", 16)
+
+
+def test_the_kernels_are_interpreted():
+    assert _triton.INTERPRETED
+    assert _kernels.use_compiled("triton", torch.device("cpu")) is _kernels.TRITON
+    assert _kernels.use_compiled("auto", torch.device("cpu")) is None  # auto never picks the interpreter
+
+
+def _block(dtype, n=6, seed=0):
+    """A raw ``[n, W]`` block (scaled so the softmax is far from uniform) with a ``-inf`` entry and a row
+    maximum tied twice; labels in this block's coordinates ``v0 = 3``: inside, on its first and last column,
+    before it, after it, and -1 (none)."""
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(n, W, generator=g, dtype=torch.float64) * 3
+    z[1, 5] = -math.inf
+    z[2, 7] = z[2, 30] = z[2].max() + 1
+    target = torch.tensor([3 + 10, 3, 3 + W - 1, 1, 3 + W + 2, -1])[:n]
+    return z.to(dtype), target, 3
+
+
+def _k(tf, per_row, n, cdt):
+    """``(k, kz, 1/t)``: per-row inverse temperatures (an ``[n, 1]`` column) or one float."""
+    inv_t = torch.linspace(0.6, 1.7, n, dtype=cdt).unsqueeze(1) if per_row else 0.8
+    return tf.k(inv_t), tf.kz(inv_t), inv_t
+
+
+def _u64(z, tf):
+    u = z.double()
+    return u if tf.softcap is None else torch.tanh(u * ((tf.logit_scale or 1.0) / tf.softcap))
+
+
+def _col(k, n):
+    return k.double() if isinstance(k, torch.Tensor) else torch.full((n, 1), k, dtype=torch.float64)
+
+
+def _definition(z, tf, k, target, v0):
+    """float64 RowStats of a block that is a whole row, from the definitions: ``m, log s, w / s, sum p^2, yl``."""
+    n = z.shape[0]
+    u = _u64(z, tf)
+    m = u.amax(dim=1, keepdim=True)
+    y = _col(k, n) * (u - m)
+    lse = torch.logsumexp(y, dim=1)
+    p = torch.exp(y - lse.unsqueeze(1))
+    ws = (p * torch.where(p > 0, y, 0.0)).sum(dim=1)
+    local = target - v0
+    inside = (local >= 0) & (local < W)
+    # the label's offset; off the block its u counts as 0 (another block adds its own): yl = k * (0 - m)
+    yl = torch.where(inside, y.gather(1, local.clamp(0, W - 1).unsqueeze(1)).squeeze(1), -_col(k, n)[:, 0] * m[:, 0])
+    return m.squeeze(1), lse, ws, (p * p).sum(dim=1), yl
+
+
+DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16, "f64": torch.float64}
+# every dtype and transform with per-row temperatures; one float temperature (a stride-0 column) per compute dtype
+STATS_CASES = [(d, tf, True) for d in DTYPES for tf in TRANSFORMS] + [("f32", "capped", False),
+                                                                      ("f64", "capped", False)]
+
+
+@pytest.mark.parametrize("dtype,tf,per_row", STATS_CASES,
+                         ids=[f"{d}-{tf}-{'t_rows' if r else 't_float'}" for d, tf, r in STATS_CASES])
+def test_stats_match_eager_and_float64(dtype, tf, per_row):
+    dtype, tf = DTYPES[dtype], TRANSFORMS[tf]
+    z, target, v0 = _block(dtype)
+    cdt = torch.float64 if dtype == torch.float64 else torch.float32
+    k, _, _ = _k(tf, per_row, z.shape[0], cdt)
+    got = _triton.stats(z, tf, k, target, v0, True, True, cdt)
+    assert all(t.dtype == cdt and t.shape == (6,) for t in got)
+    eager = _stats.block_stats(z.to(cdt, copy=True), tf, k, target, v0, torch.empty(z.shape, dtype=cdt), want_w=True,
+                               want_q=True)
+    mine, ref = _stats.RowStats.from_block(got, k), _stats.RowStats.from_block(eager, k)
+    tight = dict(rtol=1e-12, atol=1e-12) if cdt == torch.float64 else dict(rtol=2e-6, atol=2e-6)
+    for a, b in zip(mine[:5], ref[:5], strict=True):
+        torch.testing.assert_close(a, b, **tight)
+    exact = dict(rtol=1e-13, atol=1e-13) if cdt == torch.float64 else dict(rtol=1e-5, atol=1e-5)
+    for a, b in zip(mine[:5], _definition(z, tf, k, target, v0), strict=True):
+        torch.testing.assert_close(a.double(), b, **exact)
+    # without w and q: None, the rest unchanged
+    lean = _triton.stats(z, tf, k, target, v0, False, False, cdt)
+    assert lean.w is None and lean.q is None
+    for a, b in zip((lean.m, lean.ones, lean.rest, lean.zl), (got.m, got.ones, got.rest, got.zl), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_stats_of_blocks_merge_into_the_rows():
+    """Two blocks of the same rows (v0 = 0 and 20), each through the kernel, merged as vocabulary blocks are."""
+    z, _, _ = _block(torch.float32)
+    target = torch.tensor([2, 25, 36, 19, 20, -1])
+    tf, k = TRANSFORMS["capped"], 1.7
+    whole = _stats.RowStats.from_block(_triton.stats(z, tf, k, target, 0, True, True, torch.float32), k)
+    parts = [_triton.stats(z[:, a:b], tf, k, target, a, True, True, torch.float32) for a, b in ((0, 20), (20, W))]
+    merged = _stats.RowStats.from_block(_stats.merge_stats(*parts[:1], parts[1], k), k)
+    for a, b in zip(merged[:5], whole[:5], strict=True):
+        torch.testing.assert_close(a, b, rtol=2e-6, atol=2e-6)
+
+
+def _grad64(z, tf, inv_t, target, v0, g):
+    """float64 ``d/dz sum(g_lp * log_prob + g_h * entropy + g_q * sum p^2)`` of rows that are this block, by
+    autograd from the definitions; a label off the block (another shard's column) contributes ``-lse``, -1 none."""
+    z = z.double().requires_grad_()
+    x = z * (tf.logit_scale or 1.0)
+    if tf.softcap is not None:
+        x = tf.softcap * torch.tanh(x / tf.softcap)
+    x = x * _col(inv_t, z.shape[0])
+    logp = torch.log_softmax(x, dim=1)
+    p = logp.exp()
+    local = target - v0
+    inside = (local >= 0) & (local < W)
+    at_label = x.gather(1, local.clamp(0, W - 1).unsqueeze(1)).squeeze(1)
+    lp = torch.where(inside, at_label, 0.0) - torch.logsumexp(x, dim=1)
+    lp = torch.where(target >= 0, lp, 0.0)
+    ent = -(p * torch.where(p > 0, logp, 0.0)).sum(dim=1)
+    total = 0.0
+    for gi, out in zip(g, (lp, ent, (p * p).sum(dim=1)), strict=True):
+        if gi is not None:
+            total = total + (gi.double() * out).sum()
+    total.backward()
+    return z.grad
+
+
+COEFFICIENTS = {"lp": (True, False, False), "lp_h": (True, True, False), "all": (True, True, True),
+                "h_only": (False, True, False), "q_only": (False, False, True)}
+
+
+# every dtype and transform with all terms; the log-prob alone in float32 and bf16; the other combinations
+# of terms in float32 with the cap (their code does not depend on the dtype or the transform)
+GRAD_CASES = ([(d, tf, "all") for d in DTYPES for tf in TRANSFORMS]
+              + [(d, tf, "lp") for d in ("f32", "bf16") for tf in TRANSFORMS]
+              + [("f32", "capped", terms) for terms in ("lp_h", "h_only", "q_only")])
+
+
+@pytest.mark.parametrize("dtype,tf,terms", GRAD_CASES, ids=["-".join(c) for c in GRAD_CASES])
+def test_grad_matches_eager_and_float64(dtype, tf, terms):
+    dtype, tf = DTYPES[dtype], TRANSFORMS[tf]
+    z, target, v0 = _block(dtype)
+    z[1, 5] = 0.0  # a -inf logit's gradient is 0 (eager) and NaN in float64 autograd
+    n = z.shape[0]
+    cdt = torch.float64 if dtype == torch.float64 else torch.float32
+    k, kz, inv_t = _k(tf, True, n, cdt)
+    kz = kz.squeeze(1)
+    gen = torch.Generator().manual_seed(7)
+    g = [torch.randn(n, generator=gen, dtype=cdt) if on else None for on in COEFFICIENTS[terms]]
+    rows = _stats.RowStats.from_block(_triton.stats(z, tf, k, target, v0, True, True, cdt), k)
+    c = None if g[0] is None else torch.where(target >= 0, g[0] * kz, 0.0)
+    co = _stats.Coefficients(c, None if g[1] is None else g[1] * kz, None if g[2] is None else 2 * g[2] * kz)
+    out = torch.full(z.shape, math.nan, dtype=dtype)
+    assert _triton.grad(z, out, tf, k, rows, target, v0, co, cdt) is out
+    need = lambda on: torch.empty(z.shape, dtype=cdt) if on else None  # noqa: E731
+    eager = _stats.block_grad(z.to(cdt, copy=True), tf, k, rows, target, v0, co, need(True),
+                              need(tf.softcap is not None))
+    ref = _grad64(z, tf, inv_t, target, v0, g)
+    if dtype in HALF:  # written in the block's dtype, rounded once from float32
+        rnd = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -11
+        torch.testing.assert_close(out.double(), eager.double(), rtol=rnd, atol=1e-6)
+        torch.testing.assert_close(out.double(), ref, rtol=rnd, atol=1e-5)
+    else:
+        torch.testing.assert_close(out, eager, **(dict(rtol=1e-12, atol=1e-14) if cdt == torch.float64
+                                                  else dict(rtol=1e-5, atol=1e-7)))
+        torch.testing.assert_close(out.double(), ref, **(dict(rtol=1e-12, atol=1e-13) if cdt == torch.float64
+                                                         else dict(rtol=1e-5, atol=1e-6)))
+
+
+def test_grad_in_place_and_strided():
+    """``out`` may be the block itself (the fused head's buffer) or a strided view; ``z`` a strided view."""
+    z, target, v0 = _block(torch.float32)
+    tf, k = TRANSFORMS["capped"], 0.9
+    rows = _stats.RowStats.from_block(_triton.stats(z, tf, k, target, v0, True, True, torch.float32), k)
+    g = torch.Generator().manual_seed(3)
+    co = _stats.Coefficients(*(torch.randn(6, generator=g) for _ in range(3)))
+    expected = _triton.grad(z, torch.empty_like(z), tf, k, rows, target, v0, co, torch.float32)
+    buf = z.clone()
+    assert _triton.grad(buf, buf, tf, k, rows, target, v0, co, torch.float32) is buf
+    torch.testing.assert_close(buf, expected, rtol=0, atol=0)
+    wide = torch.zeros(6, 2 * W)
+    wide[:, ::2] = z  # column stride 2
+    out = torch.zeros(W, 6).t()  # column stride 6
+    st = _triton.stats(wide[:, ::2], tf, k, target, v0, True, True, torch.float32)
+    for a, b in zip(_stats.RowStats.from_block(st, k)[:5], rows[:5], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    _triton.grad(wide[:, ::2], out, tf, k, rows, target, v0, co, torch.float32)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+# ----------------------------------------------------------------------------- the ops, end to end
+
+
+def _run(fn, leaves, ups):
+    leaves = [t.clone().requires_grad_() for t in leaves]
+    out = fn(*leaves)
+    outs = [o for o in (out.log_probs, out.entropy, out.sum_pi_squared) if o is not None]
+    sum((o.double() * u).sum() for o, u in zip(outs, ups, strict=False)).backward()
+    return outs, [t.grad for t in leaves]
+
+
+def _check(got, ref, dtype, tol):
+    if dtype in HALF:
+        rnd = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -11
+        torch.testing.assert_close(got.double(), ref, rtol=rnd, atol=tol)
+    else:
+        torch.testing.assert_close(got.double(), ref, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("extra", [{}, {"softcap": 4.0, "logit_scale": 0.5}], ids=["plain", "softcap"])
+def test_logits_path_matches_float64(dtype, extra):
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(2, 5, W + 3, generator=g) * 4
+    z = base[..., :W].to(dtype)  # rows of a wider tensor (any strides)
+    labels = torch.randint(0, W, (2, 5), generator=g)
+    labels[0, 0] = -100
+    t = torch.rand(2, 5, generator=g) + 0.4
+    ups = [torch.randn(2, 5, generator=g, dtype=torch.float64) for _ in range(3)]
+    fn = lambda x: log_probs_and_entropy(x, labels, temperature=t, chunk_size=4, backend="triton",  # noqa: E731
+                                         compute_sum_pi_squared=True, **extra)
+    outs, (grad,) = _run(fn, [z], ups)
+    assert grad.dtype == dtype
+    z64 = z.double().requires_grad_()
+    ref = reference(z64, labels, temperature=t.double(), sum_pi_squared=True, **extra)
+    sum((r * u).sum() for r, u in zip(ref, ups, strict=True)).backward()
+    for o, r in zip(outs, ref, strict=True):
+        torch.testing.assert_close(o.double(), r.detach(), rtol=1e-5, atol=1e-5)
+    _check(grad, z64.grad, dtype, 1e-5)
+    eager = lambda x: log_probs_and_entropy(x, labels, temperature=t, chunk_size=4, backend="eager",  # noqa: E731
+                                            compute_sum_pi_squared=True, **extra)
+    eager_outs, _ = _run(eager, [z], ups)
+    for a, b in zip(outs, eager_outs, strict=True):
+        torch.testing.assert_close(a, b, rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab_chunk_size", [None, 16], ids=["whole", "blocks"])
+def test_fused_head_matches_float64_and_eager(dtype, vocab_chunk_size):
+    """Vocabulary blocks of 16 (labels in every block: v0 offsets), a bias, per-token temperatures, a soft-cap.
+    float32 against float64; bf16 (whose logits the head rounds as the model's layer does) against eager."""
+    g = torch.Generator().manual_seed(1)
+    h, w, b = torch.randn(2, 7, 8, generator=g), torch.randn(W, 8, generator=g) / 2, torch.randn(W, generator=g)
+    h, w, b = h.to(dtype), w.to(dtype), b.to(dtype)
+    labels = torch.randint(0, W, (2, 7), generator=g)
+    labels[1, 3] = -100
+    t = torch.rand(2, 7, generator=g) + 0.5
+    ups = [torch.randn(2, 7, generator=g, dtype=torch.float64) for _ in range(2)]
+    fn = lambda h_, w_, b_: linear_log_probs_and_entropy(  # noqa: E731
+        h_, w_, labels, bias=b_, chunk_size=5, vocab_chunk_size=vocab_chunk_size, temperature=t, softcap=6.0,
+        backend="triton")
+    outs, grads = _run(fn, [h, w, b], ups)
+    if dtype in HALF:
+        eager = lambda h_, w_, b_: linear_log_probs_and_entropy(  # noqa: E731
+            h_, w_, labels, bias=b_, chunk_size=5, vocab_chunk_size=vocab_chunk_size, temperature=t, softcap=6.0,
+            backend="eager")
+        eager_outs, eager_grads = _run(eager, [h, w, b], ups)
+        for a, e in zip(outs, eager_outs, strict=True):
+            torch.testing.assert_close(a, e, rtol=2e-6, atol=2e-6)
+        for a, e in zip(grads, eager_grads, strict=True):
+            torch.testing.assert_close(a.double(), e.double(), rtol=2.0 ** -8, atol=1e-6)
+        return
+    leaves = [x.double().requires_grad_() for x in (h, w, b)]
+    ref = reference(leaves[0] @ leaves[1].T + leaves[2], labels, temperature=t.double(), softcap=6.0)
+    sum((r * u).sum() for r, u in zip(ref, ups, strict=True)).backward()
+    for o, r in zip(outs, ref, strict=True):
+        torch.testing.assert_close(o.double(), r.detach(), rtol=1e-5, atol=1e-5)
+    for got, leaf in zip(grads, leaves, strict=True):
+        torch.testing.assert_close(got.double(), leaf.grad, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("path", ["head", "logits"])
+def test_fused_policy_loss_matches_eager(path):
+    """The loss form: statistics then the gradient from the same block (the head's buffer overwritten)."""
+    g = torch.Generator().manual_seed(2)
+    hidden, weight = torch.randn(2, 9, 8, generator=g), torch.randn(W, 8, generator=g)
+    labels = torch.randint(0, W, (2, 9), generator=g)
+    old, adv = torch.full((2, 9), -4.0), torch.randn(2, 9, generator=g)
+    mask = torch.rand(2, 9, generator=g) > 0.2
+    results = []
+    for backend in ("eager", "triton"):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        if path == "head":
+            loss, _ = linear_policy_loss(h, w, labels, old, adv, mask, chunk_size=4, entropy_coeff=0.01,
+                                         clip_ratio_c=3.0, backend=backend, softcap=5.0)
+        else:
+            loss, _ = policy_loss_from_logits(h @ w.T, labels, old, adv, mask, chunk_size=4, entropy_coeff=0.01,
+                                              clip_ratio_c=3.0, backend=backend, softcap=5.0)
+        loss.backward()
+        results.append((loss.detach(), h.grad, w.grad))
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("extra", ["keep", "log_probs_at"])
+def test_replay_and_distillation_ride_on_the_kernels(extra):
+    """Sampling replay's kept sets and distillation's ids are read from the block the kernels read: the same
+    results as eager, values and gradients, on the logits path and the fused head (vocabulary blocks)."""
+    g = torch.Generator().manual_seed(5)
+    h, w = torch.randn(2, 6, 8, generator=g), torch.randn(W, 8, generator=g) / 2
+    labels = torch.randint(0, W, (2, 6), generator=g)
+    kw = ({"keep": torch.rand(2, 6, W, generator=g) > 0.5} if extra == "keep"
+          else {"log_probs_at": torch.randint(0, W, (2, 6, 3), generator=g), "top_k": 2})
+    ups = [torch.randn(2, 6, generator=g, dtype=torch.float64) for _ in range(2)]
+    up_at = torch.randn(2, 6, 3, generator=g)
+    for path in ("logits", "head"):
+        results = []
+        for backend in ("eager", "triton"):
+            hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+            if path == "logits":
+                out = log_probs_and_entropy(hh @ ww.T, labels, chunk_size=4, temperature=0.7, backend=backend, **kw)
+            else:
+                out = linear_log_probs_and_entropy(hh, ww, labels, chunk_size=4, vocab_chunk_size=16,
+                                                   temperature=0.7, backend=backend, **kw)
+            loss = sum((o.double() * u).sum() for o, u in zip((out.log_probs, out.entropy), ups, strict=True))
+            if extra == "log_probs_at":
+                loss = loss + (out.log_probs_at * up_at).sum()
+            loss.backward()
+            vals = [out.log_probs, out.entropy] + ([out.log_probs_at, out.top_k_log_probs] if extra != "keep" else [])
+            results.append(vals + [hh.grad, ww.grad])
+        for a, b in zip(*results, strict=True):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
