@@ -392,3 +392,24 @@ def test_the_checks_setting_is_checked(monkeypatch):
     monkeypatch.setenv(CHECKS_ENV, "later")
     with pytest.raises(ValueError, match=f"{CHECKS_ENV} must be 'sync'"):
         log_probs_and_entropy(torch.randn(2, 5), torch.tensor([1, 2]))
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_the_adapters_value_checks_follow_the_setting(mode, monkeypatch):
+    """TRL's ids and verl's per-sample temperatures: a ValueError naming them (one read), or the assertion."""
+    from chunked_entropy.integrations._common import check_id_range
+    from chunked_entropy.integrations.verl.fsdp import _check_temperature
+
+    monkeypatch.setenv(CHECKS_ENV, mode)
+    err = ValueError if mode == "sync" else RuntimeError
+    with _HostSyncs() as s, pytest.raises(err, match="index must hold class ids in \\[0, 8\\)"):
+        check_id_range("index", torch.tensor([[1, 8]]), 8)
+    if mode == "async":
+        assert sum(s.ops.values()) == 0, s.ops
+    with pytest.raises(err, match='micro_batch\\["temperature"\\] must be finite and > 0'):
+        _check_temperature(torch.tensor([1.0, math.nan]))
+    if mode == "sync":
+        with pytest.raises(ValueError, match="found 8 at flat position 1"):
+            check_id_range("index", torch.tensor([[1, 8]]), 8)
+        with pytest.raises(ValueError, match="sample 1 has nan"):
+            _check_temperature(torch.tensor([1.0, math.nan]))
