@@ -242,6 +242,9 @@ def test_bench_gpu_preset_runs_every_method_in_one_process_on_the_cpu(capsys, tm
     assert set(data["not_measured"]) == {"verl", "liger", "cce"}  # Triton peers: a line saying why, on the CPU
     assert data["meta"]["head"] == [64, 16, 512] and data["meta"]["dtype"] == "torch.bfloat16"
     assert "| head | chunked_entropy head, log-probs + entropy |" in out and "Not measured:" in out
+    code, out, err = _run(capsys, "bench", "--device", "cpu", "--preset", "gpu", "--backends", "fast", "--out",
+                          str(tmp_path))
+    assert code == 2 and "--backends: unknown backend 'fast'" in err
 
 
 def test_bench_preset_is_the_issue_case(capsys):

@@ -539,10 +539,15 @@ def _check_device(device: str) -> None:
 
 def run(args) -> int:
     if args.preset and PRESETS[args.preset].get("one_process"):
+        from chunked_entropy._kernels import BACKENDS
+
         from . import gpu
 
         _check_device(args.device)
         check_out_dir(args.out)
+        for be in args.backends or []:
+            if be not in BACKENDS:
+                raise BenchError(f"--backends: unknown backend {be!r}; expected some of {', '.join(BACKENDS)}")
         return gpu.run(args)
     s = _settings(args)
     s["warm"] = args.warm

@@ -13,7 +13,8 @@ the logits path's (default N=16384, V=152064):
 - this library's head with and without entropy, its fused loss
   (``linear_policy_loss``, vanilla with an entropy bonus) and its logits path,
   forward + backward and the forward alone under ``torch.no_grad()``, each a
-  call that sets nothing (the default backend);
+  call that sets nothing (the default backend), or once per ``--backends``
+  entry;
 - verl 0.9.1's Triton ``verl.utils.kernel.linear_cross_entropy`` (log-probs
   and entropy), Liger's fused linear cross entropy with ``reduction="none"``
   (log-probs) and ``"sum"`` (the loss, gradients in forward) and Apple's Cut
@@ -36,6 +37,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable, Optional
 
 import torch
@@ -134,8 +136,14 @@ def load_peers(device: torch.device) -> tuple:
 # ----------------------------------------------------------------------------- the methods
 
 
-def head_methods(peers: dict) -> dict:
-    """name -> ``f(h, w, y, g_lp, g_ent)``: a scalar whose backward is the step's (random upstream gradients)."""
+def _backend_kw(backend: Optional[str]) -> tuple:
+    """``(keyword arguments, name suffix)`` of one of the library's backends (None: the call that sets nothing)."""
+    return ({}, "") if backend is None else ({"backend": backend}, f", backend={backend!r}")
+
+
+def head_methods(peers: dict, backends=(None,)) -> dict:
+    """name -> ``f(h, w, y, g_lp, g_ent)``: a scalar whose backward is the step's (random upstream gradients).
+    The library's methods once per entry of ``backends`` (None: the default backend)."""
     import chunked_entropy as ce
 
     def plain(h, w, y, g1, g2):
@@ -144,26 +152,27 @@ def head_methods(peers: dict) -> dict:
         ent = -(lpa.exp() * lpa).sum(-1)
         return (g1 * lp).sum() + (g2 * ent).sum()
 
-    def head(h, w, y, g1, g2):
-        r = ce.linear_log_probs_and_entropy(h, w, y)
+    def head(kw, h, w, y, g1, g2):
+        r = ce.linear_log_probs_and_entropy(h, w, y, **kw)
         return (g1 * r.log_probs).sum() + (g2 * r.entropy).sum()
 
-    def head_lp(h, w, y, g1, g2):
-        return (g1 * ce.linear_log_probs_and_entropy(h, w, y, compute_entropy=False).log_probs).sum()
+    def head_lp(kw, h, w, y, g1, g2):
+        return (g1 * ce.linear_log_probs_and_entropy(h, w, y, compute_entropy=False, **kw).log_probs).sum()
 
-    def fused_loss(h, w, y, g1, g2):
+    def fused_loss(kw, h, w, y, g1, g2):
         n = y.shape[0]
         old = torch.full((1, n), -3.0, device=h.device)
         mask = torch.ones(1, n, device=h.device)
-        loss, _ = ce.linear_policy_loss(h[None], w, y[None], old, g1[None], mask, entropy_coeff=0.01)
+        loss, _ = ce.linear_policy_loss(h[None], w, y[None], old, g1[None], mask, entropy_coeff=0.01, **kw)
         return loss
 
-    m = {
-        "plain torch (logits in the input dtype, float32 softmax)": plain,
-        "chunked_entropy head, log-probs + entropy": head,
-        "chunked_entropy head, log-probs only": head_lp,
-        "chunked_entropy linear_policy_loss (vanilla + entropy bonus, gradients in forward)": fused_loss,
-    }
+    m = {"plain torch (logits in the input dtype, float32 softmax)": plain}
+    for be in backends:
+        kw, suffix = _backend_kw(be)
+        m[f"chunked_entropy head, log-probs + entropy{suffix}"] = partial(head, kw)
+        m[f"chunked_entropy head, log-probs only{suffix}"] = partial(head_lp, kw)
+        m[f"chunked_entropy linear_policy_loss (vanilla + entropy bonus, gradients in forward){suffix}"] = partial(
+            fused_loss, kw)
     if "verl" in peers:
         verl = peers["verl"]
 
@@ -255,15 +264,15 @@ def _measure(timer: Timer, section: str, name: str, step, leaves, grads: bool = 
             torch.cuda.empty_cache()
 
 
-def head_rows(timer: Timer, peers, n, h, v, dtype, device) -> list:
+def head_rows(timer: Timer, peers, n, h, v, dtype, device, backends=(None,)) -> list:
     hid, w, y, g1, g2 = _head_inputs(n, h, v, dtype, device)
     rows = []
-    for name, f in head_methods(peers).items():
+    for name, f in head_methods(peers, backends).items():
         rows.append(_measure(timer, "head", name, lambda f=f: f(hid, w, y, g1, g2).backward(), (hid, w)))
     return rows
 
 
-def logits_rows(timer: Timer, n, v, dtype, device) -> list:
+def logits_rows(timer: Timer, n, v, dtype, device, backends=(None,)) -> list:
     import chunked_entropy as ce
 
     g = torch.Generator(device="cpu").manual_seed(2)
@@ -277,8 +286,8 @@ def logits_rows(timer: Timer, n, v, dtype, device) -> list:
         lp = lpa.gather(-1, y[:, None])[:, 0]
         return (g1 * lp).sum() + (g2 * -(lpa.exp() * lpa).sum(-1)).sum()
 
-    def ours():
-        r = ce.log_probs_and_entropy(z, y)
+    def ours(kw):
+        r = ce.log_probs_and_entropy(z, y, **kw)
         return (g1 * r.log_probs).sum() + (g2 * r.entropy).sum()
 
     def no_grad(f):
@@ -287,14 +296,19 @@ def logits_rows(timer: Timer, n, v, dtype, device) -> list:
                 f()
         return step
 
-    return [
-        _measure(timer, "logits", "plain torch (float32 upcast), forward + backward", lambda: plain().backward(), (z,)),
-        _measure(timer, "logits", "chunked_entropy log_probs_and_entropy, forward + backward",
-                 lambda: ours().backward(), (z,)),
-        _measure(timer, "logits", "plain torch, forward alone under no_grad", no_grad(plain), (z,), grads=False),
-        _measure(timer, "logits", "chunked_entropy log_probs_and_entropy, forward alone under no_grad",
-                 no_grad(ours), (z,), grads=False),
-    ]
+    rows = [_measure(timer, "logits", "plain torch (float32 upcast), forward + backward",
+                     lambda: plain().backward(), (z,))]
+    for be in backends:
+        kw, suffix = _backend_kw(be)
+        rows.append(_measure(timer, "logits", f"chunked_entropy log_probs_and_entropy, forward + backward{suffix}",
+                             lambda kw=kw: ours(kw).backward(), (z,)))
+    rows.append(_measure(timer, "logits", "plain torch, forward alone under no_grad", no_grad(plain), (z,),
+                         grads=False))
+    for be in backends:
+        kw, suffix = _backend_kw(be)
+        rows.append(_measure(timer, "logits", f"chunked_entropy log_probs_and_entropy, forward alone under "
+                             f"no_grad{suffix}", no_grad(partial(ours, kw)), (z,), grads=False))
+    return rows
 
 
 # ----------------------------------------------------------------------------- the run
@@ -309,6 +323,7 @@ def settings(args) -> dict:
         logits=(pick("tokens", LOGITS_SHAPE["tokens"]), pick("vocab", LOGITS_SHAPE["vocab"])),
         dtype=getattr(torch, args.dtype or "bfloat16"),
         repeats=args.repeats or 5,
+        backends=tuple(args.backends) if args.backends else (None,),
     )
 
 
@@ -340,8 +355,8 @@ def run(args) -> int:
           f"medians of {s['repeats']} after 2 warm-up steps, one process", file=sys.stderr)
     peers, why_not = load_peers(device)
     rows = floors(timer, n, h, v, s["dtype"], device, ln * lv)
-    rows += head_rows(timer, peers, n, h, v, s["dtype"], device)
-    rows += logits_rows(timer, ln, lv, s["dtype"], device)
+    rows += head_rows(timer, peers, n, h, v, s["dtype"], device, s["backends"])
+    rows += logits_rows(timer, ln, lv, s["dtype"], device, s["backends"])
     meta = {"command": "chunked-entropy " + " ".join(getattr(args, "argv", [])), "card": card,
             "torch": torch.__version__, "cuda": torch.version.cuda, "head": [n, h, v], "logits": [ln, lv],
             "dtype": str(s["dtype"]), "repeats": s["repeats"],
