@@ -281,7 +281,7 @@ def test_one_host_sync_per_call(op, backend, monkeypatch):
         finally:
             torch.cuda.set_sync_debug_mode("default")
     syncs = [str(w.message) for w in seen if "synchroniz" in str(w.message).lower()]
-    assert len(syncs) == 1, syncs  # the call's value checks, read once
+    assert len(syncs) <= 1, syncs  # the call's value checks, read once (none where it has none: a bool mask)
 
 
 @cuda_only
