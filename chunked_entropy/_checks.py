@@ -1,10 +1,11 @@
 """Argument checks of plain values: numbers, flags, sizes and tensor dtypes.
 
 Floor 0: imports only torch. Every check names the argument and says what
-was expected. The value checks computed on a device (labels in range,
-temperatures finite, ...) are collected per call and resolved together
-(:func:`checked_call`, :func:`require`, :func:`checks_mode`). Numbers are anything ``numbers.Real`` (Python, numpy, ...)
-except bools, and come back as Python floats or ints.
+was expected. Numbers are anything ``numbers.Real`` (Python, numpy, ...)
+except bools, and come back as Python floats or ints. The value checks
+computed on a device (labels in range, temperatures finite, ...) are
+collected per call and read together (:func:`checked_call`,
+:func:`require`, :func:`checks_mode`).
 """
 
 from __future__ import annotations

@@ -234,9 +234,10 @@ def agreed_call(group):
     Yields a :class:`CallCheck`. Without a group (or with one rank) it runs
     the checks, and at the block's end resolves the conditions recorded with
     :meth:`CallCheck.require` (or :func:`chunked_entropy._checks.require`)
-    together: one host sync on an accelerator, none in ``"async"`` mode (see
-    :func:`~chunked_entropy._checks.checks_mode`). With several ranks, leaving the block makes one
-    all-gather of :data:`CHECK_SLOTS` int64 (and one host sync): a rank
+    together: one host sync on an accelerator, none in ``"async"`` mode
+    (see :func:`~chunked_entropy._checks.checks_mode`), before the work
+    deferred with :meth:`CallCheck.then`. With several ranks, leaving the
+    block makes one all-gather of :data:`CHECK_SLOTS` int64 (and one host sync): a rank
     whose checks raised still joins it, flagged, so its peers never wait in
     a later collective; then every rank raises the same error, naming the
     rank(s) and what failed, and the group stays usable. Errors that make
