@@ -2,13 +2,19 @@
 
 Floor 0: imports only torch. Every check names the argument and says what
 was expected. Numbers are anything ``numbers.Real`` (Python, numpy, ...)
-except bools, and come back as Python floats or ints.
+except bools, and come back as Python floats or ints. The value checks
+computed on a device (labels in range, temperatures finite, ...) are
+collected per call and read together (:func:`checked_call`,
+:func:`require`, :func:`checks_mode`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 import numbers
+import os
 from typing import Optional
 
 import torch
@@ -80,3 +86,121 @@ def check_float(name: str, t, *, dim: Optional[int] = None) -> None:
         raise TypeError(f"{name} must be float32, bfloat16, float16 or float64, got {t.dtype}")
     if dim is not None and t.dim() != dim:
         raise ValueError(f"{name} must be {dim}-D, got shape {tuple(t.shape)}")
+
+
+# ----------------------------------------------------------------------------- value checks on the device
+
+#: The environment variable that chooses how the value checks computed on a device are resolved.
+CHECKS_ENV = "CHUNKED_ENTROPY_CHECKS"
+CHECK_MODES = ("sync", "async")
+
+
+def checks_mode() -> str:
+    """How a call resolves its value checks (labels in range, temperatures finite, ...), read per call from
+    :data:`CHECKS_ENV`:
+
+    - ``"sync"`` (the default): every value check of a call is folded into one boolean tensor and read on
+      the host once, at the end of the call's checks and before any work that indexes with the checked
+      values: one host sync per call (none per chunk). A bad value raises the same ``ValueError`` as on
+      the CPU, naming the argument, and a CUDA context stays usable.
+    - ``"async"``: each check is an asynchronous device-side assertion (``torch._assert_async``): no host
+      sync at all. The consequence: on a GPU a bad value is reported by a device-side assert at some later
+      CUDA call, and **the CUDA context is lost** (every later CUDA call of the process fails, a checkpoint
+      cannot be saved); on the CPU it raises ``RuntimeError`` at once. Under a process group of several
+      ranks the call's all-gather (one host sync) is made in both modes.
+    """
+    mode = os.environ.get(CHECKS_ENV, "").strip().lower() or "sync"
+    if mode not in CHECK_MODES:
+        raise ValueError(f"{CHECKS_ENV} must be 'sync' (the default: one host sync per call, a ValueError on bad "
+                         f"input) or 'async' (no host sync, a device-side assert on bad input), got {mode!r}")
+    return mode
+
+
+class Requirements:
+    """The value checks of one call, computed on the device and resolved together (see :func:`checks_mode`).
+
+    :meth:`require` records a condition (a 0-d bool tensor) and what to say when it fails; :meth:`resolve`
+    reads them all with one host sync (per device; the CPU's cost nothing) and raises ``ValueError`` with
+    the first failed one's message. In ``"async"`` mode a condition on a device becomes
+    ``torch._assert_async`` instead (and one on the CPU too, raising ``RuntimeError`` at once).
+    """
+
+    def __init__(self):
+        self.pending = []  # (ok, message)
+        self.mode = checks_mode()
+
+    def require(self, ok: torch.Tensor, message) -> None:
+        """``ok`` (a 0-d bool tensor) must hold; ``message`` (a str, or a callable giving one) says what failed."""
+        if self.mode == "async":
+            torch._assert_async(ok.reshape(()), check_summary(message))
+            return
+        self.pending.append((ok.reshape(()), message))
+
+    def failed(self):
+        """The messages of the failed checks, in the order they were recorded (the call's one host sync)."""
+        if not self.pending:
+            return []
+        by_device = {}
+        for i, (ok, _) in enumerate(self.pending):
+            by_device.setdefault(ok.device, []).append(i)
+        bad = []
+        for idx in by_device.values():
+            oks = torch.stack([self.pending[i][0].to(torch.bool) for i in idx])
+            if bool(oks.all()):  # the host sync (free on the CPU)
+                continue
+            bad += [i for i, v in zip(idx, oks.tolist(), strict=True) if not v]  # only on failure: a second read
+        return [self.pending[i][1] for i in sorted(bad)]
+
+    def resolve(self) -> None:
+        """Raise ``ValueError`` (the first failed check's message) when any check failed."""
+        failed = self.failed()
+        self.pending = []
+        if failed:
+            message = failed[0]
+            raise ValueError(message() if callable(message) else message)
+
+
+def check_summary(message) -> str:
+    """A check's message without reading the device: a str itself, or a callable's ``summary`` attribute."""
+    if isinstance(message, str):
+        return message
+    return getattr(message, "summary", None) or "an argument failed a device-side check"
+
+
+_OPEN: contextvars.ContextVar = contextvars.ContextVar("chunked_entropy_open_checks", default=None)
+
+
+@contextlib.contextmanager
+def collecting(checks):
+    """Within the block, :func:`require` records into ``checks`` (an object with ``require(ok, message)``)."""
+    token = _OPEN.set(checks)
+    try:
+        yield checks
+    finally:
+        _OPEN.reset(token)
+
+
+@contextlib.contextmanager
+def checked_call():
+    """The value checks of a call: :func:`require` inside the block joins the call that is open already
+    (an op calling another, or the op's :func:`~chunked_entropy.parallel.agreed_call`) or, outside any,
+    is resolved when the block ends, with one host sync. Put only checks (and work that indexes nothing
+    with the checked values) inside the block."""
+    if _OPEN.get() is not None:
+        yield _OPEN.get()
+        return
+    reqs = Requirements()
+    with collecting(reqs):
+        yield reqs
+    reqs.resolve()
+
+
+def require(ok: torch.Tensor, message) -> None:
+    """Record the condition ``ok`` (a 0-d bool tensor on any device) in the open call's checks; outside any
+    call it is resolved at once (one host sync, or a device-side assertion in ``"async"`` mode)."""
+    checks = _OPEN.get()
+    if checks is not None:
+        checks.require(ok, message)
+        return
+    with checked_call() as reqs:
+        reqs.require(ok, message)

@@ -181,11 +181,12 @@ def prepare_tokens(
     bad = valid & ((flat < 0) | (flat >= v_global))
     expected = f"{labels_name} must be vocabulary ids in [0, {v_global}) or ignore_index={ignore_index}"
 
-    def where_bad():  # on the CPU only: the first bad label, at no cost when there is none
+    def where_bad():  # read only once the check failed: the first bad label
         i = int(bad.nonzero()[0, 0])
         return f"{expected}; found {int(flat[i])} at flat position {i}"
 
-    call.require(~bad.any(), where_bad if device.type == "cpu" else expected)
+    where_bad.summary = expected  # what a group's all-gather reports
+    call.require(~bad.any(), where_bad)
     local = flat - call.rank * v_local
     target = torch.where(valid & (local >= 0) & (local < v_local), local, -1)
     inv_t = prepare_temperature(temperature, lead_shape, device, dtype, call)

@@ -65,9 +65,10 @@ class Kept:
 
     ``row``: the entry's row; ``col``: its column in this rank's shard, or -1
     (on another shard, a repeat, or no label); ``counted``: a recorded id, the
-    first of its repeats, on this shard; ``is_label``: the row's label. A
-    dense mask's entries are filled in once the call is agreed (they need a
-    collective under a group), before the chunk loop reads them.
+    first of its repeats, on this shard; ``is_label``: the row's label. The
+    entries are filled in once the call's checks passed and it is agreed (a
+    dense mask's need a collective under a group; a bad id, offset or label
+    would index out of range before), before the chunk loop reads them.
     """
 
     entropy_of: str
@@ -199,11 +200,17 @@ def parse_keep(keep, *, lead_shape, v_local: int, labels: torch.Tensor, valid: t
         call.agree("keep's offsets", fingerprint(offsets))
     call.agree("keep (0: none, 1: token_ids/offsets, 2: a dense mask)", FORMS["csr"])
     call.agree("entropy_of (0: full, 1: kept)", ENTROPY_OF.index(entropy_of))
-    key = _new_keys(ids.numel(), n, device)
-    row = torch.repeat_interleave(torch.arange(n, device=device), counts.clamp(min=0), output_size=ids.numel())
-    _record_keys_(key, row, ids, v_global, 0)
-    del row
-    return Kept(entropy_of, "csr").fill(*_entries(key, labels, valid, v_local, v_global, call.rank))
+    kept = Kept(entropy_of, "csr")
+
+    def csr_entries():  # once the checks passed: ids, offsets and labels index here (a bad one would assert)
+        key = _new_keys(ids.numel(), n, device)
+        row = torch.repeat_interleave(torch.arange(n, device=device), counts, output_size=ids.numel())
+        _record_keys_(key, row, ids, v_global, 0)
+        del row
+        kept.fill(*_entries(key, labels, valid, v_local, v_global, call.rank))
+
+    call.then(csr_entries)
+    return kept
 
 
 def _new_keys(recorded: int, n: int, device) -> torch.Tensor:

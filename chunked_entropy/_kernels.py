@@ -103,7 +103,8 @@ def _cap_factor(tf, dtype, device):
     """``logit_scale / softcap`` as a 0-d tensor (a value, not a constant of the kernel), or None."""
     if tf.softcap is None:
         return None
-    return torch.tensor((tf.logit_scale or 1.0) / tf.softcap, dtype=dtype, device=device)
+    # filled on the device: torch.tensor(value, device=cuda) would copy from the host (a host sync)
+    return torch.full((), (tf.logit_scale or 1.0) / tf.softcap, dtype=dtype, device=device)
 
 
 #: Kernels one process may need: input dtypes x compute dtypes x capped or not x the CPU reduction

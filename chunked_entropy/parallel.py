@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ._checks import Requirements, check_summary, collecting
 from ._stats import BlockStats, rescale
 
 # torch 2.13 renamed the single-tensor collectives (the old names warn on every call).
@@ -102,15 +103,18 @@ class CallCheck:
     arguments (raising on a bad one, as it would without a group) and records
 
     - :meth:`require`: a condition computed on the device (e.g. "every label
-      is in range"); on the CPU it is checked at once, on an accelerator it
-      joins the all-gather instead of costing a host sync of its own;
+      is in range"), resolved with the call's other conditions when its
+      checks end: one host sync per call (see
+      :func:`~chunked_entropy._checks.checks_mode`); under a group, one
+      computed on an accelerator joins the all-gather instead;
     - :meth:`agree`: a value every rank must have the same (sizes, options,
       fingerprints of the per-token inputs).
     """
 
     def __init__(self, group, rank: int, world: int):
         self.group, self.rank, self.world = group, rank, world
-        self.requirements = []  # (ok: 0-d bool tensor, message)
+        self.requirements = []  # (ok: 0-d bool tensor, message): on an accelerator, under a group of several ranks
+        self.local = Requirements()  # the others: resolved on this rank when the checks end
         self.fields = {}  # name -> int, 0-d int64 tensor, or a tuple of those
         self.deferred = []  # work to run once every rank passed: collectives of its own may follow
 
@@ -121,16 +125,14 @@ class CallCheck:
         self.deferred.append(fn)
 
     def require(self, ok: torch.Tensor, message) -> None:
-        """``ok`` (a 0-d bool tensor) must hold; ``message`` (a str, or a callable giving one) says what failed."""
-        if ok.device.type == "cpu":
-            if not bool(ok):
-                raise ValueError(message() if callable(message) else message)
-            return
-        text = message if isinstance(message, str) else "an argument failed a device-side check"
-        if self.world == 1:  # no collective to join: an asynchronous device-side assertion, no host sync
-            torch._assert_async(ok, text)
+        """``ok`` (a 0-d bool tensor) must hold; ``message`` (a str, or a callable giving one) says what failed.
+
+        Nothing is read on the host here: the call's conditions are resolved together when its checks end
+        (see :func:`agreed_call`), so the work between them must not index with a checked value."""
+        if self.world == 1 or ok.device.type == "cpu":
+            self.local.require(ok, message)
         else:
-            self.requirements.append((ok, text))
+            self.requirements.append((ok, check_summary(message)))
 
     def agree(self, name: str, value) -> None:
         """Every rank must pass the same ``value`` (an int, a 0-d int64 tensor, or a tuple of them)."""
@@ -167,10 +169,15 @@ class CallCheck:
             vec[0] = 1
         else:
             vec[1] = self._structure()
-            flags = [(~ok).to(device=device, dtype=torch.int64).reshape(()) for ok, _ in self.requirements]
-            nums = [torch.as_tensor(v, dtype=torch.int64).to(device).reshape(()) for v in values]
-            if flags or nums:
-                vec[2:used] = torch.stack(flags + nums)
+            parts = []
+            if self.requirements:  # stacked where they were computed, then moved once
+                parts.append((~torch.stack([ok.to(torch.bool) for ok, _ in self.requirements])).to(
+                    device=device, dtype=torch.int64))
+            if values:
+                parts.append(torch.stack([torch.as_tensor(v, dtype=torch.int64).to(device).reshape(())
+                                          for v in values]))
+            if parts:
+                vec[2:used] = torch.cat(parts)
         every = vec.new_empty(self.world * CHECK_SLOTS)
         _all_gather_single(every, vec, group=self.group)
         rows = every.view(self.world, CHECK_SLOTS).tolist()  # the call's one host sync
@@ -224,9 +231,13 @@ class CallCheck:
 def agreed_call(group):
     """Check a call's arguments under ``group`` so that every rank either proceeds or raises the same error.
 
-    Yields a :class:`CallCheck`. Without a group (or with one rank) it only
-    runs the checks. With several ranks, leaving the block makes one
-    all-gather of :data:`CHECK_SLOTS` int64 (and one host sync): a rank
+    Yields a :class:`CallCheck`. Without a group (or with one rank) it runs
+    the checks, and at the block's end resolves the conditions recorded with
+    :meth:`CallCheck.require` (or :func:`chunked_entropy._checks.require`)
+    together: one host sync on an accelerator, none in ``"async"`` mode
+    (see :func:`~chunked_entropy._checks.checks_mode`), before the work
+    deferred with :meth:`CallCheck.then`. With several ranks, leaving the
+    block makes one all-gather of :data:`CHECK_SLOTS` int64 (and one host sync): a rank
     whose checks raised still joins it, flagged, so its peers never wait in
     a later collective; then every rank raises the same error, naming the
     rank(s) and what failed, and the group stays usable. Errors that make
@@ -236,15 +247,18 @@ def agreed_call(group):
     """
     rank, world = group_rank_size(group)
     call = CallCheck(group, rank, world)
-    if world == 1:
-        yield call
-    else:
-        try:
+    with collecting(call):  # the value checks of anything called inside (the losses' mask check) join this call's
+        if world == 1:
             yield call
-        except Exception as e:  # noqa: BLE001 - any failure of a rank's checks is shared with its peers
-            call.exchange(e)
-            raise  # exchange raised already; kept for readers
-        call.exchange(None)
+            call.local.resolve()  # the call's one host sync (none in "async" mode, none on the CPU)
+        else:
+            try:
+                yield call
+                call.local.resolve()  # this rank's conditions on the CPU: a failure is this rank's refusal
+            except Exception as e:  # noqa: BLE001 - any failure of a rank's checks is shared with its peers
+                call.exchange(e)
+                raise  # exchange raised already; kept for readers
+            call.exchange(None)
     for fn in call.deferred:
         fn()
 

@@ -58,7 +58,7 @@ from ._blocks import (
     token_major,
     token_major_grad,
 )
-from ._checks import check_chunk, check_flag, check_float, check_real
+from ._checks import check_chunk, check_flag, check_float, check_real, require
 from ._inputs import Rows, Tokens, compute_dtype, dtype_code, prepare_tokens
 from ._kernels import Kernels, check_backend, use_compiled
 from ._loop import loss_grad_blocks, new_row_stats
@@ -141,9 +141,9 @@ class _Objective:
                 old_log_probs, rollout_log_probs, loss_mask, rollout_is=o.rollout_is,
                 rollout_is_threshold=o.rollout_is_threshold, rollout_is_batch_normalize=o.rollout_is_batch_normalize,
                 rollout_rs=o.rollout_rs, rollout_rs_threshold=o.rollout_rs_threshold)
-        if self.objective.name == "bypass_mode" and not bool((loss_mask != 0).any()):
-            raise ValueError("loss_mode='bypass_mode' needs at least one valid token in loss_mask (its rollout "
-                             "correction, as verl's, has nothing to measure otherwise)")
+        if self.objective.name == "bypass_mode":  # a value check of the call: part of its one host sync
+            require((loss_mask != 0).any(), "loss_mode='bypass_mode' needs at least one valid token in loss_mask "
+                    "(its rollout correction, as verl's, has nothing to measure otherwise)")
         self.generator = generator
         self.mask = loss_mask
         self.keep = loss_mask != 0
@@ -257,7 +257,7 @@ def _hand_over(t: Optional[torch.Tensor], g: torch.Tensor) -> Optional[torch.Ten
     """A stored gradient times the scalar upstream gradient ``g``, as a tensor the caller owns.
 
     When the graph is freed after this backward, the stored tensor itself is
-    handed over (scaled in place; no copy when ``g`` is 1). When it is kept
+    handed over (scaled in place, with no host sync: also when ``g`` is 1). When it is kept
     (``retain_graph``, ``create_graph``), a scaled copy is returned, so that
     the caller may modify it and a later backward still finds the original.
     """
@@ -266,7 +266,7 @@ def _hand_over(t: Optional[torch.Tensor], g: torch.Tensor) -> Optional[torch.Ten
     g = g.to(t.dtype)
     if graph_is_kept():
         return t * g
-    return t if bool(g == 1) else t.mul_(g)
+    return t.mul_(g)  # also when g is 1: asking would be a host sync
 
 
 class _HeadLossFunction(torch.autograd.Function):

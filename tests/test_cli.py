@@ -217,6 +217,36 @@ def test_bench_loss_modes_on_sequences(capsys, tmp_path, tokens, seq_len, layout
     assert {r["status"] for r in rows.values()} == {"ok"}, rows
 
 
+def test_bench_gpu_preset_runs_every_method_in_one_process_on_the_cpu(capsys, tmp_path):
+    """The GPU benchmark's code path at a tiny shape on the CPU: the floors, plain torch, the library's head
+    (with and without entropy), fused loss and logits path (forward + backward, and no_grad), and a line for
+    each peer that cannot run here."""
+    code, out, err = _run(capsys, "bench", "--device", "cpu", "--preset", "gpu", "--tokens", "64", "--hidden",
+                          "16", "--vocab", "512", "--repeats", "1", "--out", str(tmp_path))
+    assert code == 0, err
+    data = json.load(open(tmp_path / "gpu-results.json"))
+    rows = {(r["section"], r["method"]): r for r in data["results"]}
+    assert [r["note"] for r in data["results"] if r["note"].startswith("failed")] == []
+    methods = {m for _, m in rows}
+    for want in ("3 GEMMs: floor of a loss with gradients in forward", "4 GEMMs: floor of a head that recomputes "
+                 "in backward", "plain torch (logits in the input dtype, float32 softmax)",
+                 "chunked_entropy head, log-probs + entropy", "chunked_entropy head, log-probs only",
+                 "chunked_entropy linear_policy_loss (vanilla + entropy bonus, gradients in forward)",
+                 "chunked_entropy log_probs_and_entropy, forward + backward",
+                 "chunked_entropy log_probs_and_entropy, forward alone under no_grad"):
+        assert want in methods, (want, methods)
+    assert all(r["ms"] > 0 for r in data["results"])
+    floor = {m: r["ms"] for (sec, m), r in rows.items() if sec == "floor"}
+    three = floor["3 GEMMs: floor of a loss with gradients in forward"]
+    assert three == pytest.approx(sum(floor[k] for k in floor if k.startswith(("h @", "g @", "g.T @"))))
+    assert set(data["not_measured"]) == {"verl", "liger", "cce"}  # Triton peers: a line saying why, on the CPU
+    assert data["meta"]["head"] == [64, 16, 512] and data["meta"]["dtype"] == "torch.bfloat16"
+    assert "| head | chunked_entropy head, log-probs + entropy |" in out and "Not measured:" in out
+    code, out, err = _run(capsys, "bench", "--device", "cpu", "--preset", "gpu", "--backends", "fast", "--out",
+                          str(tmp_path))
+    assert code == 2 and "--backends: unknown backend 'fast'" in err
+
+
 def test_bench_preset_is_the_issue_case(capsys):
     from chunked_entropy.cli import bench
 

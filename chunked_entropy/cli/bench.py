@@ -75,15 +75,8 @@ PRESETS = {
         path="head", tokens=[4096], vocab=[32768], hidden=[512], dtype="float32",
         methods=["head"], chunk_sizes=[512], backends=["eager", "compile"],
     ),
-    # with --device cuda: the logits path at a 152k vocabulary (one rank, and one rank's shard of TP=8),
-    # the fused head at the shape peers publish, plain torch alongside
-    "gpu": dict(
-        dtype="bfloat16", chunk_sizes=[1024], backends=["eager", "compile"], repeats=3,
-        parts=[
-            dict(path="logits", tokens=[16384], vocab=[152064, 19008], methods=["plain", "chunked"]),
-            dict(path="head", tokens=[8192], vocab=[131072], hidden=[4096], methods=["plain", "head", "liger"]),
-        ],
-    ),
+    # every method side by side in one process, the floors measured in the same run: see cli/gpu.py
+    "gpu": dict(one_process=True),
     "loss-gpu": dict(
         path="head", tokens=[8192], vocab=[131072], hidden=[4096], dtype="bfloat16",
         methods=["headloss", "fusedloss"], chunk_sizes=[2048],
@@ -137,7 +130,11 @@ def add_arguments(p, positive_int, int_list, name_list) -> None:
                         "issue3: fused head, N=16384,32768, H=512, V=32768, chunk 512, against "
                         "matmul+plain torch and matmul+logits path; loss: the fused policy loss against the fused "
                         "head + losses, N=16384, H=512, V=32768; loss-logits: the same from logits, N=8192; "
-                        "loss-gpu (with --device cuda): N=8192, H=4096, V=131072, bf16, chunk 2048; divergence: "
+                        "loss-gpu (with --device cuda): N=8192, H=4096, V=131072, bf16, chunk 2048; gpu (with "
+                        "--device cuda; cpu checks it at a small --tokens/--hidden/--vocab): in one process, the "
+                        "floors (the head's GEMMs, a device copy), plain torch, this library's head, fused loss "
+                        "and logits path, verl's, Liger's and Apple's kernels, N=8192, H=4096, V=151936 and "
+                        "logits N=16384, V=152064, bf16; divergence: "
                         "the reverse KL from a student's and a teacher's hidden states, N=8192, H=512, V=32768, "
                         "against TRL's ChunkedDivergenceFunction and plain torch")
     g.add_argument("--quick", action="store_true",
@@ -542,6 +539,17 @@ def _check_device(device: str) -> None:
 
 
 def run(args) -> int:
+    if args.preset and PRESETS[args.preset].get("one_process"):
+        from chunked_entropy._kernels import BACKENDS
+
+        from . import gpu
+
+        _check_device(args.device)
+        check_out_dir(args.out)
+        for be in args.backends or []:
+            if be not in BACKENDS:
+                raise BenchError(f"--backends: unknown backend {be!r}; expected some of {', '.join(BACKENDS)}")
+        return gpu.run(args)
     s = _settings(args)
     s["warm"] = args.warm
     _check_device(args.device)

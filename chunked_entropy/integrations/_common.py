@@ -18,6 +18,8 @@ from typing import Callable
 
 import torch
 
+from .._checks import require
+
 logger = logging.getLogger("chunked_entropy.integrations")
 
 
@@ -49,17 +51,19 @@ def check_id_dtype(name: str, ids) -> None:
 def check_id_range(name: str, ids: torch.Tensor, num_classes: int) -> None:
     """Every id in ``[0, num_classes)``, as a gather over the classes requires (named in the error).
 
-    Checked at once on the CPU; on an accelerator with an asynchronous
-    device-side assertion (no host sync).
+    A value check (:func:`chunked_entropy._checks.require`): read on the host at once, one sync on an
+    accelerator, so that the gather after it never sees a bad id (a device-side assert would lose the CUDA
+    context); with ``CHUNKED_ENTROPY_CHECKS=async`` a device-side assertion instead.
     """
     bad = (ids < 0) | (ids >= num_classes)
-    if ids.device.type != "cpu":
-        torch._assert_async(~bad.any(), f"{name} must hold class ids in [0, {num_classes})")
-    elif bool(bad.any()):
+    expected = f"{name} must hold class ids in [0, {num_classes})"
+
+    def found():  # read only once the check failed
         i = int(bad.reshape(-1).nonzero()[0, 0])
-        raise ValueError(
-            f"{name} must hold class ids in [0, {num_classes}); found {int(ids.reshape(-1)[i])} at flat position {i}"
-        )
+        return f"{expected}; found {int(ids.reshape(-1)[i])} at flat position {i}"
+
+    found.summary = expected
+    require(~bad.any(), found)
 
 
 # ----------------------------------------------------------------------------- patching another framework's modules

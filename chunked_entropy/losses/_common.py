@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .._checks import check_device, check_strided
+from .._checks import check_device, check_strided, require
 
 
 def check_tensor(name: str, t, *, floating: bool = True) -> None:
@@ -35,8 +35,8 @@ def check_same_shape(ref_name: str, ref: torch.Tensor, **others) -> None:
 def check_mask(loss_mask, loss_mat: torch.Tensor, of: str = "loss_mat", name: str = "loss_mask") -> None:
     """``loss_mask`` (called ``name``): bool, or real weights >= 0 (finite), shaped like ``loss_mat``, on its device.
 
-    The weights' sign is checked on the CPU at once; on an accelerator with an
-    asynchronous device-side assertion (no host sync).
+    The weights' sign is a value check of the call (:func:`~chunked_entropy._checks.require`): on an
+    accelerator it joins the call's one host sync.
     """
     check_tensor(name, loss_mask, floating=False)
     if loss_mask.dtype.is_complex:
@@ -52,11 +52,12 @@ def check_mask(loss_mask, loss_mat: torch.Tensor, of: str = "loss_mat", name: st
     if loss_mask.dtype != torch.bool:
         ok = ((loss_mask >= 0) & torch.isfinite(loss_mask) if loss_mask.is_floating_point() else loss_mask >= 0).all()
         message = f"{name} must be bool or hold finite weights >= 0"
-        if loss_mask.device.type == "cpu":
-            if not bool(ok):
-                raise ValueError(f"{message}; got a minimum of {loss_mask.min().item()!r}")
-        else:
-            torch._assert_async(ok, message)
+
+        def found():  # read only once the check failed
+            return f"{message}; got a minimum of {loss_mask.min().item()!r}"
+
+        found.summary = message
+        require(ok, found)
 
 
 def masked_sum(values: torch.Tensor, weights: torch.Tensor, dim=None) -> torch.Tensor:

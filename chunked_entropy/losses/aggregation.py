@@ -14,7 +14,7 @@ from typing import Optional, Union
 
 import torch
 
-from .._checks import check_real, is_int
+from .._checks import check_real, checked_call, is_int, require
 from ..parallel import fingerprint_floats
 from ._common import check_mask, check_tensor, masked_sum, safe_div
 
@@ -37,11 +37,11 @@ def _count(name: str, value):
                              f"{value.dtype}")
         value = value.detach().reshape(())
         ok = (value > 0) & torch.isfinite(value) if value.is_floating_point() else value > 0
-        if value.device.type == "cpu":
-            if not bool(ok):
-                raise ValueError(f"{name} must be a finite number > 0, got {value.item()!r}")
-        else:  # no host sync: an asynchronous device-side assertion
-            torch._assert_async(ok, f"{name} must be a finite number > 0")
+        def found():  # read only once the check failed
+            return f"{name} must be a finite number > 0, got {value.item()!r}"
+
+        found.summary = f"{name} must be a finite number > 0"
+        require(ok, found)  # a value check of the call: on an accelerator, part of its one host sync
         return value
     return check_real(name, value, low=0.0, low_open=True)
 
@@ -187,9 +187,10 @@ def agg_loss(
             missing global count with ``dp_size > 1``.
         TypeError: a non-tensor or non-floating ``loss_mat``.
     """
-    check_tensor("loss_mat", loss_mat)
-    check_mask(loss_mask, loss_mat)
-    agg = Aggregation(mode, loss_scale_factor, dp_size, batch_num_tokens, global_batch_size)
+    with checked_call():  # the value checks: one host sync on an accelerator
+        check_tensor("loss_mat", loss_mat)
+        check_mask(loss_mask, loss_mat)
+        agg = Aggregation(mode, loss_scale_factor, dp_size, batch_num_tokens, global_batch_size)
     return aggregate(loss_mat, loss_mask, agg)
 
 
@@ -235,9 +236,11 @@ def agg_weights(
     Raises:
         ValueError / TypeError: as :func:`agg_loss`.
     """
-    check_tensor("loss_mask", loss_mask, floating=False)
-    check_mask(loss_mask, loss_mask)
-    return Aggregation(mode, loss_scale_factor, dp_size, batch_num_tokens, global_batch_size).weights(loss_mask, dtype)
+    with checked_call():  # the value checks: one host sync on an accelerator
+        check_tensor("loss_mask", loss_mask, floating=False)
+        check_mask(loss_mask, loss_mask)
+        agg = Aggregation(mode, loss_scale_factor, dp_size, batch_num_tokens, global_batch_size)
+    return agg.weights(loss_mask, dtype)
 
 
 def entropy_bonus(
@@ -270,7 +273,8 @@ def entropy_bonus(
     Raises:
         ValueError: as :func:`agg_loss`.
     """
-    check_tensor("entropy", entropy)
-    check_mask(loss_mask, entropy, "entropy")
-    return aggregate(entropy, loss_mask, Aggregation(mode, loss_scale_factor, dp_size, batch_num_tokens,
-                                                     global_batch_size))
+    with checked_call():  # the value checks: one host sync on an accelerator
+        check_tensor("entropy", entropy)
+        check_mask(loss_mask, entropy, "entropy")
+        agg = Aggregation(mode, loss_scale_factor, dp_size, batch_num_tokens, global_batch_size)
+    return aggregate(entropy, loss_mask, agg)

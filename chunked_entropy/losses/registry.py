@@ -19,7 +19,7 @@ from typing import Callable, NamedTuple, Optional, Union
 
 import torch
 
-from .._checks import check_device
+from .._checks import check_device, checked_call
 from ._common import check_mask, check_same_shape, check_tensor
 from .aggregation import Aggregation, aggregate
 from .options import PolicyOptions
@@ -266,17 +266,18 @@ def policy_loss(
     selection gives 0 where verl divides 0 by 0, and ``clip_ratio_c=None``
     turns off the dual clip (verl's ``vanilla`` always applies one).
     """
-    check_tensor("log_probs", log_probs)
-    check_same_shape("log_probs", log_probs, old_log_probs=old_log_probs, advantages=advantages)
-    check_mask(loss_mask, log_probs, "log_probs")
-    o = options_of(options, fields)
-    obj = objective(loss_mode, o)
-    weights = check_weights(rollout_is_weights, log_probs)
-    agg = Aggregation(loss_agg_mode, loss_scale_factor, dp_size, batch_num_tokens, global_batch_size)
-    if generator is not None and not isinstance(generator, torch.Generator):
-        raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
-    if obj.name == "bypass_mode":
-        check_not_empty(loss_mask)
+    with checked_call():  # the value checks: one host sync on an accelerator, before any work
+        check_tensor("log_probs", log_probs)
+        check_same_shape("log_probs", log_probs, old_log_probs=old_log_probs, advantages=advantages)
+        check_mask(loss_mask, log_probs, "log_probs")
+        o = options_of(options, fields)
+        obj = objective(loss_mode, o)
+        weights = check_weights(rollout_is_weights, log_probs)
+        agg = Aggregation(loss_agg_mode, loss_scale_factor, dp_size, batch_num_tokens, global_batch_size)
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+        if obj.name == "bypass_mode":
+            check_not_empty(loss_mask)
     keep = loss_mask != 0
     lp, old, adv = selected(keep, log_probs, old_log_probs, advantages)
     if weights is not None:
@@ -302,11 +303,12 @@ def policy_loss_grad(
         ValueError: ``loss_mode`` is not token-local (its tokens' gradients depend on each other), or as
             :func:`policy_loss`.
     """
-    check_tensor("log_probs", log_probs)
-    check_same_shape("log_probs", log_probs, old_log_probs=old_log_probs, advantages=advantages)
-    check_mask(loss_mask, log_probs, "log_probs")
-    o = options_of(options, fields)
-    obj = objective(loss_mode, o)
+    with checked_call():  # the value checks: one host sync on an accelerator
+        check_tensor("log_probs", log_probs)
+        check_same_shape("log_probs", log_probs, old_log_probs=old_log_probs, advantages=advantages)
+        check_mask(loss_mask, log_probs, "log_probs")
+        o = options_of(options, fields)
+        obj = objective(loss_mode, o)
     if not obj.token_local:
         raise ValueError(f"loss_mode={loss_mode!r} is not token-local: a token's gradient depends on the other "
                          "tokens' log-probs; differentiate policy_loss instead")

@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .._checks import is_real
+from .._checks import checked_call, is_real, require
 from ._common import check_mask, check_same_shape, check_tensor
 
 #: verl's bound on log-ratios before ``exp`` (``SAFETY_BOUND``).
@@ -335,11 +335,12 @@ def rollout_correction(
         ValueError / TypeError: shapes, an empty mask, an unknown level or
             criterion, a missing or malformed threshold (named).
     """
-    check_tensor("log_probs", log_probs)
-    check_same_shape("log_probs", log_probs, rollout_log_probs=rollout_log_probs)
-    check_mask(response_mask, log_probs, "log_probs", "response_mask")
-    check_options(rollout_is, rollout_is_threshold, rollout_is_batch_normalize, rollout_rs, rollout_rs_threshold)
-    check_not_empty(response_mask)
+    with checked_call():  # the value checks: one host sync on an accelerator, before any work
+        check_tensor("log_probs", log_probs)
+        check_same_shape("log_probs", log_probs, rollout_log_probs=rollout_log_probs)
+        check_mask(response_mask, log_probs, "log_probs", "response_mask")
+        check_options(rollout_is, rollout_is_threshold, rollout_is_batch_normalize, rollout_rs, rollout_rs_threshold)
+        check_not_empty(response_mask)
     return correction(log_probs, rollout_log_probs, response_mask, rollout_is=rollout_is,
                       rollout_is_threshold=rollout_is_threshold, rollout_is_batch_normalize=rollout_is_batch_normalize,
                       rollout_rs=rollout_rs, rollout_rs_threshold=rollout_rs_threshold, group=group)
@@ -359,10 +360,11 @@ def check_options(rollout_is, rollout_is_threshold, rollout_is_batch_normalize, 
         raise TypeError(f"rollout_is_batch_normalize must be a bool, got {rollout_is_batch_normalize!r}")
 
 
-def check_not_empty(response_mask: torch.Tensor) -> None:
-    """verl's correction needs at least one valid token (one host sync)."""
-    if not bool((response_mask != 0).any()):
-        raise ValueError("response_mask must hold at least one valid token (verl's rollout correction needs one)")
+def check_not_empty(response_mask: torch.Tensor, name: str = "response_mask", why: str = "") -> None:
+    """verl's correction needs at least one valid token (a value check of the call: see
+    :func:`~chunked_entropy._checks.require`)."""
+    require((response_mask != 0).any(), why or f"{name} must hold at least one valid token (verl's rollout "
+                                              "correction needs one)")
 
 
 def correction(log_probs, rollout_log_probs, response_mask, *, rollout_is, rollout_is_threshold,

@@ -57,6 +57,7 @@ from typing import Optional
 
 import torch
 
+from ..._checks import require
 from ...linear import linear_log_probs_and_entropy
 from ...logits import log_probs_and_entropy
 from .._common import Target, check_parameters
@@ -101,12 +102,14 @@ def _check_temperature(temperature) -> None:
         if not temperature.is_floating_point():
             raise TypeError(f'micro_batch["temperature"] must be a float or a float tensor, got {temperature.dtype}')
         bad = ~(torch.isfinite(temperature) & (temperature > 0))
-        if temperature.device.type != "cpu":  # on an accelerator: a device-side assertion, no host sync
-            torch._assert_async(~bad.any(), 'micro_batch["temperature"] must be finite and > 0 for every sample')
-        elif bool(bad.any()):
+
+        def found():  # read only once the check failed
             i = int(bad.reshape(-1).nonzero()[0, 0])
-            raise ValueError(f'micro_batch["temperature"] must be finite and > 0 for every sample; sample {i} has '
-                             f"{float(temperature.reshape(-1)[i])!r}")
+            return (f'micro_batch["temperature"] must be finite and > 0 for every sample; sample {i} has '
+                    f"{float(temperature.reshape(-1)[i])!r}")
+
+        found.summary = 'micro_batch["temperature"] must be finite and > 0 for every sample'
+        require(~bad.any(), found)  # one read on an accelerator (a ValueError, never a device-side assert)
     elif isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(
             float(temperature)) or float(temperature) <= 0:
         raise ValueError(f'micro_batch["temperature"] must be a finite float > 0 (or one per sample), got '
