@@ -202,6 +202,13 @@ def grad_blocks(
         return _refilled_grad(tok, fill, view, bufs, a, b, v0, v1, parts["rows"], parts["co"], dtype,
                               compiled=compiled, into=into, ent=parts["ent"], co_k=parts["co_k"], at=parts["at"])
 
+    yield from _gradient_walk(n, width, block, chunk_size, vocab_outer, chunk, block_grad)
+
+
+def _gradient_walk(n: int, width: int, block: int, chunk_size: int, vocab_outer: bool, chunk, block_grad):
+    """Yield ``(a, b, v0, v1, block_grad(a, b, v0, v1, chunk(a, b)))`` over every chunk of rows and vocabulary
+    block: chunks outermost (``chunk(a, b)``, what a chunk's gradients read, formed once per chunk), or
+    vocabulary blocks outermost (formed once per block and chunk)."""
     if vocab_outer:
         for v0, v1 in chunks(width, block):
             for a, b in chunks(n, chunk_size):
@@ -505,12 +512,4 @@ def pair_grad_blocks(
                                              m=(rows.m, here.m_t), aux=True)
         return _divergence_grad_block(tok, spec, x, xt, rows, here, scale, a, b, v0, cap, co=co, scratch=scratch)
 
-    if vocab_outer:
-        for v0, v1 in chunks(width, block):
-            for a, b in chunks(n, chunk_size):
-                yield a, b, v0, v1, block_grad(a, b, v0, v1, chunk(a, b))
-        return
-    for a, b in chunks(n, chunk_size):
-        parts = chunk(a, b)
-        for v0, v1 in chunks(width, block):
-            yield a, b, v0, v1, block_grad(a, b, v0, v1, parts)
+    yield from _gradient_walk(n, width, block, chunk_size, vocab_outer, chunk, block_grad)
