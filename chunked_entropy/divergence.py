@@ -444,8 +444,10 @@ def linear_divergence(
         process_group: the tensor-parallel group over which both weights are sharded by rows. Both hidden
             states are replicated over it; the student's gradient is summed over it.
         sequence_parallel: both hidden states arrive split along dim 0, as the fused head's.
-        logits_dtype: as in :func:`~chunked_entropy.linear_log_probs_and_entropy`, for both models.
-            The blocks run through the eager kernels (no ``backend="compile"`` here yet).
+        logits_dtype: as in :func:`~chunked_entropy.linear_log_probs_and_entropy`, resolved for each
+            model on its own: None keeps each model's logits in its weight's dtype; ``torch.float32``
+            gives every bf16/fp16 model float32 blocks (a float32 student beside a bf16 teacher: the
+            teacher's too). The blocks run through the eager kernels (no ``backend="compile"`` here yet).
 
     Returns:
         :class:`DivergenceOutputs`, identical on every rank of ``process_group``. ``divergence`` and the
@@ -532,10 +534,15 @@ def linear_divergence_loss(
 ) -> DivergenceLoss:
     """The divergence as a trainer's loss, its gradients formed in forward: ``sum_i w_i * D_i``.
 
-    ``w_i`` is ``label_mask_i`` (times ``weights_i`` when given), divided by the number of counted rows
-    (``reduction="mean"``, at least 1), by ``normalizer`` (a number or 0-d tensor, e.g. TRL's
-    ``num_items_in_batch``), or by nothing (``reduction="sum"``). Arguments otherwise as
-    :func:`linear_divergence` (no labels: the loss form is the divergence alone).
+    ``w_i`` is ``label_mask_i`` (times ``weights_i`` when given: a float tensor of the tokens' shape, on
+    the student's device), divided by the number of counted rows (``reduction="mean"``, at least 1), by
+    ``normalizer`` (a number > 0 or a 0-d tensor, e.g. TRL's ``num_items_in_batch``, on the student's
+    device or the CPU), or by nothing (``reduction="sum"``). Arguments otherwise as
+    :func:`linear_divergence` (no labels: the loss form is the divergence alone). Under a process group
+    ``reduction``, the normalizer's value and the weights (shape and values) are part of the call's
+    cross-rank check: a bad or a different value on one rank raises on every rank, before any
+    collective of the walk. With zero tokens the loss is an exact 0, still connected to the student's
+    tensors (a zero gradient), in every dtype.
 
     Forward walks each chunk once with the vocabulary in one block: two projections, the statistics,
     the divergence's sums, then the student's logit gradient from the blocks still held and its two
