@@ -264,8 +264,8 @@ def _check_ops(rank, world, ops):
 
 
 @pytest.mark.parametrize("ops", [
-    pytest.param((log_probs_and_entropy, linear_log_probs_and_entropy), id="log_probs"),
-    pytest.param((policy_loss_from_logits, linear_policy_loss), id="policy_loss"),
+    pytest.param((log_probs_and_entropy, linear_log_probs_and_entropy, policy_loss_from_logits, linear_policy_loss),
+                 id="log_probs_and_policy_loss"),
     pytest.param((divergence_from_logits, linear_divergence, linear_divergence_loss), id="divergence"),
 ])
 def test_every_argument_changed_on_one_rank_fails_fast_on_every_rank(ops):
