@@ -327,3 +327,16 @@ def test_the_compiled_kernels_are_as_exact_as_eager_in_half_precision():
         compiled = _grad_of(z, labels, ups, "compile", dtype, **opt(c))
         err_eager, err_compiled = ((g - exact).abs().max().item() for g in (eager, compiled))
         assert err_compiled <= err_eager * 1.01 + 1e-7, (name, err_compiled, err_eager)
+    # the fused loss over logits, with kept sets (its gradient formed in forward)
+    old, adv = -torch.rand(1, z.shape[0], generator=torch.Generator().manual_seed(7)) - 1, ups[0].unsqueeze(0)
+
+    def loss_grad(backend, kind):
+        x = z.detach().to(kind).clone().requires_grad_()
+        loss, _ = policy_loss_from_logits(x.unsqueeze(0), labels.unsqueeze(0), old, adv, torch.ones(1, z.shape[0]),
+                                          keep=keep.unsqueeze(0), entropy_coeff=0.1, chunk_size=5, backend=backend)
+        loss.backward()
+        return x.grad.double()
+
+    exact = loss_grad("eager", torch.float64)
+    err_eager, err_compiled = ((loss_grad(b, dtype) - exact).abs().max().item() for b in ("eager", "compile"))
+    assert err_compiled <= err_eager * 1.01 + 1e-7, ("policy_loss_from_logits keep", err_compiled, err_eager)
