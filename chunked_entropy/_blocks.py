@@ -67,7 +67,7 @@ def resolve_vocab_chunk(vocab_chunk_size: Optional[int], chunk_size: int, n: int
     return vocab_block_for(vocab_chunk_size, chunk_size, n, v_local)
 
 
-def check_logits_dtype(logits_dtype, weight: torch.Tensor) -> bool:
+def check_logits_dtype(logits_dtype, weight: torch.Tensor, name: str = "weight") -> bool:
     """``logits_dtype``: None (the weight's dtype, as the model's own layer), the weight's dtype, or
     ``torch.float32``. Returns whether half-precision blocks are computed in float32 instead."""
     if logits_dtype is None or logits_dtype == weight.dtype:
@@ -75,14 +75,18 @@ def check_logits_dtype(logits_dtype, weight: torch.Tensor) -> bool:
     if logits_dtype == torch.float32 and weight.dtype in (torch.bfloat16, torch.float16):
         return True
     raise ValueError(
-        f"logits_dtype must be None (the weight's dtype, {weight.dtype}), {weight.dtype} or torch.float32, "
+        f"logits_dtype must be None ({name}'s dtype, {weight.dtype}), {weight.dtype} or torch.float32, "
         f"got {logits_dtype!r}"
     )
 
 
-def check_head(hidden, weight, bias, prefix: str = "") -> None:
+def check_head(hidden, weight, bias, prefix: str = "", logits_dtype=None) -> bool:
     """One head's hidden states ``[..., H]``, weight ``[V_local, H]`` and bias ``[V_local]`` (or None): float, of one
-    dtype and device; each named with ``prefix`` (``"student_"``, ``"teacher_"`` for a divergence's two heads)."""
+    dtype and device; each named with ``prefix`` (``"student_"``, ``"teacher_"`` for a divergence's two heads).
+
+    Returns this head's own resolution of ``logits_dtype`` (:func:`check_logits_dtype` of its weight): whether
+    its blocks are computed in float32. Each head of a call resolves it for itself, so that a float32 student
+    beside a bf16 teacher still gets the teacher's logits in float32 with ``logits_dtype=torch.float32``."""
     h, w, b = f"{prefix}hidden", f"{prefix}weight", f"{prefix}bias"
     check_float(h, hidden)
     check_float(w, weight, dim=2)
@@ -97,6 +101,7 @@ def check_head(hidden, weight, bias, prefix: str = "") -> None:
         if bias.shape != (weight.shape[0],):
             raise ValueError(f"{b} must have shape ({weight.shape[0]},) (V_local), got {tuple(bias.shape)}")
         check_device(b, bias, weight.device, w)
+    return check_logits_dtype(logits_dtype, weight, w)
 
 
 def check_linear_args(hidden, weight, bias, labels, world: int, sequence_parallel: bool, vocab_chunk_size):

@@ -36,8 +36,11 @@ own: ``sum_i (beta p_t,i + (1 - beta) p_s,i) d log m_i / dx_j = sum_i dm_i / dx_
 
 both formed from ``d`` directly (never as ``log m`` subtracted from a log-prob),
 so an entry where one model's probability underflows keeps an exact ratio.
-A teacher equal to the student gives ``lp_t - lp_s = 0`` entry by entry: ``D``
-and its gradient are exactly 0.
+Where the two log-probs are equal both ratios are set to exactly 0 (their
+value: the softplus of the rounded ``log(beta / (1 - beta))`` would leave a
+residue of float32 rounding, 1e-9 to 1e-8 per token). A teacher equal to the
+student gives ``lp_t - lp_s = 0`` entry by entry: ``D`` and its gradient are
+exactly 0 for every ``beta``.
 
 The gradient w.r.t. the student's raw logits is ``dD/dx_s * kz * (1 - u**2)``
 as in :mod:`chunked_entropy._stats` (``kz = logit_scale / t``; the cap's
@@ -45,7 +48,7 @@ derivative only with a soft-cap). The teacher takes no gradient.
 
 **Memory.** The functions below read the offsets blocks (never write them) and
 allocate block-sized temporaries: :func:`divergence_terms` two (KL) or five
-(JSD), of which it returns two (one for the forward KL) for
+(JSD, and a bool block), of which it returns two (one for the forward KL) for
 :func:`grad_from_parts`; :func:`divergence_grad` two (KL) or four (JSD); all
 are freed before the next block.
 """
@@ -122,11 +125,14 @@ def log_probs(y: torch.Tensor, ls: torch.Tensor) -> torch.Tensor:
 
 
 def jsd_log_ratios(lp_s: torch.Tensor, lp_t: torch.Tensor, beta: float):
-    """``(r_s, r_t) = (lp_s - log m, lp_t - log m)`` for ``m = (1 - beta) p_s + beta p_t``, each from
-    ``d = lp_t - lp_s + log(beta / (1 - beta))`` through one softplus (no cancellation)."""
-    d = torch.sub(lp_t, lp_s).add_(math.log(beta) - math.log1p(-beta))
-    r_t = F.softplus(d.neg()).neg_().sub_(math.log(beta))
-    r_s = F.softplus(d).neg_().sub_(math.log1p(-beta))
+    """``(r_s, r_t) = (lp_s - log m, lp_t - log m)`` for ``m = (1 - beta) p_s + beta p_t`` (new blocks), each from
+    ``d = lp_t - lp_s + log(beta / (1 - beta))`` through one softplus (no cancellation), and exactly 0 where
+    the two log-probs are equal (see the module doc)."""
+    d = torch.sub(lp_t, lp_s)
+    equal = d == 0
+    d.add_(math.log(beta) - math.log1p(-beta))
+    r_t = F.softplus(d.neg()).neg_().sub_(math.log(beta)).masked_fill_(equal, 0.0)
+    r_s = F.softplus(d).neg_().sub_(math.log1p(-beta)).masked_fill_(equal, 0.0)
     return r_s, r_t
 
 

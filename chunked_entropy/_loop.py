@@ -23,7 +23,7 @@ import torch
 from . import _at, _divergence, _keep, _stats
 from ._inputs import Tokens, chunks
 from ._kernels import Kernels
-from .parallel import all_reduce_sum_, reduce_stats
+from .parallel import all_reduce_sum_, reduce_stats, reduce_stats_pair
 
 Fill = Callable[[torch.Tensor, int, int, int, int], object]
 View = Optional[Callable[[int, int, int, int], torch.Tensor]]
@@ -421,7 +421,8 @@ def pair_row_stats(
     divergence, known before the walk: a loss that is a weighted sum) is given; then it yields
     ``(a, b, v0, v1, g)`` as :func:`grad_blocks` does, the student's logit gradient formed in this walk.
     Per chunk: both blocks of each vocabulary block (two projections), each model's statistics merged over
-    blocks and ``group`` (two MAX and two SUM all-reduces); then the divergence's sums (one SUM all-reduce):
+    blocks and ``group`` (both models' together, with the same arithmetic: one MAX all-reduce and one
+    all-gather, :func:`~chunked_entropy.parallel.reduce_stats_pair`); then the divergence's sums (one SUM all-reduce):
     from the blocks still held when the vocabulary is one block, else from each block filled again.
     """
     n = tok.n
@@ -439,7 +440,7 @@ def pair_row_stats(
                                        aux=cap if cap_aux and single else None)
             local_t = _stats.block_stats(xt, tf_t, kt, no_label[: b - a], v0, scratch_t, want_w=False, want_q=False)
             st, stt = _stats.merge_stats(st, local, k), _stats.merge_stats(stt, local_t, kt)
-        merged, merged_t = reduce_stats(st, group, k)[0], reduce_stats(stt, group, kt)[0]
+        merged, merged_t = reduce_stats_pair(st, stt, group, k, kt)  # the same arithmetic for both heads
         rows = _stats.RowStats.from_block(merged, k)
         ls_t = _stats.RowStats.from_block(merged_t, kt).ls
         if single:  # the blocks are held: their offsets to the merged maxima

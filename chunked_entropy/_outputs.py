@@ -10,6 +10,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from ._autograd import connected
 from ._stats import Want
 
 
@@ -105,10 +106,8 @@ def empty_outputs(shape, want: Want, dtype, device, inputs, at=None) -> LogProbs
     """Outputs for zero tokens, connected to ``inputs`` (zero gradients) when grad is enabled."""
     def new(on, tail=(), kind=dtype):
         t = torch.zeros(tuple(shape) + tail, dtype=kind, device=device) if on else None
-        if t is not None and kind.is_floating_point and torch.is_grad_enabled():
-            for x in inputs:
-                if x is not None and x.requires_grad:
-                    t = t + x.sum() * 0
+        if t is not None and kind.is_floating_point:
+            t = connected(t, *inputs)
         return t
 
     outs = [new(on) for on in (True, *want)]

@@ -25,11 +25,10 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from ._autograd import graph_is_kept, once_differentiable
+from ._autograd import connected, graph_is_kept, once_differentiable
 from ._blocks import (
     Plan,
     check_head,
-    check_logits_dtype,
     full_hidden,
     grad_vocab_block,
     linear_filler,
@@ -83,11 +82,63 @@ class _Teacher:
     weight: Optional[torch.Tensor]
     bias: Optional[torch.Tensor]
     transform: Transform
+    float32_logits: bool = False  # the teacher's own resolution of logits_dtype (a half-precision teacher's)
 
 
 def _bits(x) -> int:
     """A float's exact bit pattern as an int (None: -1), for the cross-rank agreement."""
     return -1 if x is None else struct.unpack("<q", struct.pack("<d", float(x)))[0]
+
+
+def _all_finite(t: torch.Tensor) -> torch.Tensor:
+    """Whether ``t`` holds no NaN or inf, as a 0-d bool tensor (no host sync), from one min-max reduction:
+    no temporary of ``t``'s size (``torch.isfinite(t).all()`` makes three, one of them float). NaN
+    propagates through both extremes, and an infinity is one of them."""
+    if t.numel() == 0:
+        return torch.ones((), dtype=torch.bool, device=t.device)
+    lo, hi = torch.aminmax(t)
+    return torch.isfinite(lo) & torch.isfinite(hi)
+
+
+def _loss_weights(call, tok: Tokens, valid, *, reduction, normalizer, weights, cdt, device) -> torch.Tensor:
+    """The loss form's per-token weights ``w_i`` (see :func:`linear_divergence_loss`), its arguments checked
+    inside the call's agreement: each rank records ``reduction``, the normalizer's value and the weights'
+    presence and digest, so that a bad or different value on one rank is refused on every rank."""
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+    w = valid.to(cdt)
+    if weights is not None:
+        check_float("weights", weights)
+        if weights.shape != tok.shape:
+            raise ValueError(f"weights must have the tokens' shape {tuple(tok.shape)}, got {tuple(weights.shape)}")
+        check_device("weights", weights, device, "student_hidden")
+        w = w * weights.detach().reshape(-1).to(dtype=cdt)
+    if normalizer is None:
+        norm = (0, 0, 0)
+        if reduction == "mean":
+            w = w / valid.sum().clamp(min=1).to(cdt)
+    elif isinstance(normalizer, torch.Tensor):
+        if normalizer.dtype == torch.bool or normalizer.is_complex():
+            raise TypeError(f"normalizer must be a number > 0 or a real 0-d tensor, got {normalizer.dtype}")
+        if normalizer.dim() != 0:
+            raise ValueError(f"normalizer must be a number > 0 or a 0-d tensor (one value for every token), "
+                             f"got a tensor of shape {tuple(normalizer.shape)}")
+        if normalizer.device != device and normalizer.device.type != "cpu":  # a CPU scalar is read from anywhere
+            check_device("normalizer", normalizer, device, "student_hidden")
+        nz = normalizer.detach().to(device=device, dtype=cdt)
+        w = w / nz
+        norm = (2, *fingerprint_floats(nz)) if call.world > 1 else (2, 0, 0)
+    elif is_real(normalizer) and math.isfinite(normalizer) and normalizer > 0:
+        w = w / float(normalizer)
+        norm = (1, _bits(normalizer), 0)
+    else:
+        raise ValueError(f"normalizer must be a number > 0 or a 0-d tensor, got {normalizer!r}")
+    call.agree("reduction (0 mean, 1 sum)", ("mean", "sum").index(reduction))
+    call.agree("normalizer (kind 0 None, 1 a number, 2 a tensor; its value)", norm)
+    call.agree("weights is not None", weights is not None)
+    if call.world > 1 and weights is not None:
+        call.agree("weights (their values)", fingerprint_floats(weights))
+    return w
 
 
 def _spec(divergence, beta) -> DivergenceSpec:
@@ -123,7 +174,7 @@ def _prepare(call, lead, labels, *, v_local, label_mask, ignore_index, temperatu
     else:
         valid = tok.valid
     check_transform_scale(tf_t, tok.inv_t, cdt, call)
-    call.require(torch.isfinite(teacher_values).all(),
+    call.require(_all_finite(teacher_values),
                  f"{teacher_name} must be finite (no NaN or inf): a teacher's NaN would poison every divergence")
     call.agree("teacher_softcap", _bits(tf_t.softcap))
     call.agree("teacher_logit_scale", _bits(tf_t.logit_scale))
@@ -162,7 +213,7 @@ def _exhaust(gen) -> None:
 
 
 def _teacher_fill(teacher: _Teacher, plan: Plan):
-    return linear_filler(Rows(teacher.source), teacher.weight, teacher.bias, plan.float32_logits)
+    return linear_filler(Rows(teacher.source), teacher.weight, teacher.bias, teacher.float32_logits)
 
 
 def _saved_rows(stats: RowStats, pair: PairRows) -> tuple:
@@ -278,14 +329,16 @@ class _LinearDivergenceLossFunction(torch.autograd.Function):
 def _linear_call(student_hidden, student_weight, teacher_hidden, teacher_weight, *, divergence, beta, labels,
                  student_bias, teacher_bias, temperature, student_softcap, student_logit_scale, teacher_softcap,
                  teacher_logit_scale, label_mask, ignore_index, chunk_size, vocab_chunk_size, process_group,
-                 sequence_parallel, compute_entropy, logits_dtype, loss: bool):
-    """Check everything (every rank agreeing) and prepare: ``(tok, plan, spec, teacher, valid, no_labels)``."""
+                 sequence_parallel, compute_entropy, logits_dtype, loss: Optional[dict] = None):
+    """Check everything (every rank agreeing) and prepare: ``(tok, plan, spec, teacher, valid, no_labels, grads,
+    w)``. ``loss``: the loss form's ``reduction``, ``normalizer`` and ``weights`` (``w``, its per-token weights,
+    is None without)."""
     with agreed_call(process_group) as call:
         spec = _spec(divergence, beta)
         sequence_parallel = check_flag("sequence_parallel", sequence_parallel)
         compute_entropy = check_flag("compute_entropy", compute_entropy)
-        check_head(student_hidden, student_weight, student_bias, "student_")
-        check_head(teacher_hidden, teacher_weight, teacher_bias, "teacher_")
+        float32 = check_head(student_hidden, student_weight, student_bias, "student_", logits_dtype)
+        float32_t = check_head(teacher_hidden, teacher_weight, teacher_bias, "teacher_", logits_dtype)
         _check_pair(student_hidden, teacher_hidden, "hidden")
         if teacher_weight.shape[0] != student_weight.shape[0]:
             raise ValueError(
@@ -305,7 +358,6 @@ def _linear_call(student_hidden, student_weight, teacher_hidden, teacher_weight,
             lead = torch.Size((student_hidden.shape[0] * call.world,) + tuple(student_hidden.shape[1:-1]))
         v_local = student_weight.shape[0]
         cdt = compute_dtype(student_weight.dtype)
-        float32 = check_logits_dtype(logits_dtype, student_weight)
         tf_s = Transform(check_positive("student_softcap", student_softcap),
                          check_positive("student_logit_scale", student_logit_scale))
         tf_t = Transform(check_positive("teacher_softcap", teacher_softcap),
@@ -331,12 +383,14 @@ def _linear_call(student_hidden, student_weight, teacher_hidden, teacher_weight,
             "teacher_weight.dtype (0 float32, 1 bfloat16, 2 float16, 3 float64)": dtype_code(teacher_weight.dtype),
             "student_bias is not None": student_bias is not None, "teacher_bias is not None": teacher_bias is not None,
             "whether gradients are computed": grads, "logits_dtype (1: float32 blocks)": float32,
+            "the teacher's logits_dtype (1: float32 blocks)": float32_t,
             "student_hidden.requires_grad (under grad mode)": bool(grads and student_hidden.requires_grad),
-            "the loss form": loss,
+            "the loss form": loss is not None,
         })
+        w = None if loss is None else _loss_weights(call, tok, valid, cdt=cdt, device=student_hidden.device, **loss)
     teacher = _Teacher(full_hidden(teacher_hidden.detach(), plan), teacher_weight.detach(),
-                       None if teacher_bias is None else teacher_bias.detach(), tf_t)
-    return tok, plan, spec, teacher, valid, no_labels, grads
+                       None if teacher_bias is None else teacher_bias.detach(), tf_t, float32_t)
+    return tok, plan, spec, teacher, valid, no_labels, grads, w
 
 
 def linear_divergence(
@@ -405,8 +459,10 @@ def linear_divergence(
         process_group: the tensor-parallel group over which both weights are sharded by rows. Both hidden
             states are replicated over it; the student's gradient is summed over it.
         sequence_parallel: both hidden states arrive split along dim 0, as the fused head's.
-        logits_dtype: as in :func:`~chunked_entropy.linear_log_probs_and_entropy`, for both models.
-            The blocks run through the eager kernels (no ``backend="compile"`` here yet).
+        logits_dtype: as in :func:`~chunked_entropy.linear_log_probs_and_entropy`, resolved for each
+            model on its own: None keeps each model's logits in its weight's dtype; ``torch.float32``
+            gives every bf16/fp16 model float32 blocks (a float32 student beside a bf16 teacher: the
+            teacher's too). The blocks run through the eager kernels (no ``backend="compile"`` here yet).
 
     Returns:
         :class:`DivergenceOutputs`, identical on every rank of ``process_group``. ``divergence`` and the
@@ -427,18 +483,18 @@ def linear_divergence(
         :mod:`chunked_entropy._divergence`). Backward allocates the student's gradients. No ``[tokens, V]``
         tensor of either model exists. Inputs are never written.
     """
-    tok, plan, spec, teacher, valid, no_labels, grads = _linear_call(
+    tok, plan, spec, teacher, valid, no_labels, grads, _ = _linear_call(
         student_hidden, student_weight, teacher_hidden, teacher_weight, divergence=divergence, beta=beta,
         labels=labels, student_bias=student_bias, teacher_bias=teacher_bias, temperature=temperature,
         student_softcap=student_softcap, student_logit_scale=student_logit_scale, teacher_softcap=teacher_softcap,
         teacher_logit_scale=teacher_logit_scale, label_mask=label_mask, ignore_index=ignore_index,
         chunk_size=chunk_size, vocab_chunk_size=vocab_chunk_size, process_group=process_group,
-        sequence_parallel=sequence_parallel, compute_entropy=compute_entropy, logits_dtype=logits_dtype, loss=False,
+        sequence_parallel=sequence_parallel, compute_entropy=compute_entropy, logits_dtype=logits_dtype,
     )
     if tok.n == 0:
         z = torch.zeros(tok.shape, dtype=compute_dtype(student_weight.dtype), device=student_hidden.device)
         if grads:
-            z = z + sum(t.sum() * 0 for t in (student_hidden, student_weight, student_bias) if t is not None)
+            z = connected(z, student_hidden, student_weight, student_bias)
         return DivergenceOutputs(z, None if no_labels else z, z if compute_entropy else None)
     args = (student_hidden, student_weight, student_bias, teacher, tok, plan, spec, valid)
     if grads:
@@ -493,10 +549,15 @@ def linear_divergence_loss(
 ) -> DivergenceLoss:
     """The divergence as a trainer's loss, its gradients formed in forward: ``sum_i w_i * D_i``.
 
-    ``w_i`` is ``label_mask_i`` (times ``weights_i`` when given), divided by the number of counted rows
-    (``reduction="mean"``, at least 1), by ``normalizer`` (a number or 0-d tensor, e.g. TRL's
-    ``num_items_in_batch``), or by nothing (``reduction="sum"``). Arguments otherwise as
-    :func:`linear_divergence` (no labels: the loss form is the divergence alone).
+    ``w_i`` is ``label_mask_i`` (times ``weights_i`` when given: a float tensor of the tokens' shape, on
+    the student's device), divided by the number of counted rows (``reduction="mean"``, at least 1), by
+    ``normalizer`` (a number > 0 or a 0-d tensor, e.g. TRL's ``num_items_in_batch``, on the student's
+    device or the CPU), or by nothing (``reduction="sum"``). Arguments otherwise as
+    :func:`linear_divergence` (no labels: the loss form is the divergence alone). Under a process group
+    ``reduction``, the normalizer's value and the weights (shape and values) are part of the call's
+    cross-rank check: a bad or a different value on one rank raises on every rank, before any
+    collective of the walk. With zero tokens the loss is an exact 0, still connected to the student's
+    tensors (a zero gradient), in every dtype.
 
     Forward walks each chunk once with the vocabulary in one block: two projections, the statistics,
     the divergence's sums, then the student's logit gradient from the blocks still held and its two
@@ -509,37 +570,21 @@ def linear_divergence_loss(
         ``[V_local]``) from forward to backward instead of references to the inputs, plus what
         :func:`linear_divergence` holds per chunk (a fifth buffer with a student soft-cap).
     """
-    if reduction not in ("mean", "sum"):
-        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
-    tok, plan, spec, teacher, valid, _, grads = _linear_call(
+    tok, plan, spec, teacher, valid, _, grads, w = _linear_call(
         student_hidden, student_weight, teacher_hidden, teacher_weight, divergence=divergence, beta=beta,
         labels=None, student_bias=student_bias, teacher_bias=teacher_bias, temperature=temperature,
         student_softcap=student_softcap, student_logit_scale=student_logit_scale, teacher_softcap=teacher_softcap,
         teacher_logit_scale=teacher_logit_scale, label_mask=label_mask, ignore_index=-100,
         chunk_size=chunk_size, vocab_chunk_size=vocab_chunk_size, process_group=process_group,
-        sequence_parallel=sequence_parallel, compute_entropy=compute_entropy, logits_dtype=logits_dtype, loss=True,
+        sequence_parallel=sequence_parallel, compute_entropy=compute_entropy, logits_dtype=logits_dtype,
+        loss=dict(reduction=reduction, normalizer=normalizer, weights=weights),
     )
     cdt = compute_dtype(student_weight.dtype)
-    w = valid.to(cdt)
-    if weights is not None:
-        check_float("weights", weights)
-        if weights.shape != tok.shape:
-            raise ValueError(f"weights must have the tokens' shape {tuple(tok.shape)}, got {tuple(weights.shape)}")
-        w = w * weights.detach().reshape(-1).to(device=w.device, dtype=cdt)
-    if normalizer is not None:
-        if isinstance(normalizer, torch.Tensor):
-            w = w / normalizer.detach().to(device=w.device, dtype=cdt)
-        elif is_real(normalizer) and math.isfinite(normalizer) and normalizer > 0:
-            w = w / float(normalizer)
-        else:
-            raise ValueError(f"normalizer must be a number > 0 or a tensor, got {normalizer!r}")
-    elif reduction == "mean":
-        w = w / valid.sum().clamp(min=1).to(cdt)
     shape = tuple(tok.shape)
     if tok.n == 0:
         z = torch.zeros((), dtype=cdt, device=student_hidden.device)
         if grads:
-            z = z + sum(t.sum() * 0 for t in (student_hidden, student_weight, student_bias) if t is not None)
+            z = connected(z, student_hidden, student_weight, student_bias)
         e = torch.zeros(shape, dtype=cdt, device=student_hidden.device)
         return DivergenceLoss(z, e, e if compute_entropy else None)
     args = (student_hidden, student_weight, student_bias, teacher, tok, plan, spec, w)
@@ -624,7 +669,10 @@ def divergence_from_logits(
         compute_entropy = check_flag("compute_entropy", compute_entropy)
         check_float("student_logits", student_logits)
         check_float("teacher_logits", teacher_logits)
-        if student_logits.dim() < 1 or teacher_logits.shape[-1] != student_logits.shape[-1]:
+        for name, t in (("student_logits", student_logits), ("teacher_logits", teacher_logits)):
+            if t.dim() < 1 or t.shape[-1] < 1:
+                raise ValueError(f"{name} must be [..., V_local] with V_local >= 1, got shape {tuple(t.shape)}")
+        if teacher_logits.shape[-1] != student_logits.shape[-1]:
             raise ValueError(
                 f"teacher_logits has {teacher_logits.shape[-1]} vocabulary columns but student_logits has "
                 f"{student_logits.shape[-1]}: the divergence needs one vocabulary, sharded the same way"
@@ -653,7 +701,7 @@ def divergence_from_logits(
     if tok.n == 0:
         z = torch.zeros(shape, dtype=cdt, device=student_logits.device)
         if grads:
-            z = z + student_logits.sum() * 0
+            z = connected(z, student_logits)
         return DivergenceOutputs(z, None if no_labels else z, z if compute_entropy else None)
     args = (student_logits, teacher, tok, plan, spec, valid)
     if grads:

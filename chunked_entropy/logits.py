@@ -47,10 +47,14 @@ class _LogitsFunction(torch.autograd.Function):
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         gflat = grad.view(n, v)
         fill, view = logits_source(logits)
-        # The gradient's own rows are the working buffer when they hold the compute dtype, and
-        # always for the compiled and Triton kernels (they write the gradient in its own dtype).
+        # The gradient's own rows are the working buffer when they hold the compute dtype, and for the
+        # compiled and Triton kernels (they write the gradient in its own dtype) unless a sparse term (kept sets,
+        # log_probs_at / top_k) is still to be added: then the block is formed in the compute dtype and
+        # rounded once, as eager does (added to half-precision rows, the two cancelling terms would each
+        # be rounded).
         cdt = stats.ls.dtype
-        direct = logits.dtype == cdt or ctx.compiled
+        sparse = at_grads is not None or ctx.tok.keep is not None
+        direct = logits.dtype == cdt or (ctx.compiled and not sparse)
         blocks = grad_blocks(
             ctx.tok, fill, width=v, block=v, chunk_size=ctx.chunk_size, stats=stats, grads=grads, dtype=cdt,
             device=logits.device, into=(lambda a, b: gflat[a:b]) if direct else None, compiled=ctx.compiled,
@@ -185,7 +189,10 @@ def log_probs_and_entropy(
         buffer). An output that receives no gradient costs no backward work.
         With the compiled or Triton kernels (``backend="compile"``,
         ``"triton"``, and ``"auto"`` on CUDA) no buffer is allocated: forward reads the
-        logits in place, backward writes straight into the gradient. With
+        logits in place, backward writes straight into the gradient (with
+        ``keep``, ``log_probs_at`` or ``top_k`` on bf16/fp16 logits, into one
+        float32 ``[chunk_size, V_local]`` buffer instead, so that the sparse
+        term is added before the gradient is rounded once, as eager does). With
         ``keep``: the kept sets as entries (two int64 and two flags per kept id and
         per token, held until backward; about 46 bytes per kept id at the
         peak while they are built, 64 from a dense mask) and two to four more

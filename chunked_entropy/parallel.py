@@ -91,6 +91,38 @@ def reduce_stats(st: BlockStats, group, k, kept: Optional[BlockStats] = None, co
     return out, kept, count
 
 
+def reduce_stats_pair(st: BlockStats, st_t: BlockStats, group, k, k_t):
+    """Merge two heads' per-shard statistics of the same rows (a divergence's student and teacher) over
+    ``group`` with the same arithmetic: one MAX all-reduce of both maxima, then one all-gather of both
+    rescaled sums, added in rank order on every rank. Returns ``(st, st_t)``.
+
+    An all-reduce's order of addition may depend on where an element sits and on the tensor's size
+    (gloo's ring over three ranks adds each segment starting from another rank), so two heads with
+    equal logits would get log-sum-exps an ulp apart, and a teacher equal to the student a divergence
+    of 1e-7. Here an element's sum depends on its values only. Two collectives per chunk for both
+    heads (four as two :func:`reduce_stats`); the gather moves ``world`` times the sums' few floats per row.
+    """
+    if not _active(group):
+        return st, st_t
+    m = torch.stack([st.m, st_t.m])
+    dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+    st, st_t = rescale(st, m[0], k), rescale(st_t, m[1], k_t)
+    extra = [t for t in (st.w, st.q, st_t.w, st_t.q) if t is not None]
+    packed = torch.stack([st.ones, st.rest, st.zl, st_t.ones, st_t.rest, st_t.zl] + extra)
+    world = dist.get_world_size(group)
+    every = packed.new_empty((world * packed.shape[0],) + tuple(packed.shape[1:]))
+    _all_gather_single(every, packed, group=group)
+    every = every.view((world,) + tuple(packed.shape))
+    total = every[0].clone()
+    for r in range(1, world):  # rank order, the same for every element
+        total.add_(every[r])
+    it = iter(total[6:])
+    pick = lambda t: None if t is None else next(it)  # noqa: E731
+    w, q, w_t, q_t = pick(st.w), pick(st.q), pick(st_t.w), pick(st_t.q)
+    return (BlockStats(m[0], total[0], total[1], w, q, total[2]),
+            BlockStats(m[1], total[3], total[4], w_t, q_t, total[5]))
+
+
 #: Length of the vector every rank sends in the one all-gather of a call's check. Fixed, so that a rank
 #: whose arguments were refused early still sends as many numbers as its peers: never a size mismatch.
 CHECK_SLOTS = 128

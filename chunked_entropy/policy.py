@@ -38,7 +38,7 @@ from typing import Optional
 
 import torch
 
-from ._autograd import graph_is_kept, once_differentiable
+from ._autograd import connected, graph_is_kept, once_differentiable
 from ._blocks import (
     Plan,
     check_linear_args,
@@ -513,7 +513,7 @@ def linear_policy_loss(
             lp, ent = _outputs(tok, linear_row_stats(token_major(h_full, plan), weight, bias, tok, plan))
         loss, metrics = objective.value(lp, ent)
         if grads:  # zero tokens: a zero loss still connected to the inputs
-            loss = loss + sum(t.sum() * 0 for t in (hidden, weight, bias) if t is not None and t.requires_grad)
+            loss = connected(loss, hidden, weight, bias)
         return loss, metrics
     loss = _HeadLossFunction.apply(hidden, weight, bias, tok, plan, objective, main_grad)
     return loss, objective.result[1]
@@ -527,7 +527,9 @@ class _LogitsLossFunction(torch.autograd.Function):
         fill, view = logits_source(logits)
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         gflat = grad.view(n, v)
-        direct = logits.dtype == cdt or compiled  # the gradient's own rows are the working buffer
+        # the gradient's own rows are the working buffer, unless kept sets' sparse term is added to a
+        # half-precision block: then it is formed in the compute dtype and rounded once (see logits.py)
+        direct = logits.dtype == cdt or (compiled and tok.keep is None)
         stats = new_row_stats(n, Want(), cdt, logits.device, tok.keep)
         blocks = loss_grad_blocks(
             tok, fill, width=v, block=v, chunk_size=chunk_size, group=group, want=Want(),
@@ -626,6 +628,6 @@ def policy_loss_from_logits(
         if tok.n:
             lp, ent = _outputs(tok, logits_row_stats(logits, tok, chunk_size, process_group, Want(), compiled))
         loss, metrics = objective.value(lp, ent)
-        return (loss + logits.sum() * 0 if grads else loss), metrics
+        return (connected(loss, logits) if grads else loss), metrics
     loss = _LogitsLossFunction.apply(logits, tok, chunk_size, process_group, objective, compiled)
     return loss, objective.result[1]

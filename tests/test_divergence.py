@@ -419,3 +419,48 @@ def test_host_syncs_do_not_grow_with_the_chunks(form, kind, beta):
         counts[chunk] = s.ops
     assert counts[n] == counts[n // 2] == counts[n // 8], counts
     assert sum(counts[n].values()) <= 8, counts[n]
+
+
+# ----------------------------------------------------------------------------- arguments named (issue 33)
+
+
+def test_zero_dimensional_logits_are_named():
+    for s, t, name in ((torch.tensor(1.0), torch.randn(3), "student_logits"),
+                       (torch.randn(3), torch.tensor(1.0), "teacher_logits"),
+                       (torch.randn(2, 0), torch.randn(2, 0), "student_logits")):
+        with pytest.raises(ValueError, match=f"{name} must be \\[..., V_local\\]"):
+            divergence_from_logits(s, t)
+
+
+def test_an_infinite_teacher_is_refused_from_one_min_max_reduction():
+    for bad in (math.inf, -math.inf, math.nan):
+        zt = torch.randn(4, 10).to(torch.bfloat16)[:, ::2]  # half precision, strided: no copy is made either
+        zt[3, 4] = bad
+        with pytest.raises(ValueError, match="teacher_logits must be finite"):
+            divergence_from_logits(torch.randn(4, 5), zt.float())
+        with pytest.raises(ValueError, match="teacher_hidden must be finite"):
+            linear_divergence(torch.randn(4, 5), torch.randn(7, 5), zt, torch.randn(7, 5).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("kw,exc,match", [
+    (dict(normalizer=torch.ones(4)), ValueError, r"normalizer must be a number > 0 or a 0-d tensor .* shape \(4,\)"),
+    (dict(normalizer=torch.empty((), device="meta")), ValueError, "normalizer is on meta"),
+    (dict(normalizer=torch.tensor(True)), TypeError, "normalizer must be"),
+    (dict(normalizer=-1.0), ValueError, "normalizer must be a number > 0"),
+    (dict(weights=torch.empty(4, device="meta")), ValueError, "weights is on meta"),
+    (dict(weights=torch.ones(5)), ValueError, r"weights must have the tokens' shape \(4,\)"),
+    (dict(weights=torch.ones(4, dtype=torch.int64)), TypeError, "weights must be float"),
+    (dict(reduction="avg"), ValueError, "reduction must be 'mean' or 'sum'"),
+])
+def test_the_loss_forms_own_arguments_are_named(kw, exc, match):
+    hs = torch.randn(4, 6, requires_grad=True)
+    with pytest.raises(exc, match=match):
+        linear_divergence_loss(hs, torch.randn(10, 6), torch.randn(4, 8), torch.randn(10, 8), **kw)
+    assert hs.grad is None
+
+
+def test_a_cpu_normalizer_is_a_scalar_from_anywhere():
+    hs, ws, ht, wt = _args()
+    a = linear_divergence_loss(hs, ws, ht, wt, normalizer=torch.tensor(3, dtype=torch.int64)).loss
+    b = linear_divergence_loss(hs, ws, ht, wt, reduction="sum").loss / 3
+    torch.testing.assert_close(a, b, rtol=1e-6, atol=0)

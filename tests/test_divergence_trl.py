@@ -190,3 +190,34 @@ def test_chunked_divergence_loss_equals_trls(num_items):
     for a, b in zip(*results, strict=True):
         torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-6)
     assert results[0][3][1].abs().max() == 0  # masked rows: no gradient
+
+
+@pytest.mark.parametrize("case", ["bf16 teacher", "fp16 student, all-zero mask"])
+def test_chunked_divergence_loss_equals_trls_with_half_precision_models(case):
+    """TRL projects both models to float32 logits: a bf16 teacher beside a float32 student too (the adapter
+    used to round the teacher's logits to bf16); a micro-batch without a completion token gives TRL's 0."""
+    from trl.trainer.distillation_trainer import _chunked_divergence_loss
+
+    from chunked_entropy.integrations.trl import chunked_divergence_loss
+
+    g = torch.Generator().manual_seed(5)
+    s_dtype, t_dtype = (torch.float32, torch.bfloat16) if case == "bf16 teacher" else (torch.float16, torch.float16)
+    hs, ht = torch.randn(2, 5, 16, generator=g).to(s_dtype), torch.randn(2, 5, 24, generator=g)
+    ht[..., 0] = 30.0  # teacher logits near 300, where bf16 rounds to 2
+    ws, wt = torch.randn(40, 16, generator=g) / 2, torch.randn(40, 24, generator=g) / 2
+    wt[:, 0] = 10.0 + torch.rand(40, generator=g) * 0.3
+    mask = torch.ones(2, 5, dtype=torch.int64) if case == "bf16 teacher" else torch.zeros(2, 5, dtype=torch.int64)
+    if s_dtype == torch.float16:  # a weight whose fp16 sum overflows (weight.sum() * 0 is NaN)
+        ws = torch.full_like(ws, 120.0)
+        assert torch.isinf(ws.half().sum())
+    ht, wt, ws = ht.to(t_dtype), wt.to(t_dtype), ws.to(s_dtype)
+    results = []
+    for fn in (_chunked_divergence_loss, chunked_divergence_loss):
+        h, w = hs.clone().requires_grad_(), ws.clone().requires_grad_()
+        loss, ent, n = fn(h, ht, w, wt, mask, 0.0)
+        loss.backward()
+        results.append((loss.detach().float(), ent.detach().float(), n, h.grad.float(), w.grad.float()))
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+    if case != "bf16 teacher":
+        assert results[1][0].item() == 0.0 and torch.isfinite(results[1][4]).all()

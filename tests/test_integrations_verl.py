@@ -324,3 +324,16 @@ def _topk_distillation(rank, world):
 @pytest.mark.parametrize("world", [1, 2])
 def test_topk_distillation_keys_come_from_the_chunked_pass_and_equal_verls_route(world):
     run_distributed(_topk_distillation, world, timeout_s=120)
+
+
+@pytest.mark.parametrize("chunk", [None, "abc", 0, True])
+def test_a_bad_chunk_size_in_verls_engine_config_is_named(chunk):
+    logits, label, temperature, _, _ = _inputs("thd", torch.float32, 13, seed=3)
+    engine = _engine(8)
+    object.__setattr__(engine.engine_config, "entropy_from_logits_chunk_size", chunk)  # as a config file may hold
+    with pytest.raises(ValueError, match="engine_config.entropy_from_logits_chunk_size must be an int >= 1"):
+        ce_verl.lm_head_logits_processor(
+            engine, logits, label, temperature, calculate_entropy=True, calculate_sum_pi_squared=False,
+            distillation_use_topk=False, distillation_only=False, logits_processor_func=None, batch=None,
+            data_format="thd",
+        )

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.abc
 import inspect
 import logging
+import numbers
 import sys
 import threading
 from dataclasses import dataclass
@@ -28,6 +29,15 @@ def check_logits(logits) -> None:
         raise TypeError(f"logits must be a torch.Tensor (..., num_classes), got {type(logits).__name__}")
     if logits.dim() < 1 or logits.shape[-1] < 1:
         raise ValueError(f"logits must be (..., num_classes) with num_classes >= 1, got shape {tuple(logits.shape)}")
+
+
+def engine_chunk_size(engine_config, key: str = "entropy_from_logits_chunk_size") -> int:
+    """A framework engine's chunk size (verl's ``engine_config.entropy_from_logits_chunk_size``): an int >= 1,
+    else a ValueError naming the key (``int()`` of None or ``"abc"`` would name nothing)."""
+    value = getattr(engine_config, key, None)
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"engine_config.{key} must be an int >= 1 (the tokens per chunk), got {value!r}")
+    return int(value)
 
 
 def check_ids(name: str, ids, logits) -> None:

@@ -376,11 +376,12 @@ def chunked_divergence_loss(student_hidden_states, teacher_hidden_states, studen
     ht = teacher_hidden_states.reshape(-1, teacher_hidden_states.shape[-1])[valid].to(t_dtype)
     if num_items_in_batch is None:
         num_items_in_batch = n_valid.clamp(min=1)
-    half = s_dtype in (torch.bfloat16, torch.float16)
+    half = s_dtype in (torch.bfloat16, torch.float16) or t_dtype in (torch.bfloat16, torch.float16)
     with torch.autocast(device, enabled=False):
         res = linear_divergence_loss(
             hs, ws, ht, wt, student_bias=bs, teacher_bias=bt, compute_entropy=True, reduction="sum",
-            normalizer=num_items_in_batch, chunk_size=chunk_size, logits_dtype=torch.float32 if half else None,
+            normalizer=num_items_in_batch, chunk_size=chunk_size,
+            logits_dtype=torch.float32 if half else None,  # for each half-precision model (a float32 one is already)
             **divergence_keywords(beta, temperature=temperature, student_logit_scale=student_logit_scale,
                                   teacher_logit_scale=teacher_logit_scale,
                                   student_softcap=student_final_logit_softcapping,

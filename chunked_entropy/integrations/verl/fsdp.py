@@ -60,7 +60,7 @@ import torch
 from ..._checks import require
 from ...linear import linear_log_probs_and_entropy
 from ...logits import log_probs_and_entropy
-from .._common import Target, check_parameters
+from .._common import Target, check_parameters, engine_chunk_size
 from ._distill import distillation_keys, teacher_topk
 
 __all__ = [
@@ -352,7 +352,7 @@ def _unfused(engine, output, output_args, micro_batch, logits_processor_func) ->
     ids = None if teacher is None else teacher[1]
     out = log_probs_and_entropy(
         logits, labels if want_lp else None, label_mask=mask if want_lp else None,
-        chunk_size=int(engine.engine_config.entropy_from_logits_chunk_size), temperature=t, process_group=group,
+        chunk_size=engine_chunk_size(engine.engine_config), temperature=t, process_group=group,
         compute_entropy=entropy, compute_sum_pi_squared=spp, log_probs_at=ids,
         top_k=None if ids is None else ids.shape[-1],
     )

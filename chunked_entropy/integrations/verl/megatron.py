@@ -29,7 +29,7 @@ import torch
 
 from ...logits import log_probs_and_entropy
 from ...parallel import default_tp_group
-from .._common import Target, check_parameters
+from .._common import Target, check_parameters, engine_chunk_size
 from ._distill import distillation_keys, teacher_topk
 
 __all__ = ["TARGET_MODULE", "TARGETS", "lm_head_logits_processor"]
@@ -118,7 +118,7 @@ def lm_head_logits_processor(
         out = log_probs_and_entropy(
             logits,
             None if teacher is not None and not want_lp else label,
-            chunk_size=int(self.engine_config.entropy_from_logits_chunk_size),
+            chunk_size=engine_chunk_size(self.engine_config),
             temperature=t,
             process_group=default_tp_group(),
             compute_entropy=bool(calculate_entropy),

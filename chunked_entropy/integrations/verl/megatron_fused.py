@@ -66,7 +66,7 @@ from typing import Optional, Union
 import torch
 
 from ...head import ChunkedVocabParallelHead
-from .._common import Target, check_parameters
+from .._common import Target, check_parameters, engine_chunk_size
 from ._distill import distillation_keys, teacher_topk
 from .megatron import PADDING_TEMPERATURE
 
@@ -321,7 +321,7 @@ def forward_step(self, batch_iter, model, logits_processor_func, postprocess_mic
     if not torch.isfinite(temperature).all():
         raise ValueError("temperature must contain finite values (the micro-batch's 'temperature')")
     request = _Batch(
-        batch=batch, temperature=temperature, chunk_size=int(self.engine_config.entropy_from_logits_chunk_size),
+        batch=batch, temperature=temperature, chunk_size=engine_chunk_size(self.engine_config),
         entropy=flags["calculate_entropy"], sum_pi_squared=flags["calculate_sum_pi_squared"],
         log_probs=not flags["distillation_only"], distillation=flags["distillation_use_topk"],
         logits_processor_func=logits_processor_func, **_mtp_of(self, batch),

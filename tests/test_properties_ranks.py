@@ -1,0 +1,282 @@
+"""Property: any argument of any op, changed on one rank of a process group, fails fast on every rank.
+
+The arguments are enumerated from each op's signature (``inspect.signature``), so a parameter added
+later is covered without a new line here: its value in the base call is changed by its type (a tensor
+gets one element changed, a number is scaled, a flag flipped, an option string swapped for another;
+a bad value is a tensor of the wrong shape, a NaN, an object of the wrong type). On rank 1 only:
+
+- a bad value: every rank raises the same ``ValueError`` / ``TypeError``, naming rank 1;
+- a different valid value: every rank raises the same error, naming rank 1, except for the arguments
+  that are each rank's own by contract (:data:`PER_RANK`, each with its reason): then no rank raises
+  and every rank's outputs are bit-equal.
+
+Each scenario runs in a real two-rank gloo group whose collective timeout is 20 s (a rank left waiting
+in a collective fails the test instead of hanging it), must finish in seconds, and is followed by an
+all-reduce that must give the right sum: the group stays usable. One spawn per op group.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import re
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from chunked_entropy import (
+    divergence_from_logits,
+    linear_divergence,
+    linear_divergence_loss,
+    linear_log_probs_and_entropy,
+    linear_policy_loss,
+    log_probs_and_entropy,
+    policy_loss_from_logits,
+)
+from tests.helpers import run_distributed
+
+B, T, H, V_LOCAL, WORLD = 2, 3, 4, 6, 2
+V = V_LOCAL * WORLD
+
+#: Arguments each rank passes its own value of, by contract: a different value on one rank is no error,
+#: and every rank's outputs must still be bit-equal.
+PER_RANK = {
+    "weight": "this rank's vocabulary shard",
+    "student_weight": "this rank's vocabulary shard",
+    "teacher_weight": "this rank's vocabulary shard",
+    "bias": "this rank's vocabulary shard",
+    "student_bias": "this rank's vocabulary shard",
+    "teacher_bias": "this rank's vocabulary shard",
+    "logits": "this rank's vocabulary shard",
+    "student_logits": "this rank's vocabulary shard",
+    "teacher_logits": "this rank's vocabulary shard",
+    "gradient_accumulation_fusion": "where this rank's weight gradient goes (main_grad or .grad): no collective",
+    # Replicated by contract but not compared: a fingerprint would read all [T, H] values per call.
+    "hidden": "replicated by contract, not fingerprinted (a pass over [T, H] per call)",
+    "student_hidden": "replicated by contract, not fingerprinted (a pass over [T, H] per call)",
+    "teacher_hidden": "replicated by contract, not fingerprinted (a pass over [T, H] per call)",
+}
+
+#: Arguments whose different value is not tried, with the reason.
+NOT_VARIED = {
+    "backend": "a kernel choice per rank (same collectives, outputs equal to rounding); compiling costs a minute",
+    "generator": "an object without a value to change (clip_cov's draw is fingerprinted: test_policy_modes)",
+    "options": "None in the base call (its fields are the keyword arguments varied here)",
+}
+
+#: Another valid value of an option string (keyed by the value).
+OTHER = {"forward_kl": "reverse_kl", "reverse_kl": "jsd", "mean": "sum", "sum": "mean", "full": "kept",
+         "kept": "full", "token-mean": "token-sum", "vanilla": "gspo", "low_var_kl": "k3", "eager": "eager"}
+
+
+def _data(rank):
+    g = torch.Generator().manual_seed(0)
+    full_logits = torch.randn(B, T, V, generator=g) * 2
+    full_w, full_tw = torch.randn(V, H, generator=g), torch.randn(V, H + 1, generator=g)
+    full_b = torch.randn(V, generator=g)
+    s = slice(rank * V_LOCAL, (rank + 1) * V_LOCAL)
+    return dict(
+        logits=full_logits[..., s].contiguous(), teacher_logits=(full_logits * 0.7 + 0.1)[..., s].contiguous(),
+        hidden=torch.randn(B, T, H, generator=g), teacher_hidden=torch.randn(B, T, H + 1, generator=g),
+        weight=full_w[s].clone(), teacher_weight=full_tw[s].clone(), bias=full_b[s].clone(),
+        labels=torch.randint(0, V, (B, T), generator=g), ids=torch.randint(0, V, (B, T, 2), generator=g),
+        temperature=torch.rand(B, T, generator=g) + 0.5, mask=torch.tensor([[True, True, False], [True] * 3]),
+        old=-torch.rand(B, T, generator=g) - 1, adv=torch.randn(B, T, generator=g),
+        ref=-torch.rand(B, T, generator=g) - 1, weights=torch.rand(B, T, generator=g) + 0.5,
+        keep=(torch.tensor([0, 3, 5, 1, 2, 7, 9, 11, 4, 6]), torch.tensor([0, 2, 3, 5, 7, 8, 10])),
+    )
+
+
+def _bases(op, d):
+    """Base calls of ``op``: every argument set (to a non-default value where that makes sense)."""
+    bf = lambda t: t.to(torch.bfloat16)  # noqa: E731 - half weights, so that logits_dtype changes something
+    common = dict(chunk_size=4, temperature=d["temperature"], process_group=dist.group.WORLD)
+    if op is log_probs_and_entropy:
+        base = dict(logits=d["logits"], labels=d["labels"], compute_entropy=True, label_mask=d["mask"],
+                    ignore_index=int(d["labels"][1, 2]), softcap=30.0, logit_scale=1.3,
+                    compute_sum_pi_squared=True, backend="eager", **common)
+        return [dict(base, log_probs_at=d["ids"], top_k=3, entropy_of="full"),
+                dict(base, keep=d["keep"], entropy_of="kept")]
+    if op is linear_log_probs_and_entropy:
+        base = dict(hidden=bf(d["hidden"]), weight=bf(d["weight"]), labels=d["labels"], bias=bf(d["bias"]),
+                    sequence_parallel=False, compute_entropy=True, label_mask=d["mask"],
+                    ignore_index=int(d["labels"][1, 2]), vocab_chunk_size=4, gradient_accumulation_fusion=False,
+                    softcap=30.0, logit_scale=1.3, compute_sum_pi_squared=True, backend="eager",
+                    logits_dtype=torch.float32, **common)
+        return [dict(base, log_probs_at=d["ids"], top_k=3, entropy_of="full"),
+                dict(base, keep=d["keep"], entropy_of="kept")]
+    policy = dict(labels=d["labels"], old_log_probs=d["old"], advantages=d["adv"], loss_mask=d["mask"].float(),
+                  ref_log_probs=d["ref"], kl_coef=0.1, kl_kind="low_var_kl", entropy_coeff=0.01,
+                  loss_mode="vanilla", rollout_is_weights=d["weights"], loss_agg_mode="token-mean",
+                  loss_scale_factor=2.0, dp_size=1, softcap=30.0, logit_scale=1.3, backend="eager",
+                  keep=d["keep"], entropy_of="full", **common)
+    if op is linear_policy_loss:
+        base = dict(hidden=bf(d["hidden"]), weight=bf(d["weight"]), bias=bf(d["bias"]), vocab_chunk_size=4,
+                    sequence_parallel=False, gradient_accumulation_fusion=False, logits_dtype=torch.float32,
+                    **policy)
+        return [base, dict(base, rollout_is_weights=None, rollout_log_probs=d["old"] - 0.1, keep=None,
+                           batch_num_tokens=8, global_batch_size=4, loss_agg_mode="seq-mean-token-sum-norm")]
+    if op is policy_loss_from_logits:
+        base = dict(logits=d["logits"], **policy)
+        return [base, dict(base, rollout_is_weights=None, rollout_log_probs=d["old"] - 0.1, keep=None,
+                           batch_num_tokens=8, global_batch_size=4, loss_agg_mode="seq-mean-token-sum-norm")]
+    two = dict(student_softcap=30.0, student_logit_scale=1.3, teacher_softcap=20.0, teacher_logit_scale=0.9,
+               label_mask=d["mask"], compute_entropy=True, **common)
+    heads = dict(student_hidden=bf(d["hidden"]), student_weight=bf(d["weight"]), teacher_hidden=d["teacher_hidden"],
+                 teacher_weight=d["teacher_weight"], student_bias=bf(d["bias"]),
+                 teacher_bias=d["bias"] * 0.5, vocab_chunk_size=4, sequence_parallel=False,
+                 logits_dtype=torch.float32, **two)
+    if op is linear_divergence:
+        return [dict(heads, divergence="jsd", beta=0.3, labels=d["labels"], ignore_index=int(d["labels"][1, 2]))]
+    if op is linear_divergence_loss:
+        return [dict(heads, divergence="forward_kl", reduction="sum", normalizer=5.0, weights=d["weights"]),
+                dict(heads, divergence="jsd", beta=0.3, reduction="mean", normalizer=torch.tensor(5.0))]
+    if op is divergence_from_logits:
+        return [dict(student_logits=d["logits"], teacher_logits=d["teacher_logits"], divergence="jsd", beta=0.3,
+                     labels=d["labels"], ignore_index=int(d["labels"][1, 2]), **two)]
+    raise AssertionError(op)
+
+
+def _different(value):
+    """Another valid value of the same kind, or None where there is none to make."""
+    if isinstance(value, torch.Tensor):
+        t = value.clone()
+        flat = t.view(-1)
+        if t.dtype == torch.bool:
+            flat[0] = ~flat[0]
+        elif t.is_floating_point():
+            flat[0] += 0.25
+        else:  # ids
+            flat[0] = (flat[0] + 1) % V
+        return t
+    if isinstance(value, tuple) and value and all(isinstance(t, torch.Tensor) for t in value):  # CSR (ids, offsets)
+        return (_different(value[0]),) + value[1:]
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, int):
+        return value + 1
+    if isinstance(value, float):
+        return value * 1.25 if value else 0.5
+    if isinstance(value, str):
+        return OTHER.get(value)
+    if isinstance(value, torch.dtype):
+        return None
+    return None
+
+
+def _bad(value):
+    """Values that must be refused: a tensor of the wrong shape, a NaN, something of the wrong type."""
+    if isinstance(value, torch.Tensor):
+        return [value[..., :-1] if value.dim() and value.shape[-1] > 1 else value.unsqueeze(-1).expand(
+            *value.shape, 2)]
+    if isinstance(value, tuple):
+        return [(value[0], value[1][:-1])]
+    if isinstance(value, bool):
+        return ["yes"]
+    if isinstance(value, (int, float)):
+        return [math.nan, "x"]
+    return [object()]
+
+
+def _flat(out):
+    """Every tensor of an op's result, in order (named tuples, tuples, dicts of metrics)."""
+    if isinstance(out, torch.Tensor):
+        return [out.detach()]
+    if isinstance(out, dict):
+        return [t for k in sorted(out) for t in _flat(out[k])]
+    if isinstance(out, (tuple, list)):
+        return [t for x in out for t in _flat(x)]
+    return [torch.as_tensor(out)] if isinstance(out, (int, float)) else []
+
+
+def _run(fn, kw):
+    try:
+        out = fn(**kw)
+    except (ValueError, TypeError) as e:
+        return ("raised", type(e).__name__, str(e))
+    flat = _flat(out) + _flat([getattr(out, k, None) for k in ("sum_pi_squared", "log_probs_at", "top_k_log_probs")
+                                if getattr(out, k, None) is not None])
+    return ("ok", [t.double().tolist() for t in flat])
+
+
+def _scenarios(op, d, rank):
+    """``(what, kwargs)`` for rank 1's changed calls (rank 0 makes the base call)."""
+    sig = inspect.signature(op)
+    covered = set()
+    for i, base in enumerate(_bases(op, d)):
+        for p in sig.parameters.values():
+            if p.name == "process_group":
+                continue
+            if p.kind == p.VAR_KEYWORD:  # **fields: an unknown keyword
+                covered.add(p.name)
+                yield f"base {i}: **{p.name} with an unknown keyword", "bad", p.name, dict(base, not_an_argument=1)
+                continue
+            if p.name not in base and p.default is inspect.Parameter.empty:
+                raise AssertionError(f"{op.__name__}'s required argument {p.name} is not in base call {i}")
+            value = base.get(p.name, p.default)
+            covered.add(p.name)
+            if p.name not in NOT_VARIED:
+                other = _different(value)
+                if other is not None or (isinstance(value, torch.dtype)):
+                    yield f"base {i}: {p.name} different", "different", p.name, dict(base, **{p.name: other})
+            for bad in _bad(value):
+                yield f"base {i}: {p.name} = {type(bad).__name__} {bad!r:.40}", "bad", p.name, dict(base, **{
+                    p.name: bad})
+    assert covered == {n for n in sig.parameters if n != "process_group"}, covered
+
+
+def _check_op(rank, world, op):
+    d = _data(rank)
+    failures, count = [], 0
+    for what, kind, name, changed in _scenarios(op, d, rank):
+        base = _bases(op, d)[int(what.split(":")[0].split()[1])]
+        kw = changed if rank == 1 else base
+        t0 = time.monotonic()
+        mine = _run(op, kw)
+        took = time.monotonic() - t0
+        every = [None] * world
+        dist.all_gather_object(every, (mine, took))
+        count += 1
+        results = [r for r, _ in every]
+        slow = max(t for _, t in every)
+        raised = [r[0] == "raised" for r in results]
+        if slow > 10:
+            failures.append(f"{what}: took {slow:.1f} s")
+        if kind == "different" and name in PER_RANK:
+            if any(raised) or results[0][1] != results[1][1]:
+                failures.append(f"{what} (per rank by contract): {[r[:2] for r in results]}")
+        elif not all(raised):
+            failures.append(f"{what}: raised on ranks {[r for r in range(world) if raised[r]]} only: "
+                            f"{[r[2][:200] if r[0] == 'raised' else 'returned' for r in results]}")
+        elif len({re.sub(r"this is rank \d", "", r[2]) for r in results}) > 1 or "rank 1" not in results[0][2]:
+            failures.append(f"{what}: not the same error naming rank 1: {[r[2][:200] for r in results]}")
+        ok = torch.ones(1)
+        dist.all_reduce(ok)
+        assert ok.item() == world, f"the group is unusable after {what}"
+    assert count >= 20 and not failures, f"{len(failures)} of {count} scenarios failed:\n" + "\n".join(failures)
+
+
+def _check_ops(rank, world, ops):
+    for op in ops:
+        _check_op(rank, world, op)
+
+
+@pytest.mark.parametrize("ops", [
+    pytest.param((log_probs_and_entropy, linear_log_probs_and_entropy, policy_loss_from_logits, linear_policy_loss),
+                 id="log_probs_and_policy_loss"),
+    pytest.param((divergence_from_logits, linear_divergence, linear_divergence_loss), id="divergence"),
+])
+def test_every_argument_changed_on_one_rank_fails_fast_on_every_rank(ops):
+    run_distributed(_check_ops, WORLD, ops, timeout_s=20)
+
+
+def test_the_scenarios_cover_every_argument_of_every_op():
+    """Without a group: every argument of every op is enumerated, and each bad value is refused alone too."""
+    ops = (log_probs_and_entropy, linear_log_probs_and_entropy, policy_loss_from_logits, linear_policy_loss,
+           divergence_from_logits, linear_divergence, linear_divergence_loss)
+    for op in ops:
+        d = _data(0)
+        names = {name for _, _, name, _ in _scenarios(op, d, 0)}
+        assert names == set(inspect.signature(op).parameters) - {"process_group"}, op.__name__
