@@ -1,0 +1,327 @@
+"""NeMo-RL: the loss path's log-probs, top-k distillation log-probs and entropy, chunked, without the float32 upcast.
+
+NeMo-RL (NVIDIA-NeMo/RL) computes the policy's log-probs in its loss path
+(``nemo_rl/algorithms/loss/utils.py``: ``prepare_loss_input``,
+``prepare_packed_loss_input``) through ``nemo_rl/distributed/model_utils.py``.
+Every route there (Megatron TP with context parallelism, DTensor TP, packed
+sequences) ends in one of a few autograd Functions; around them NeMo-RL
+
+- casts the whole logits to float32 first unless a ``logprob_chunk_size`` is
+  set and the group is Megatron's (``get_next_token_logprobs_from_logits``,
+  ``prepare_packed_loss_input``): at TP 1 with the default
+  ``logprob_chunk_size: null`` a full ``[B, S, V]`` float32 copy (NeMo-RL
+  #4115), and its unchunked ``DistributedLogprob`` then saves the float32
+  softmax ``[B, S, V/tp]`` for backward (#4222: two such tensors of 9.94 GiB
+  at 20k tokens x 131k vocabulary);
+- its chunked Functions (``ChunkedDistributedLogprob``,
+  ``ChunkedDistributedGatherLogprob``, ``ChunkedDistributedEntropy``) save the
+  logits and recompute, but allocate a float32 ``[B, S, V/tp]`` gradient
+  buffer in backward on top of autograd's.
+
+:func:`install` replaces, where NeMo-RL looks them up:
+
+- ``DistributedLogprob`` and ``ChunkedDistributedLogprob`` (the unfiltered
+  next-token log-probs of every route, and the unfiltered ones for the KL
+  under top-k/top-p) with :class:`DistributedLogprob` /
+  :class:`ChunkedDistributedLogprob`, computed by
+  :func:`~chunked_entropy.log_probs_and_entropy`;
+- ``ChunkedDistributedGatherLogprob`` (the top-k distillation log-probs) with
+  :class:`ChunkedDistributedGatherLogprob` (``log_probs_at=``);
+- ``ChunkedDistributedEntropy`` (the distillation's ``H_all = sum p log p``,
+  with its gradient) with :class:`ChunkedDistributedEntropy`;
+- ``get_next_token_logprobs_from_logits`` and ``prepare_packed_loss_input``
+  with versions that skip the float32 upcast on every unfiltered route (the
+  layout code, CP sharding and packing stay NeMo-RL's own).
+
+NeMo-RL's own code still serves (documented, not refused): top-k/top-p
+*filtered* log-probs (``DistributedLogprobWithSampling`` and its chunked
+twin: NeMo-RL's filter gives ``-inf`` to a sampled token outside the kept
+set, which the library's ``keep=`` counts as kept), the distillation's
+float32 cast at the top of ``get_distillation_topk_logprobs_from_logits``, and
+the hidden-state route (``from_parallel_hidden_states_to_logprobs``).
+
+Turn it on where the policy worker runs (each Ray worker process), before the
+first step::
+
+    import chunked_entropy.integrations.nemo_rl as ce_nemo_rl
+    ce_nemo_rl.install()
+
+Each replaced function's signature (each Function's ``forward``) is checked
+against NeMo-RL's at commit 7ea279ab (2026-08-22) first; on a mismatch
+:func:`install` raises and leaves NeMo-RL untouched.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ..logits import log_probs_and_entropy
+from ._common import Patch, Target, check_parameters
+
+__all__ = [
+    "DEFAULT_CHUNK_SIZE", "NEMO_RL_COMMIT", "ChunkedDistributedEntropy", "ChunkedDistributedGatherLogprob",
+    "ChunkedDistributedLogprob", "DistributedLogprob", "get_next_token_logprobs_from_logits", "install",
+    "installed", "prepare_packed_loss_input", "uninstall",
+]
+
+#: The NeMo-RL commit the replacements were written for (their signatures are checked at install).
+NEMO_RL_COMMIT = "7ea279abfbeb698b092856d0dab61e7cf39bc909"
+#: Tokens per chunk where NeMo-RL passes no ``logprob_chunk_size`` (its unchunked routes).
+DEFAULT_CHUNK_SIZE = 1024
+
+_MU = "nemo_rl.distributed.model_utils"
+_LOSS_UTILS = "nemo_rl.algorithms.loss.utils"
+
+
+def _mu():
+    return sys.modules[_MU]
+
+
+def _group(group):
+    """A group of one rank is no vocabulary sharding."""
+    return group if group is not None and dist.get_world_size(group) > 1 else None
+
+
+def _check_shard(where, logits, vocab_start_index, vocab_end_index, group):
+    """NeMo-RL's shard bounds must be the library's: rank ``r`` holds ``[r*V_local, (r+1)*V_local)``."""
+    v_local = logits.shape[-1]
+    rank = dist.get_rank(group) if group is not None else 0
+    if (int(vocab_start_index), int(vocab_end_index)) != (rank * v_local, (rank + 1) * v_local):
+        raise ValueError(
+            f"{where}: vocab_start_index/vocab_end_index ({vocab_start_index}, {vocab_end_index}) on rank {rank} are "
+            f"not this rank's contiguous shard ({rank * v_local}, {(rank + 1) * v_local}) of V_local = {v_local}"
+        )
+
+
+def _log_probs(logits, target, vocab_start_index, vocab_end_index, group, chunk_size, inference_only, where):
+    _check_shard(where, logits, vocab_start_index, vocab_end_index, _group(group))
+    with torch.no_grad() if inference_only else torch.enable_grad():
+        return log_probs_and_entropy(logits, target.long(), chunk_size=chunk_size, process_group=_group(group),
+                                     compute_entropy=False).log_probs
+
+
+class DistributedLogprob:
+    """NeMo-RL's ``DistributedLogprob.apply(logits, target, vocab_start_index, vocab_end_index, group,
+    inference_only=False)``, chunked in :data:`DEFAULT_CHUNK_SIZE` tokens.
+
+    Memory:
+        Saved for backward: a reference to the logits and two float32 per
+        token (NeMo-RL's saves the float32 softmax ``[B, S, V/tp]``). Forward
+        allocates one float32 ``[chunk, V/tp]`` buffer; backward the logits'
+        gradient and at most one such buffer. The logits are never written.
+    """
+
+    @staticmethod
+    def apply(vocab_parallel_logits, target, vocab_start_index, vocab_end_index, group, inference_only=False):
+        return _log_probs(vocab_parallel_logits, target, vocab_start_index, vocab_end_index, group,
+                          DEFAULT_CHUNK_SIZE, inference_only, "DistributedLogprob")
+
+
+class ChunkedDistributedLogprob:
+    """NeMo-RL's ``ChunkedDistributedLogprob.apply(logits, target, vocab_start_index, vocab_end_index,
+    chunk_size, tp_group, inference_only=False)``.
+
+    Memory:
+        As :class:`DistributedLogprob`, with ``chunk_size`` tokens per chunk
+        (NeMo-RL's own allocates a float32 ``[B, S, V/tp]`` gradient buffer in
+        backward besides autograd's).
+    """
+
+    @staticmethod
+    def apply(vocab_parallel_logits, target, vocab_start_index, vocab_end_index, chunk_size, tp_group,
+              inference_only=False):
+        return _log_probs(vocab_parallel_logits, target, vocab_start_index, vocab_end_index, tp_group,
+                          int(chunk_size), inference_only, "ChunkedDistributedLogprob")
+
+
+class ChunkedDistributedGatherLogprob:
+    """NeMo-RL's ``ChunkedDistributedGatherLogprob.apply(logits, global_indices, vocab_start_index,
+    vocab_end_index, chunk_size, tp_group, inference_only=False)``: ``[B, S, K]`` log-probs at global ids.
+
+    Memory:
+        Saved for backward: a reference to the logits and the ids, and a few
+        float32 per token. Per chunk one float32 ``[chunk, V/tp]`` buffer.
+    """
+
+    @staticmethod
+    def apply(vocab_parallel_logits, global_indices, vocab_start_index, vocab_end_index, chunk_size, tp_group,
+              inference_only=False):
+        group = _group(tp_group)
+        _check_shard("ChunkedDistributedGatherLogprob", vocab_parallel_logits, vocab_start_index, vocab_end_index,
+                     group)
+        with torch.no_grad() if inference_only else torch.enable_grad():
+            out = log_probs_and_entropy(vocab_parallel_logits, None, chunk_size=int(chunk_size),
+                                        process_group=group, compute_entropy=False,
+                                        log_probs_at=global_indices.long())
+        return out.log_probs_at.contiguous()
+
+
+class ChunkedDistributedEntropy:
+    """NeMo-RL's ``ChunkedDistributedEntropy.apply(logits, chunk_size, tp_group, inference_only=False)``:
+    ``H_all = sum_v p_v log p_v`` (the *negative* entropy, NeMo-RL's sign), ``[B, S]``, with its gradient.
+
+    Memory:
+        Saved for backward: a reference to the logits and three float32 per
+        token. Per chunk two float32 ``[chunk, V/tp]`` buffers (NeMo-RL's own
+        allocates a float32 ``[B, S, V/tp]`` gradient buffer in backward).
+    """
+
+    @staticmethod
+    def apply(vocab_parallel_logits, chunk_size, tp_group, inference_only=False):
+        no_label = torch.full(vocab_parallel_logits.shape[:-1], -100, dtype=torch.int64,
+                              device=vocab_parallel_logits.device)
+        with torch.no_grad() if inference_only else torch.enable_grad():
+            out = log_probs_and_entropy(vocab_parallel_logits, no_label, chunk_size=int(chunk_size),
+                                        process_group=_group(tp_group))
+        return out.entropy.neg().contiguous()
+
+
+def get_next_token_logprobs_from_logits(
+    input_ids: torch.Tensor,
+    next_token_logits: torch.Tensor,
+    seq_index: Optional[torch.Tensor] = None,
+    vocab_parallel_rank: Optional[int] = None,
+    vocab_parallel_group=None,
+    context_parallel_group=None,
+    sampling_params=None,
+    chunk_size: Optional[int] = None,
+) -> torch.Tensor:
+    """NeMo-RL's ``get_next_token_logprobs_from_logits`` without the float32 upcast of the whole logits.
+
+    The same arguments and result (``[B, S - 1]`` float32 log-probs of the
+    next tokens). Unfiltered (no top-k/top-p in ``sampling_params``):
+
+    - Megatron (``vocab_parallel_group`` given): NeMo-RL's own
+      ``from_parallel_logits_to_logprobs`` (its CP sharding and gather) with
+      the logits as they are and ``chunk_size`` defaulting to
+      :data:`DEFAULT_CHUNK_SIZE`, so the replaced chunked Function serves;
+    - DTensor: NeMo-RL's own ``get_logprobs_from_vocab_parallel_logits`` on the
+      DTensor as it is (the replaced Function serves);
+    - a plain tensor (TP 1 FSDP2): :func:`~chunked_entropy.log_probs_and_entropy`
+      on ``logits[:, :-1]`` and ``input_ids[:, 1:]``.
+
+    With top-k/top-p filtering NeMo-RL's own function runs (upcast included).
+
+    Memory:
+        Unfiltered: saved for backward a reference to the logits and two
+        float32 per token; per chunk one float32 ``[chunk, V/tp]`` buffer.
+    """
+    mu = _mu()
+    own = _PATCH.original("get_next_token_logprobs_from_logits")
+    if mu.need_top_k_or_top_p_filtering(sampling_params):
+        return own(input_ids, next_token_logits, seq_index, vocab_parallel_rank, vocab_parallel_group,
+                   context_parallel_group, sampling_params, chunk_size)
+    chunk = DEFAULT_CHUNK_SIZE if chunk_size is None else int(chunk_size)
+    if vocab_parallel_group is not None:
+        if vocab_parallel_rank is None:
+            raise ValueError("vocab_parallel_rank must be given with vocab_parallel_group")
+        v_local = next_token_logits.shape[-1]
+        logprobs = mu.from_parallel_logits_to_logprobs(
+            next_token_logits, input_ids, vocab_start_index=vocab_parallel_rank * v_local,
+            vocab_end_index=(vocab_parallel_rank + 1) * v_local, tp_group=vocab_parallel_group,
+            inference_only=False, cp_group=context_parallel_group, sampling_params=sampling_params,
+            chunk_size=chunk,
+        )
+        return logprobs[:, : input_ids.shape[1] - 1]
+    if isinstance(next_token_logits, torch.distributed.tensor.DTensor):
+        return mu.get_logprobs_from_vocab_parallel_logits(next_token_logits, input_ids, seq_index=seq_index,
+                                                          sampling_params=sampling_params)
+    labels = input_ids[:, 1:].to(device=next_token_logits.device, dtype=torch.int64)
+    return log_probs_and_entropy(next_token_logits[:, :-1], labels, chunk_size=chunk,
+                                 compute_entropy=False).log_probs
+
+
+def prepare_packed_loss_input(
+    logits: torch.Tensor,
+    data,
+    loss_fn,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_q_padded: torch.Tensor,
+    vocab_parallel_rank: Optional[int] = None,
+    vocab_parallel_group=None,
+    context_parallel_group=None,
+    sampling_params=None,
+    chunk_size: Optional[int] = None,
+):
+    """NeMo-RL's ``prepare_packed_loss_input``, with ``chunk_size`` defaulting to :data:`DEFAULT_CHUNK_SIZE`.
+
+    NeMo-RL's own function runs; without a chunk size it would cast the
+    packed logits to float32 first. With one (and unfiltered) it passes them
+    as they are to the chunked Function, which the plugin replaced. Filtered
+    (top-k/top-p) it runs as NeMo-RL's.
+    """
+    own = _PATCH.original("prepare_packed_loss_input")
+    chunk = DEFAULT_CHUNK_SIZE if chunk_size is None else chunk_size
+    return own(logits, data, loss_fn, cu_seqlens_q, cu_seqlens_q_padded, vocab_parallel_rank,
+               vocab_parallel_group, context_parallel_group, sampling_params, chunk)
+
+
+# ----------------------------------------------------------------------------- install
+
+
+def _forward_check(where: str, expected: tuple):
+    """A ``Target.check`` for an autograd Function: its ``forward``'s parameters are ``expected``."""
+    check = check_parameters(f"{where}.forward", ("ctx", *expected), f"NeMo-RL (written at {NEMO_RL_COMMIT[:8]})")
+    return lambda original: check(original.forward)
+
+
+_FUNCTIONS = (
+    (DistributedLogprob, ("vocab_parallel_logits", "target", "vocab_start_index", "vocab_end_index", "group",
+                          "inference_only")),
+    (ChunkedDistributedLogprob, ("vocab_parallel_logits", "target", "vocab_start_index", "vocab_end_index",
+                                 "chunk_size", "tp_group", "inference_only")),
+    (ChunkedDistributedGatherLogprob, ("vocab_parallel_logits", "global_indices", "vocab_start_index",
+                                       "vocab_end_index", "chunk_size", "tp_group", "inference_only")),
+    (ChunkedDistributedEntropy, ("vocab_parallel_logits", "chunk_size", "tp_group", "inference_only")),
+)
+_NEXT = ("input_ids", "next_token_logits", "seq_index", "vocab_parallel_rank", "vocab_parallel_group",
+         "context_parallel_group", "sampling_params", "chunk_size")
+_PACKED = ("logits", "data", "loss_fn", "cu_seqlens_q", "cu_seqlens_q_padded", "vocab_parallel_rank",
+           "vocab_parallel_group", "context_parallel_group", "sampling_params", "chunk_size")
+_WRITTEN = f"NeMo-RL (written at {NEMO_RL_COMMIT[:8]})"
+
+#: Every (module, name) the plugin replaces.
+TARGETS = (
+    *((_MU, cls.__name__) for cls, _ in _FUNCTIONS),
+    (_MU, "get_next_token_logprobs_from_logits"),
+    (_LOSS_UTILS, "get_next_token_logprobs_from_logits"),
+    (_LOSS_UTILS, "prepare_packed_loss_input"),
+    ("nemo_rl.algorithms.loss", "prepare_packed_loss_input"),
+    ("nemo_rl.models.megatron.train", "prepare_packed_loss_input"),
+)
+
+_PATCH = Patch(
+    "NeMo-RL",
+    [*(Target(_MU, cls.__name__, cls, _forward_check(f"{_MU}.{cls.__name__}", params)) for cls, params in _FUNCTIONS),
+     *(Target(m, "get_next_token_logprobs_from_logits", get_next_token_logprobs_from_logits,
+              check_parameters(f"{m}.get_next_token_logprobs_from_logits", _NEXT, _WRITTEN))
+       for m in (_MU, _LOSS_UTILS)),
+     *(Target(m, "prepare_packed_loss_input", prepare_packed_loss_input,
+              check_parameters(f"{m}.prepare_packed_loss_input", _PACKED, _WRITTEN))
+       for m in (_LOSS_UTILS, "nemo_rl.algorithms.loss", "nemo_rl.models.megatron.train"))],
+    "NeMo-RL's log-probs, top-k distillation log-probs and entropy now run chunked: no float32 copy of the "
+    "logits, no saved softmax (top-k/top-p filtered log-probs and the hidden-state route stay NeMo-RL's)",
+)
+
+
+def install() -> None:
+    """Replace NeMo-RL's log-prob Functions and the two upcasting helpers wherever it looks them up (idempotent).
+
+    Checks every target already imported, then replaces them all, and the
+    rest as soon as NeMo-RL imports them. On a mismatch it raises
+    RuntimeError and leaves NeMo-RL as it was.
+    """
+    _PATCH.install()
+
+
+def uninstall() -> None:
+    """Restore NeMo-RL's own functions everywhere (and drop a pending hook)."""
+    _PATCH.uninstall()
+
+
+def installed() -> bool:
+    return _PATCH.installed()
