@@ -159,7 +159,9 @@ def _losses(loss_functions):
     pg = loss_functions.ClippedPGLossFn(loss_functions.ClippedPGLossConfig(reference_policy_kl_penalty=0.05))
     distill = loss_functions.DistillationLossFn(loss_functions.DistillationLossConfig(kl_type="mixed",
                                                                                      zero_outside_topk=True))
-    return {"clipped_pg": pg, "distillation": distill}
+    topk_only = loss_functions.DistillationLossFn(loss_functions.DistillationLossConfig(kl_type="reverse",
+                                                                                       zero_outside_topk=False))
+    return {"clipped_pg": pg, "distillation": distill, "distillation_topk_only": topk_only}
 
 
 def _step(prepare, loss_fn, shard, data, valid, backward=True, **kw):
@@ -233,8 +235,7 @@ def _parity_worker(rank, world, tp, cp):
     top_p = sampling.TrainingSamplingParams(top_p=0.9)
     cases = [("clipped_pg", dict(chunk_size=None)), ("clipped_pg", dict(chunk_size=4)),
              ("clipped_pg", dict(chunk_size=None, sampling_params=top_p))]
-    if cp == 1:
-        cases.append(("distillation", {}))
+    cases += [("distillation", {}), ("distillation_topk_only", {})]
     for name, kw in cases:  # the unpacked route: prepare_loss_input
         ours, theirs = _with_and_without(_step, loss_utils.prepare_loss_input, losses[name], local, data,
                                          valid, backward, **groups, **kw)
@@ -264,7 +265,7 @@ def _dtensor_worker(rank, world):
     def prepare(x, data, loss_fn, **kw):
         return loss_utils.prepare_loss_input(DTensor.from_local(x, mesh, [Shard(2)]), data, loss_fn, **kw)
 
-    for name in ("clipped_pg", "distillation"):
+    for name in losses:
         ours, theirs = _with_and_without(_step, prepare, losses[name], shard, data, valid)
         _same(ours, theirs)
 
@@ -293,17 +294,18 @@ def _plain_worker(rank, world):
     data, logits = _batch(V_LOCAL, seed=7)
     mask = data["token_mask"][:, 1:] * data["sample_mask"][:, None]
     valid = (data["sample_mask"].sum(), mask.sum())
-    pg = _losses(loss_functions)["clipped_pg"]
-    theirs = _step(loss_utils.prepare_loss_input, pg, logits, data, valid, vocab_parallel_rank=0,
-                   vocab_parallel_group=one)
+    losses = _losses(loss_functions)
+    theirs = {name: _step(loss_utils.prepare_loss_input, fn, logits, data, valid, vocab_parallel_rank=0,
+                          vocab_parallel_group=one) for name, fn in losses.items()}
     ce_nemo_rl.install()
     try:
-        ours = _step(loss_utils.prepare_loss_input, pg, logits, data, valid)
+        ours = {name: _step(loss_utils.prepare_loss_input, fn, logits, data, valid) for name, fn in losses.items()}
         x = logits.double().requires_grad_()
         lp = model_utils.get_next_token_logprobs_from_logits(data["input_ids"], x)
     finally:
         ce_nemo_rl.uninstall()
-    _same(ours, theirs)
+    for name in losses:
+        _same(ours[name], theirs[name])
     want, _ = reference(x.detach()[:, :-1].clone(), data["input_ids"][:, 1:])
     torch.testing.assert_close(lp, want, rtol=1e-9, atol=1e-10)
 
@@ -319,7 +321,7 @@ def test_install_patches_nemo_rl_and_a_mismatch_leaves_it_as_it_was(monkeypatch)
     import nemo_rl.algorithms.loss as loss_package
 
     own = {(m, n): getattr(sys.modules[m], n) for m, n in ce_nemo_rl.TARGETS if m in sys.modules}
-    assert len(own) >= 8  # every target but the Megatron train module (it imports megatron-bridge)
+    assert len(own) >= 10  # every target but the Megatron train module (it imports megatron-bridge)
     try:
         ce_nemo_rl.install()
         ce_nemo_rl.install()  # idempotent

@@ -29,16 +29,16 @@ sequences) ends in one of a few autograd Functions; around them NeMo-RL
   :class:`ChunkedDistributedGatherLogprob` (``log_probs_at=``);
 - ``ChunkedDistributedEntropy`` (the distillation's ``H_all = sum p log p``,
   with its gradient) with :class:`ChunkedDistributedEntropy`;
-- ``get_next_token_logprobs_from_logits`` and ``prepare_packed_loss_input``
-  with versions that skip the float32 upcast on every unfiltered route (the
-  layout code, CP sharding and packing stay NeMo-RL's own).
+- ``get_next_token_logprobs_from_logits``, ``prepare_packed_loss_input`` and
+  ``get_distillation_topk_logprobs_from_logits`` with versions that skip the
+  float32 upcast of the whole logits on every unfiltered route (the layout
+  code, CP sharding and packing stay NeMo-RL's own).
 
 NeMo-RL's own code still serves (documented, not refused): top-k/top-p
 *filtered* log-probs (``DistributedLogprobWithSampling`` and its chunked
 twin: NeMo-RL's filter gives ``-inf`` to a sampled token outside the kept
-set, which the library's ``keep=`` counts as kept), the distillation's
-float32 cast at the top of ``get_distillation_topk_logprobs_from_logits``, and
-the hidden-state route (``from_parallel_hidden_states_to_logprobs``).
+set, which the library's ``keep=`` counts as kept) and the hidden-state
+route (``from_parallel_hidden_states_to_logprobs``).
 
 Turn it on where the policy worker runs (each Ray worker process), before the
 first step::
@@ -64,7 +64,8 @@ from ._common import Patch, Target, check_parameters
 
 __all__ = [
     "DEFAULT_CHUNK_SIZE", "NEMO_RL_COMMIT", "ChunkedDistributedEntropy", "ChunkedDistributedGatherLogprob",
-    "ChunkedDistributedLogprob", "DistributedLogprob", "get_next_token_logprobs_from_logits", "install",
+    "ChunkedDistributedLogprob", "DistributedLogprob", "get_distillation_topk_logprobs_from_logits",
+    "get_next_token_logprobs_from_logits", "install",
     "installed", "prepare_packed_loss_input", "uninstall",
 ]
 
@@ -235,6 +236,95 @@ def get_next_token_logprobs_from_logits(
                                  compute_entropy=False).log_probs
 
 
+def get_distillation_topk_logprobs_from_logits(
+    student_logits: torch.Tensor,
+    teacher_topk_logits: torch.Tensor,
+    teacher_topk_indices: torch.Tensor,
+    zero_outside_topk: bool,
+    calculate_entropy: bool,
+    vocab_parallel_rank: Optional[int] = None,
+    vocab_parallel_group=None,
+    context_parallel_group=None,
+):
+    """NeMo-RL's ``get_distillation_topk_logprobs_from_logits`` without the float32 copy of the student's logits.
+
+    The same arguments and results (the student's and the teacher's top-k
+    log-probs ``[B, S - 1, K]`` and ``H_all = sum p log p`` ``[B, S - 1]`` or
+    None), on the same routes: Megatron TP (``vocab_parallel_group``) with
+    NeMo-RL's CP padding, sharding and all-gather, DTensor (its own mesh's
+    TP and CP groups), and a plain tensor. ``zero_outside_topk``: the
+    log-probs at the teacher's ids over the whole vocabulary and ``H_all``,
+    by the replaced Functions (a plain tensor: the library directly).
+    Otherwise: the student's logits gathered at the teacher's ids (NeMo-RL's
+    ``gather_logits_at_global_indices``, exact in any dtype), then a float32
+    log-softmax over the ``K`` of them.
+
+    Memory:
+        Saved for backward: a reference to the logits, a few float32 per
+        token and the ``[B, S, K]`` results; per chunk one or two float32
+        ``[chunk, V/tp]`` buffers. No ``[B, S, V/tp]`` float32 tensor.
+    """
+    from torch.distributed.tensor import DTensor
+
+    mu = _mu()
+    if teacher_topk_indices.shape[-1] <= 0:
+        raise ValueError(f"topk must be positive, got {teacher_topk_indices.shape[-1]}. topk=0 is not supported as "
+                         "it would result in empty tensor operations.")
+    indices = teacher_topk_indices.to(student_logits.device)
+    cp_group = context_parallel_group
+    cp_size = 1 if cp_group is None else dist.get_world_size(cp_group)
+    if vocab_parallel_group is not None:  # Megatron
+        if vocab_parallel_rank is None:
+            raise ValueError("vocab_parallel_rank must be given with vocab_parallel_group")
+        logits, group, tp_rank = student_logits, vocab_parallel_group, vocab_parallel_rank
+    elif isinstance(student_logits, DTensor):  # FSDP2 / DTensor: the groups of the logits' own mesh
+        mesh = student_logits.device_mesh
+        group = mesh.get_group("tp")
+        logits, tp_rank = student_logits.to_local(), group.rank()
+        if mesh.mesh_dim_names is not None and "cp" in mesh.mesh_dim_names:
+            cp_group = mesh.get_group("cp")
+            cp_size = cp_group.size()
+        else:
+            cp_group, cp_size = None, 1
+    else:
+        logits, group, tp_rank = student_logits, None, 0
+    v_local = int(logits.shape[-1])
+    start, end = tp_rank * v_local, (tp_rank + 1) * v_local
+    h_all = None
+    if zero_outside_topk and group is not None:
+        local, pad = indices, 0
+        if cp_size > 1:  # NeMo-RL's CP layout of the ids
+            pad = logits.shape[1] * cp_size - local.shape[1]
+            if pad > 0:
+                local = torch.nn.functional.pad(local, (0, 0, 0, pad), value=0)
+            local = mu._get_tokens_on_this_cp_rank(local, dist.get_rank(cp_group), cp_size, seq_dim=1)
+        chunk = max(1, min(int(logits.shape[1]), DEFAULT_CHUNK_SIZE))
+        topk = ChunkedDistributedGatherLogprob.apply(logits, local, start, end, chunk, group, False)
+        if calculate_entropy:
+            h_all = ChunkedDistributedEntropy.apply(logits, chunk, group, False)
+        if cp_size > 1:
+            topk = mu.allgather_cp_sharded_tensor(topk, cp_group, seq_dim=1)
+            if calculate_entropy:
+                h_all = mu.allgather_cp_sharded_tensor(h_all, cp_group, seq_dim=1)
+            if pad > 0:
+                topk = topk[:, :-pad, :]
+                h_all = h_all[:, :-pad] if calculate_entropy else None
+    elif zero_outside_topk:
+        out = log_probs_and_entropy(logits, None, chunk_size=DEFAULT_CHUNK_SIZE, log_probs_at=indices.long(),
+                                    compute_entropy=calculate_entropy)
+        topk = out.log_probs_at
+        h_all = out.entropy.neg() if calculate_entropy else None
+    else:
+        if group is not None or cp_size > 1:
+            gathered = mu.gather_logits_at_global_indices(logits, indices, tp_group=group, cp_group=cp_group,
+                                                          vocab_start_index=start, vocab_end_index=end)
+        else:
+            gathered = logits.gather(-1, indices)
+        topk = torch.log_softmax(gathered.float(), dim=-1)
+    teacher = torch.log_softmax(teacher_topk_logits.to(topk.device, dtype=topk.dtype), dim=-1)
+    return topk[:, :-1, :], teacher[:, :-1, :], (h_all[:, :-1] if calculate_entropy else None)
+
+
 def prepare_packed_loss_input(
     logits: torch.Tensor,
     data,
@@ -280,6 +370,8 @@ _FUNCTIONS = (
 )
 _NEXT = ("input_ids", "next_token_logits", "seq_index", "vocab_parallel_rank", "vocab_parallel_group",
          "context_parallel_group", "sampling_params", "chunk_size")
+_DISTILL = ("student_logits", "teacher_topk_logits", "teacher_topk_indices", "zero_outside_topk", "calculate_entropy",
+            "vocab_parallel_rank", "vocab_parallel_group", "context_parallel_group")
 _PACKED = ("logits", "data", "loss_fn", "cu_seqlens_q", "cu_seqlens_q_padded", "vocab_parallel_rank",
            "vocab_parallel_group", "context_parallel_group", "sampling_params", "chunk_size")
 _WRITTEN = f"NeMo-RL (written at {NEMO_RL_COMMIT[:8]})"
@@ -289,6 +381,8 @@ TARGETS = (
     *((_MU, cls.__name__) for cls, _ in _FUNCTIONS),
     (_MU, "get_next_token_logprobs_from_logits"),
     (_LOSS_UTILS, "get_next_token_logprobs_from_logits"),
+    (_MU, "get_distillation_topk_logprobs_from_logits"),
+    (_LOSS_UTILS, "get_distillation_topk_logprobs_from_logits"),
     (_LOSS_UTILS, "prepare_packed_loss_input"),
     ("nemo_rl.algorithms.loss", "prepare_packed_loss_input"),
     ("nemo_rl.models.megatron.train", "prepare_packed_loss_input"),
@@ -299,6 +393,9 @@ _PATCH = Patch(
     [*(Target(_MU, cls.__name__, cls, _forward_check(f"{_MU}.{cls.__name__}", params)) for cls, params in _FUNCTIONS),
      *(Target(m, "get_next_token_logprobs_from_logits", get_next_token_logprobs_from_logits,
               check_parameters(f"{m}.get_next_token_logprobs_from_logits", _NEXT, _WRITTEN))
+       for m in (_MU, _LOSS_UTILS)),
+     *(Target(m, "get_distillation_topk_logprobs_from_logits", get_distillation_topk_logprobs_from_logits,
+              check_parameters(f"{m}.get_distillation_topk_logprobs_from_logits", _DISTILL, _WRITTEN))
        for m in (_MU, _LOSS_UTILS)),
      *(Target(m, "prepare_packed_loss_input", prepare_packed_loss_input,
               check_parameters(f"{m}.prepare_packed_loss_input", _PACKED, _WRITTEN))
