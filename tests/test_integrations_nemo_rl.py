@@ -321,7 +321,7 @@ def test_install_patches_nemo_rl_and_a_mismatch_leaves_it_as_it_was(monkeypatch)
     import nemo_rl.algorithms.loss as loss_package
 
     own = {(m, n): getattr(sys.modules[m], n) for m, n in ce_nemo_rl.TARGETS if m in sys.modules}
-    assert len(own) >= 10  # every target but the Megatron train module (it imports megatron-bridge)
+    assert len(own) >= 11  # every target but the Megatron train module (it imports megatron-bridge)
     try:
         ce_nemo_rl.install()
         ce_nemo_rl.install()  # idempotent
@@ -342,3 +342,39 @@ def test_install_patches_nemo_rl_and_a_mismatch_leaves_it_as_it_was(monkeypatch)
     assert model_utils.DistributedLogprob is own[("nemo_rl.distributed.model_utils", "DistributedLogprob")]
     assert loss_utils.get_next_token_logprobs_from_logits is own[(ce_nemo_rl._LOSS_UTILS,
                                                                   "get_next_token_logprobs_from_logits")]
+
+
+def _hidden_worker(rank, world):
+    """The linear-CE fusion route: NeMo-RL's from_parallel_hidden_states_to_logprobs, TP 1 or 2 (the hidden
+    states sequence-parallel), with and without the plugin: log-probs and the gradients of the hidden states and
+    the weight."""
+    import torch.distributed as dist
+
+    model_utils, _, _, _ = _import_nemo_rl()
+    g = torch.Generator().manual_seed(11)
+    s, b, h = 8, 2, 16
+    hidden = torch.randn(s, b, h, generator=g)
+    weight = torch.randn(V_LOCAL * world, h, generator=g) / 4
+    target = torch.randint(0, V_LOCAL * world, (b, s), generator=g)
+    up = torch.randn(b, s - 1, generator=g)
+    rows = slice(rank * s // world, (rank + 1) * s // world)
+    cols = slice(rank * V_LOCAL, (rank + 1) * V_LOCAL)
+
+    def run():
+        x = hidden[rows].clone().requires_grad_()
+        w = weight[cols].clone().requires_grad_()
+        lp = model_utils.from_parallel_hidden_states_to_logprobs(x, w, False, target, rank * V_LOCAL,
+                                                                (rank + 1) * V_LOCAL, dist.group.WORLD,
+                                                                chunk_size=3)
+        (lp * up).sum().backward()
+        return lp.detach(), x.grad, w.grad
+
+    ours, theirs = _with_and_without(run)
+    for a, t in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(a, t, rtol=1e-5, atol=1e-5)
+
+
+@needs_nemo_rl
+@pytest.mark.parametrize("world", [1, 2], ids=["tp1", "tp2"])
+def test_parity_hidden_state_route(world):
+    run_distributed(_hidden_worker, world, timeout_s=120)

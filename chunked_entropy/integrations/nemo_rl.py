@@ -29,6 +29,9 @@ sequences) ends in one of a few autograd Functions; around them NeMo-RL
   :class:`ChunkedDistributedGatherLogprob` (``log_probs_at=``);
 - ``ChunkedDistributedEntropy`` (the distillation's ``H_all = sum p log p``,
   with its gradient) with :class:`ChunkedDistributedEntropy`;
+- ``from_parallel_hidden_states_to_logprobs`` (the linear-CE fusion route)
+  with :func:`from_parallel_hidden_states_to_logprobs`, the library's fused
+  head;
 - ``get_next_token_logprobs_from_logits``, ``prepare_packed_loss_input`` and
   ``get_distillation_topk_logprobs_from_logits`` with versions that skip the
   float32 upcast of the whole logits on every unfiltered route (the layout
@@ -37,8 +40,8 @@ sequences) ends in one of a few autograd Functions; around them NeMo-RL
 NeMo-RL's own code still serves (documented, not refused): top-k/top-p
 *filtered* log-probs (``DistributedLogprobWithSampling`` and its chunked
 twin: NeMo-RL's filter gives ``-inf`` to a sampled token outside the kept
-set, which the library's ``keep=`` counts as kept) and the hidden-state
-route (``from_parallel_hidden_states_to_logprobs``).
+set, which the library's ``keep=`` counts as kept); context parallelism on
+the hidden-state route stays refused, as NeMo-RL refuses it.
 
 Turn it on where the policy worker runs (each Ray worker process), before the
 first step::
@@ -64,7 +67,8 @@ from ._common import Patch, Target, check_parameters
 
 __all__ = [
     "DEFAULT_CHUNK_SIZE", "NEMO_RL_COMMIT", "ChunkedDistributedEntropy", "ChunkedDistributedGatherLogprob",
-    "ChunkedDistributedLogprob", "DistributedLogprob", "get_distillation_topk_logprobs_from_logits",
+    "ChunkedDistributedLogprob", "DistributedLogprob", "from_parallel_hidden_states_to_logprobs",
+    "get_distillation_topk_logprobs_from_logits",
     "get_next_token_logprobs_from_logits", "install",
     "installed", "prepare_packed_loss_input", "uninstall",
 ]
@@ -325,6 +329,56 @@ def get_distillation_topk_logprobs_from_logits(
     return topk[:, :-1, :], teacher[:, :-1, :], (h_all[:, :-1] if calculate_entropy else None)
 
 
+def from_parallel_hidden_states_to_logprobs(
+    tensor_parallel_hidden_states: torch.Tensor,
+    output_weight_layer: torch.Tensor,
+    runtime_gather_output: bool,
+    target: torch.Tensor,
+    vocab_start_index: int,
+    vocab_end_index: int,
+    tp_group,
+    inference_only: bool = False,
+    cp_group=None,
+    chunk_size: Optional[int] = None,
+) -> torch.Tensor:
+    """NeMo-RL's linear-CE fusion route, ``from_parallel_hidden_states_to_logprobs``, by the library's fused head.
+
+    The same arguments and result: the hidden states ``[S/tp, B, H]`` (this
+    rank's sequence-parallel slice under TP), the output layer's vocabulary
+    shard ``[V/tp, H]``, the unshifted ``target`` ``[B, S]``; the next-token
+    log-probs ``[B, S - 1]`` float32. Computed by
+    :func:`~chunked_entropy.linear_log_probs_and_entropy` with
+    ``sequence_parallel`` under TP; the weight's gradient goes through
+    autograd, as NeMo-RL's does. Context parallelism is refused, as NeMo-RL
+    refuses it on this route.
+
+    Memory:
+        Saved for backward: references to the hidden states and the weight,
+        and two float32 per token (NeMo-RL's saves a clone of the hidden
+        slice). No ``[tokens, V/tp]`` tensor: per chunk one or two float32
+        ``[chunk, V/tp]`` buffers and the half-precision matmul output.
+    """
+    from ..linear import linear_log_probs_and_entropy
+
+    if cp_group is not None and dist.get_world_size(cp_group) != 1:
+        raise ValueError("Context parallelism is not supported for linear CE fusion loss (NeMo-RL's rule)")
+    group = _group(tp_group)
+    rank = dist.get_rank(group) if group is not None else 0
+    v_local = output_weight_layer.shape[0]
+    if (int(vocab_start_index), int(vocab_end_index)) != (rank * v_local, (rank + 1) * v_local):
+        raise ValueError(f"from_parallel_hidden_states_to_logprobs: vocab_start_index/vocab_end_index "
+                         f"({vocab_start_index}, {vocab_end_index}) on rank {rank} are not this rank's contiguous "
+                         f"shard of V_local = {v_local}")
+    labels = target.roll(shifts=-1, dims=-1).transpose(0, 1).long()  # [S, B], the hidden states' order
+    with torch.no_grad() if inference_only else torch.enable_grad():
+        out = linear_log_probs_and_entropy(
+            tensor_parallel_hidden_states, output_weight_layer, labels,
+            chunk_size=DEFAULT_CHUNK_SIZE if chunk_size is None else int(chunk_size), process_group=group,
+            sequence_parallel=group is not None, compute_entropy=False, gradient_accumulation_fusion=False,
+        )
+    return out.log_probs.transpose(0, 1).contiguous()[:, :-1]
+
+
 def prepare_packed_loss_input(
     logits: torch.Tensor,
     data,
@@ -372,6 +426,8 @@ _NEXT = ("input_ids", "next_token_logits", "seq_index", "vocab_parallel_rank", "
          "context_parallel_group", "sampling_params", "chunk_size")
 _DISTILL = ("student_logits", "teacher_topk_logits", "teacher_topk_indices", "zero_outside_topk", "calculate_entropy",
             "vocab_parallel_rank", "vocab_parallel_group", "context_parallel_group")
+_HIDDEN = ("tensor_parallel_hidden_states", "output_weight_layer", "runtime_gather_output", "target",
+           "vocab_start_index", "vocab_end_index", "tp_group", "inference_only", "cp_group", "chunk_size")
 _PACKED = ("logits", "data", "loss_fn", "cu_seqlens_q", "cu_seqlens_q_padded", "vocab_parallel_rank",
            "vocab_parallel_group", "context_parallel_group", "sampling_params", "chunk_size")
 _WRITTEN = f"NeMo-RL (written at {NEMO_RL_COMMIT[:8]})"
@@ -382,6 +438,7 @@ TARGETS = (
     (_MU, "get_next_token_logprobs_from_logits"),
     (_LOSS_UTILS, "get_next_token_logprobs_from_logits"),
     (_MU, "get_distillation_topk_logprobs_from_logits"),
+    (_MU, "from_parallel_hidden_states_to_logprobs"),
     (_LOSS_UTILS, "get_distillation_topk_logprobs_from_logits"),
     (_LOSS_UTILS, "prepare_packed_loss_input"),
     ("nemo_rl.algorithms.loss", "prepare_packed_loss_input"),
@@ -397,6 +454,8 @@ _PATCH = Patch(
      *(Target(m, "get_distillation_topk_logprobs_from_logits", get_distillation_topk_logprobs_from_logits,
               check_parameters(f"{m}.get_distillation_topk_logprobs_from_logits", _DISTILL, _WRITTEN))
        for m in (_MU, _LOSS_UTILS)),
+     Target(_MU, "from_parallel_hidden_states_to_logprobs", from_parallel_hidden_states_to_logprobs,
+            check_parameters(f"{_MU}.from_parallel_hidden_states_to_logprobs", _HIDDEN, _WRITTEN)),
      *(Target(m, "prepare_packed_loss_input", prepare_packed_loss_input,
               check_parameters(f"{m}.prepare_packed_loss_input", _PACKED, _WRITTEN))
        for m in (_LOSS_UTILS, "nemo_rl.algorithms.loss", "nemo_rl.models.megatron.train"))],
