@@ -378,3 +378,18 @@ def _hidden_worker(rank, world):
 @pytest.mark.parametrize("world", [1, 2], ids=["tp1", "tp2"])
 def test_parity_hidden_state_route(world):
     run_distributed(_hidden_worker, world, timeout_s=120)
+
+
+def test_ray_runtime_env_hook_adds_the_setup_hook_and_keeps_the_rest():
+    """The launch-script switch: Ray's RAY_RUNTIME_ENV_HOOK gets the job's runtime_env (NeMo-RL's init_ray passes
+    its env_vars) and must return it with every worker's setup hook pointing at install()."""
+    env = {"env_vars": {"A": "1"}}
+    out = ce_nemo_rl.ray_runtime_env_hook(env)
+    assert out == {"env_vars": {"A": "1"},
+                   "worker_process_setup_hook": "chunked_entropy.integrations.nemo_rl.install"}
+    assert env == {"env_vars": {"A": "1"}}  # the caller's dict is not written
+    assert ce_nemo_rl.ray_runtime_env_hook(None) == {
+        "worker_process_setup_hook": "chunked_entropy.integrations.nemo_rl.install"}
+    assert ce_nemo_rl.ray_runtime_env_hook(out) == out  # idempotent
+    with pytest.raises(ValueError, match="already has worker_process_setup_hook='mine.setup'"):
+        ce_nemo_rl.ray_runtime_env_hook({"worker_process_setup_hook": "mine.setup"})

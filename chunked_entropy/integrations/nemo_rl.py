@@ -43,11 +43,12 @@ twin: NeMo-RL's filter gives ``-inf`` to a sampled token outside the kept
 set, which the library's ``keep=`` counts as kept); context parallelism on
 the hidden-state route stays refused, as NeMo-RL refuses it.
 
-Turn it on where the policy worker runs (each Ray worker process), before the
-first step::
+Turn it on from the launch script, one line (each Ray worker then runs
+:func:`install` when it starts; see :func:`ray_runtime_env_hook`)::
 
-    import chunked_entropy.integrations.nemo_rl as ce_nemo_rl
-    ce_nemo_rl.install()
+    export RAY_RUNTIME_ENV_HOOK=chunked_entropy.integrations.nemo_rl.ray_runtime_env_hook
+
+or call ``install()`` in a process that runs NeMo-RL's loss.
 
 Each replaced function's signature (each Function's ``forward``) is checked
 against NeMo-RL's at commit 7ea279ab (2026-08-22) first; on a mismatch
@@ -70,7 +71,7 @@ __all__ = [
     "ChunkedDistributedLogprob", "DistributedLogprob", "from_parallel_hidden_states_to_logprobs",
     "get_distillation_topk_logprobs_from_logits",
     "get_next_token_logprobs_from_logits", "install",
-    "installed", "prepare_packed_loss_input", "uninstall",
+    "installed", "prepare_packed_loss_input", "ray_runtime_env_hook", "uninstall",
 ]
 
 #: The NeMo-RL commit the replacements were written for (their signatures are checked at install).
@@ -472,6 +473,31 @@ def install() -> None:
     RuntimeError and leaves NeMo-RL as it was.
     """
     _PATCH.install()
+
+
+def ray_runtime_env_hook(runtime_env):
+    """Ray's ``RAY_RUNTIME_ENV_HOOK``: every Ray worker of the job runs :func:`install` when it starts.
+
+    NeMo-RL starts Ray itself (``init_ray``) and runs its policy in Ray
+    workers, which a launch script does not reach. With::
+
+        export RAY_RUNTIME_ENV_HOOK=chunked_entropy.integrations.nemo_rl.ray_runtime_env_hook
+
+    in the launch script, ``ray.init`` passes the job's runtime environment
+    here, and this adds ``worker_process_setup_hook`` pointing at
+    :func:`install` (a setup hook the job already has is refused rather than
+    replaced). NeMo-RL turns off Ray's ``uv run`` propagation, which would
+    otherwise bypass this hook. The workers' Python environments must have
+    ``chunked_entropy`` installed.
+    """
+    env = dict(runtime_env or {})
+    ours = f"{__name__}.install"
+    have = env.get("worker_process_setup_hook")
+    if have not in (None, ours):
+        raise ValueError(f"the job's runtime_env already has worker_process_setup_hook={have!r}; call "
+                         f"{ours}() from that hook instead")
+    env["worker_process_setup_hook"] = ours
+    return env
 
 
 def uninstall() -> None:
