@@ -12,6 +12,12 @@
   ``entropy_from_logits``.
 - :mod:`chunked_entropy.integrations.openrlhf`: OpenRLHF's
   ``log_probs_from_logits`` and ``compute_entropy``.
+- :mod:`chunked_entropy.integrations.areal`: AReaL's ``gather_logprobs`` and
+  ``gather_logprobs_entropy``, wherever its engines imported them
+  (``install()``).
+- :mod:`chunked_entropy.integrations.nemo_rl`: NeMo-RL's loss-path log-prob
+  Functions, top-k distillation log-probs and entropy, without its float32
+  upcast (``install()``).
 
 Each module imports its framework lazily or not at all: importing one never
 requires the framework it targets.
