@@ -45,8 +45,7 @@ from typing import Optional, Union
 import torch
 
 from . import _stats
-
-BACKENDS = ("auto", "eager", "compile", "triton")
+from .config import BACKENDS
 
 
 def check_backend(value) -> str:

@@ -30,6 +30,9 @@ _FLOAT32_MAX = 3.4028234663852886e38
 _ABSENT = object()
 
 
+#: The implementations of the per-block math an op's ``backend`` names (:mod:`chunked_entropy._kernels`).
+BACKENDS = ("auto", "eager", "compile", "triton")
+
 #: The most one float32 ``[chunk, block]`` buffer of an op over hidden states takes when ``vocab_chunk_size``
 #: is not given (:func:`vocab_block_for`): 128 MiB, a chunk of 1024 rows over a 32768-column shard.
 CHUNK_BUFFER_BYTES = 128 * 2**20
@@ -103,8 +106,8 @@ def _check_field(name: str, key: str, value):
             raise ValueError(f"{key} must be an int >= 1{extra}, got {value!r}")
         return int(value)
     if name == "backend":
-        if value not in ("auto", "eager", "compile", "triton"):  # _kernels.BACKENDS (config sits below it)
-            raise ValueError(f"{key} must be 'auto', 'eager', 'compile' or 'triton', got {value!r}")
+        if value not in BACKENDS:
+            raise ValueError(f"{key} must be one of {', '.join(map(repr, BACKENDS))}, got {value!r}")
         return value
     if name in ("fused_head", "compute_entropy"):
         if not isinstance(value, bool):

@@ -540,7 +540,7 @@ def _check_device(device: str) -> None:
 
 def run(args) -> int:
     if args.preset and PRESETS[args.preset].get("one_process"):
-        from chunked_entropy._kernels import BACKENDS
+        from chunked_entropy.config import BACKENDS
 
         from . import gpu
 
