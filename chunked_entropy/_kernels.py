@@ -190,14 +190,24 @@ _auto = {}  # device type -> the kernels backend="auto" chose there (None: eager
 
 
 def _probe(kernels, name: str, device: torch.device, then: str) -> bool:
-    """Run both kernels once on a tiny block; False (and one warning saying what runs ``then``) if that fails."""
+    """Run both kernels once on a small block and hold their results to the eager kernels'; False (and one
+    warning saying what runs ``then``) if they fail or differ: a kernel that compiles but computes wrongly on
+    this device is never chosen silently."""
     try:
-        z = torch.randn(3, 5, device=device)
-        target = torch.tensor([0, 4, -1], device=device)
-        st = kernels.stats(z, _stats.Transform(), None, target, 0, True, False, torch.float32)
+        g = torch.Generator(device="cpu").manual_seed(0)
+        z = (torch.randn(3, 300, generator=g) * 4).to(device)
+        target = torch.tensor([0, 299, -1], device=device)
+        tf = _stats.Transform()
+        co = _stats.Coefficients(torch.ones(3, device=device), torch.full((3,), 0.5, device=device), None)
+        st = kernels.stats(z, tf, None, target, 0, True, False, torch.float32)
         row = _stats.RowStats.from_block(st, None)
-        co = _stats.Coefficients(torch.ones(3, device=device), torch.ones(3, device=device), None)
-        kernels.grad(z, torch.empty_like(z), _stats.Transform(), None, row, target, 0, co, torch.float32)
+        grad = kernels.grad(z, torch.empty_like(z), tf, None, row, target, 0, co, torch.float32)
+        ref_st = _stats.block_stats(z.clone(), tf, None, target, 0, torch.empty_like(z), want_w=True, want_q=False)
+        ref_row = _stats.RowStats.from_block(ref_st, None)
+        ref_grad = _stats.block_grad(z.clone(), tf, None, ref_row, target, 0, co, torch.empty_like(z), None)
+        pairs = [(row.log_probs(), ref_row.log_probs()), (row.entropy(), ref_row.entropy()), (grad, ref_grad)]
+        if not all(torch.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in pairs):
+            raise ArithmeticError("its results differ from the eager kernels' on a test block")
         return True
     except Exception as e:  # noqa: BLE001 - any failure of the compiler means: use the next kernels
         warnings.warn(

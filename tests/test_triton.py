@@ -80,7 +80,7 @@ def test_auto_is_eager_on_the_cpu_and_the_default():
 def test_an_unknown_backend_lists_triton():
     with pytest.raises(ValueError, match=r"backend must be one of 'auto', 'eager', 'compile', 'triton', got 'fast'"):
         log_probs_and_entropy(torch.randn(2, 5), torch.tensor([0, 1]), backend="fast")
-    with pytest.raises(ValueError, match=r"backend must be 'auto', 'eager', 'compile' or 'triton'"):
+    with pytest.raises(ValueError, match=r"backend must be one of 'auto', 'eager', 'compile', 'triton', got 'cuda'"):
         ChunkedEntropyConfig(backend="cuda")
 
 
@@ -112,6 +112,26 @@ def test_auto_on_a_fast_device_tries_triton_then_compiled_then_eager(monkeypatch
         b = log_probs_and_entropy(z, labels)
     torch.testing.assert_close(a.log_probs, log_probs_and_entropy(z, labels, backend="eager").log_probs)
     torch.testing.assert_close(b.entropy, a.entropy)
+
+
+def test_auto_never_chooses_kernels_that_compute_wrongly(monkeypatch):
+    """A kernel that runs but computes wrongly on the device (a miscompilation, say) is held to the eager
+    kernels on a test block and skipped with one warning, never chosen silently."""
+    monkeypatch.setattr(_kernels, "_auto", {})
+    monkeypatch.setattr(_kernels, "AUTO_FAST", ("cpu",))
+    monkeypatch.setattr(_kernels.TRITON, "compiled_for", lambda device: False)
+    right = _kernels.COMPILED.grad
+
+    def off_by_a_little(z, out, *args):
+        return right(z, out, *args).mul_(1.01)
+
+    monkeypatch.setattr(_kernels.COMPILED, "grad", off_by_a_little)
+    z, labels = torch.randn(4, 7), torch.tensor([0, 1, 2, 6])
+    with pytest.warns(RuntimeWarning, match=r"could not run its compiled kernels on cpu \(ArithmeticError: its "
+                                           r"results differ from the eager kernels' on a test block\); trying the "
+                                           r"eager kernels"):
+        log_probs_and_entropy(z, labels)
+    assert _kernels._auto["cpu"] is None
 
 
 def test_without_triton_the_library_works_and_refuses_backend_triton():
