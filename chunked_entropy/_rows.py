@@ -31,7 +31,8 @@ from ._autograd import once_differentiable
 from ._checks import check_device, check_strided, is_int
 from .parallel import agreed_call, all_gather_dim0, fingerprint, group_rank_size
 
-__all__ = ["KEPT", "check_per_row", "kept_rows", "parse_kept", "put_rows", "select_rows", "take_keep", "take_rows"]
+__all__ = ["KEPT", "check_per_row", "kept_rows", "parse_kept", "put_rows", "select_logit_rows", "select_rows",
+           "take_keep", "take_rows"]
 
 KEPT = "kept"
 
@@ -132,6 +133,15 @@ def select_rows(rows, hidden: torch.Tensor, *, process_group=None, sequence_para
         check_per_row(rows, tails, **per_row)
     group = process_group if sequence_parallel and call.world > 1 else None
     return _SelectRows.apply(hidden, flat, tuple(rows.shape), group)
+
+
+def select_logit_rows(rows, logits, process_group, *, name: str = "logits", **per_row) -> torch.Tensor:
+    """:func:`select_rows` for the ops from logits: an index only (their logits exist already; ``"kept"``
+    is for the ops over hidden states)."""
+    if isinstance(rows, (str, tuple)):
+        raise ValueError(f"rows={rows!r} is for the ops over hidden states; from {name} pass an int64 index of "
+                         "the rows to read (e.g. the kept rows' positions)")
+    return select_rows(rows, logits, process_group=process_group, name=name, **per_row)
 
 
 # ---------------------------------------------------------------- rows="kept"

@@ -44,7 +44,7 @@ from ._checks import check_chunk, check_device, check_flag, check_float, check_p
 from ._divergence import DivergenceSpec, PairRows
 from ._inputs import Rows, Tokens, check_transform_scale, compute_dtype, dtype_code, prepare_tokens
 from ._loop import new_row_stats, pair_grad_blocks, pair_row_stats
-from ._rows import kept_rows, parse_kept, put_rows, select_rows, take_rows
+from ._rows import kept_rows, parse_kept, put_rows, select_logit_rows, select_rows, take_rows
 from ._stats import RowStats, Transform, Want
 from .parallel import agreed_call, all_gather_dim0, fingerprint_floats, group_rank_size
 
@@ -656,14 +656,21 @@ def divergence_from_logits(
     compute_entropy: bool = False,
     chunk_size: int = 1024,
     process_group=None,
+    rows=None,
 ) -> DivergenceOutputs:
     """:func:`linear_divergence` from logits the caller holds: ``[..., V_local]`` each, the same shard.
 
     Neither log-softmax is formed: each chunk of rows is copied into float32 buffers (four of
     ``[chunk_size, V_local]``, plus the divergence's temporaries) and reduced to per-token statistics;
     backward fills them again and writes the gradient w.r.t. ``student_logits`` (its shape and dtype;
-    the teacher's logits get none). Arguments as :func:`linear_divergence`.
+    the teacher's logits get none). Arguments as :func:`linear_divergence`; ``rows`` an int64 index into
+    the student's flattened logit rows (the teacher's logits, the labels and the mask then given per
+    selected row), one ``[M, V_local]`` gather of them.
     """
+    if rows is not None:
+        student_logits = select_logit_rows(rows, student_logits, process_group, name="student_logits",
+                                           tails=("teacher_logits",), teacher_logits=teacher_logits, labels=labels,
+                                           label_mask=label_mask)
     with agreed_call(process_group) as call:
         spec = _spec(divergence, beta)
         compute_entropy = check_flag("compute_entropy", compute_entropy)

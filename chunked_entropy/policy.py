@@ -62,7 +62,7 @@ from ._checks import check_chunk, check_flag, check_float, check_real
 from ._inputs import Rows, Tokens, compute_dtype, dtype_code, prepare_tokens
 from ._kernels import check_backend, use_compiled
 from ._loop import loss_grad_blocks, new_row_stats
-from ._rows import parse_kept, select_rows, take_keep, take_rows
+from ._rows import parse_kept, select_logit_rows, select_rows, take_keep, take_rows
 from ._stats import RowStats, Transform, Want
 from .losses import KL_KINDS, Aggregation, PolicyOptions, kl_penalty, kl_penalty_grad, rollout_correction
 from .losses._common import check_mask, check_same_shape
@@ -661,6 +661,7 @@ def policy_loss_from_logits(
     backend: str = "eager",
     keep=None,
     entropy_of: str = "full",
+    rows=None,
     **fields,
 ):
     """The RL policy loss from given logits: :func:`linear_policy_loss`'s twin, one read of the logits.
@@ -682,7 +683,17 @@ def policy_loss_from_logits(
         its upstream gradient); under ``retain_graph=True`` it returns a
         scaled copy instead (one more gradient-sized tensor), so that the
         caller may modify what it gets and a later backward is still exact.
+        With ``rows`` (a ``[B, T]`` index into the flattened logit rows, as in
+        :func:`linear_policy_loss`), one ``[B*T, V_local]`` gather of them.
     """
+    if rows is not None:
+        if isinstance(rows, torch.Tensor) and rows.dim() != 2:
+            raise ValueError(f"rows of the policy loss must be [B, T] (the selected rows laid out as sequences), "
+                             f"got shape {tuple(rows.shape)}")
+        logits = select_logit_rows(rows, logits, process_group, labels=labels, old_log_probs=old_log_probs,
+                                   advantages=advantages, loss_mask=loss_mask, ref_log_probs=ref_log_probs,
+                                   rollout_is_weights=rollout_is_weights, rollout_log_probs=rollout_log_probs,
+                                   keep=keep if isinstance(keep, torch.Tensor) else None)
     with agreed_call(process_group) as call:  # every rank validates; a refused call raises on all of them
         opts = loss_options(loss_mode, options, fields, entropy_coeff, kl_coef, kl_kind,
                             (loss_agg_mode, loss_scale_factor, dp_size, batch_num_tokens, global_batch_size))

@@ -394,3 +394,37 @@ def test_tree_packed_rollouts_equal_each_rollout_on_its_own():
     (ref_div * up).sum().backward()
     torch.testing.assert_close(d.divergence, ref_div)
     torch.testing.assert_close(h.grad, h2.grad)
+
+
+def test_logits_twins_take_the_same_index():
+    """log_probs_and_entropy, policy_loss_from_logits and divergence_from_logits over logit rows: equal to the
+    call on the rows gathered by hand, the logits' gradient summed over repeats and zero elsewhere."""
+    from chunked_entropy import divergence_from_logits, log_probs_and_entropy, policy_loss_from_logits
+
+    g = torch.Generator().manual_seed(70)
+    z = torch.randn(B, T, V, generator=g, dtype=F64)
+    zt = torch.randn(ROWS.numel(), V, generator=g, dtype=F64)
+    lab = torch.randint(0, V, (ROWS.numel(),), generator=g)
+    up = torch.randn(ROWS.numel(), generator=g, dtype=F64)
+    rows2 = ROWS.view(2, 4)
+    old, adv = -torch.rand(2, 4, generator=g, dtype=F64) - 1, torch.randn(2, 4, generator=g, dtype=F64)
+    mask = torch.ones(2, 4, dtype=torch.bool)
+    calls = [
+        lambda x, r: (lambda o: (o.log_probs + o.entropy) * up)(log_probs_and_entropy(x, lab, rows=r, chunk_size=3)),
+        lambda x, r: policy_loss_from_logits(x, lab.view(2, 4), old, adv, mask, rows=None if r is None else rows2,
+                                             loss_mode="gspo", loss_agg_mode="seq-mean-token-mean")[0],
+        lambda x, r: divergence_from_logits(x, zt, divergence="jsd", beta=0.4, rows=r).divergence * up,
+    ]
+    for call in calls:
+        x = z.clone().requires_grad_()
+        got = call(x, ROWS)
+        (gx,) = torch.autograd.grad(got.sum(), x)
+        x2 = z.clone().requires_grad_()
+        sel = x2.reshape(-1, V)[ROWS]
+        want = call(sel.view(2, 4, V) if got.dim() == 0 else sel, None)
+        (gx2,) = torch.autograd.grad(want.sum(), x2)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        torch.testing.assert_close(gx, gx2)
+        assert (gx.reshape(-1, V)[[1, 2, 4]] == 0).all()
+    with pytest.raises(ValueError, match="rows='kept' is for the ops over hidden states"):
+        log_probs_and_entropy(z, torch.zeros(B, T, dtype=torch.int64), rows="kept")
