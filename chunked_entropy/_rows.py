@@ -108,7 +108,7 @@ class _SelectRows(torch.autograd.Function):
 
 
 def select_rows(rows, hidden: torch.Tensor, *, process_group=None, sequence_parallel: bool = False,
-                name: str = "hidden", tails=("log_probs_at", "keep"), **per_row) -> torch.Tensor:
+                name: str = "hidden", tails=("log_probs_at", "keep"), require=None, **per_row) -> torch.Tensor:
     """``hidden``'s rows at ``rows`` (``[*rows.shape, H]``), checked; the op then runs on them without
     sequence parallelism.
 
@@ -116,7 +116,8 @@ def select_rows(rows, hidden: torch.Tensor, *, process_group=None, sequence_para
     agrees on ``rows``' shape and a digest of its entries, and refuses
     together): an integer tensor on ``hidden``'s device, every entry in range,
     every per-row input in ``per_row`` (``name=tensor``) of shape
-    ``rows.shape`` (those named in ``tails``: ``[*rows.shape, K]``).
+    ``rows.shape`` (those named in ``tails``: ``[*rows.shape, K]``), and
+    ``require`` (``(ok, message)`` from :func:`kept_rows`, or None) holds.
     Memory: one ``[M, H]`` gather (plus the ``[S, B, H]`` gather under
     sequence parallelism); backward a ``[tokens, H]`` gradient, zero but on
     the selected rows.
@@ -131,6 +132,8 @@ def select_rows(rows, hidden: torch.Tensor, *, process_group=None, sequence_para
         if rows.dim() == 0:
             raise ValueError("rows must have at least one dimension ([M] row indices), got a 0-d tensor")
         check_per_row(rows, tails, **per_row)
+        if require is not None:
+            call.require(*require)
     group = process_group if sequence_parallel and call.world > 1 else None
     return _SelectRows.apply(hidden, flat, tuple(rows.shape), group)
 
@@ -161,21 +164,18 @@ def parse_kept(rows) -> Optional[tuple]:
     return None
 
 
-def kept_rows(valid: torch.Tensor, count: Optional[int]) -> torch.Tensor:
-    """The flat positions where ``valid`` holds, in order. One host sync for the count, none when ``count``
-    is given: a wrong count is refused (a device-side assertion on an accelerator)."""
+def kept_rows(valid: torch.Tensor, count: Optional[int]):
+    """``(positions, requirement)``: the flat positions where ``valid`` holds, in order, and None or an
+    ``(ok, message)`` for :func:`select_rows` to check (a given count must be the true one). One host sync
+    for the count, none when ``count`` is given."""
     flat = valid.reshape(-1)
     if count is None:
-        return flat.nonzero().squeeze(1)  # the one host sync
+        return flat.nonzero().squeeze(1), None  # the one host sync
     if count > flat.numel():
         raise ValueError(f"rows=('kept', {count}): the count exceeds the {flat.numel()} token rows")
     ok = flat.sum() == count
-    if ok.device.type == "cpu":
-        if not bool(ok):
-            raise ValueError(f"rows=('kept', {count}): the labels keep {int(flat.sum())} rows, not {count}")
-    else:
-        torch._assert_async(ok, f"rows=('kept', {count}): the labels keep another number of rows")
-    return torch.nonzero_static(flat, size=count).squeeze(1)
+    message = f"rows=('kept', {count}): the labels keep another number of rows than the count"
+    return torch.nonzero_static(flat, size=count).squeeze(1), (ok, message)
 
 
 def take_rows(t, lead: torch.Size, idx: torch.Tensor):

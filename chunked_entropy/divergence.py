@@ -478,13 +478,17 @@ def _rows_call(op, a: dict):
                 raise ValueError(f"{name} must have the tokens' leading shape {tuple(lead)} on {s.device}, got "
                                  f"{tuple(x.shape)} on {x.device}")
             valid &= (x != a["ignore_index"]) if name == "labels" else x.to(torch.bool)
-    idx = kept_rows(valid, kept[1])
+    idx, require = kept_rows(valid, kept[1])
     if world > 1:
         t = all_gather_dim0(t.detach(), group)
     a["teacher_hidden"] = take_rows(t, lead, idx)
     for k in per_token + ["temperature"]:
         a[k] = take_rows(a[k], lead, idx)
-    out = op(rows=idx, **a)
+    a["student_hidden"] = select_rows(
+        idx, s, process_group=group, sequence_parallel=sp, name="student_hidden", tails=("teacher_hidden",),
+        require=require, teacher_hidden=a["teacher_hidden"], **{k: a[k] for k in per_token})
+    a["sequence_parallel"] = False
+    out = op(**a)
     per = lambda x: put_rows(x, lead, idx)  # noqa: E731
     if isinstance(out, DivergenceLoss):
         return DivergenceLoss(out.loss, per(out.divergence), per(out.entropy))

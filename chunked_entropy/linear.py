@@ -304,12 +304,15 @@ def _kept_call(hidden, weight, labels, count, group, sequence_parallel, label_ma
     if isinstance(label_mask, torch.Tensor) and label_mask.device == labels.device:
         valid = valid & label_mask.to(torch.bool)
     lead = labels.shape
-    idx = kept_rows(valid, count)
+    idx, require = kept_rows(valid, count)
+    labels, label_mask, keep, log_probs_at = (take_rows(labels, lead, idx), take_rows(label_mask, lead, idx),
+                                              take_keep(keep, lead, idx), take_rows(log_probs_at, lead, idx))
+    hidden = select_rows(idx, hidden, process_group=group, sequence_parallel=sequence_parallel, require=require,
+                         labels=labels, label_mask=label_mask, log_probs_at=log_probs_at,
+                         keep=keep if isinstance(keep, torch.Tensor) else None)
     out = linear_log_probs_and_entropy(
-        hidden, weight, take_rows(labels, lead, idx), rows=idx, process_group=group,
-        sequence_parallel=sequence_parallel, label_mask=take_rows(label_mask, lead, idx),
-        temperature=take_rows(temperature, lead, idx), keep=take_keep(keep, lead, idx),
-        log_probs_at=take_rows(log_probs_at, lead, idx), **kw)
+        hidden, weight, labels, process_group=group, label_mask=label_mask,
+        temperature=take_rows(temperature, lead, idx), keep=keep, log_probs_at=log_probs_at, **kw)
     return LogProbsEntropy(*(put_rows(t, lead, idx) for t in (out.log_probs, out.entropy, out.sum_pi_squared,
                                                               out.log_probs_at, out.top_k_ids, out.top_k_log_probs)))
 

@@ -570,15 +570,11 @@ def _kept_loss(hidden, weight, labels, old_log_probs, advantages, loss_mask, cou
     kept = loss_mask != 0
     n = kept.sum(1)
     width = int(n.max()) if count is None and b else (count or 0)  # the one host sync (none with a count)
+    require = None
     if count is not None:
         if count > t:
             raise ValueError(f"rows=('kept', {count}): the count exceeds the sequence length {t}")
-        ok = (n <= count).all()
-        if ok.device.type == "cpu":
-            if not bool(ok):
-                raise ValueError(f"rows=('kept', {count}): a sequence keeps {int(n.max())} rows, more than {count}")
-        else:
-            torch._assert_async(ok, f"rows=('kept', {count}): a sequence keeps more rows than the count")
+        require = ((n <= count).all(), f"rows=('kept', {count}): a sequence keeps more rows than the count")
     pos = torch.sort((~kept).to(torch.int8), dim=1, stable=True).indices[:, :width]  # kept positions first
     pad = torch.arange(width, device=pos.device) >= n[:, None]
     seq = torch.arange(b, device=pos.device)[:, None]
@@ -597,8 +593,14 @@ def _kept_loss(hidden, weight, labels, old_log_probs, advantages, loss_mask, cou
         kw["loss_scale_factor"] = t
     for name in ("ref_log_probs", "rollout_is_weights", "rollout_log_probs"):
         kw[name] = at(kw[name])
-    return linear_policy_loss(hidden, weight, at(labels), at(old_log_probs), at(advantages), lm, rows=rows,
-                              temperature=temperature, keep=keep, **kw)
+    labels, old_log_probs, advantages = at(labels), at(old_log_probs), at(advantages)
+    hidden = select_rows(rows, hidden, process_group=kw["process_group"], sequence_parallel=kw["sequence_parallel"],
+                         require=require, labels=labels, old_log_probs=old_log_probs, advantages=advantages,
+                         loss_mask=lm, keep=keep if isinstance(keep, torch.Tensor) else None,
+                         **{k: kw[k] for k in ("ref_log_probs", "rollout_is_weights", "rollout_log_probs")})
+    kw["sequence_parallel"] = False
+    return linear_policy_loss(hidden, weight, labels, old_log_probs, advantages, lm, temperature=temperature,
+                              keep=keep, **kw)
 
 
 class _LogitsLossFunction(torch.autograd.Function):

@@ -428,3 +428,22 @@ def test_logits_twins_take_the_same_index():
         assert (gx.reshape(-1, V)[[1, 2, 4]] == 0).all()
     with pytest.raises(ValueError, match="rows='kept' is for the ops over hidden states"):
         log_probs_and_entropy(z, torch.zeros(B, T, dtype=torch.int64), rows="kept")
+
+
+def test_no_row_selected():
+    """An empty index and "kept" with nothing kept: zero outputs of the right shape, connected, zero gradients."""
+    d = _data(seed=80)
+    h = d["h"].clone().requires_grad_()
+    none = torch.zeros(0, dtype=torch.int64)
+    out = linear_log_probs_and_entropy(h, d["w"], none, rows=none)
+    assert out.log_probs.shape == (0,) and out.entropy.shape == (0,)
+    (out.log_probs.sum() + out.entropy.sum()).backward()
+    assert (h.grad == 0).all()
+    ignored = torch.full((B, T), -100)
+    for rows in ("kept", ("kept", 0)):
+        out = linear_log_probs_and_entropy(h, d["w"], ignored, rows=rows)
+        assert out.entropy.shape == (B, T) and (out.entropy == 0).all()
+    mask = torch.zeros(B, T, dtype=torch.bool)
+    zeros = torch.zeros(B, T, dtype=F64)
+    loss, _ = linear_policy_loss(h, d["w"], d["labels"], zeros, zeros, mask, rows="kept")
+    assert loss == 0 and torch.autograd.grad(loss, h)[0].eq(0).all()
