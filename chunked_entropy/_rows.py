@@ -31,8 +31,8 @@ from ._autograd import once_differentiable
 from ._checks import check_device, check_strided, is_int
 from .parallel import agreed_call, all_gather_dim0, fingerprint, group_rank_size
 
-__all__ = ["KEPT", "check_per_row", "kept_rows", "parse_kept", "put_rows", "select_logit_rows", "select_rows",
-           "take_keep", "take_rows"]
+__all__ = ["KEPT", "check_full_shape", "check_per_row", "kept_rows", "parse_kept", "put_rows", "select_logit_rows",
+           "select_rows", "take_keep", "take_rows"]
 
 KEPT = "kept"
 
@@ -176,6 +176,21 @@ def kept_rows(valid: torch.Tensor, count: Optional[int]):
     ok = flat.sum() == count
     message = f"rows=('kept', {count}): the labels keep another number of rows than the count"
     return torch.nonzero_static(flat, size=count).squeeze(1), (ok, message)
+
+
+def check_full_shape(name: str, t: torch.Tensor, hidden, group, sequence_parallel: bool, batch_first: bool = False):
+    """With ``rows="kept"`` ``t`` (the labels or the mask) covers every token row of ``hidden`` (the gathered
+    sequence under sequence parallelism; ``batch_first``: the policy loss's ``[B, T]`` over ``[T/P, B, H]``)."""
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() < 2:
+        return  # the op's own check names it
+    lead = list(hidden.shape[:-1])
+    if sequence_parallel:
+        lead[0] *= group_rank_size(group)[1]
+        if batch_first and len(lead) == 2:
+            lead = lead[::-1]
+    if list(t.shape) != lead:
+        raise ValueError(f"with rows='kept', {name} must cover every token row of the input: shape {tuple(lead)}, got "
+                         f"{tuple(t.shape)}")
 
 
 def take_rows(t, lead: torch.Size, idx: torch.Tensor):

@@ -40,7 +40,7 @@ from ._inputs import Rows, Tokens, compute_dtype, prepare_tokens
 from ._kernels import check_backend, use_compiled
 from ._loop import grad_blocks
 from ._outputs import LogProbsEntropy, empty_outputs, pack_outputs, run_outputs, split_grads, without_labels
-from ._rows import kept_rows, parse_kept, put_rows, select_rows, take_keep, take_rows
+from ._rows import check_full_shape, kept_rows, parse_kept, put_rows, select_rows, take_keep, take_rows
 from ._stats import RowStats, Transform, Want
 from .parallel import agreed_call
 
@@ -297,6 +297,7 @@ def _kept_call(hidden, weight, labels, count, group, sequence_parallel, label_ma
     """``rows="kept"``: the call on the kept rows, its outputs back in the labels' shape (zero elsewhere)."""
     if not isinstance(labels, torch.Tensor):
         raise TypeError("rows='kept' selects the rows by their labels: pass labels (an int64 tensor)")
+    check_full_shape("labels", labels, hidden, group, sequence_parallel)
     if isinstance(label_mask, torch.Tensor) and label_mask.shape != labels.shape:
         raise ValueError(f"label_mask must have the labels' shape {tuple(labels.shape)}, got "
                          f"{tuple(label_mask.shape)}")

@@ -62,7 +62,7 @@ from ._checks import check_chunk, check_flag, check_float, check_real
 from ._inputs import Rows, Tokens, compute_dtype, dtype_code, prepare_tokens
 from ._kernels import check_backend, use_compiled
 from ._loop import loss_grad_blocks, new_row_stats
-from ._rows import parse_kept, select_logit_rows, select_rows, take_keep, take_rows
+from ._rows import check_full_shape, parse_kept, select_logit_rows, select_rows, take_keep, take_rows
 from ._stats import RowStats, Transform, Want
 from .losses import KL_KINDS, Aggregation, PolicyOptions, kl_penalty, kl_penalty_grad, rollout_correction
 from .losses._common import check_mask, check_same_shape
@@ -566,6 +566,7 @@ def _kept_loss(hidden, weight, labels, old_log_probs, advantages, loss_mask, cou
             or loss_mask.shape != labels.shape:
         raise ValueError("rows='kept' selects the rows by loss_mask: labels and loss_mask must be [B, T] tensors "
                          "of one shape")
+    check_full_shape("labels", labels, hidden, kw["process_group"], kw["sequence_parallel"], batch_first=True)
     b, t = labels.shape
     kept = loss_mask != 0
     n = kept.sum(1)

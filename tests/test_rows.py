@@ -267,6 +267,11 @@ def test_bad_rows_named_before_any_work():
             linear_log_probs_and_entropy(h, w, lab, rows=rows)
     with pytest.raises(ValueError, match="labels keep"):
         linear_log_probs_and_entropy(h, w, d["labels"], rows=("kept", 3))
+    with pytest.raises(ValueError, match="with rows='kept', labels must cover every token row"):
+        linear_log_probs_and_entropy(h, w, d["labels"][:, :-1], rows="kept")
+    with pytest.raises(ValueError, match="with rows='kept', labels must cover every token row"):
+        short = torch.zeros(B, T - 1, dtype=F64)
+        linear_policy_loss(h, w, d["labels"][:, :-1], short, short, short > -1, rows="kept")
     with pytest.raises(ValueError, match=r"rows of the policy loss must be \[B, T\]"):
         linear_policy_loss(h, w, lab, lab.double(), lab.double(), lab > 0, rows=torch.tensor([0, 1]))
     with pytest.raises(ValueError, match="with rows=, old_log_probs is given per selected row"):
