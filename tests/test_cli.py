@@ -267,6 +267,16 @@ def test_plan_table_and_recommendation(capsys):
     assert "log_probs_and_entropy(logits, labels, chunk_size=512)" in out
 
 
+def test_plan_predicts_the_rows_read(capsys):
+    # 25% of N = 16384 read: the head's formula at M = 4096 (2C = 128 MiB, Wg = 64 MiB, M*H*4 = 8 MiB, c*H*4 = 1 MiB)
+    # plus N*H*4 = 32 MiB (the gathered rows and the rest of the hidden gradient): 233 MiB
+    code, out, _ = _run(capsys, "plan", "--tokens", "16384", "--vocab", "32768", "--hidden", "512", "--read", "25",
+                        "--chunk-sizes", "512")
+    assert code == 0
+    assert "| fused head, chunk 512, rows='kept' (25% read) | - | 233.0 MiB | - |" in out
+    assert "about 0.25 of the all-rows head's time" in out
+
+
 def test_plan_falls_back_to_the_fused_head_then_to_nothing(capsys):
     # Qwen2-sized vocabulary, 16k tokens, tp=1: float32 logits 9.27 GiB, the logits path needs > 2x that
     code, out, _ = _run(capsys, "plan", "--tokens", "16384", "--vocab", "151936", "--hidden", "3584",

@@ -290,10 +290,7 @@ def plan_bytes(case: Case) -> int:
     if method == "fusedloss":
         method = "head" if case.path == "head" else "chunked"
     if case.method in ROWS_METHODS and case.read:  # the head's on the rows read, the [M, H] gather, the full grad
-        m = case.tokens * case.read // 100
-        e = plan.estimate("head", dataclasses.replace(shape, tokens=m), case.chunk)
-        # + the gathered rows [M, H] and the rest of the hidden gradient [N - M, H]: [N, H] in all
-        return e.total + case.tokens * case.hidden * plan.DTYPE_BYTES[case.dtype]
+        return plan.estimate_rows(shape, case.chunk, case.read).total
     e = plan.estimate(method, shape, case.chunk)
     # replay: the kept sets' entries (the ids and one label per token; int64 row and column, two flags, and the
     # sort that orders them); the dense route also holds its [N, V] bool mask and the masked float32 copy
