@@ -324,6 +324,22 @@ def _tp_sp(rank, world):
     # the group still works
     out = linear_log_probs_and_entropy(h, w, lab, rows=rows, process_group=group, sequence_parallel=True)
     torch.testing.assert_close(out.log_probs, lp_ref)
+    # the policy loss: [B', T'] rows of the gathered [S, B] sequence, a sequence-level objective
+    rows2 = torch.tensor([[0, 2, 4, 6], [1, 3, 3, 11]])
+    lab2 = torch.randint(0, v, rows2.shape, generator=g)
+    old, adv = -torch.rand(rows2.shape, generator=g, dtype=F64) - 1, torch.randn(rows2.shape, generator=g, dtype=F64)
+    mask2 = torch.tensor([[1, 1, 1, 0], [0, 1, 1, 1]], dtype=torch.bool)
+    h.grad = w.grad = None
+    loss, _ = linear_policy_loss(h, w, lab2, old, adv, mask2, rows=rows2, process_group=group, sequence_parallel=True,
+                                 loss_mode="gspo", loss_agg_mode="seq-mean-token-mean", chunk_size=4)
+    loss.backward()
+    h64, w64 = _leaves(h_full, w_full)
+    lp, _ = reference(h64.reshape(-1, H)[rows2] @ w64.t(), lab2)
+    want = losses.policy_loss(lp, old, adv, mask2, loss_mode="gspo", loss_agg_mode="seq-mean-token-mean")[0]
+    want.backward()
+    torch.testing.assert_close(loss.double(), want)
+    torch.testing.assert_close(h.grad, h64.grad[rank * sl:(rank + 1) * sl])
+    torch.testing.assert_close(w.grad, w64.grad[rank * vl:(rank + 1) * vl])
 
 
 def test_tensor_and_sequence_parallel_2():
