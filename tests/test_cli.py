@@ -268,12 +268,13 @@ def test_plan_table_and_recommendation(capsys):
 
 
 def test_plan_predicts_the_rows_read(capsys):
-    # 25% of N = 16384 read: the head's formula at M = 4096 (2C = 128 MiB, Wg = 64 MiB, M*H*4 = 8 MiB, c*H*4 = 1 MiB)
-    # plus N*H*4 = 32 MiB (the gathered rows and the rest of the hidden gradient): 233 MiB
+    # 25% of N = 16384 read: the chunk loop's backward, the head's formula at M = 4096 (2C = 128 MiB, Wg = 64 MiB,
+    # M*H*4 = 8 MiB, c*H*4 = 1 MiB) plus the gathered rows M*H*4 = 8 MiB: 209 MiB; then the rows' gradient added
+    # into the full one, Wg + M*H*4 + N*H*4 = 104 MiB; the larger: 209 MiB
     code, out, _ = _run(capsys, "plan", "--tokens", "16384", "--vocab", "32768", "--hidden", "512", "--read", "25",
                         "--chunk-sizes", "512")
     assert code == 0
-    assert "| fused head, chunk 512, rows='kept' (25% read) | - | 233.0 MiB | - |" in out
+    assert "| fused head, chunk 512, rows='kept' (25% read) | - | 209.0 MiB | - |" in out
     assert "about 0.25 of the all-rows head's time" in out
 
 

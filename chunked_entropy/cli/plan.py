@@ -164,14 +164,18 @@ def estimate(approach: str, shape: Shape, chunk: int = 0) -> Estimate:
 
 
 def estimate_rows(shape: Shape, chunk: int, read: int) -> Estimate:
-    """The fused head with ``rows="kept"`` when ``read`` percent of the rows are read: the head's estimate over
-    ``M = N * read / 100`` tokens, plus ``N*H*B`` (the ``[M, H]`` gather of the rows read, and the rest of the
-    hidden states' gradient, ``[N - M, H]``). Its matmul work is ``read / 100`` of the head's on all rows."""
+    """The fused head with ``rows="kept"`` when ``read`` percent of the rows are read (``M = N * read / 100``):
+    the larger of its two phases. The chunk loop's backward: the head's estimate over ``M`` tokens plus the
+    ``[M, H]`` gather of the rows, kept for it (``M*H*B``). Then the rows' ``[M, H]`` gradient added into the
+    full ``[N, H]`` one: the head's gradients over ``M`` tokens plus ``N*H*B``. Its matmul work is
+    ``read / 100`` of the head's on all rows."""
     from dataclasses import replace
 
-    m = shape.tokens * read // 100
+    n, h, b = shape.tokens, shape.hidden, shape.b
+    m = n * read // 100
     e = estimate("head", replace(shape, tokens=max(m, 1)), chunk)
-    return replace(e, read=read, total=e.total + shape.tokens * shape.hidden * shape.b)
+    total = max(e.total + m * h * b, e.total - e.working + n * h * b)
+    return replace(e, read=read, total=total)
 
 
 def estimates(shape: Shape, chunks=DEFAULT_CHUNKS) -> list:
