@@ -43,8 +43,9 @@ from ._checks import check_chunk, check_device, check_flag, check_float, check_p
 from ._divergence import DivergenceSpec, PairRows
 from ._inputs import Rows, Tokens, check_transform_scale, compute_dtype, dtype_code, prepare_tokens
 from ._loop import new_row_stats, pair_grad_blocks, pair_row_stats
+from ._rows import kept_rows, parse_kept, put_rows, select_logit_rows, select_rows, take_rows
 from ._stats import RowStats, Transform, Want
-from .parallel import agreed_call, fingerprint_floats
+from .parallel import agreed_call, all_gather_dim0, fingerprint_floats, group_rank_size
 
 __all__ = [
     "DivergenceLoss",
@@ -417,6 +418,7 @@ def linear_divergence(
     process_group=None,
     sequence_parallel: bool = False,
     logits_dtype: Optional[torch.dtype] = None,
+    rows=None,
 ) -> DivergenceOutputs:
     """Per-token divergence between the student's and the teacher's next-token distributions.
 
@@ -450,7 +452,7 @@ def linear_divergence(
         teacher_logit_scale: the teacher's logit scale.
         label_mask: ``[...]`` bool; False rows (and, with ``labels``, rows labelled ``ignore_index``) have
             divergence 0 and no gradient. They are still projected (the walk has static shapes: no host
-            sync); a caller with many masked rows selects the kept rows first, as the TRL adapter does.
+            sync) unless ``rows="kept"`` (or an index) leaves them out.
         compute_entropy: also the student's entropy at ``temperature`` (with its gradient).
         chunk_size: tokens per chunk (the default is a quarter of the fused head's: four blocks are live).
         vocab_chunk_size: also block the vocabulary: the per-chunk buffers become
@@ -463,6 +465,12 @@ def linear_divergence(
             model on its own: None keeps each model's logits in its weight's dtype; ``torch.float32``
             gives every bf16/fp16 model float32 blocks (a float32 student beside a bf16 teacher: the
             teacher's too). The blocks run through the eager kernels (no ``backend="compile"`` here yet).
+        rows: project only these rows, as in :func:`~chunked_entropy.linear_log_probs_and_entropy`: an
+            int64 index into the student's flattened token rows (the gathered sequence under sequence
+            parallelism), ``labels``, ``label_mask`` and ``teacher_hidden`` then given per selected row
+            (``[*rows.shape]``, ``[*rows.shape, H_t]``); or ``"kept"`` / ``("kept", count)``: the rows of
+            ``label_mask`` and ``labels`` (not ``ignore_index``), inputs and outputs in their full shape,
+            outputs 0 elsewhere.
 
     Returns:
         :class:`DivergenceOutputs`, identical on every rank of ``process_group``. ``divergence`` and the
@@ -483,6 +491,8 @@ def linear_divergence(
         :mod:`chunked_entropy._divergence`). Backward allocates the student's gradients. No ``[tokens, V]``
         tensor of either model exists. Inputs are never written.
     """
+    if rows is not None:
+        return _rows_call(linear_divergence, dict(locals()))
     tok, plan, spec, teacher, valid, no_labels, grads, _ = _linear_call(
         student_hidden, student_weight, teacher_hidden, teacher_weight, divergence=divergence, beta=beta,
         labels=labels, student_bias=student_bias, teacher_bias=teacher_bias, temperature=temperature,
@@ -504,6 +514,50 @@ def linear_divergence(
     shape = tuple(tok.shape)
     return DivergenceOutputs(div.view(shape), None if no_labels else lp.view(shape),
                              ent.view(shape) if compute_entropy else None)
+
+
+def _rows_call(op, a: dict):
+    """``op`` (:func:`linear_divergence` or its loss form) with ``a["rows"]``: an index selects the student's
+    rows (:func:`~chunked_entropy._rows.select_rows`); ``"kept"`` derives the index from the mask and the
+    labels, takes every per-token input (the teacher's hidden rows too) at it, and puts the per-token outputs
+    back in the full shape."""
+    rows, group, sp = a.pop("rows"), a["process_group"], a["sequence_parallel"]
+    per_token = [k for k in ("labels", "label_mask", "weights") if a.get(k) is not None]
+    kept = parse_kept(rows)
+    if kept is None:
+        a["student_hidden"] = select_rows(
+            rows, a["student_hidden"], process_group=group, sequence_parallel=sp, name="student_hidden",
+            tails=("teacher_hidden",), teacher_hidden=a["teacher_hidden"], **{k: a[k] for k in per_token})
+        a["sequence_parallel"] = False
+        return op(**a)
+    s, t = a["student_hidden"], a["teacher_hidden"]
+    if not isinstance(s, torch.Tensor) or not isinstance(t, torch.Tensor) or s.dim() < 2 or t.dim() < 2:
+        raise ValueError("rows='kept': student_hidden and teacher_hidden must be [..., H] tensors")
+    world = group_rank_size(group)[1] if sp else 1
+    lead = torch.Size((s.shape[0] * world,) + tuple(s.shape[1:-1]))
+    valid = torch.ones(lead, dtype=torch.bool, device=s.device)
+    for name in ("labels", "label_mask"):
+        x = a.get(name)
+        if isinstance(x, torch.Tensor):
+            if x.shape != lead or x.device != s.device:
+                raise ValueError(f"{name} must have the tokens' leading shape {tuple(lead)} on {s.device}, got "
+                                 f"{tuple(x.shape)} on {x.device}")
+            valid &= (x != a["ignore_index"]) if name == "labels" else x.to(torch.bool)
+    idx, require = kept_rows(valid, kept[1])
+    if world > 1:
+        t = all_gather_dim0(t.detach(), group)
+    a["teacher_hidden"] = take_rows(t, lead, idx)
+    for k in per_token + ["temperature"]:
+        a[k] = take_rows(a[k], lead, idx)
+    a["student_hidden"] = select_rows(
+        idx, s, process_group=group, sequence_parallel=sp, name="student_hidden", tails=("teacher_hidden",),
+        require=require, teacher_hidden=a["teacher_hidden"], **{k: a[k] for k in per_token})
+    a["sequence_parallel"] = False
+    out = op(**a)
+    per = lambda x: put_rows(x, lead, idx)  # noqa: E731
+    if isinstance(out, DivergenceLoss):
+        return DivergenceLoss(out.loss, per(out.divergence), per(out.entropy))
+    return DivergenceOutputs(per(out.divergence), per(out.log_probs), per(out.entropy))
 
 
 class _NoCtx:
@@ -546,6 +600,7 @@ def linear_divergence_loss(
     process_group=None,
     sequence_parallel: bool = False,
     logits_dtype: Optional[torch.dtype] = None,
+    rows=None,
 ) -> DivergenceLoss:
     """The divergence as a trainer's loss, its gradients formed in forward: ``sum_i w_i * D_i``.
 
@@ -557,7 +612,8 @@ def linear_divergence_loss(
     ``reduction``, the normalizer's value and the weights (shape and values) are part of the call's
     cross-rank check: a bad or a different value on one rank raises on every rank, before any
     collective of the walk. With zero tokens the loss is an exact 0, still connected to the student's
-    tensors (a zero gradient), in every dtype.
+    tensors (a zero gradient), in every dtype. ``rows="kept"`` takes the rows of ``label_mask``, and
+    ``weights`` is a per-token input, given per selected row with an index.
 
     Forward walks each chunk once with the vocabulary in one block: two projections, the statistics,
     the divergence's sums, then the student's logit gradient from the blocks still held and its two
@@ -570,6 +626,8 @@ def linear_divergence_loss(
         ``[V_local]``) from forward to backward instead of references to the inputs, plus what
         :func:`linear_divergence` holds per chunk (a fifth buffer with a student soft-cap).
     """
+    if rows is not None:
+        return _rows_call(linear_divergence_loss, dict(locals()))
     tok, plan, spec, teacher, valid, _, grads, w = _linear_call(
         student_hidden, student_weight, teacher_hidden, teacher_weight, divergence=divergence, beta=beta,
         labels=None, student_bias=student_bias, teacher_bias=teacher_bias, temperature=temperature,
@@ -656,14 +714,21 @@ def divergence_from_logits(
     compute_entropy: bool = False,
     chunk_size: int = 1024,
     process_group=None,
+    rows=None,
 ) -> DivergenceOutputs:
     """:func:`linear_divergence` from logits the caller holds: ``[..., V_local]`` each, the same shard.
 
     Neither log-softmax is formed: each chunk of rows is copied into float32 buffers (four of
     ``[chunk_size, V_local]``, plus the divergence's temporaries) and reduced to per-token statistics;
     backward fills them again and writes the gradient w.r.t. ``student_logits`` (its shape and dtype;
-    the teacher's logits get none). Arguments as :func:`linear_divergence`.
+    the teacher's logits get none). Arguments as :func:`linear_divergence`; ``rows`` an int64 index into
+    the student's flattened logit rows (the teacher's logits, the labels and the mask then given per
+    selected row), one ``[M, V_local]`` gather of them.
     """
+    if rows is not None:
+        student_logits = select_logit_rows(rows, student_logits, process_group, name="student_logits",
+                                           tails=("teacher_logits",), teacher_logits=teacher_logits, labels=labels,
+                                           label_mask=label_mask)
     with agreed_call(process_group) as call:
         spec = _spec(divergence, beta)
         compute_entropy = check_flag("compute_entropy", compute_entropy)

@@ -122,13 +122,16 @@ class ChunkedVocabParallelHead(nn.Module):
         entropy_of: str = "full",
         log_probs_at: Optional[torch.Tensor] = None,
         top_k: Optional[int] = None,
+        rows=None,
     ) -> LogProbsEntropy:
         """:func:`linear_log_probs_and_entropy` with this head's weight, bias and settings.
 
         ``keep`` (the rollout's kept sets, for sampling replay), ``entropy_of``,
         ``log_probs_at`` and ``top_k`` (distillation) are as in
         :func:`~chunked_entropy.log_probs_and_entropy`; ``labels`` may be None
-        with the last two.
+        with the last two. ``rows`` (project only those rows: an int64 index
+        into the flattened token rows, or ``"kept"``) is as in
+        :func:`~chunked_entropy.linear_log_probs_and_entropy`.
         """
         return linear_log_probs_and_entropy(
             hidden, self.weight, labels, bias=self.bias, chunk_size=self.chunk_size,
@@ -139,7 +142,7 @@ class ChunkedVocabParallelHead(nn.Module):
             gradient_accumulation_fusion=self.gradient_accumulation_fusion,
             softcap=self.softcap, logit_scale=self.logit_scale,
             compute_sum_pi_squared=compute_sum_pi_squared, backend=self.backend, keep=keep, entropy_of=entropy_of,
-            logits_dtype=self.logits_dtype, log_probs_at=log_probs_at, top_k=top_k,
+            logits_dtype=self.logits_dtype, log_probs_at=log_probs_at, top_k=top_k, rows=rows,
         )
 
     def policy_loss(self, hidden: torch.Tensor, labels: torch.Tensor, old_log_probs, advantages, loss_mask, **kw):

@@ -40,6 +40,7 @@ from ._inputs import Rows, Tokens, compute_dtype, prepare_tokens
 from ._kernels import check_backend, use_compiled
 from ._loop import grad_blocks
 from ._outputs import LogProbsEntropy, empty_outputs, pack_outputs, run_outputs, split_grads, without_labels
+from ._rows import check_full_shape, kept_rows, parse_kept, put_rows, select_rows, take_keep, take_rows
 from ._stats import RowStats, Transform, Want
 from .parallel import agreed_call
 
@@ -122,6 +123,7 @@ def linear_log_probs_and_entropy(
     logits_dtype: Optional[torch.dtype] = None,
     log_probs_at: Optional[torch.Tensor] = None,
     top_k: Optional[int] = None,
+    rows=None,
 ) -> LogProbsEntropy:
     """Log-probs and entropy of ``softmax((hidden @ weight.T + bias) / temperature)``, fused.
 
@@ -182,6 +184,17 @@ def linear_log_probs_and_entropy(
             shape, as in :func:`~chunked_entropy.log_probs_and_entropy`; read
             from each block as it is computed: no extra matmul pass.
         top_k: the row's own top-k, as in :func:`~chunked_entropy.log_probs_and_entropy`.
+        rows: project only these rows (docs/concepts.md, "Rows"). An int64
+            index ``[M]`` (any shape ``L``) into the flattened token rows of
+            ``hidden`` (under sequence parallelism: of the gathered ``[S, B]``
+            sequence, row ``s * B + b``), repeats allowed: ``labels`` and
+            every per-token input are then given per selected row (leading
+            shape ``L``), and so are the outputs; the hidden gradient is summed
+            over repeats, zero on rows never selected. ``"kept"``: the rows
+            whose label is kept (``label_mask``, ``ignore_index``), inputs and
+            outputs in their full shape, outputs zero on the other rows (one
+            host sync for the count; ``("kept", count)`` passes it: none).
+            Every rank of ``process_group`` must pass the same rows.
 
     Raises:
         ValueError / TypeError: as :func:`~chunked_entropy.log_probs_and_entropy`;
@@ -216,8 +229,26 @@ def linear_log_probs_and_entropy(
 
         Sequence parallelism gathers the hidden states once in forward and
         once in backward (``[S, B, H]``). ``keep`` adds what it adds to
-        :func:`~chunked_entropy.log_probs_and_entropy`.
+        :func:`~chunked_entropy.log_probs_and_entropy`. With ``rows``, every
+        per-token cost above is per selected row (``M`` instead of tokens),
+        plus one ``[M, H]`` gather of the hidden rows, kept for backward
+        (under sequence parallelism the ``[S, B, H]`` gather is made once,
+        outside the chunk loop), and a ``[tokens, H]`` hidden gradient.
     """
+    kept = parse_kept(rows)
+    if kept is not None:
+        return _kept_call(hidden, weight, labels, kept[1], process_group, sequence_parallel, label_mask,
+                          ignore_index, temperature, keep, log_probs_at, dict(
+                              bias=bias, chunk_size=chunk_size, compute_entropy=compute_entropy,
+                              ignore_index=ignore_index, vocab_chunk_size=vocab_chunk_size,
+                              gradient_accumulation_fusion=gradient_accumulation_fusion, softcap=softcap,
+                              logit_scale=logit_scale, compute_sum_pi_squared=compute_sum_pi_squared, backend=backend,
+                              entropy_of=entropy_of, logits_dtype=logits_dtype, top_k=top_k))
+    if rows is not None:
+        hidden = select_rows(rows, hidden, process_group=process_group, sequence_parallel=sequence_parallel,
+                             labels=labels, label_mask=label_mask, log_probs_at=log_probs_at,
+                             keep=keep if isinstance(keep, torch.Tensor) else None)
+        sequence_parallel = False
     with agreed_call(process_group) as call:  # every rank validates; a refused call raises on all of them
         sequence_parallel = check_flag("sequence_parallel", sequence_parallel)
         no_labels = labels is None and (log_probs_at is not None or top_k is not None)
@@ -259,6 +290,32 @@ def linear_log_probs_and_entropy(
         lambda: _HeadFunction.apply(hidden, weight, bias, tok, plan, main_grad), forward, tok, want, labels.shape,
         grads,
     ), no_labels)
+
+
+def _kept_call(hidden, weight, labels, count, group, sequence_parallel, label_mask, ignore_index, temperature, keep,
+               log_probs_at, kw) -> LogProbsEntropy:
+    """``rows="kept"``: the call on the kept rows, its outputs back in the labels' shape (zero elsewhere)."""
+    if not isinstance(labels, torch.Tensor):
+        raise TypeError("rows='kept' selects the rows by their labels: pass labels (an int64 tensor)")
+    check_full_shape("labels", labels, hidden, group, sequence_parallel)
+    if isinstance(label_mask, torch.Tensor) and label_mask.shape != labels.shape:
+        raise ValueError(f"label_mask must have the labels' shape {tuple(labels.shape)}, got "
+                         f"{tuple(label_mask.shape)}")
+    valid = labels != ignore_index
+    if isinstance(label_mask, torch.Tensor) and label_mask.device == labels.device:
+        valid = valid & label_mask.to(torch.bool)
+    lead = labels.shape
+    idx, require = kept_rows(valid, count)
+    labels, label_mask, keep, log_probs_at = (take_rows(labels, lead, idx), take_rows(label_mask, lead, idx),
+                                              take_keep(keep, lead, idx), take_rows(log_probs_at, lead, idx))
+    hidden = select_rows(idx, hidden, process_group=group, sequence_parallel=sequence_parallel, require=require,
+                         labels=labels, label_mask=label_mask, log_probs_at=log_probs_at,
+                         keep=keep if isinstance(keep, torch.Tensor) else None)
+    out = linear_log_probs_and_entropy(
+        hidden, weight, labels, process_group=group, label_mask=label_mask,
+        temperature=take_rows(temperature, lead, idx), keep=keep, log_probs_at=log_probs_at, **kw)
+    return LogProbsEntropy(*(put_rows(t, lead, idx) for t in (out.log_probs, out.entropy, out.sum_pi_squared,
+                                                              out.log_probs_at, out.top_k_ids, out.top_k_log_probs)))
 
 
 def _lead_labels(hidden, labels, no_labels: bool, world: int, sequence_parallel: bool):

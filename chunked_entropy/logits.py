@@ -17,6 +17,7 @@ from ._inputs import Tokens, compute_dtype, dtype_code, prepare_tokens
 from ._kernels import Kernels, check_backend, use_compiled
 from ._loop import grad_blocks
 from ._outputs import LogProbsEntropy, empty_outputs, pack_outputs, run_outputs, split_grads, without_labels
+from ._rows import select_logit_rows
 from ._stats import RowStats, Transform, Want
 from .parallel import agreed_call
 
@@ -84,6 +85,7 @@ def log_probs_and_entropy(
     entropy_of: str = "full",
     log_probs_at: Optional[torch.Tensor] = None,
     top_k: Optional[int] = None,
+    rows=None,
 ) -> LogProbsEntropy:
     """Per-token log-prob of ``labels`` and entropy of ``softmax(transform(logits) / temperature)``.
 
@@ -204,7 +206,16 @@ def log_probs_and_entropy(
         >>> labels = torch.randint(0, 11, (2, 5))
         >>> log_probs, entropy = log_probs_and_entropy(logits, labels, chunk_size=4)
         >>> (log_probs.sum() + 0.01 * entropy.sum()).backward()
+
+    ``rows`` (an int64 index into the flattened logit rows, repeats allowed)
+    reads only those rows, as :func:`~chunked_entropy.linear_log_probs_and_entropy`
+    does with its hidden rows: per-token inputs and outputs per selected row,
+    the logits' gradient summed over repeats and zero on the other rows; one
+    ``[M, V_local]`` gather of the selected logit rows.
     """
+    if rows is not None:
+        logits = select_logit_rows(rows, logits, process_group, labels=labels, label_mask=label_mask,
+                                   log_probs_at=log_probs_at, keep=keep if isinstance(keep, torch.Tensor) else None)
     with agreed_call(process_group) as call:  # every rank validates; a refused call raises on all of them
         check_float("logits", logits)
         if logits.dim() < 1 or logits.shape[-1] < 1:

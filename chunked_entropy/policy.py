@@ -62,6 +62,7 @@ from ._checks import check_chunk, check_flag, check_float, check_real, require
 from ._inputs import Rows, Tokens, compute_dtype, dtype_code, prepare_tokens
 from ._kernels import Kernels, check_backend, use_compiled
 from ._loop import loss_grad_blocks, new_row_stats
+from ._rows import check_full_shape, parse_kept, select_logit_rows, select_rows, take_keep, take_rows
 from ._stats import RowStats, Transform, Want
 from .losses import KL_KINDS, Aggregation, PolicyOptions, kl_penalty, kl_penalty_grad, rollout_correction
 from .losses._common import check_mask, check_same_shape
@@ -353,6 +354,7 @@ def linear_policy_loss(
     keep=None,
     entropy_of: str = "full",
     logits_dtype: Optional[torch.dtype] = None,
+    rows=None,
     **fields,
 ):
     """The RL policy loss of the output layer, fused: ``(loss, metrics)`` from hidden states.
@@ -433,6 +435,21 @@ def linear_policy_loss(
             :func:`~chunked_entropy.log_probs_and_entropy`.
         logits_dtype: as in :func:`~chunked_entropy.linear_log_probs_and_entropy`
             (``torch.float32``: float32 matmuls for bf16/fp16 weights).
+        rows: project only these rows (docs/concepts.md, "Rows"). A ``[B, T]``
+            int64 index into the flattened token rows of ``hidden`` (``[B,
+            T, H]``: row ``b * T + t``; under sequence parallelism the gathered
+            ``[T, B]`` sequence, row ``t * B + b``), repeats allowed: the
+            selected rows laid out as ``B`` sequences of ``T`` (the sequence
+            each row belongs to, for the sequence-level objectives and
+            aggregations), every per-token input given in that ``[B, T]``
+            layout. The hidden gradient is summed over repeats, zero on rows
+            never selected. ``"kept"``: only the rows where ``loss_mask`` is
+            non-zero, each sequence's kept rows moved to its front and padded
+            (masked) to the longest one's count; the loss and metrics equal the
+            call without ``rows`` (``seq-mean-token-sum-norm`` keeps dividing
+            by the full ``T``). One host sync for that count;
+            ``("kept", count)`` passes it (>= every sequence's kept count).
+            Every rank of ``process_group`` must pass the same rows.
         **fields: the objective's options by verl's field names (``clip_ratio``,
             ``clip_ratio_low``, ``clip_ratio_high``, ``clip_ratio_c``, ``tau_pos``, ...),
             as in :func:`~chunked_entropy.losses.policy_loss`.
@@ -467,8 +484,31 @@ def linear_policy_loss(
         copies instead, so that a later backward is exact whatever the caller
         did with the first results. A second backward without
         ``retain_graph`` raises as autograd does; with ``main_grad`` the
-        weight gradient is added there in backward.
+        weight gradient is added there in backward. With ``rows``, the
+        per-token costs are those of the selected rows, plus one ``[B*T, H]``
+        gather of them (the rows' own ``B, T``) and the hidden gradient's
+        ``[tokens, H]``.
     """
+    kept = parse_kept(rows)
+    if kept is not None:
+        return _kept_loss(hidden, weight, labels, old_log_probs, advantages, loss_mask, kept[1], dict(
+            bias=bias, ref_log_probs=ref_log_probs, kl_coef=kl_coef, kl_kind=kl_kind, entropy_coeff=entropy_coeff,
+            loss_mode=loss_mode, rollout_is_weights=rollout_is_weights, rollout_log_probs=rollout_log_probs,
+            options=options, generator=generator, loss_agg_mode=loss_agg_mode, loss_scale_factor=loss_scale_factor,
+            dp_size=dp_size, batch_num_tokens=batch_num_tokens, global_batch_size=global_batch_size,
+            temperature=temperature, chunk_size=chunk_size, vocab_chunk_size=vocab_chunk_size,
+            process_group=process_group, sequence_parallel=sequence_parallel, softcap=softcap,
+            logit_scale=logit_scale, gradient_accumulation_fusion=gradient_accumulation_fusion, backend=backend,
+            keep=keep, entropy_of=entropy_of, logits_dtype=logits_dtype, **fields))
+    if rows is not None:
+        if isinstance(rows, torch.Tensor) and rows.dim() != 2:
+            raise ValueError(f"rows of the policy loss must be [B, T] (the selected rows laid out as sequences), "
+                             f"got shape {tuple(rows.shape)}")
+        hidden = select_rows(rows, hidden, process_group=process_group, sequence_parallel=sequence_parallel,
+                             labels=labels, old_log_probs=old_log_probs, advantages=advantages, loss_mask=loss_mask,
+                             ref_log_probs=ref_log_probs, rollout_is_weights=rollout_is_weights,
+                             rollout_log_probs=rollout_log_probs, keep=keep if isinstance(keep, torch.Tensor) else None)
+        sequence_parallel = False
     with agreed_call(process_group) as call:  # every rank validates; a refused call raises on all of them
         opts = loss_options(loss_mode, options, fields, entropy_coeff, kl_coef, kl_kind,
                             (loss_agg_mode, loss_scale_factor, dp_size, batch_num_tokens, global_batch_size))
@@ -517,6 +557,51 @@ def linear_policy_loss(
         return loss, metrics
     loss = _HeadLossFunction.apply(hidden, weight, bias, tok, plan, objective, main_grad)
     return loss, objective.result[1]
+
+
+def _kept_loss(hidden, weight, labels, old_log_probs, advantages, loss_mask, count, kw):
+    """``rows="kept"`` of :func:`linear_policy_loss`: each sequence's kept rows first, padded (masked) to the
+    longest count; the call on them with the full ``T`` as the ``seq-mean-token-sum-norm`` divisor."""
+    if not isinstance(loss_mask, torch.Tensor) or not isinstance(labels, torch.Tensor) or loss_mask.dim() != 2 \
+            or loss_mask.shape != labels.shape:
+        raise ValueError("rows='kept' selects the rows by loss_mask: labels and loss_mask must be [B, T] tensors "
+                         "of one shape")
+    check_full_shape("labels", labels, hidden, kw["process_group"], kw["sequence_parallel"], batch_first=True)
+    b, t = labels.shape
+    kept = loss_mask != 0
+    n = kept.sum(1)
+    width = int(n.max()) if count is None and b else (count or 0)  # the one host sync (none with a count)
+    require = None
+    if count is not None:
+        if count > t:
+            raise ValueError(f"rows=('kept', {count}): the count exceeds the sequence length {t}")
+        require = ((n <= count).all(), f"rows=('kept', {count}): a sequence keeps more rows than the count")
+    pos = torch.sort((~kept).to(torch.int8), dim=1, stable=True).indices[:, :width]  # kept positions first
+    pad = torch.arange(width, device=pos.device) >= n[:, None]
+    seq = torch.arange(b, device=pos.device)[:, None]
+    rows = pos * b + seq if kw["sequence_parallel"] else seq * t + pos
+    tok = (seq * t + pos).reshape(-1)  # the selected rows in the [B, T] order of the per-token inputs
+    at = lambda x: None if x is None else x.gather(1, pos)  # noqa: E731
+    lm = at(loss_mask)
+    lm = lm.masked_fill(pad, False if lm.dtype == torch.bool else 0)
+    temperature, keep = kw.pop("temperature"), kw.pop("keep")
+    if isinstance(temperature, torch.Tensor) and temperature.dim() > 0:
+        temperature = take_rows(temperature, labels.shape, tok).view(b, width)
+    keep = take_keep(keep, labels.shape, tok)
+    if isinstance(keep, torch.Tensor) and keep.dim() == 2:
+        keep = keep.view(b, width, keep.shape[-1])
+    if kw["loss_scale_factor"] is None:
+        kw["loss_scale_factor"] = t
+    for name in ("ref_log_probs", "rollout_is_weights", "rollout_log_probs"):
+        kw[name] = at(kw[name])
+    labels, old_log_probs, advantages = at(labels), at(old_log_probs), at(advantages)
+    hidden = select_rows(rows, hidden, process_group=kw["process_group"], sequence_parallel=kw["sequence_parallel"],
+                         require=require, labels=labels, old_log_probs=old_log_probs, advantages=advantages,
+                         loss_mask=lm, keep=keep if isinstance(keep, torch.Tensor) else None,
+                         **{k: kw[k] for k in ("ref_log_probs", "rollout_is_weights", "rollout_log_probs")})
+    kw["sequence_parallel"] = False
+    return linear_policy_loss(hidden, weight, labels, old_log_probs, advantages, lm, temperature=temperature,
+                              keep=keep, **kw)
 
 
 class _LogitsLossFunction(torch.autograd.Function):
@@ -581,6 +666,7 @@ def policy_loss_from_logits(
     backend: str = "auto",
     keep=None,
     entropy_of: str = "full",
+    rows=None,
     **fields,
 ):
     """The RL policy loss from given logits: :func:`linear_policy_loss`'s twin, one read of the logits.
@@ -602,7 +688,17 @@ def policy_loss_from_logits(
         its upstream gradient); under ``retain_graph=True`` it returns a
         scaled copy instead (one more gradient-sized tensor), so that the
         caller may modify what it gets and a later backward is still exact.
+        With ``rows`` (a ``[B, T]`` index into the flattened logit rows, as in
+        :func:`linear_policy_loss`), one ``[B*T, V_local]`` gather of them.
     """
+    if rows is not None:
+        if isinstance(rows, torch.Tensor) and rows.dim() != 2:
+            raise ValueError(f"rows of the policy loss must be [B, T] (the selected rows laid out as sequences), "
+                             f"got shape {tuple(rows.shape)}")
+        logits = select_logit_rows(rows, logits, process_group, labels=labels, old_log_probs=old_log_probs,
+                                   advantages=advantages, loss_mask=loss_mask, ref_log_probs=ref_log_probs,
+                                   rollout_is_weights=rollout_is_weights, rollout_log_probs=rollout_log_probs,
+                                   keep=keep if isinstance(keep, torch.Tensor) else None)
     with agreed_call(process_group) as call:  # every rank validates; a refused call raises on all of them
         opts = loss_options(loss_mode, options, fields, entropy_coeff, kl_coef, kl_kind,
                             (loss_agg_mode, loss_scale_factor, dp_size, batch_num_tokens, global_batch_size))

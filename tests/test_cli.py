@@ -203,6 +203,26 @@ def test_bench_replays_kept_sets_beside_the_dense_route(capsys, tmp_path):
     assert code == 2 and "--keep" in err
 
 
+def test_bench_reads_only_the_rows_read(capsys, tmp_path):
+    """The rows preset's cases; then a small run: rows='kept' against all rows, TRL's compacted call and torch's
+    linear_cross_entropy on the same rows."""
+    from chunked_entropy.cli import bench
+
+    args = build_parser().parse_args(["bench", "--preset", "rows"])
+    cases = [c for g in bench.build_cases(bench._settings(args), "cpu") for c in g]
+    assert {(c.tokens, c.vocab, c.hidden, c.dtype) for c in cases} == {(16384, 32768, 512, "float32")}
+    assert sorted((c.method, c.read) for c in cases) == sorted(
+        (m, r) for m in ("head", "headrows", "trlrows", "torchlce") for r in (25, 50))
+    code, out, err = _run(capsys, "bench", "--path", "head", "--tokens", "256", "--vocab", "512", "--hidden", "16",
+                          "--methods", "head,headrows,trlrows,torchlce", "--read", "25", "--chunk-sizes", "64",
+                          "--repeats", "1", "--no-progress", "--out", str(tmp_path))
+    assert code == 0, err
+    rows = {r["method"]: r for r in csv.DictReader(open(tmp_path / "results.csv"))}
+    assert set(rows) == {"head", "headrows", "trlrows", "torchlce"}
+    assert {r["status"] for r in rows.values()} == {"ok"}, rows
+    assert all(r["label"].endswith("25% of rows read") for r in rows.values())
+
+
 @pytest.mark.parametrize("tokens,seq_len,layout", [(64, 16, "4 x 16"), (128, 128, "1 x 128")])
 def test_bench_loss_modes_on_sequences(capsys, tmp_path, tokens, seq_len, layout):
     # sequences shorter than a chunk, and one longer than the chunk and than the warm-up's tokens
@@ -275,6 +295,17 @@ def test_plan_table_and_recommendation(capsys):
     assert "| chunked logits path, chunk 512 | 1.06 GiB | 2.06 GiB | yes |" in out  # 1 GiB + 64 MiB
     assert "chunk_size=512 with the logits path" in out  # 2C = 128 MiB = 1/8 of the logits
     assert "log_probs_and_entropy(logits, labels, chunk_size=512)" in out
+
+
+def test_plan_predicts_the_rows_read(capsys):
+    # 25% of N = 16384 read: the chunk loop's backward, the head's formula at M = 4096 (2C = 128 MiB, Wg = 64 MiB,
+    # M*H*4 = 8 MiB, c*H*4 = 1 MiB) plus the gathered rows M*H*4 = 8 MiB: 209 MiB; then the rows' gradient added
+    # into the full one, Wg + M*H*4 + N*H*4 = 104 MiB; the larger: 209 MiB
+    code, out, _ = _run(capsys, "plan", "--tokens", "16384", "--vocab", "32768", "--hidden", "512", "--read", "25",
+                        "--chunk-sizes", "512")
+    assert code == 0
+    assert "| fused head, chunk 512, rows='kept' (25% read) | - | 209.0 MiB | - |" in out
+    assert "about 0.25 of the all-rows head's time" in out
 
 
 def test_plan_falls_back_to_the_fused_head_then_to_nothing(capsys):

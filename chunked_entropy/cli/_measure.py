@@ -38,8 +38,12 @@ METHODS = {
     "logits": ("plain", "clone", "chunked", "chunkedloss", "fusedloss", "densekeep", "distill", "verldistill"),
     "head": ("plain", "clone", "chunked", "head", "headloss", "fusedloss", "liger", "densekeep", "verlfsdp",
              "fsdpplugin", "verlfused", "fusedplugin",
-             *("divergence", "divergenceloss", "trldivergence", "plaindivergence")),
+             *("divergence", "divergenceloss", "trldivergence", "plaindivergence"),
+             *("headrows", "trlrows", "torchlce")),
 }
+#: Only the rows that are read (``Case.read`` percent of them): this library's ``rows="kept"``, TRL 1.16's compacted
+#: call (``hidden[mask]`` into its ChunkedLogProbFunction) and torch's ``F.linear_cross_entropy`` on the same rows.
+ROWS_METHODS = ("headrows", "trlrows", "torchlce")
 #: verl's FSDP engine, its own routes and the plugin's, on hidden states and an lm_head weight (verl installed).
 VERL_FSDP_METHODS = ("verlfsdp", "fsdpplugin", "verlfused", "fusedplugin")
 #: Methods measured with the vocabulary over ``tp`` ranks (gloo on CPU): this library's paths with the process
@@ -84,6 +88,7 @@ class Case:
     loss_mode: str = "vanilla"  # the policy objective of the loss methods (chunked_entropy.losses.LOSS_MODES)
     topk: int = 0  # distillation: the teacher's top-k per token (the distill methods)
     seq_len: int = 0  # the loss methods' [B, T] layout: tokens per sequence (0: one sequence of them all)
+    read: int = 0  # percent of the rows whose label is read (the rest -100, as prompts are); 0: every row
 
     @property
     def label(self) -> str:
@@ -107,7 +112,12 @@ class Case:
             "divergenceloss": f"linear_divergence_loss (reverse KL, mean), chunk {self.chunk}",
             "trldivergence": "TRL 1.16 ChunkedDivergenceFunction (beta 1; torch tiles off Triton)",
             "plaindivergence": "plain torch: two matmuls, two log_softmax, reverse KL",
+            "headrows": f"fused head, rows='kept', chunk {self.chunk}",
+            "trlrows": "TRL 1.16 compacted: hidden[mask] into ChunkedLogProbFunction",
+            "torchlce": "torch F.linear_cross_entropy (chunked options) on hidden[mask], log-probs only",
         }[self.method]
+        if self.read:
+            name += f", {self.read}% of rows read"
         if self.path == "head" and self.method in ("plain", "clone", "chunked", "densekeep"):
             name = "matmul + " + name
         if self.keep:
@@ -148,6 +158,11 @@ class Inputs:
         self.labels = torch.randint(0, v, (n,), generator=g, device=dev)
         self.g_lp = torch.randn(n, generator=g, device=dev)
         self.g_h = torch.randn(n, generator=g, device=dev)
+        if case.read:  # in every block of 128 rows, the last read% are labelled (a response after its prompt; short
+            # blocks, so that the warm-up's one chunk of tokens reads some)
+            read = torch.arange(n, device=dev) % 128 >= 128 - 128 * case.read // 100
+            self.labels[~read] = -100
+            self.g_h *= read  # the entropy of a row that is not read is not used either
         # rollout data of the policy-loss methods: [B, T], B sequences of case.seq_len tokens (or one)
         if case.seq_len and n % case.seq_len:
             raise ValueError(f"seq_len {case.seq_len} must divide tokens {n}")
@@ -196,11 +211,29 @@ def outputs(case: Case, inp: Inputs, group):
 
     from . import baselines
 
-    if case.method == "head":
+    if case.method in ("head", "headrows"):
         return linear_log_probs_and_entropy(
             inp.hidden, inp.weight, inp.labels, chunk_size=case.chunk, process_group=group, backend=case.backend,
-            keep=inp.keep,
+            keep=inp.keep, rows="kept" if case.method == "headrows" else None,
         )
+    if case.method in ("trlrows", "torchlce"):
+        if group is not None:
+            raise ValueError(f"{case.method} has no vocabulary parallelism; use tp=1")
+        mask = inp.labels != -100
+        hidden, labels = inp.hidden[mask], inp.labels[mask]  # the compaction these peers leave to their caller
+        if case.method == "trlrows":
+            import trl.trainer.utils as trl_utils
+
+            lp, ent, *_ = trl_utils._ChunkedLogProbFunction.apply(
+                hidden, inp.weight, None, labels, 1.0, trl_utils._CHUNKED_LOGPROB_CHUNK_SIZE, None, 1.0, ("entropy",))
+        else:
+            import torch.nn.functional as F
+
+            lp = -F.linear_cross_entropy(hidden, inp.weight, labels, reduction="none",
+                                         options=torch.nn.LinearCrossEntropyOptions())
+            ent = None
+        back = lambda x: None if x is None else x.new_zeros(mask.shape).masked_scatter(mask, x)  # noqa: E731
+        return back(lp), back(ent)
     logits = inp.logits if case.path == "logits" else inp.hidden @ inp.weight.t()
     if case.method == "densekeep":
         if group is not None:
@@ -397,7 +430,7 @@ def loss_of(case: Case, inp: Inputs, group):
     if case.method in VERL_FSDP_METHODS:
         return verl_fsdp_loss(case, inp, group)
     lp, ent = outputs(case, inp, group)
-    return (lp * inp.g_lp).sum() + (ent * inp.g_h).sum()
+    return (lp * inp.g_lp).sum() + (0 if ent is None else (ent * inp.g_h).sum())
 
 
 def _status_kib(key: str) -> int:
@@ -550,6 +583,8 @@ def measure(case: Case, group=None, rank: int = 0, world: int = 1) -> dict:
     """
     device = torch.device(case.device)
     n = min(case.tokens, max(case.chunk, 64))
+    if case.read:  # enough rows that the rows read fill a chunk: the measured call's matmul shapes are warm
+        n = min(case.tokens, -(-n * 100 // case.read))
     tiny = dataclasses.replace(case, tokens=n, seq_len=case.seq_len if case.seq_len and n % case.seq_len == 0 else 0)
     inp = Inputs(tiny, rank, world)
     loss_of(tiny, inp, group).backward()

@@ -24,7 +24,16 @@ import tempfile
 import time
 
 from . import plan
-from ._measure import DEFAULT_METHODS, LOSS_METHODS, METHODS, TP_METHODS, VERL_FSDP_METHODS, Case, run_fresh
+from ._measure import (
+    DEFAULT_METHODS,
+    LOSS_METHODS,
+    METHODS,
+    ROWS_METHODS,
+    TP_METHODS,
+    VERL_FSDP_METHODS,
+    Case,
+    run_fresh,
+)
 
 PRESETS = {
     "issue2": dict(
@@ -87,6 +96,12 @@ PRESETS = {
         path="head", tokens=[8192], vocab=[32768], hidden=[512], dtype="float32", chunk_sizes=[256],
         methods=["divergence", "divergenceloss", "trldivergence", "plaindivergence"],
     ),
+    # only the rows that are read (25% and 50% of them labelled): this library's rows="kept" against the same call
+    # on all rows, TRL 1.16's compacted call and torch's F.linear_cross_entropy (log-probs only) on the same rows
+    "rows": dict(
+        path="head", tokens=[16384], vocab=[32768], hidden=[512], dtype="float32", chunk_sizes=[512],
+        methods=["head", "headrows", "trlrows", "torchlce"], read=[25, 50],
+    ),
     # sampling replay: 64 kept ids per token against none, and the dense-mask route (slime's) on the same input
     "replay": dict(
         dtype="float32", chunk_sizes=[512], keep=[0, 64],
@@ -99,10 +114,12 @@ PRESETS = {
 DEFAULTS = dict(
     path="logits", tokens=[1024, 2048, 4096, 8192], vocab=[32768], hidden=[512], dtype="float32",
     methods=None, chunk_sizes=[512], repeats=3, backends=["eager"], keep=[0], loss_modes=["vanilla"], tp=[1],
+    read=[0],
 )
 QUICK = dict(
     path="both", tokens=[256, 1024], vocab=[8192], hidden=[256], dtype="float32",
     methods=None, chunk_sizes=[256], repeats=1, backends=["eager"], keep=[0], loss_modes=["vanilla"], tp=[1],
+    read=[0],
 )
 
 
@@ -136,7 +153,9 @@ def add_arguments(p, positive_int, int_list, name_list) -> None:
                         "and logits path, verl's, Liger's and Apple's kernels, N=8192, H=4096, V=151936 and "
                         "logits N=16384, V=152064, bf16; divergence: "
                         "the reverse KL from a student's and a teacher's hidden states, N=8192, H=512, V=32768, "
-                        "against TRL's ChunkedDivergenceFunction and plain torch")
+                        "against TRL's ChunkedDivergenceFunction and plain torch; rows: 25%% and 50%% of the rows "
+                        "read, N=16384, H=512, V=32768, rows='kept' against all rows, TRL's compacted call and "
+                        "torch's F.linear_cross_entropy")
     g.add_argument("--quick", action="store_true",
                    help="a small sweep that finishes in under 30 s "
                         "(both paths, N=256,1024, V=8192, H=256, chunk 256, 1 round)")
@@ -156,6 +175,9 @@ def add_arguments(p, positive_int, int_list, name_list) -> None:
                         "chunked/fused head + chunked_entropy.losses, or the fused policy loss), or of "
                         "divergence, divergenceloss, trldivergence, plaindivergence (--path head: the reverse KL "
                         "between two heads: linear_divergence, its loss form, TRL's function, plain torch)")
+    g.add_argument("--read", type=_counts, metavar="P1,...",
+                   help="only the rows that are read: the percent of rows whose label is kept (the others -100), "
+                        "for head (all rows) and headrows, trlrows, torchlce (the rows read); default 0 (every row)")
     g.add_argument("--keep", type=_counts, metavar="K1,...",
                    help="sampling replay: kept ids per token, in vLLM's CSR layout, for this library's methods "
                         "and the dense-mask route densekeep (0: no replay; default 0)")
@@ -203,7 +225,7 @@ def _settings(args) -> dict:
         base.update(PRESETS[args.preset])
         base.setdefault("repeats", 3)
     for k in ("path", "tokens", "vocab", "hidden", "chunk_sizes", "methods", "dtype", "repeats", "backends", "keep",
-              "loss_modes", "topk", "seq_len", "tp"):
+              "loss_modes", "topk", "seq_len", "tp", "read"):
         v = getattr(args, k)
         if v is not None:
             base[k] = v
@@ -239,14 +261,16 @@ def build_cases(s: dict, device: str) -> list:
                         if m in ("verlfsdp", "fsdpplugin"):  # verl's top-k distillation: on where --topk asks
                             topk = max(s.get("topk") or [0])
                         seq_len = (s.get("seq_len") or 0) if m in LOSS_METHODS else 0
+                        ours = ours or m == "headrows"
+                        reads = (s.get("read") or [0]) if m in ("head",) + ROWS_METHODS else [0]
                         for c in (s["chunk_sizes"] if ours else [0]):
                             for be in (s["backends"] if ours else ["eager"]):
                                 for kk in keeps:
                                     for lm in modes:
-                                        group.append(Case(path=path, method=m, tokens=n, vocab=v, hidden=h,
-                                                          chunk=c, dtype=s["dtype"], device=device, backend=be,
-                                                          warm=bool(s.get("warm")), keep=kk, loss_mode=lm,
-                                                          topk=topk, seq_len=seq_len, tp=tp))
+                                        group += [Case(path=path, method=m, tokens=n, vocab=v, hidden=h, chunk=c,
+                                                       dtype=s["dtype"], device=device, backend=be,
+                                                       warm=bool(s.get("warm")), keep=kk, loss_mode=lm, topk=topk,
+                                                       seq_len=seq_len, tp=tp, read=r) for r in reads]
                     groups.append(group)
     return groups
 
@@ -259,9 +283,12 @@ def plan_bytes(case: Case) -> int:
     method = {"chunkedloss": "chunked", "headloss": "head", "liger": "head", "densekeep": "plain",
               "distill": "chunked", "verldistill": "plain", "verlfsdp": "plain", "fsdpplugin": "chunked",
               "verlfused": "head", "fusedplugin": "head", "divergence": "head", "divergenceloss": "head",
-              "trldivergence": "plain", "plaindivergence": "plain"}.get(case.method, case.method)
+              "trldivergence": "plain", "plaindivergence": "plain", "headrows": "head", "trlrows": "head",
+              "torchlce": "head"}.get(case.method, case.method)
     if method == "fusedloss":
         method = "head" if case.path == "head" else "chunked"
+    if case.method in ROWS_METHODS and case.read:  # the head's on the rows read, the [M, H] gather, the full grad
+        return plan.estimate_rows(shape, case.chunk, case.read).total
     e = plan.estimate(method, shape, case.chunk)
     # replay: the kept sets' entries (the ids and one label per token; int64 row and column, two flags, and the
     # sort that orders them); the dense route also holds its [N, V] bool mask and the masked float32 copy

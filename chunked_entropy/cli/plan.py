@@ -119,6 +119,7 @@ class Estimate:
     over_logits: Optional[int]  # None for the fused head: it has no logits input
     total: int
     working: Optional[int] = None  # the fused head's peak beyond its inputs and their gradients
+    read: int = 0  # the fused head with rows="kept": the percent of the rows read (0: all of them)
 
     @property
     def label(self) -> str:
@@ -126,7 +127,7 @@ class Estimate:
             "plain": "plain torch",
             "clone": "clone workaround",
             "chunked": f"chunked logits path, chunk {self.chunk}",
-            "head": f"fused head, chunk {self.chunk}",
+            "head": f"fused head, chunk {self.chunk}" + (f", rows='kept' ({self.read}% read)" if self.read else ""),
         }[self.approach]
 
 
@@ -160,6 +161,21 @@ def estimate(approach: str, shape: Shape, chunk: int = 0) -> Estimate:
             bwd += vg * h * 4 + c * vg * 4
         return Estimate("head", chunk, None, max(fwd, bwd), max(fwd, bwd - grads))
     raise ValueError(f"unknown approach {approach!r}")
+
+
+def estimate_rows(shape: Shape, chunk: int, read: int) -> Estimate:
+    """The fused head with ``rows="kept"`` when ``read`` percent of the rows are read (``M = N * read / 100``):
+    the larger of its two phases. The chunk loop's backward: the head's estimate over ``M`` tokens plus the
+    ``[M, H]`` gather of the rows, kept for it (``M*H*B``). Then the rows' ``[M, H]`` gradient added into the
+    full ``[N, H]`` one: the head's gradients over ``M`` tokens plus ``N*H*B``. Its matmul work is
+    ``read / 100`` of the head's on all rows."""
+    from dataclasses import replace
+
+    n, h, b = shape.tokens, shape.hidden, shape.b
+    m = n * read // 100
+    e = estimate("head", replace(shape, tokens=max(m, 1)), chunk)
+    total = max(e.total + m * h * b, e.total - e.working + n * h * b)
+    return replace(e, read=read, total=total)
 
 
 def estimates(shape: Shape, chunks=DEFAULT_CHUNKS) -> list:
@@ -248,11 +264,19 @@ def add_arguments(p: argparse.ArgumentParser, positive_int, int_list) -> None:
                         "head's backward holds float32 copies of its operands there (default cuda)")
     p.add_argument("--chunk-sizes", type=int_list, default=list(DEFAULT_CHUNKS), metavar="C1,C2,...",
                    help="chunk sizes to list (default " + ",".join(map(str, DEFAULT_CHUNKS)) + ")")
+    p.add_argument("--read", type=positive_int, default=None, metavar="PERCENT",
+                   help="with --hidden: only that percent of the rows is read (rows='kept'); adds the fused head "
+                        "on those rows to the table, and its share of the all-rows head's time")
 
 
 def run(args) -> int:
     shape = Shape(args.tokens, args.vocab, args.hidden or 0, args.tp, args.dtype, args.bias, args.device)
     rows = estimates(shape, args.chunk_sizes)
+    read = getattr(args, "read", None)
+    if read is not None and (not shape.hidden or read > 100):
+        raise argparse.ArgumentTypeError("--read needs --hidden and a percent in [1, 100]")
+    if read is not None:
+        rows += [estimate_rows(shape, c, read) for c in args.chunk_sizes]
     rec = recommend(shape, args.budget, args.chunk_sizes)
     print(
         f"Memory of one forward+backward of log-probs and entropy, per rank: tokens={shape.tokens}, "
@@ -269,10 +293,14 @@ def run(args) -> int:
     print()
     print("'over the logits': peak on top of logits that already exist (includes their gradient).")
     print("'total': peak when the lm_head matmul runs in the step (includes the logits it makes).")
-    heads = [e for e in rows if e.working is not None]
+    heads = [e for e in rows if e.working is not None and not e.read]
     if heads:
         print("Fused head's working memory, beyond its inputs and their gradients: "
               + ", ".join(f"chunk {e.chunk}: {fmt_bytes(e.working)}" for e in heads) + ".")
+    if read is not None:
+        print(f"rows='kept' with {read}% of the rows read: every matmul pass over {read}% of the tokens, so about "
+              f"{read / 100:.2f} of the all-rows head's time (plus an [M, H] gather and an index_add_ into the "
+              "hidden gradient).")
     if args.budget is not None:
         print(f"Budget: {fmt_bytes(args.budget)} per rank.")
     print()

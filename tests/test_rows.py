@@ -1,0 +1,470 @@
+"""``rows=``: only the rows that are read, on every hidden-state entry point.
+
+An index (repeats, any order) against the same op on the rows gathered by
+hand (itself tested against float64 elsewhere) and against a float64
+reference written here from the definition: values, and the gradients of
+hidden, weight and bias under random upstream gradients, the hidden gradient
+summed over repeats and exactly 0 on rows never selected. ``rows="kept"``
+against the call on all rows (outputs equal on kept rows, zero elsewhere; the
+gradients equal with the skipped rows' upstream gradients zero), over a
+cross-product of the options, the twelve objectives and the three
+divergences. The policy loss with ``[B, T]`` rows (sequence-level objectives).
+Bad input. TP 2 with sequence parallelism over gloo (rows of the gathered
+sequence, ranks that differ refused on every rank). Tree packing: a tree of
+rollouts packed once against each root-to-leaf rollout on its own.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from chunked_entropy import (
+    ChunkedVocabParallelHead,
+    linear_divergence,
+    linear_divergence_loss,
+    linear_log_probs_and_entropy,
+    linear_policy_loss,
+    losses,
+)
+from tests.helpers import reference, run_distributed
+
+F64 = torch.float64
+B, T, H, V = 3, 7, 6, 40
+
+
+def _data(seed=0, dtype=F64):
+    g = torch.Generator().manual_seed(seed)
+    return dict(h=torch.randn(B, T, H, generator=g, dtype=dtype), w=torch.randn(V, H, generator=g, dtype=dtype),
+                b=torch.randn(V, generator=g, dtype=dtype) * 0.3, labels=torch.randint(0, V, (B, T), generator=g),
+                g=torch.Generator().manual_seed(seed + 1))
+
+
+def _leaves(*ts):
+    return [t.clone().requires_grad_() for t in ts]
+
+
+def _grads(outs, ups, leaves):
+    total = sum((o.double() * u).sum() for o, u in zip(outs, ups, strict=True) if o is not None)
+    return torch.autograd.grad(total, leaves)
+
+
+ROWS = torch.tensor([20, 3, 3, 0, 11, 3, 17, 20])  # repeats, any order; rows 1, 2, 4.. never selected
+
+
+def test_head_index_against_float64_reference():
+    d = _data()
+    h, w, b = _leaves(d["h"], d["w"], d["b"])
+    lab = torch.randint(0, V, (ROWS.numel(),), generator=d["g"])
+    lab[4] = -100
+    temp = torch.rand(ROWS.numel(), generator=d["g"], dtype=F64) + 0.5
+    out = linear_log_probs_and_entropy(h, w, lab, bias=b, rows=ROWS, temperature=temp, chunk_size=3,
+                                       compute_sum_pi_squared=True, softcap=4.0, logit_scale=0.9)
+    ups = [torch.randn(ROWS.numel(), generator=d["g"], dtype=F64) for _ in range(3)]
+    got = _grads([out.log_probs, out.entropy, out.sum_pi_squared], ups, [h, w, b])
+    h2, w2, b2 = _leaves(d["h"], d["w"], d["b"])
+    z = h2.reshape(-1, H)[ROWS] @ w2.t() + b2
+    ref = reference(z, lab, temperature=temp, softcap=4.0, logit_scale=0.9, sum_pi_squared=True)
+    *want, gz = _grads(ref, ups, [h2, w2, b2, z])
+    for a, e in zip((out.log_probs, out.entropy, out.sum_pi_squared), ref, strict=True):
+        torch.testing.assert_close(a, e)
+    for a, e in zip(got, want, strict=True):
+        torch.testing.assert_close(a, e)
+    unselected = torch.ones(B * T, dtype=torch.bool)
+    unselected[ROWS] = False
+    assert (got[0].reshape(-1, H)[unselected] == 0).all()  # exactly zero, not merely small
+    # the repeated row's gradient is the sum over its three uses
+    per_use = gz @ w2.detach()  # each selected row's own gradient
+    torch.testing.assert_close(got[0].reshape(-1, H)[3], per_use[[1, 2, 5]].sum(0))
+
+
+@pytest.mark.parametrize("case", [
+    dict(vocab_chunk_size=16, top_k=3),
+    dict(backend="compile", log_probs_at=True),
+    dict(keep="dense", main_grad=True),
+    dict(keep="csr", entropy_of="kept", vocab_chunk_size=16),
+])
+def test_head_kept_equals_all_rows(case):
+    """rows="kept" (and ("kept", count)) against the same call on all rows, options on."""
+    case = dict(case)
+    d = _data(seed=3)
+    g = d["g"]
+    mask = torch.rand(B, T, generator=g) < 0.5
+    labels = d["labels"].clone()
+    labels[0, 0] = -100
+    kw = dict(bias=None, chunk_size=4, temperature=torch.rand(B, T, generator=g, dtype=F64) + 0.5,
+              label_mask=mask, compute_sum_pi_squared=True, softcap=6.0)
+    kw.update({k: case[k] for k in ("vocab_chunk_size", "top_k", "backend", "entropy_of") if k in case})
+    if case.get("log_probs_at"):
+        kw["log_probs_at"] = torch.randint(0, V, (B, T, 2), generator=g)
+    if case.get("keep") == "dense":
+        kw["keep"] = torch.rand(B, T, V, generator=g) < 0.7
+    elif case.get("keep") == "csr":
+        lengths = torch.randint(1, 5, (B * T,), generator=g)
+        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+        kw["keep"] = (torch.randint(0, V, (int(offsets[-1]),), generator=g), offsets)
+        kw["keep"][0][offsets[:-1]] = labels.reshape(-1).clamp(min=0)  # the label is in its kept set
+    valid = mask & (labels != -100)
+    outs, grads = [], []
+    variants = (None, "kept", ("kept", int(valid.sum())))
+    for rows in variants[::2] if case.get("backend") else variants:  # each compiled shape costs a compile
+        h, w = _leaves(d["h"], d["w"])
+        if case.get("main_grad"):
+            w.main_grad = torch.zeros(V, H, dtype=F64)
+        out = linear_log_probs_and_entropy(h, w, labels, rows=rows, **kw)
+        tensors = [out.log_probs, out.entropy, out.sum_pi_squared, out.log_probs_at, out.top_k_log_probs]
+        ups = [None if t is None else torch.randn(t.shape, generator=torch.Generator().manual_seed(5), dtype=F64)
+               * (valid if t.dim() == 2 else valid[..., None]) for t in tensors]
+        fused = case.get("main_grad")  # the weight gradient goes to main_grad (Megatron's fusion)
+        gh, *gw = _grads([t for t in tensors if t is not None], [u for u in ups if u is not None],
+                         [h] if fused else [h, w])
+        gw = w.main_grad if fused else gw[0]
+        on = lambda t: None if t is None else t * (valid if t.dim() == 2 else valid[..., None])  # noqa: E731
+        outs.append([on(t) for t in tensors] + [None if out.top_k_ids is None else out.top_k_ids[valid]])
+        grads.append((gh, gw))
+        if rows is not None:  # zero on the skipped rows, exactly
+            assert all(t is None or (t[~valid] == 0).all() for t in tensors)
+    for other, og in zip(outs[1:], grads[1:], strict=True):
+        for a, e in zip(other, outs[0], strict=True):
+            if e is not None:
+                torch.testing.assert_close(a, e, rtol=1e-12, atol=1e-12)
+        for a, e in zip(og, grads[0], strict=True):
+            torch.testing.assert_close(a, e, rtol=1e-12, atol=1e-12)
+
+
+def test_module_forward_takes_rows():
+    d = _data(seed=4)
+    head = ChunkedVocabParallelHead(d["w"], d["b"], chunk_size=4)
+    lab = d["labels"].reshape(-1)[ROWS]
+    out = head(d["h"], lab, rows=ROWS)
+    lp, ent = head(d["h"].reshape(-1, H)[ROWS], lab)
+    torch.testing.assert_close(out.log_probs, lp, rtol=0, atol=0)
+    torch.testing.assert_close(out.entropy, ent, rtol=0, atol=0)
+
+
+OPTS = dict(clip_ratio_low=0.15, clip_ratio_high=0.28, dro_beta=0.2, clip_cov_ratio=0.3, clip_cov_lb=-5.0,
+            clip_cov_ub=5.0, kl_cov_ratio=0.2)
+AGGS = losses.AGG_MODES
+
+
+@pytest.mark.parametrize("i, mode", list(enumerate(losses.LOSS_MODES)))
+def test_policy_loss_kept_equals_all_rows(i, mode):
+    """Every objective (and, across them, every aggregation, rollout correction, KL, the entropy bonus)."""
+    d = _data(seed=10 + i)
+    g = d["g"]
+    old = -torch.rand(B, T, generator=g, dtype=F64) * 3 - 0.5
+    adv, ref = torch.randn(B, T, generator=g, dtype=F64), old + 0.1 * torch.randn(B, T, generator=g, dtype=F64)
+    mask = torch.rand(B, T, generator=g) < 0.6
+    mask[0, -1], mask[1] = True, False  # an empty sequence
+    kw = dict(loss_mode=mode, loss_agg_mode=AGGS[i % len(AGGS)], entropy_coeff=0.03, kl_coef=0.1,
+              ref_log_probs=ref, temperature=0.9, chunk_size=4, bias=None, **OPTS)
+    if i % 3 == 0:
+        kw.update(rollout_log_probs=old + 0.2 * torch.randn(B, T, generator=g, dtype=F64), rollout_is="token",
+                  rollout_rs="seq_mean_k1" if i % 2 else "token_k2", rollout_rs_threshold=2.0)
+    elif i % 3 == 1:
+        kw["rollout_is_weights"] = torch.rand(B, T, generator=g, dtype=F64) + 0.5
+    results = []
+    for rows in (None, "kept" if i % 2 else ("kept", T)):
+        h, w = _leaves(d["h"], d["w"])
+        torch.manual_seed(7)  # clip_cov / kl_cov draw
+        loss, metrics = linear_policy_loss(h, w, d["labels"], old, adv, mask, rows=rows, **kw)
+        results.append((loss, metrics, torch.autograd.grad(loss * 1.3, [h, w])))
+    for loss, metrics, grads in results[1:]:
+        torch.testing.assert_close(loss, results[0][0])
+        assert metrics.keys() == results[0][1].keys()
+        for k in metrics:
+            torch.testing.assert_close(metrics[k], results[0][1][k], msg=k)
+        for a, e in zip(grads, results[0][2], strict=True):
+            torch.testing.assert_close(a, e)
+        assert (grads[0][~mask] == 0).all()
+
+
+def test_policy_loss_index_is_the_unpacked_layout():
+    """[B, T] rows of a packed sequence: every aggregation and a sequence-level objective equal the rollouts
+    laid out unpacked, in float64 from the composition head -> losses.policy_loss."""
+    d = _data(seed=30)
+    g = d["g"]
+    rows = torch.tensor([[0, 1, 2, 3], [0, 1, 9, 10], [14, 15, 16, 16]])  # a shared prefix; a repeat
+    mask = torch.tensor([[0, 1, 1, 1], [0, 1, 1, 1], [1, 1, 1, 0]], dtype=torch.bool)
+    lab = torch.randint(0, V, rows.shape, generator=g)
+    old = -torch.rand(rows.shape, generator=g, dtype=F64) * 2 - 1
+    adv = torch.randn(rows.shape, generator=g, dtype=F64)
+    for mode, agg in (("gspo", "seq-mean-token-mean"), ("geo_mean", "seq-mean-token-sum"),
+                      ("vanilla", "seq-mean-token-sum-norm"), ("clip_cov", "token-mean")):
+        h, w = _leaves(d["h"], d["w"])
+        torch.manual_seed(3)
+        loss, _ = linear_policy_loss(h, w, lab, old, adv, mask, rows=rows, loss_mode=mode, loss_agg_mode=agg,
+                                     entropy_coeff=0.02, chunk_size=2, **OPTS)
+        got = torch.autograd.grad(loss, [h, w])
+        h2, w2 = _leaves(d["h"], d["w"])
+        lp, ent = reference(h2.reshape(-1, H)[rows] @ w2.t(), lab)
+        torch.manual_seed(3)
+        pg, _ = losses.policy_loss(lp, old, adv, mask, loss_mode=mode, loss_agg_mode=agg, **OPTS)
+        want_loss = pg - 0.02 * losses.entropy_bonus(ent, mask, agg)
+        torch.testing.assert_close(loss.double(), want_loss)
+        for a, e in zip(got, torch.autograd.grad(want_loss, [h2, w2]), strict=True):
+            torch.testing.assert_close(a, e)
+
+
+@pytest.mark.parametrize("divergence", ["forward_kl", "reverse_kl", "jsd"])
+def test_divergences_kept_and_index(divergence):
+    d = _data(seed=40)
+    g = d["g"]
+    ht, wt = torch.randn(B, T, 5, generator=g, dtype=F64), torch.randn(V, 5, generator=g, dtype=F64)
+    mask = torch.rand(B, T, generator=g) < 0.5
+    kw = dict(divergence=divergence, beta=0.3 if divergence == "jsd" else None, chunk_size=4, compute_entropy=True,
+              temperature=torch.rand(B, T, generator=g, dtype=F64) + 0.5, student_softcap=5.0,
+              vocab_chunk_size=16 if divergence == "jsd" else None)
+    ups = [torch.randn(B, T, generator=g, dtype=F64) * mask for _ in range(3)]
+    res = []
+    for rows in (None, "kept"):
+        h, w, b = _leaves(d["h"], d["w"], d["b"])
+        o = linear_divergence(h, w, ht, wt, labels=d["labels"], label_mask=mask, student_bias=b, rows=rows, **kw)
+        loss = linear_divergence_loss(h, w, ht, wt, label_mask=mask, weights=ups[0].abs(), student_bias=b,
+                                      rows=rows, **kw)
+        res.append(([t * mask for t in o], _grads(list(o), ups, [h, w, b]), loss.loss,
+                    torch.autograd.grad(loss.loss, [h, w, b])))
+        if rows is not None:
+            assert all((t[~mask] == 0).all() for t in o)
+    for a, e in zip(res[1], res[0], strict=True):
+        if isinstance(a, torch.Tensor):
+            torch.testing.assert_close(a, e)
+        else:
+            for x, y in zip(a, e, strict=True):
+                torch.testing.assert_close(x, y)
+    # an index: the teacher's rows given per selected row
+    h, w = _leaves(d["h"], d["w"])
+    o = linear_divergence(h, w, ht.reshape(-1, 5)[ROWS], wt, rows=ROWS, divergence=divergence,
+                          beta=kw["beta"], chunk_size=3)
+    h2, w2 = _leaves(d["h"], d["w"])
+    e = linear_divergence(h2.reshape(-1, H)[ROWS], w2, ht.reshape(-1, 5)[ROWS], wt, divergence=divergence,
+                          beta=kw["beta"], chunk_size=3)
+    torch.testing.assert_close(o.divergence, e.divergence, rtol=0, atol=0)
+    up = torch.randn(ROWS.numel(), generator=g, dtype=F64)
+    for a, x in zip(torch.autograd.grad((o.divergence * up).sum(), [h, w]),
+                    torch.autograd.grad((e.divergence * up).sum(), [h2, w2]), strict=True):
+        torch.testing.assert_close(a, x, rtol=0, atol=0)
+
+
+def test_bad_rows_named_before_any_work():
+    d = _data(seed=50)
+    h, w = d["h"].clone().requires_grad_(), d["w"]
+    lab = d["labels"].reshape(-1)[:2]
+    before = h.detach().clone()
+    cases = [
+        (torch.tensor([0, B * T]), ValueError, "rows must index the 21 token rows"),
+        (torch.tensor([-1, 0]), ValueError, "found -1"),
+        (torch.tensor([0.0, 1.0]), TypeError, "rows must be an int64 index"),
+        (torch.tensor([True, False]), TypeError, "bool"),
+        (torch.tensor([0, 1], device="meta"), ValueError, "rows is on meta"),
+        (torch.tensor([0, 1, 2]), ValueError, "with rows=, labels is given per selected row"),
+        ("all", ValueError, "rows must be an int64 index tensor, 'kept'"),
+        (("kept", -1), ValueError, "('kept', count)"),
+    ]
+    for rows, kind, text in cases:
+        with pytest.raises(kind, match=text.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+            linear_log_probs_and_entropy(h, w, lab, rows=rows)
+    with pytest.raises(ValueError, match="labels keep"):
+        linear_log_probs_and_entropy(h, w, d["labels"], rows=("kept", 3))
+    with pytest.raises(ValueError, match="with rows='kept', labels must cover every token row"):
+        linear_log_probs_and_entropy(h, w, d["labels"][:, :-1], rows="kept")
+    with pytest.raises(ValueError, match="with rows='kept', labels must cover every token row"):
+        short = torch.zeros(B, T - 1, dtype=F64)
+        linear_policy_loss(h, w, d["labels"][:, :-1], short, short, short > -1, rows="kept")
+    with pytest.raises(ValueError, match=r"rows of the policy loss must be \[B, T\]"):
+        linear_policy_loss(h, w, lab, lab.double(), lab.double(), lab > 0, rows=torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="with rows=, old_log_probs is given per selected row"):
+        r = torch.tensor([[0, 1]])
+        linear_policy_loss(h, w, lab[None], torch.zeros(1, 3, dtype=F64), torch.zeros(1, 2, dtype=F64),
+                           torch.ones(1, 2, dtype=torch.bool), rows=r)
+    assert torch.equal(h.detach(), before) and h.grad is None
+
+
+# ---------------------------------------------------------------- TP 2 + SP over gloo
+
+
+def _tp_sp(rank, world):
+    group = dist.group.WORLD
+    g = torch.Generator().manual_seed(0)
+    s, b, v = 6, 2, 16
+    h_full = torch.randn(s, b, H, generator=g, dtype=F64)
+    w_full = torch.randn(v, H, generator=g, dtype=F64)
+    rows = torch.tensor([11, 0, 0, 7, 3])  # rows of the gathered [S, B]: s * B + b
+    lab = torch.randint(0, v, (rows.numel(),), generator=g)
+    up = torch.randn(rows.numel(), generator=g, dtype=F64)
+    h64, w64 = _leaves(h_full, w_full)
+    lp_ref, ent_ref = reference(h64.reshape(-1, H)[rows] @ w64.t(), lab)
+    ((lp_ref + ent_ref) * up).sum().backward()
+    sl, vl = s // world, v // world
+    h = h_full[rank * sl:(rank + 1) * sl].clone().requires_grad_()
+    w = w_full[rank * vl:(rank + 1) * vl].clone().requires_grad_()
+    out = linear_log_probs_and_entropy(h, w, lab, rows=rows, process_group=group, sequence_parallel=True,
+                                       chunk_size=2)
+    ((out.log_probs + out.entropy) * up).sum().backward()
+    torch.testing.assert_close(out.log_probs, lp_ref)
+    torch.testing.assert_close(out.entropy, ent_ref)
+    torch.testing.assert_close(h.grad, h64.grad[rank * sl:(rank + 1) * sl])
+    torch.testing.assert_close(w.grad, w64.grad[rank * vl:(rank + 1) * vl])
+    # "kept" under SP: the labels of the full gathered sequence
+    labels = torch.randint(0, v, (s, b), generator=g)
+    mask = torch.rand(s, b, generator=g) < 0.5
+    kept = linear_log_probs_and_entropy(h, w, labels, label_mask=mask, rows="kept", process_group=group,
+                                        sequence_parallel=True)
+    full = linear_log_probs_and_entropy(h, w, labels, label_mask=mask, process_group=group, sequence_parallel=True)
+    torch.testing.assert_close(kept.entropy, full.entropy * mask)
+    torch.testing.assert_close(kept.log_probs, full.log_probs)
+    # ranks that differ: refused on every rank, naming rows
+    with pytest.raises(ValueError, match="rows"):
+        linear_log_probs_and_entropy(h, w, lab, rows=rows if rank == 0 else rows.flip(0), process_group=group,
+                                     sequence_parallel=True)
+    with pytest.raises(ValueError, match="rows"):
+        linear_log_probs_and_entropy(h, w, lab, rows=rows if rank == 0 else rows + 100, process_group=group,
+                                     sequence_parallel=True)
+    # the group still works
+    out = linear_log_probs_and_entropy(h, w, lab, rows=rows, process_group=group, sequence_parallel=True)
+    torch.testing.assert_close(out.log_probs, lp_ref)
+    # the policy loss: [B', T'] rows of the gathered [S, B] sequence, a sequence-level objective
+    rows2 = torch.tensor([[0, 2, 4, 6], [1, 3, 3, 11]])
+    lab2 = torch.randint(0, v, rows2.shape, generator=g)
+    old, adv = -torch.rand(rows2.shape, generator=g, dtype=F64) - 1, torch.randn(rows2.shape, generator=g, dtype=F64)
+    mask2 = torch.tensor([[1, 1, 1, 0], [0, 1, 1, 1]], dtype=torch.bool)
+    h.grad = w.grad = None
+    loss, _ = linear_policy_loss(h, w, lab2, old, adv, mask2, rows=rows2, process_group=group, sequence_parallel=True,
+                                 loss_mode="gspo", loss_agg_mode="seq-mean-token-mean", chunk_size=4)
+    loss.backward()
+    h64, w64 = _leaves(h_full, w_full)
+    lp, _ = reference(h64.reshape(-1, H)[rows2] @ w64.t(), lab2)
+    want = losses.policy_loss(lp, old, adv, mask2, loss_mode="gspo", loss_agg_mode="seq-mean-token-mean")[0]
+    want.backward()
+    torch.testing.assert_close(loss.double(), want)
+    torch.testing.assert_close(h.grad, h64.grad[rank * sl:(rank + 1) * sl])
+    torch.testing.assert_close(w.grad, w64.grad[rank * vl:(rank + 1) * vl])
+
+
+def test_tensor_and_sequence_parallel_2():
+    run_distributed(_tp_sp, 2, timeout_s=60)
+
+
+# ---------------------------------------------------------------- tree packing
+
+
+def test_tree_packed_rollouts_equal_each_rollout_on_its_own():
+    """A prompt P (3 tokens), two branches A (2) and B (3), A splitting into A1 (2) and A2 (1): packed once as
+    P A A1 A2 B (11 rows). Each root-to-leaf rollout is the sequence of its nodes; the row that scores a
+    rollout's position t is the packed position of its t-th token (a shared node's rows repeat across the
+    rollouts through it). Against each rollout computed on its own in float64: log-probs, entropy, the fused
+    loss in every aggregation mode, a divergence, and the hidden gradient summed over the branches."""
+    g = torch.Generator().manual_seed(60)
+    nodes = {"P": (0, 3), "A": (3, 5), "A1": (5, 7), "A2": (7, 8), "B": (8, 11)}
+    paths = [["P", "A", "A1"], ["P", "A", "A2"], ["P", "B"]]
+    n_packed, t_max = 11, 7
+    packed = torch.randn(n_packed, H, generator=g, dtype=F64)  # the model's hidden states of the packed tree
+    w = torch.randn(V, H, generator=g, dtype=F64)
+    ht_packed, wt = torch.randn(n_packed, 4, generator=g, dtype=F64), torch.randn(V, 4, generator=g, dtype=F64)
+    # the layout: one row per (rollout, position), padded (masked) to the longest rollout
+    rows = torch.zeros(len(paths), t_max, dtype=torch.int64)
+    mask = torch.zeros(len(paths), t_max, dtype=torch.bool)
+    for i, path in enumerate(paths):
+        pos = torch.cat([torch.arange(*nodes[n]) for n in path])
+        rows[i, :pos.numel()] = pos
+        mask[i, 3:pos.numel()] = True  # the response: every token after the prompt
+    labels = torch.randint(0, V, rows.shape, generator=g)
+    old = -torch.rand(rows.shape, generator=g, dtype=F64) * 2 - 1
+    adv = torch.randn(rows.shape, generator=g, dtype=F64)
+
+    lengths = [sum(nodes[n][1] - nodes[n][0] for n in p) for p in paths]
+    # per token: log-probs and entropy of the packed call against each rollout's own
+    h = packed.clone().requires_grad_()
+    out = linear_log_probs_and_entropy(h, w, labels, rows=rows, label_mask=mask, chunk_size=4)
+    up = torch.randn(rows.shape, generator=g, dtype=F64) * mask
+    (((out.log_probs + out.entropy) * up).sum()).backward()
+    hr = packed.clone().requires_grad_()
+    grad_sum = torch.zeros_like(packed)
+    for i, n in enumerate(lengths):
+        # rollout i's own hidden states, [n, H] (what its unpacked forward computes: tree attention gives each
+        # token the same states as the rollout alone)
+        own = hr[rows[i, :n]].detach().clone().requires_grad_()
+        lp, ent = reference(own @ w.t(), labels[i, :n], label_mask=mask[i, :n])
+        torch.testing.assert_close(out.log_probs[i, :n], lp)
+        torch.testing.assert_close(out.entropy[i, :n] * mask[i, :n], ent * mask[i, :n])
+        ((lp + ent) * up[i, :n]).sum().backward()
+        grad_sum.index_add_(0, rows[i, :n], own.grad)  # the shared rows: the sum over the branches
+    torch.testing.assert_close(h.grad, grad_sum)
+    # the fused loss, every aggregation mode: the packed call against the composition over the rollouts
+    for agg in losses.AGG_MODES:
+        h = packed.clone().requires_grad_()
+        loss, _ = linear_policy_loss(h, w, labels, old, adv, mask, rows=rows, loss_mode="gspo", loss_agg_mode=agg,
+                                     entropy_coeff=0.01, chunk_size=4)
+        loss.backward()
+        h2 = packed.clone().requires_grad_()
+        lp, ent = reference(h2[rows] @ w.t(), labels, label_mask=mask)
+        ref_loss = (losses.policy_loss(lp, old, adv, mask, loss_mode="gspo", loss_agg_mode=agg)[0]
+                    - 0.01 * losses.entropy_bonus(ent, mask, agg))
+        ref_loss.backward()
+        torch.testing.assert_close(loss.double(), ref_loss)
+        torch.testing.assert_close(h.grad, h2.grad)
+    # a divergence: the teacher's rows of the same tree, per selected row
+    h = packed.clone().requires_grad_()
+    d = linear_divergence(h, w, ht_packed[rows], wt, label_mask=mask, rows=rows, divergence="reverse_kl")
+    (d.divergence * up).sum().backward()
+    h2 = packed.clone().requires_grad_()
+    ls = torch.log_softmax(h2[rows] @ w.t(), -1)
+    lt = torch.log_softmax(ht_packed[rows] @ wt.t(), -1)
+    ref_div = (ls.exp() * (ls - lt)).sum(-1) * mask
+    (ref_div * up).sum().backward()
+    torch.testing.assert_close(d.divergence, ref_div)
+    torch.testing.assert_close(h.grad, h2.grad)
+
+
+def test_logits_twins_take_the_same_index():
+    """log_probs_and_entropy, policy_loss_from_logits and divergence_from_logits over logit rows: equal to the
+    call on the rows gathered by hand, the logits' gradient summed over repeats and zero elsewhere."""
+    from chunked_entropy import divergence_from_logits, log_probs_and_entropy, policy_loss_from_logits
+
+    g = torch.Generator().manual_seed(70)
+    z = torch.randn(B, T, V, generator=g, dtype=F64)
+    zt = torch.randn(ROWS.numel(), V, generator=g, dtype=F64)
+    lab = torch.randint(0, V, (ROWS.numel(),), generator=g)
+    up = torch.randn(ROWS.numel(), generator=g, dtype=F64)
+    rows2 = ROWS.view(2, 4)
+    old, adv = -torch.rand(2, 4, generator=g, dtype=F64) - 1, torch.randn(2, 4, generator=g, dtype=F64)
+    mask = torch.ones(2, 4, dtype=torch.bool)
+    calls = [
+        lambda x, r: (lambda o: (o.log_probs + o.entropy) * up)(log_probs_and_entropy(x, lab, rows=r, chunk_size=3)),
+        lambda x, r: policy_loss_from_logits(x, lab.view(2, 4), old, adv, mask, rows=None if r is None else rows2,
+                                             loss_mode="gspo", loss_agg_mode="seq-mean-token-mean")[0],
+        lambda x, r: divergence_from_logits(x, zt, divergence="jsd", beta=0.4, rows=r).divergence * up,
+    ]
+    for call in calls:
+        x = z.clone().requires_grad_()
+        got = call(x, ROWS)
+        (gx,) = torch.autograd.grad(got.sum(), x)
+        x2 = z.clone().requires_grad_()
+        sel = x2.reshape(-1, V)[ROWS]
+        want = call(sel.view(2, 4, V) if got.dim() == 0 else sel, None)
+        (gx2,) = torch.autograd.grad(want.sum(), x2)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        torch.testing.assert_close(gx, gx2)
+        assert (gx.reshape(-1, V)[[1, 2, 4]] == 0).all()
+    with pytest.raises(ValueError, match="rows='kept' is for the ops over hidden states"):
+        log_probs_and_entropy(z, torch.zeros(B, T, dtype=torch.int64), rows="kept")
+
+
+def test_no_row_selected():
+    """An empty index and "kept" with nothing kept: zero outputs of the right shape, connected, zero gradients."""
+    d = _data(seed=80)
+    h = d["h"].clone().requires_grad_()
+    none = torch.zeros(0, dtype=torch.int64)
+    out = linear_log_probs_and_entropy(h, d["w"], none, rows=none)
+    assert out.log_probs.shape == (0,) and out.entropy.shape == (0,)
+    (out.log_probs.sum() + out.entropy.sum()).backward()
+    assert (h.grad == 0).all()
+    ignored = torch.full((B, T), -100)
+    for rows in ("kept", ("kept", 0)):
+        out = linear_log_probs_and_entropy(h, d["w"], ignored, rows=rows)
+        assert out.entropy.shape == (B, T) and (out.entropy == 0).all()
+    mask = torch.zeros(B, T, dtype=torch.bool)
+    zeros = torch.zeros(B, T, dtype=F64)
+    loss, _ = linear_policy_loss(h, d["w"], d["labels"], zeros, zeros, mask, rows="kept")
+    assert loss == 0 and torch.autograd.grad(loss, h)[0].eq(0).all()
