@@ -121,7 +121,7 @@ def cpu_only_replacements():
             tracker.pop("values", None)
 
 
-def gpt_model(tp: int, *, tied: bool, seed: int = 0, mtp_layers: int = 0):
+def gpt_model(tp: int, *, tied: bool, seed: int = 0, mtp_layers: int = 0, sequence_parallel: bool = False):
     """A one-layer megatron-core GPTModel with RoPE, its weights the same at every TP size (CPU initialisation)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -132,7 +132,8 @@ def gpt_model(tp: int, *, tied: bool, seed: int = 0, mtp_layers: int = 0):
         extra = dict(mtp_num_layers=mtp_layers, mtp_loss_scaling_factor=0.3)
     cfg = TransformerConfig(
         num_layers=1, hidden_size=HID, num_attention_heads=HEADS, tensor_model_parallel_size=tp,
-        use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0, **extra,
+        use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0, sequence_parallel=sequence_parallel,
+        **extra,
     )
     spec = get_gpt_layer_local_spec()
     spec.submodules.self_attention.submodules.core_attention = core_attention_cls()
@@ -142,8 +143,38 @@ def gpt_model(tp: int, *, tied: bool, seed: int = 0, mtp_layers: int = 0):
 
         kw["mtp_block_spec"] = get_gpt_mtp_block_spec(cfg, spec, use_transformer_engine=False)
     torch.manual_seed(seed)
-    return GPTModel(cfg, spec, vocab_size=V, max_sequence_length=64, share_embeddings_and_output_weights=tied,
-                    position_embedding_type="rope", **kw)
+    with _sequence_parallel_torch_norm() if sequence_parallel else contextlib.nullcontext():
+        return GPTModel(cfg, spec, vocab_size=V, max_sequence_length=64, share_embeddings_and_output_weights=tied,
+                        position_embedding_type="rope", **kw)
+
+
+@contextlib.contextmanager
+def _sequence_parallel_torch_norm():
+    """megatron-core's torch norm (the local spec's) with ``sequence_parallel`` on (replaced: CUDA-only norms).
+
+    ``WrappedTorchNorm`` refuses sequence parallelism because Megatron's
+    sequence-parallel models use Transformer Engine's or Apex's norms, which
+    need CUDA. The norm itself is per token; its weight gradient is this
+    rank's part of the sequence (Megatron's ``finalize_model_grads`` sums it
+    over the group), the same on every route compared. The same torch norm is
+    built, from a copy of the config without the flag.
+    """
+    import copy
+
+    from megatron.core.transformer import torch_norm
+
+    own = torch_norm.WrappedTorchNorm.__dict__["__new__"]
+
+    def new(cls, config, *args, **kwargs):
+        config = copy.copy(config)
+        config.sequence_parallel = False
+        return own.__func__(cls, config, *args, **kwargs)
+
+    torch_norm.WrappedTorchNorm.__new__ = staticmethod(new)
+    try:
+        yield
+    finally:
+        torch_norm.WrappedTorchNorm.__new__ = own
 
 
 def engine(model, *, fused: bool, chunk_size: int = 5, mtp_train: bool = False):
@@ -385,3 +416,27 @@ def megatron_019_mtp():
                 mtp_patch.__dict__.pop(k, None)
             else:
                 setattr(mtp_patch, k, v)
+
+
+@contextlib.contextmanager
+def sequence_parallel_on_cpu():
+    """megatron-core's sequence-parallel collectives on the CPU (replaced: their buffers' device).
+
+    Its sequence-parallel gathers and reduce-scatters (``tensor_parallel.mappings``,
+    the column-parallel linear's gather, the global memory buffer) allocate
+    their outputs on ``torch.cuda.current_device()``; here that answers
+    ``"cpu"``. The collectives themselves are megatron-core's, over gloo.
+    The sequence-parallel embedding forks the CUDA RNG tracker (for its
+    dropout, 0 here): there is no CUDA RNG, so the fork is a no-op.
+    """
+    from megatron.core.tensor_parallel import random as tp_random
+
+    own = torch.cuda.current_device
+    tracker = tp_random.get_cuda_rng_tracker()
+    torch.cuda.current_device = lambda: "cpu"
+    tracker.fork = lambda *args, **kwargs: contextlib.nullcontext()
+    try:
+        yield
+    finally:
+        torch.cuda.current_device = own
+        del tracker.fork
