@@ -119,7 +119,8 @@ def _worker(rank, world):
         from megatron.core import parallel_state
 
         from tests import verl_engine
-    sys.path.insert(0, SLIME_SRC)
+    if SLIME_SRC not in sys.path:  # appended: Miles has a package named tests too; this project's comes first
+        sys.path.append(SLIME_SRC)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         import slime.backends.megatron_utils.loss as loss_mod

@@ -38,9 +38,9 @@ import threading
 import torch
 
 from ..head import ChunkedVocabParallelHead
-from ._common import logger
+from ._common import Patch, Target, logger
 
-__all__ = ["HiddenStates", "check_postprocess", "route", "warn_once", "why_not"]
+__all__ = ["HiddenStates", "check_postprocess", "postprocess_patch", "route", "warn_once", "why_not"]
 
 _warned: set = set()
 _warn_lock = threading.Lock()
@@ -151,3 +151,23 @@ def check_postprocess(original) -> None:
     if missing:
         raise RuntimeError(f"megatron-core's GPTModel._postprocess has no parameter(s) {missing}; the hidden-state "
                            "route was written for megatron-core 0.16 - 0.19. Nothing was patched.")
+
+
+_GPT = "megatron.core.models.gpt.gpt_model"
+
+
+def postprocess_patch(framework: str) -> Patch:
+    """The :class:`Patch` of ``GPTModel._postprocess`` for one framework's plugin (installed on its route)."""
+    patch = None
+
+    def _postprocess(self, *args, **kwargs):
+        """megatron-core's ``GPTModel._postprocess``, handing on the hidden states for the framework's calls."""
+        return route(patch.original("_postprocess"), self, args, kwargs)
+
+    patch = Patch(
+        f"{framework} (hidden-state route)",
+        [Target(_GPT, "_postprocess", _postprocess, check_postprocess, holder=lambda m: m.GPTModel)],
+        f"megatron-core's GPTModel._postprocess now hands {framework}'s loss and log-prob functions the hidden "
+        "states: only the response rows are projected, through the fused head (no [T, V/tp] logits)",
+    )
+    return patch

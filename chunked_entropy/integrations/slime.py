@@ -313,18 +313,7 @@ def _from_hidden(states: HiddenStates, args, unconcat_tokens, total_lengths, res
     return torch.empty((0,), device=device), res
 
 
-def _postprocess(self, *args, **kwargs):
-    """megatron-core's ``GPTModel._postprocess``, handing on the hidden states for slime's calls."""
-    return _hidden_route.route(_HIDDEN.original("_postprocess"), self, args, kwargs)
-
-
-_GPT = "megatron.core.models.gpt.gpt_model"
-_HIDDEN = Patch(
-    "slime (hidden-state route)",
-    [Target(_GPT, "_postprocess", _postprocess, _hidden_route.check_postprocess, holder=lambda m: m.GPTModel)],
-    "megatron-core's GPTModel._postprocess now hands slime's loss and log-prob functions the hidden states: "
-    "only the response rows are projected, through the fused head (no [T, V/tp] logits)",
-)
+_HIDDEN = _hidden_route.postprocess_patch("slime")
 
 
 _PATCH = Patch(
