@@ -13,7 +13,8 @@ on the hidden-state route: log-probs, entropy, the loss, every metric slime
 logs and every parameter's gradient agree. TP 1 and 2 (with sequence
 parallelism) over gloo, with and without top-p replay. Needs slime's source
 (``CHUNKED_ENTROPY_SLIME_SRC``, at the commit tests/test_integrations_slime.py
-names); skips without it.
+names); skips without it. The same for megatron-core 0.16.1's ``MambaModel`` (attention and MLP
+layers only, tests/verl_engine.py), whose post-processing is inline in its ``forward``.
 """
 
 from __future__ import annotations
@@ -97,7 +98,9 @@ def _run(loss_mod, model, args, batch):
     """One training micro-batch and one log-prob forward, as slime's model.py runs them."""
     model.zero_grad(set_to_none=True)
     kw = dict(input_ids=batch["tokens"], position_ids=None, attention_mask=None, labels=None,
-              packed_seq_params=batch["packed_seq_params"], loss_mask=batch["full_loss_masks"])
+              packed_seq_params=batch["packed_seq_params"])
+    if not _is_mamba(model):  # megatron-core 0.16.1's MambaModel.forward takes no loss_mask
+        kw["loss_mask"] = batch["full_loss_masks"]
     out = model(**kw)
     loss, normalizer, log = loss_mod.loss_function(args, batch, 1, len(LENGTHS), out)
     loss.backward()
@@ -113,7 +116,11 @@ def _run(loss_mod, model, args, batch):
     return out, loss.detach(), log, grads, res
 
 
-def _worker(rank, world):
+def _is_mamba(model):
+    return type(model).__name__ == "MambaModel"
+
+
+def _worker(rank, world, kind):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         from megatron.core import parallel_state
@@ -128,7 +135,8 @@ def _worker(rank, world):
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
         try:
             with verl_engine.cpu_only_replacements(), verl_engine.sequence_parallel_on_cpu():
-                model = verl_engine.gpt_model(tp, tied=(tp == 1), seed=1, sequence_parallel=tp > 1)
+                build = verl_engine.gpt_model if kind == "gpt" else verl_engine.mamba_model
+                model = build(tp, tied=(tp == 1), seed=1, sequence_parallel=tp > 1)
                 for topp in (False, True):
                     args = _args(rollout_top_p=0.9 if topp else 1.0)
                     batch = _batch(tp, verl_engine.V, topp, seed=7)
@@ -167,8 +175,10 @@ def _compare(logits_route, hidden_route, topp):
 
 
 @needs_slime
-def test_hidden_route_matches_logits_route_through_slimes_loss_tp1_tp2():
-    run_distributed(_worker, 2, timeout_s=300)
+@pytest.mark.parametrize("kind", ["gpt", "mamba"])
+def test_hidden_route_matches_logits_route_through_slimes_loss_tp1_tp2(kind):
+    """GPTModel, and megatron-core 0.16.1's MambaModel (attention and MLP layers: tests/verl_engine.py)."""
+    run_distributed(_worker, 2, kind, timeout_s=300)
 
 
 def test_route_argument_is_checked():

@@ -440,3 +440,47 @@ def sequence_parallel_on_cpu():
     finally:
         torch.cuda.current_device = own
         del tracker.fork
+
+
+def mamba_model(tp: int, *, tied: bool, seed: int = 0, sequence_parallel: bool = False):
+    """megatron-core 0.16.1's MambaModel of one attention and one MLP layer (pattern ``"*-"``), no Mamba mixer.
+
+    Replaced here, each because it needs CUDA: megatron-core's ``mamba_stack_spec``
+    builds its attention and MLP layers from Transformer Engine modules, so the
+    stack spec below uses the local layers of ``get_gpt_layer_local_spec``
+    (torch norm, column/row-parallel linears, the SDPA core attention of
+    :func:`core_attention_cls`); ``MambaStack``'s final norm is Transformer
+    Engine's ``TENorm``, built here as the local torch norm for the duration.
+    The Mamba mixer (CUDA kernels) is not used.
+    """
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.mamba import MambaModel
+    from megatron.core.ssm import mamba_block
+    from megatron.core.ssm.mamba_block import MambaStack, MambaStackSubmodules
+    from megatron.core.ssm.mlp_layer import MLPLayer
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+    cfg = TransformerConfig(
+        num_layers=2, hidden_size=HID, num_attention_heads=HEADS, tensor_model_parallel_size=tp,
+        use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0, sequence_parallel=sequence_parallel,
+    )
+    local = get_gpt_layer_local_spec().submodules
+    local.self_attention.submodules.core_attention = core_attention_cls()
+    attention = ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+        input_layernorm=local.input_layernorm, self_attention=local.self_attention,
+        self_attn_bda=local.self_attn_bda))
+    mlp = ModuleSpec(module=MLPLayer, submodules=TransformerLayerSubmodules(
+        pre_mlp_layernorm=local.pre_mlp_layernorm, mlp=local.mlp, mlp_bda=local.mlp_bda))
+    spec = ModuleSpec(module=MambaStack, submodules=MambaStackSubmodules(attention_layer=attention, mlp_layer=mlp))
+    own_norm = mamba_block.TENorm
+    mamba_block.TENorm = WrappedTorchNorm
+    torch.manual_seed(seed)
+    try:
+        with _sequence_parallel_torch_norm() if sequence_parallel else contextlib.nullcontext():
+            return MambaModel(cfg, spec, vocab_size=V, max_sequence_length=64, hybrid_override_pattern="*-",
+                              share_embeddings_and_output_weights=tied, position_embedding_type="rope")
+    finally:
+        mamba_block.TENorm = own_norm

@@ -40,7 +40,8 @@ import torch
 from ..head import ChunkedVocabParallelHead
 from ._common import Patch, Target, logger
 
-__all__ = ["HiddenStates", "check_postprocess", "postprocess_patch", "route", "warn_once", "why_not"]
+__all__ = ["HiddenStates", "check_mamba_forward", "check_postprocess", "mamba_route", "postprocess_patch", "route",
+           "warn_once", "why_not"]
 
 _warned: set = set()
 _warn_lock = threading.Lock()
@@ -153,21 +154,90 @@ def check_postprocess(original) -> None:
                            "route was written for megatron-core 0.16 - 0.19. Nothing was patched.")
 
 
+class _Transposed:
+    """The intercepted output layer's "logits": ``MambaModel.forward``'s ``logits.transpose(0, 1).contiguous()``."""
+
+    __slots__ = ("states",)
+
+    def __init__(self, states: HiddenStates):
+        self.states = states
+
+    def transpose(self, *dims):
+        return self
+
+    def contiguous(self):
+        return self.states
+
+
+def mamba_route(original, model, args, kwargs):
+    """``MambaModel.forward`` (megatron-core 0.16 - 0.18; ``HybridModel`` since 0.19 has the same inline code).
+
+    Its post-processing is inline (no ``_postprocess``): for the calls the
+    route serves, the output layer's ``forward`` is replaced on the instance
+    for the duration of the call, returning the hidden states where the
+    logits would be; the model's ``logits.transpose(0, 1).contiguous()``
+    then yields a :class:`HiddenStates`.
+    """
+    try:
+        bound = inspect.signature(original).bind(model, *args, **kwargs).arguments
+    except TypeError:
+        return original(model, *args, **kwargs)  # the model's own error
+    why = why_not(model, bound.get("labels"), bound.get("inference_context"), None,
+                  bound.get("runtime_gather_output"))
+    if why is not None:
+        if why[1]:
+            warn_once(why[0])
+        return original(model, *args, **kwargs)
+    layer = model.output_layer
+
+    def forward(hidden_states, weight=None, runtime_gather_output=None):
+        return _Transposed(HiddenStates(hidden_states, model)), None
+
+    layer.forward = forward
+    try:
+        out = original(model, *args, **kwargs)
+    finally:
+        del layer.forward
+    if not isinstance(out, HiddenStates):
+        raise RuntimeError(f"{type(model).__name__}.forward did not return the output layer's result as "
+                           f"megatron-core 0.16 - 0.19 do (got {type(out).__name__}); uninstall the hidden-state route")
+    return out
+
+
+def check_mamba_forward(original) -> None:
+    """A ``Target.check``: ``MambaModel.forward`` takes the labels, the inference context and the gather flag."""
+    params = inspect.signature(original).parameters
+    missing = [p for p in ("labels", "inference_context", "runtime_gather_output") if p not in params]
+    if missing:
+        raise RuntimeError(f"megatron-core's MambaModel.forward has no parameter(s) {missing}; the hidden-state "
+                           "route was written for megatron-core 0.16. Nothing was patched.")
+
+
 _GPT = "megatron.core.models.gpt.gpt_model"
+_MAMBA = "megatron.core.models.mamba.mamba_model"
 
 
 def postprocess_patch(framework: str) -> Patch:
-    """The :class:`Patch` of ``GPTModel._postprocess`` for one framework's plugin (installed on its route)."""
+    """The :class:`Patch` of megatron-core's post-processing for one framework's plugin (on its route).
+
+    ``GPTModel._postprocess`` and ``MambaModel.forward`` (whose
+    post-processing is inline), each when its module is imported.
+    """
     patch = None
 
     def _postprocess(self, *args, **kwargs):
         """megatron-core's ``GPTModel._postprocess``, handing on the hidden states for the framework's calls."""
         return route(patch.original("_postprocess"), self, args, kwargs)
 
+    def forward(self, *args, **kwargs):
+        """megatron-core's ``MambaModel.forward``, handing on the hidden states for the framework's calls."""
+        return mamba_route(patch.original("forward"), self, args, kwargs)
+
     patch = Patch(
         f"{framework} (hidden-state route)",
-        [Target(_GPT, "_postprocess", _postprocess, check_postprocess, holder=lambda m: m.GPTModel)],
-        f"megatron-core's GPTModel._postprocess now hands {framework}'s loss and log-prob functions the hidden "
-        "states: only the response rows are projected, through the fused head (no [T, V/tp] logits)",
+        [Target(_GPT, "_postprocess", _postprocess, check_postprocess, holder=lambda m: m.GPTModel),
+         Target(_MAMBA, "forward", forward, check_mamba_forward, holder=lambda m: m.MambaModel)],
+        f"megatron-core's GPTModel/MambaModel post-processing now hands {framework}'s loss and log-prob functions "
+        "the hidden states: only the response rows are projected, through the fused head (no [T, V/tp] logits)",
     )
     return patch
