@@ -94,3 +94,24 @@ def _worker(rank, world):
 
 def test_mamba_model_tp2_tied_and_untied():
     run_distributed(_worker, 2, timeout_s=180)
+
+
+def _verl_worker(rank, world):
+    from megatron.core import parallel_state
+
+    from chunked_entropy.integrations.verl import megatron_fused
+    from tests import verl_engine
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+    try:
+        with verl_engine.cpu_only_replacements():
+            why = megatron_fused._unserved(verl_engine.mamba_model(1, tied=False), None)
+            assert why is not None and "MambaModel post-processes inline" in why, why
+            assert megatron_fused._unserved(verl_engine.gpt_model(1, tied=False), None) is not None  # not patched
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def test_verl_fused_route_leaves_a_mamba_model_to_verl_with_its_reason():
+    """verl's fused route serves GPTModel's post-processing: a MambaModel gets verl's own route, named."""
+    run_distributed(_verl_worker, 1, timeout_s=120)
