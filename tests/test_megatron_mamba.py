@@ -1,4 +1,4 @@
-"""``integrations.megatron`` on megatron-core 0.16.1's ``MambaModel`` (post-processing inline in ``forward``).
+"""``integrations.megatron`` on megatron-core 0.16.1's ``MambaModel`` and 0.19's ``HybridModel`` (reproduced).
 
 A ``MambaModel`` of one attention and one MLP layer (tests/verl_engine.py:
 local layer specs in place of Transformer Engine's, no Mamba mixer, both need
@@ -32,7 +32,7 @@ def _grads(model):
     return grads
 
 
-def _check(rank, tied):
+def _check(rank, tied, kind="mamba"):
     from tests import verl_engine
 
     v = verl_engine.V
@@ -42,8 +42,10 @@ def _check(rank, tied):
     pos = torch.arange(S).expand(B, S)
     g_lp, g_h = torch.randn(B, S, generator=g, dtype=torch.float64), torch.randn(B, S, generator=g, dtype=torch.float64)
     mask = torch.rand(B, S, generator=g) > 0.3
-    model = verl_engine.mamba_model(2, tied=tied, seed=4)
-    assert type(model).__name__ == "MambaModel" and not hasattr(model, "_postprocess")
+    build = verl_engine.mamba_model if kind == "mamba" else verl_engine.hybrid_model_019
+    model = build(2, tied=tied, seed=4)
+    assert type(model).__name__ == {"mamba": "MambaModel", "hybrid019": "HybridModel"}[kind]
+    assert not hasattr(model, "_postprocess")
 
     logits = model(ids, pos, None)  # [B, S, V/2]
     parts = [torch.empty_like(logits) for _ in range(2)]
@@ -88,8 +90,10 @@ def _worker(rank, world):
         with verl_engine.cpu_only_replacements():
             _check(rank, tied=False)
             _check(rank, tied=True)
+            _check(rank, tied=False, kind="hybrid019")  # 0.19's HybridModel forward, reproduced
     finally:
         parallel_state.destroy_model_parallel()
+        verl_engine.drop_hybrid_019()
 
 
 def test_mamba_model_tp2_tied_and_untied():

@@ -14,7 +14,8 @@ logs and every parameter's gradient agree. TP 1 and 2 (with sequence
 parallelism) over gloo, with and without top-p replay. Needs slime's source
 (``CHUNKED_ENTROPY_SLIME_SRC``, at the commit tests/test_integrations_slime.py
 names); skips without it. The same for megatron-core 0.16.1's ``MambaModel`` (attention and MLP
-layers only, tests/verl_engine.py), whose post-processing is inline in its ``forward``.
+layers only, tests/verl_engine.py), whose post-processing is inline in its ``forward``, and for
+0.19's ``HybridModel`` (its forward reproduced from the upstream source, lines cited there).
 """
 
 from __future__ import annotations
@@ -135,7 +136,8 @@ def _worker(rank, world, kind):
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
         try:
             with verl_engine.cpu_only_replacements(), verl_engine.sequence_parallel_on_cpu():
-                build = verl_engine.gpt_model if kind == "gpt" else verl_engine.mamba_model
+                build = {"gpt": verl_engine.gpt_model, "mamba": verl_engine.mamba_model,
+                         "hybrid019": verl_engine.hybrid_model_019}[kind]
                 model = build(tp, tied=(tp == 1), seed=1, sequence_parallel=tp > 1)
                 for topp in (False, True):
                     args = _args(rollout_top_p=0.9 if topp else 1.0)
@@ -150,6 +152,7 @@ def _worker(rank, world, kind):
                     _compare(results["logits"], results["hidden"], topp)
         finally:
             parallel_state.destroy_model_parallel()
+            verl_engine.drop_hybrid_019()
 
 
 def _compare(logits_route, hidden_route, topp):
@@ -175,9 +178,10 @@ def _compare(logits_route, hidden_route, topp):
 
 
 @needs_slime
-@pytest.mark.parametrize("kind", ["gpt", "mamba"])
+@pytest.mark.parametrize("kind", ["gpt", "mamba", "hybrid019"])
 def test_hidden_route_matches_logits_route_through_slimes_loss_tp1_tp2(kind):
-    """GPTModel, and megatron-core 0.16.1's MambaModel (attention and MLP layers: tests/verl_engine.py)."""
+    """GPTModel; megatron-core 0.16.1's MambaModel (attention and MLP layers); 0.19's HybridModel, reproduced
+    (tests/verl_engine.py, with the upstream lines cited)."""
     run_distributed(_worker, 2, kind, timeout_s=300)
 
 

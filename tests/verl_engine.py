@@ -484,3 +484,82 @@ def mamba_model(tp: int, *, tied: bool, seed: int = 0, sequence_parallel: bool =
                               share_embeddings_and_output_weights=tied, position_embedding_type="rope")
     finally:
         mamba_block.TENorm = own_norm
+
+
+def hybrid_model_019(tp: int, *, tied: bool, seed: int = 0, sequence_parallel: bool = False):
+    """megatron-core 0.19's ``HybridModel``, reproduced on 0.16.1's ``MambaModel`` (0.19 needs Python >= 3.12).
+
+    Installed as ``megatron.core.models.hybrid.hybrid_model.HybridModel``
+    (``sys.modules``, removed by :func:`drop_hybrid_019`), the module the
+    plugins patch on 0.19. Its ``forward`` has 0.19's signature
+    (``loss_mask=`` included) and 0.19's post-processing, written from
+    Megatron-LM ``core_v0.19.0`` (5be96267), ``megatron/core/models/hybrid/hybrid_model.py``:
+
+    - lines 415-429: the signature;
+    - lines 551-552: ``if not self.post_process: return hidden_states``;
+    - lines 554-589 (MTP, spec decoding): not reproduced (no MTP here);
+    - lines 590-611 (inference, last-token logits): not reproduced (training only);
+    - lines 613-616: ``logits, _ = self.output_layer(hidden_states, weight=output_weight,
+      runtime_gather_output=runtime_gather_output)``; ``logits = self._scale_logits(logits)``;
+    - lines 627-633: ``labels is None``: ``logits.transpose(0, 1).contiguous()``, else
+      ``self.compute_language_model_loss(labels, logits)``;
+
+    and ``LanguageModule._scale_logits`` (``language_module.py`` lines 320-334:
+    the logits unchanged without ``config.use_mup``). The embedding, RoPE and
+    decoder are 0.16.1's ``MambaModel``'s (its ``forward``, lines 207-259).
+    """
+    import sys
+    import types
+
+    from megatron.core.models.mamba import MambaModel
+
+    class HybridModel(MambaModel):
+        def _scale_logits(self, logits):
+            if not getattr(self.config, "use_mup", False):  # 0.16.1's TransformerConfig has no use_mup
+                return logits
+            raise NotImplementedError("MuP scaling is not reproduced")
+
+        def forward(self, input_ids, position_ids, attention_mask, decoder_input=None, labels=None,
+                    inference_context=None, runtime_gather_output=None, *, inference_params=None, loss_mask=None,
+                    packed_seq_params=None, padding_mask=None):
+            # 0.16.1's MambaModel.forward, lines 207-259: embedding, RoPE, decoder (training)
+            if decoder_input is None and self.pre_process:
+                decoder_input = self.embedding(input_ids=input_ids, position_ids=position_ids)
+            rotary_pos_emb = None
+            if self.position_embedding_type == "rope":
+                rotary_seq_len = self.rotary_pos_emb.get_rotary_seq_len(
+                    inference_context, self.decoder, decoder_input, self.config, packed_seq_params)
+                rotary_pos_emb = self.rotary_pos_emb(
+                    rotary_seq_len, packed_seq=packed_seq_params is not None and packed_seq_params.qkv_format == "thd")
+            hidden_states = self.decoder(hidden_states=decoder_input, attention_mask=attention_mask,
+                                         inference_context=inference_context, rotary_pos_emb=rotary_pos_emb,
+                                         packed_seq_params=packed_seq_params, padding_mask=padding_mask)
+            # 0.19's post-processing (hybrid_model.py lines 551-633, see above)
+            if not self.post_process:
+                return hidden_states
+            output_weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights \
+                else None
+            logits, _ = self.output_layer(hidden_states, weight=output_weight,
+                                          runtime_gather_output=runtime_gather_output)
+            logits = self._scale_logits(logits)
+            if labels is None:
+                return logits.transpose(0, 1).contiguous()
+            return self.compute_language_model_loss(labels, logits)
+
+    name = "megatron.core.models.hybrid.hybrid_model"
+    module = sys.modules.get(name)
+    if module is None:
+        module = types.ModuleType(name)
+        module.__doc__ = "test-side reproduction of megatron-core 0.19's HybridModel (tests/verl_engine.py)"
+        sys.modules[name] = module
+    HybridModel.__module__ = name
+    module.HybridModel = HybridModel
+    model = mamba_model(tp, tied=tied, seed=seed, sequence_parallel=sequence_parallel)
+    model.__class__ = HybridModel  # the same modules and weights, 0.19's forward
+    return model
+
+
+def drop_hybrid_019():
+    import sys
+
+    sys.modules.pop("megatron.core.models.hybrid.hybrid_model", None)

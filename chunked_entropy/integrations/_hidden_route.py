@@ -34,6 +34,7 @@ from __future__ import annotations
 import inspect
 import sys
 import threading
+import types
 
 import torch
 
@@ -170,13 +171,15 @@ class _Transposed:
 
 
 def mamba_route(original, model, args, kwargs):
-    """``MambaModel.forward`` (megatron-core 0.16 - 0.18; ``HybridModel`` since 0.19 has the same inline code).
+    """``MambaModel.forward`` (megatron-core 0.16 - 0.18) / ``HybridModel.forward`` (>= 0.19, the same inline code).
 
     Its post-processing is inline (no ``_postprocess``): for the calls the
     route serves, the output layer's ``forward`` is replaced on the instance
     for the duration of the call, returning the hidden states where the
     logits would be; the model's ``logits.transpose(0, 1).contiguous()``
-    then yields a :class:`HiddenStates`.
+    then yields a :class:`HiddenStates`. 0.19's ``HybridModel`` also scales
+    the logits for MuP (``_scale_logits``, the identity without
+    ``use_mup``): with ``use_mup`` the route falls back, with one warning.
     """
     try:
         bound = inspect.signature(original).bind(model, *args, **kwargs).arguments
@@ -184,6 +187,10 @@ def mamba_route(original, model, args, kwargs):
         return original(model, *args, **kwargs)  # the model's own error
     why = why_not(model, bound.get("labels"), bound.get("inference_context"), None,
                   bound.get("runtime_gather_output"))
+    if why is None and _inference_mode_active():
+        why = "megatron-core's InferenceMode is active", False
+    if why is None and getattr(getattr(model, "config", None), "use_mup", False):
+        why = "MuP logit scaling (config.use_mup): the model scales its logits after the output layer", True
     if why is not None:
         if why[1]:
             warn_once(why[0])
@@ -204,24 +211,41 @@ def mamba_route(original, model, args, kwargs):
     return out
 
 
+def _inference_mode_active() -> bool:
+    """megatron-core >= 0.19's process-wide ``InferenceMode`` flag (absent before)."""
+    utils = sys.modules.get("megatron.core.inference.utils")
+    mode = getattr(utils, "InferenceMode", None)
+    return bool(mode is not None and mode.is_active())
+
+
 def check_mamba_forward(original) -> None:
     """A ``Target.check``: ``MambaModel.forward`` takes the labels, the inference context and the gather flag."""
     params = inspect.signature(original).parameters
     missing = [p for p in ("labels", "inference_context", "runtime_gather_output") if p not in params]
     if missing:
-        raise RuntimeError(f"megatron-core's MambaModel.forward has no parameter(s) {missing}; the hidden-state "
-                           "route was written for megatron-core 0.16. Nothing was patched.")
+        raise RuntimeError(f"megatron-core's MambaModel/HybridModel.forward has no parameter(s) {missing}; the "
+                           "hidden-state route was written for megatron-core 0.16 - 0.19. Nothing was patched.")
 
 
 _GPT = "megatron.core.models.gpt.gpt_model"
 _MAMBA = "megatron.core.models.mamba.mamba_model"
+_HYBRID = "megatron.core.models.hybrid.hybrid_model"  # megatron-core >= 0.19 (MambaModel its subclass)
+
+
+def _own_forward(cls, replacement):
+    """``cls`` when it defines ``forward`` itself (0.16's MambaModel); else a stand-in holding ``replacement``,
+    which :class:`Patch` skips (0.19's MambaModel inherits HybridModel's, patched there)."""
+    if "forward" in vars(cls):
+        return cls
+    return types.SimpleNamespace(forward=replacement)
 
 
 def postprocess_patch(framework: str) -> Patch:
     """The :class:`Patch` of megatron-core's post-processing for one framework's plugin (on its route).
 
-    ``GPTModel._postprocess`` and ``MambaModel.forward`` (whose
-    post-processing is inline), each when its module is imported.
+    ``GPTModel._postprocess``, and ``MambaModel.forward`` (0.16 - 0.18) /
+    ``HybridModel.forward`` (>= 0.19, which 0.19's ``MambaModel`` inherits),
+    whose post-processing is inline; each when its module is imported.
     """
     patch = None
 
@@ -229,14 +253,20 @@ def postprocess_patch(framework: str) -> Patch:
         """megatron-core's ``GPTModel._postprocess``, handing on the hidden states for the framework's calls."""
         return route(patch.original("_postprocess"), self, args, kwargs)
 
-    def forward(self, *args, **kwargs):
-        """megatron-core's ``MambaModel.forward``, handing on the hidden states for the framework's calls."""
-        return mamba_route(patch.original("forward"), self, args, kwargs)
+    def hybrid_forward(self, *args, **kwargs):
+        """megatron-core's ``HybridModel.forward`` (>= 0.19), handing on the hidden states."""
+        return mamba_route(patch._own[("forward", hybrid_forward)], self, args, kwargs)
+
+    def mamba_forward(self, *args, **kwargs):
+        """megatron-core's ``MambaModel.forward`` (0.16 - 0.18), handing on the hidden states."""
+        return mamba_route(patch._own[("forward", mamba_forward)], self, args, kwargs)
 
     patch = Patch(
         f"{framework} (hidden-state route)",
         [Target(_GPT, "_postprocess", _postprocess, check_postprocess, holder=lambda m: m.GPTModel),
-         Target(_MAMBA, "forward", forward, check_mamba_forward, holder=lambda m: m.MambaModel)],
+         Target(_HYBRID, "forward", hybrid_forward, check_mamba_forward, holder=lambda m: m.HybridModel),
+         Target(_MAMBA, "forward", mamba_forward, check_mamba_forward,
+                holder=lambda m: _own_forward(m.MambaModel, mamba_forward))],
         f"megatron-core's GPTModel/MambaModel post-processing now hands {framework}'s loss and log-prob functions "
         "the hidden states: only the response rows are projected, through the fused head (no [T, V/tp] logits)",
     )
