@@ -121,6 +121,65 @@ def _is_mamba(model):
     return type(model).__name__ == "MambaModel"
 
 
+def _plain_loss(model, args, batch):
+    """Without slime's source: the plugin's function as slime's loss calls it, a weighted sum, backward."""
+    model.zero_grad(set_to_none=True)
+    kw = dict(input_ids=batch["tokens"], position_ids=None, attention_mask=None, labels=None,
+              packed_seq_params=batch["packed_seq_params"], loss_mask=batch["full_loss_masks"])
+    out = model(**kw)
+    extra = {k[len("rollout_"):]: batch[k] for k in ("rollout_top_p_token_ids", "rollout_top_p_token_offsets")
+             if k in batch}
+    _, res = ce_slime.get_log_probs_and_entropy(
+        out, args=args, unconcat_tokens=batch["unconcat_tokens"], total_lengths=batch["total_lengths"],
+        response_lengths=batch["response_lengths"], with_entropy=True, **extra)
+    loss = sum((lp * a).sum() + (h * 0.3 * a.flip(0)).sum()
+               for lp, h, a in zip(res["log_probs"], res["entropy"], batch["advantages"], strict=True))
+    loss = loss + 0 * out.sum()  # slime's keep-alive term, on either route
+    loss.backward()
+    return out, res, {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def _ci_worker(rank, world):
+    from megatron.core import parallel_state
+
+    from tests import verl_engine
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
+    try:
+        with verl_engine.cpu_only_replacements(), verl_engine.sequence_parallel_on_cpu():
+            model = verl_engine.gpt_model(world, tied=False, seed=3, sequence_parallel=True)
+            args = _args()
+            batch = _batch(world, verl_engine.V, True, seed=9)
+            results = {}
+            for route in ("logits", "hidden"):
+                ce_slime.install(args, route=route)
+                try:
+                    assert ce_slime.route() == route
+                    results[route] = _plain_loss(model, args, batch)
+                finally:
+                    ce_slime.uninstall()
+            (out_l, res_l, g_l), (out_h, res_h, g_h) = results["logits"], results["hidden"]
+            assert isinstance(out_h, _hidden_route.HiddenStates) and isinstance(out_l, torch.Tensor)
+            for key in ("log_probs", "entropy"):
+                for a, b in zip(res_h[key], res_l[key], strict=True):
+                    torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-6)
+            for name in g_l:
+                torch.testing.assert_close(g_h[name], g_l[name], rtol=1e-4, atol=1e-6, msg=name)
+            # multi-token prediction: megatron-core's own post-processing, with one logged warning
+            mtp = verl_engine.gpt_model(world, tied=False, seed=3, mtp_layers=1)
+            why = _hidden_route.why_not(mtp, None, None, None, None)
+            assert why is not None and why[1] and "multi-token prediction" in why[0]
+            assert _hidden_route.why_not(model, None, None, None, None) is None
+            assert _hidden_route.why_not(model, batch["tokens"], None, None, None)[1] is False  # labels: quiet
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def test_hidden_route_matches_logits_route_tp2_sequence_parallel_without_slime():
+    """In CI (no slime source): the plugin's function on both routes, a GPTModel at TP 2 with SP, top-p sets."""
+    run_distributed(_ci_worker, 2, timeout_s=180)
+
+
 def _worker(rank, world, kind):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
