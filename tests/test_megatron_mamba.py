@@ -80,6 +80,15 @@ def _check(rank, tied, kind="mamba"):
     assert disable_fused_log_probs(model) and "forward" not in model.__dict__
 
 
+def _verl_leaves_it_to_verl():
+    """verl's fused route serves GPTModel's post-processing: a MambaModel gets verl's own route, named."""
+    from chunked_entropy.integrations.verl import megatron_fused
+    from tests import verl_engine
+
+    why = megatron_fused._unserved(verl_engine.mamba_model(2, tied=False), None)
+    assert why is not None and "MambaModel post-processes inline" in why, why
+
+
 def _worker(rank, world):
     from megatron.core import parallel_state
 
@@ -91,31 +100,11 @@ def _worker(rank, world):
             _check(rank, tied=False)
             _check(rank, tied=True)
             _check(rank, tied=False, kind="hybrid019")  # 0.19's HybridModel forward, reproduced
+            _verl_leaves_it_to_verl()
     finally:
         parallel_state.destroy_model_parallel()
         verl_engine.drop_hybrid_019()
 
 
-def test_mamba_model_tp2_tied_and_untied():
+def test_mamba_model_tp2_tied_and_untied_and_verls_fused_route_leaves_it_to_verl():
     run_distributed(_worker, 2, timeout_s=180)
-
-
-def _verl_worker(rank, world):
-    from megatron.core import parallel_state
-
-    from chunked_entropy.integrations.verl import megatron_fused
-    from tests import verl_engine
-
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
-    try:
-        with verl_engine.cpu_only_replacements():
-            why = megatron_fused._unserved(verl_engine.mamba_model(1, tied=False), None)
-            assert why is not None and "MambaModel post-processes inline" in why, why
-            assert megatron_fused._unserved(verl_engine.gpt_model(1, tied=False), None) is not None  # not patched
-    finally:
-        parallel_state.destroy_model_parallel()
-
-
-def test_verl_fused_route_leaves_a_mamba_model_to_verl_with_its_reason():
-    """verl's fused route serves GPTModel's post-processing: a MambaModel gets verl's own route, named."""
-    run_distributed(_verl_worker, 1, timeout_s=120)
