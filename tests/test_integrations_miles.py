@@ -99,7 +99,8 @@ needs_miles = pytest.mark.skipif(
 
 
 def _import_miles():
-    sys.path.insert(0, MILES_SRC)
+    if MILES_SRC not in sys.path:  # appended: Miles has a package named tests too; this project's comes first
+        sys.path.append(MILES_SRC)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         import miles.backends.training_utils.loss as loss

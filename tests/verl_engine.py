@@ -121,7 +121,7 @@ def cpu_only_replacements():
             tracker.pop("values", None)
 
 
-def gpt_model(tp: int, *, tied: bool, seed: int = 0, mtp_layers: int = 0):
+def gpt_model(tp: int, *, tied: bool, seed: int = 0, mtp_layers: int = 0, sequence_parallel: bool = False):
     """A one-layer megatron-core GPTModel with RoPE, its weights the same at every TP size (CPU initialisation)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -132,7 +132,8 @@ def gpt_model(tp: int, *, tied: bool, seed: int = 0, mtp_layers: int = 0):
         extra = dict(mtp_num_layers=mtp_layers, mtp_loss_scaling_factor=0.3)
     cfg = TransformerConfig(
         num_layers=1, hidden_size=HID, num_attention_heads=HEADS, tensor_model_parallel_size=tp,
-        use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0, **extra,
+        use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0, sequence_parallel=sequence_parallel,
+        **extra,
     )
     spec = get_gpt_layer_local_spec()
     spec.submodules.self_attention.submodules.core_attention = core_attention_cls()
@@ -142,8 +143,38 @@ def gpt_model(tp: int, *, tied: bool, seed: int = 0, mtp_layers: int = 0):
 
         kw["mtp_block_spec"] = get_gpt_mtp_block_spec(cfg, spec, use_transformer_engine=False)
     torch.manual_seed(seed)
-    return GPTModel(cfg, spec, vocab_size=V, max_sequence_length=64, share_embeddings_and_output_weights=tied,
-                    position_embedding_type="rope", **kw)
+    with _sequence_parallel_torch_norm() if sequence_parallel else contextlib.nullcontext():
+        return GPTModel(cfg, spec, vocab_size=V, max_sequence_length=64, share_embeddings_and_output_weights=tied,
+                        position_embedding_type="rope", **kw)
+
+
+@contextlib.contextmanager
+def _sequence_parallel_torch_norm():
+    """megatron-core's torch norm (the local spec's) with ``sequence_parallel`` on (replaced: CUDA-only norms).
+
+    ``WrappedTorchNorm`` refuses sequence parallelism because Megatron's
+    sequence-parallel models use Transformer Engine's or Apex's norms, which
+    need CUDA. The norm itself is per token; its weight gradient is this
+    rank's part of the sequence (Megatron's ``finalize_model_grads`` sums it
+    over the group), the same on every route compared. The same torch norm is
+    built, from a copy of the config without the flag.
+    """
+    import copy
+
+    from megatron.core.transformer import torch_norm
+
+    own = torch_norm.WrappedTorchNorm.__dict__["__new__"]
+
+    def new(cls, config, *args, **kwargs):
+        config = copy.copy(config)
+        config.sequence_parallel = False
+        return own.__func__(cls, config, *args, **kwargs)
+
+    torch_norm.WrappedTorchNorm.__new__ = staticmethod(new)
+    try:
+        yield
+    finally:
+        torch_norm.WrappedTorchNorm.__new__ = own
 
 
 def engine(model, *, fused: bool, chunk_size: int = 5, mtp_train: bool = False):
@@ -385,3 +416,150 @@ def megatron_019_mtp():
                 mtp_patch.__dict__.pop(k, None)
             else:
                 setattr(mtp_patch, k, v)
+
+
+@contextlib.contextmanager
+def sequence_parallel_on_cpu():
+    """megatron-core's sequence-parallel collectives on the CPU (replaced: their buffers' device).
+
+    Its sequence-parallel gathers and reduce-scatters (``tensor_parallel.mappings``,
+    the column-parallel linear's gather, the global memory buffer) allocate
+    their outputs on ``torch.cuda.current_device()``; here that answers
+    ``"cpu"``. The collectives themselves are megatron-core's, over gloo.
+    The sequence-parallel embedding forks the CUDA RNG tracker (for its
+    dropout, 0 here): there is no CUDA RNG, so the fork is a no-op.
+    """
+    from megatron.core.tensor_parallel import random as tp_random
+
+    own = torch.cuda.current_device
+    tracker = tp_random.get_cuda_rng_tracker()
+    torch.cuda.current_device = lambda: "cpu"
+    tracker.fork = lambda *args, **kwargs: contextlib.nullcontext()
+    try:
+        yield
+    finally:
+        torch.cuda.current_device = own
+        del tracker.fork
+
+
+def mamba_model(tp: int, *, tied: bool, seed: int = 0, sequence_parallel: bool = False):
+    """megatron-core 0.16.1's MambaModel of one attention and one MLP layer (pattern ``"*-"``), no Mamba mixer.
+
+    Replaced here, each because it needs CUDA: megatron-core's ``mamba_stack_spec``
+    builds its attention and MLP layers from Transformer Engine modules, so the
+    stack spec below uses the local layers of ``get_gpt_layer_local_spec``
+    (torch norm, column/row-parallel linears, the SDPA core attention of
+    :func:`core_attention_cls`); ``MambaStack``'s final norm is Transformer
+    Engine's ``TENorm``, built here as the local torch norm for the duration.
+    The Mamba mixer (CUDA kernels) is not used.
+    """
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.mamba import MambaModel
+    from megatron.core.ssm import mamba_block
+    from megatron.core.ssm.mamba_block import MambaStack, MambaStackSubmodules
+    from megatron.core.ssm.mlp_layer import MLPLayer
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+    cfg = TransformerConfig(
+        num_layers=2, hidden_size=HID, num_attention_heads=HEADS, tensor_model_parallel_size=tp,
+        use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0, sequence_parallel=sequence_parallel,
+    )
+    local = get_gpt_layer_local_spec().submodules
+    local.self_attention.submodules.core_attention = core_attention_cls()
+    attention = ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+        input_layernorm=local.input_layernorm, self_attention=local.self_attention,
+        self_attn_bda=local.self_attn_bda))
+    mlp = ModuleSpec(module=MLPLayer, submodules=TransformerLayerSubmodules(
+        pre_mlp_layernorm=local.pre_mlp_layernorm, mlp=local.mlp, mlp_bda=local.mlp_bda))
+    spec = ModuleSpec(module=MambaStack, submodules=MambaStackSubmodules(attention_layer=attention, mlp_layer=mlp))
+    own_norm = mamba_block.TENorm
+    mamba_block.TENorm = WrappedTorchNorm
+    torch.manual_seed(seed)
+    try:
+        with _sequence_parallel_torch_norm() if sequence_parallel else contextlib.nullcontext():
+            return MambaModel(cfg, spec, vocab_size=V, max_sequence_length=64, hybrid_override_pattern="*-",
+                              share_embeddings_and_output_weights=tied, position_embedding_type="rope")
+    finally:
+        mamba_block.TENorm = own_norm
+
+
+def hybrid_model_019(tp: int, *, tied: bool, seed: int = 0, sequence_parallel: bool = False):
+    """megatron-core 0.19's ``HybridModel``, reproduced on 0.16.1's ``MambaModel`` (0.19 needs Python >= 3.12).
+
+    Installed as ``megatron.core.models.hybrid.hybrid_model.HybridModel``
+    (``sys.modules``, removed by :func:`drop_hybrid_019`), the module the
+    plugins patch on 0.19. Its ``forward`` has 0.19's signature
+    (``loss_mask=`` included) and 0.19's post-processing, written from
+    Megatron-LM ``core_v0.19.0`` (5be96267), ``megatron/core/models/hybrid/hybrid_model.py``:
+
+    - lines 415-429: the signature;
+    - lines 551-552: ``if not self.post_process: return hidden_states``;
+    - lines 554-589 (MTP, spec decoding): not reproduced (no MTP here);
+    - lines 590-611 (inference, last-token logits): not reproduced (training only);
+    - lines 613-616: ``logits, _ = self.output_layer(hidden_states, weight=output_weight,
+      runtime_gather_output=runtime_gather_output)``; ``logits = self._scale_logits(logits)``;
+    - lines 627-633: ``labels is None``: ``logits.transpose(0, 1).contiguous()``, else
+      ``self.compute_language_model_loss(labels, logits)``;
+
+    and ``LanguageModule._scale_logits`` (``language_module.py`` lines 320-334:
+    the logits unchanged without ``config.use_mup``). The embedding, RoPE and
+    decoder are 0.16.1's ``MambaModel``'s (its ``forward``, lines 207-259).
+    """
+    import sys
+    import types
+
+    from megatron.core.models.mamba import MambaModel
+
+    class HybridModel(MambaModel):
+        def _scale_logits(self, logits):
+            if not getattr(self.config, "use_mup", False):  # 0.16.1's TransformerConfig has no use_mup
+                return logits
+            raise NotImplementedError("MuP scaling is not reproduced")
+
+        def forward(self, input_ids, position_ids, attention_mask, decoder_input=None, labels=None,
+                    inference_context=None, runtime_gather_output=None, *, inference_params=None, loss_mask=None,
+                    packed_seq_params=None, padding_mask=None):
+            # 0.16.1's MambaModel.forward, lines 207-259: embedding, RoPE, decoder (training)
+            if decoder_input is None and self.pre_process:
+                decoder_input = self.embedding(input_ids=input_ids, position_ids=position_ids)
+            rotary_pos_emb = None
+            if self.position_embedding_type == "rope":
+                rotary_seq_len = self.rotary_pos_emb.get_rotary_seq_len(
+                    inference_context, self.decoder, decoder_input, self.config, packed_seq_params)
+                rotary_pos_emb = self.rotary_pos_emb(
+                    rotary_seq_len, packed_seq=packed_seq_params is not None and packed_seq_params.qkv_format == "thd")
+            hidden_states = self.decoder(hidden_states=decoder_input, attention_mask=attention_mask,
+                                         inference_context=inference_context, rotary_pos_emb=rotary_pos_emb,
+                                         packed_seq_params=packed_seq_params, padding_mask=padding_mask)
+            # 0.19's post-processing (hybrid_model.py lines 551-633, see above)
+            if not self.post_process:
+                return hidden_states
+            output_weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights \
+                else None
+            logits, _ = self.output_layer(hidden_states, weight=output_weight,
+                                          runtime_gather_output=runtime_gather_output)
+            logits = self._scale_logits(logits)
+            if labels is None:
+                return logits.transpose(0, 1).contiguous()
+            return self.compute_language_model_loss(labels, logits)
+
+    name = "megatron.core.models.hybrid.hybrid_model"
+    module = sys.modules.get(name)
+    if module is None:
+        module = types.ModuleType(name)
+        module.__doc__ = "test-side reproduction of megatron-core 0.19's HybridModel (tests/verl_engine.py)"
+        sys.modules[name] = module
+    HybridModel.__module__ = name
+    module.HybridModel = HybridModel
+    model = mamba_model(tp, tied=tied, seed=seed, sequence_parallel=sequence_parallel)
+    model.__class__ = HybridModel  # the same modules and weights, 0.19's forward
+    return model
+
+
+def drop_hybrid_019():
+    import sys
+
+    sys.modules.pop("megatron.core.models.hybrid.hybrid_model", None)

@@ -1,4 +1,4 @@
-"""megatron-core: a ``GPTModel`` that returns log-probs and entropy from hidden states.
+"""megatron-core: a ``GPTModel`` or ``MambaModel`` that returns log-probs and entropy from hidden states.
 
 :func:`enable_fused_log_probs` makes ``model(input_ids, position_ids,
 attention_mask, labels=labels)`` return a
@@ -16,6 +16,12 @@ How it hooks in:
 - older megatron-core (0.16, 0.17): the instance's ``_postprocess`` is
   replaced; it falls back to the original whenever ``labels`` is None, in
   inference, or on a stage without the output layer.
+- ``MambaModel`` (megatron-core 0.16 - 0.18; its post-processing is inline
+  in ``forward``, with no hook): for the duration of a call with labels, the
+  instance's output layer hands on the hidden states and its
+  ``compute_language_model_loss`` runs the fused head (it takes no
+  ``loss_mask``: pass ``label_mask``). megatron-core 0.19's ``HybridModel``
+  has the same inline code, but is not tested here (it needs Python >= 3.12).
 
 Only the instance is changed, never the class. Without ``labels`` the model
 returns its logits as before.
@@ -179,9 +185,10 @@ def enable_fused_log_probs(model, config=None, **head_kwargs) -> ChunkedVocabPar
             multi-token prediction.
     """
     gpt = _unwrap(model)
-    if not hasattr(gpt, "output_layer") or not hasattr(gpt, "_postprocess"):
+    if not hasattr(gpt, "output_layer") or not (hasattr(gpt, "_postprocess") or _inline_postprocess(gpt)):
         raise TypeError(
-            f"model must be a megatron-core GPTModel (or a wrapper with .module), got {type(model).__name__}"
+            "model must be a megatron-core GPTModel or MambaModel (or a wrapper with .module), got "
+            f"{type(model).__name__}"
         )
     if not getattr(gpt, "post_process", True) or gpt.output_layer is None:
         raise ValueError(
@@ -210,7 +217,8 @@ def enable_fused_log_probs(model, config=None, **head_kwargs) -> ChunkedVocabPar
 
     previous = gpt.__dict__.get(_STATE)
     hook = _supports_hook(gpt)
-    names = ("forward",) if hook else ("_postprocess",)
+    inline = not hook and not hasattr(gpt, "_postprocess")
+    names = ("forward",) if hook or inline else ("_postprocess",)
     if previous is not None:
         saved = previous.saved
     else:
@@ -221,6 +229,8 @@ def enable_fused_log_probs(model, config=None, **head_kwargs) -> ChunkedVocabPar
             original = {n: getattr(gpt, n) for n in names}
             if hook:
                 gpt.forward = _hooked_forward(gpt, original["forward"])
+            elif inline:
+                gpt.forward = _inline_forward(gpt, original["forward"])
             else:
                 gpt._postprocess = _fused_postprocess(gpt, original["_postprocess"])
         gpt.__dict__[_STATE] = state  # not a submodule: state_dict and parameters are unchanged
@@ -280,6 +290,53 @@ def _fused_postprocess(gpt, original):
         return _log_probs(gpt, hidden_states, labels, kwargs.get("loss_mask"), None)
 
     return _postprocess
+
+
+def _inline_postprocess(model) -> bool:
+    """megatron-core's ``MambaModel``: the post-processing inline in ``forward`` (labels, the output layer)."""
+    try:
+        params = inspect.signature(type(model).forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return "labels" in params and "runtime_gather_output" in params and hasattr(model, "compute_language_model_loss")
+
+
+class _Hidden:
+    """What the output layer hands on inside :func:`_inline_forward`: the hidden states, not logits."""
+
+    __slots__ = ("hidden",)
+
+    def __init__(self, hidden):
+        self.hidden = hidden
+
+
+def _inline_forward(gpt, original):
+    """The ``forward`` of a ``MambaModel`` (post-processing inline): its output layer and loss, on the instance.
+
+    For a call with labels (training, the stage with the output layer), the
+    output layer's ``forward`` hands on the hidden states and the model's
+    ``compute_language_model_loss(labels, logits)`` returns the fused head's
+    :class:`~chunked_entropy.LogProbsEntropy`, both replaced on the instances
+    for the duration of the call. The model takes no ``loss_mask``: use the
+    ``label_mask`` option.
+    """
+    sig = inspect.signature(original)
+
+    def forward(*args, **kwargs):
+        bound = sig.bind(*args, **kwargs).arguments
+        inference = bound.get("inference_context") is not None and not gpt.training
+        if bound.get("labels") is None or inference or not gpt.post_process:
+            return original(*args, **kwargs)
+        layer = gpt.output_layer
+        layer.forward = lambda hidden_states, weight=None, runtime_gather_output=None: (_Hidden(hidden_states), None)
+        gpt.compute_language_model_loss = lambda labels, logits: _log_probs(gpt, logits.hidden, labels, None, None)
+        try:
+            return original(*args, **kwargs)
+        finally:
+            del layer.forward
+            del gpt.compute_language_model_loss
+
+    return forward
 
 
 def _hooked_forward(gpt, original):

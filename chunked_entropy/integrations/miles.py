@@ -43,13 +43,20 @@ from typing import Optional
 import torch
 
 from ..logits import log_probs_and_entropy
+from ..parallel import agreed_call
+from . import _hidden_route
 from ._common import Patch, Target, check_parameters
+from ._hidden_route import HiddenStates
 
-__all__ = ["DEFAULT_CHUNK_SIZE", "calculate_log_probs_and_entropy", "get_log_probs_and_entropy", "install",
-           "installed", "uninstall"]
+__all__ = ["DEFAULT_CHUNK_SIZE", "ROUTES", "HiddenStates", "calculate_log_probs_and_entropy",
+           "get_log_probs_and_entropy", "install", "installed", "route", "uninstall"]
 
 #: The chunk size used for Miles's ``--log-probs-chunk-size -1`` ("no chunking").
 DEFAULT_CHUNK_SIZE = 512
+
+#: The routes :func:`install` takes (``route=``, or the environment variable ``CHUNKED_ENTROPY_MILES_ROUTE``).
+ROUTES = ("hidden", "logits")
+_ROUTE_ENV = "CHUNKED_ENTROPY_MILES_ROUTE"
 
 _MATH = "miles.backends.training_utils.loss_hub.math_utils"
 _PROCESSORS = "miles.backends.training_utils.loss_hub.logit_processors"
@@ -137,7 +144,19 @@ def get_log_probs_and_entropy(
     ``--allgather-cp`` Miles's own ``allgather_cp_redistribute`` follows.
     ``true_on_policy`` mode runs Miles's own function. Arguments and results
     are Miles's.
+
+    On the hidden-state route ``logits`` is the :class:`HiddenStates` the
+    patched post-processing returned: Miles's own ``get_responses`` slices a
+    ``[B, S, 1]`` tensor of row numbers (its packed ``thd`` or padded
+    ``bshd`` layout, context parallelism, all Miles's code), and only those
+    rows go through the fused head (``rows=``): no ``[T, V/tp]`` tensor; the
+    ``M`` response rows' hidden states are gathered once (``[M, H]``, kept for
+    backward), the head's chunk buffers come and go, backward allocates
+    ``[T, H]`` and the weight's gradient.
     """
+    if isinstance(logits, HiddenStates):
+        return _from_hidden(logits, args, unconcat_tokens, total_lengths, response_lengths, with_entropy,
+                            entropy_requires_grad, max_seq_lens)
     if getattr(args, "true_on_policy_mode", False):
         return _PATCH.original("get_log_probs_and_entropy")(
             logits, args=args, unconcat_tokens=unconcat_tokens, total_lengths=total_lengths,
@@ -173,6 +192,50 @@ def get_log_probs_and_entropy(
     return res
 
 
+def _from_hidden(states: HiddenStates, args, unconcat_tokens, total_lengths, response_lengths, with_entropy,
+                 entropy_requires_grad, max_seq_lens) -> dict:
+    """The hidden-state route: the response rows Miles's ``get_responses`` picks, through the fused head."""
+    miles = sys.modules[_PROCESSORS]
+    size = args.log_probs_chunk_size
+    head = states.head(chunk_size=DEFAULT_CHUNK_SIZE if size is None or size <= 0 else int(size))
+    hidden = states.hidden
+    with agreed_call(head.process_group) as call:
+        if hidden.dim() != 3:
+            raise ValueError(f"Miles's hidden states must be [S, B, H], got {tuple(hidden.shape)}")
+        s = hidden.shape[0] * (call.world if head.sequence_parallel else 1)
+        b = hidden.shape[1]
+        # row numbers in the hidden states' [S, B] order, laid out as Miles's logits [B, S, 1]
+        # (float32 is exact up to 2**24 rows; Miles's get_responses accepts float32)
+        if s * b > 2 ** 24:
+            raise ValueError(f"the hidden-state route numbers rows in float32: at most 2**24, got {s * b}")
+        numbers = torch.arange(s * b, device=hidden.device, dtype=torch.float32).view(s, b)
+        numbers = numbers.t().contiguous().unsqueeze(-1)
+        untempered = copy.copy(args)
+        untempered.rollout_temperature = 1.0
+        picked = list(miles.get_responses(numbers, args=untempered, unconcat_tokens=unconcat_tokens,
+                                          total_lengths=total_lengths, response_lengths=response_lengths,
+                                          max_seq_lens=max_seq_lens))
+        empty = torch.zeros(0, dtype=torch.int64, device=hidden.device)
+        rows = torch.cat([empty] + [r.reshape(-1).to(torch.int64) for r, _ in picked])
+        labels = torch.cat([empty] + [t.reshape(-1).to(device=hidden.device, dtype=torch.int64) for _, t in picked])
+        lengths = [int(t.numel()) for _, t in picked]
+        t = float(args.rollout_temperature)
+        temperature = t if t > 0 else 1.0
+    out = head(hidden, labels, temperature=temperature, compute_entropy=bool(with_entropy), rows=rows)
+    res = {"log_probs": list(out.log_probs.split(lengths))}
+    if with_entropy:
+        entropy = out.entropy if entropy_requires_grad else out.entropy.detach()
+        res["entropy"] = list(entropy.split(lengths))
+    if args.allgather_cp:
+        miles.allgather_cp_redistribute(res, logits=numbers, args=args,
+                                        total_lengths=total_lengths, response_lengths=response_lengths,
+                                        max_seq_lens=max_seq_lens)
+    return res
+
+
+_HIDDEN = _hidden_route.postprocess_patch("Miles")
+
+
 _PATCH = Patch(
     "Miles",
     [Target(m, "calculate_log_probs_and_entropy", calculate_log_probs_and_entropy,
@@ -185,20 +248,55 @@ _PATCH = Patch(
 )
 
 
-def install(args=None) -> None:
+def install(args=None, *, route: Optional[str] = None) -> None:
     """Miles's ``--custom-megatron-init-path`` hook: replace both functions wherever Miles looks them up.
+
+    On the hidden-state route (the default; ``route=`` or the environment
+    variable ``CHUNKED_ENTROPY_MILES_ROUTE``, one of :data:`ROUTES`) also
+    megatron-core's ``GPTModel._postprocess``, so that the actor's forwards
+    hand on the hidden states instead of the logits. ``true_on_policy`` mode
+    (bit-exact with the rollout engine: Miles's own arithmetic on the logits)
+    and a custom loss (which may read the logits) get the logits route, with
+    one logged warning.
 
     Idempotent. Checks every target already imported first; on a mismatch it
     raises RuntimeError and leaves Miles as it was. ``args`` are read per
-    call, not here.
+    call, except ``true_on_policy_mode`` and ``loss_type``.
     """
+    import os
+
+    route = route if route is not None else os.environ.get(_ROUTE_ENV, "hidden")
+    if route not in ROUTES:
+        raise ValueError(f"route must be one of {ROUTES} (argument or {_ROUTE_ENV}), got {route!r}")
+    if route == "hidden" and getattr(args, "true_on_policy_mode", False):
+        _hidden_route.warn_once("Miles's true_on_policy mode (bit-exact with the rollout engine on the logits)")
+        route = "logits"
+    if route == "hidden" and getattr(args, "loss_type", None) == "custom_loss":
+        _hidden_route.warn_once("--loss-type custom_loss (a custom loss may read the logits itself)")
+        route = "logits"
     _PATCH.install()
+    if route == "hidden":
+        try:
+            _HIDDEN.install()
+        except BaseException:
+            _PATCH.uninstall()
+            raise
+    else:
+        _HIDDEN.uninstall()
 
 
 def uninstall() -> None:
-    """Restore Miles's own functions everywhere (and drop a pending hook)."""
+    """Restore Miles's own functions and megatron-core's post-processing (and drop pending hooks)."""
+    _HIDDEN.uninstall()
     _PATCH.uninstall()
 
 
 def installed() -> bool:
     return _PATCH.installed()
+
+
+def route() -> Optional[str]:
+    """The route installed: ``"hidden"``, ``"logits"``, or None."""
+    if not (_PATCH.installed() or _PATCH._hook is not None):
+        return None
+    return "hidden" if (_HIDDEN.installed() or _HIDDEN._hook is not None) else "logits"

@@ -59,12 +59,19 @@ import torch.nn.functional as F
 
 from ..logits import log_probs_and_entropy
 from ..parallel import agreed_call, all_reduce_with_grad
+from . import _hidden_route
 from ._common import Patch, Target, check_parameters
+from ._hidden_route import HiddenStates
 
-__all__ = ["DEFAULT_CHUNK_SIZE", "TARGETS", "get_log_probs_and_entropy", "install", "installed", "uninstall"]
+__all__ = ["DEFAULT_CHUNK_SIZE", "ROUTES", "TARGETS", "HiddenStates", "get_log_probs_and_entropy", "install",
+           "installed", "route", "uninstall"]
 
 #: The chunk size used for slime's ``--log-probs-chunk-size -1``.
 DEFAULT_CHUNK_SIZE = 512
+
+#: The routes :func:`install` takes (``route=``, or the environment variable ``CHUNKED_ENTROPY_SLIME_ROUTE``).
+ROUTES = ("hidden", "logits")
+_ROUTE_ENV = "CHUNKED_ENTROPY_SLIME_ROUTE"
 
 _LOSS = "slime.backends.megatron_utils.loss"
 #: Where slime looks ``get_log_probs_and_entropy`` up: its own module, and the modules that import it by name.
@@ -208,7 +215,9 @@ def get_log_probs_and_entropy(
     Args:
         logits: ``[1, T, V/tp]``, this rank's vocabulary shard of the packed
             sequence (``T`` local rows under context parallelism); float32 as
-            slime passes it (bf16 works too). Never written.
+            slime passes it (bf16 works too). Never written. Or, on the
+            hidden-state route, the :class:`HiddenStates` the patched
+            post-processing returned: only the response rows are projected.
         args: slime's arguments: ``rollout_temperature``,
             ``log_probs_chunk_size``, ``entropy_coef``, ``allgather_cp``.
         unconcat_tokens: each sample's tokens (prompt and response).
@@ -228,12 +237,23 @@ def get_log_probs_and_entropy(
         ``with_entropy``.
 
     Memory:
-        Saved for backward: a reference to ``logits`` and two to four
+        Hidden-state route: no ``[T, V/tp]`` tensor. The ``M`` response rows
+        (of this rank's ``T``) are gathered once (``[M, H]``, kept for
+        backward; under sequence parallelism from the gathered ``[T, H]``),
+        two to four float32 per row are saved, the fused head's chunk buffers
+        are allocated in forward and backward (two float32 ``[chunk, V/tp]``
+        at most 128 MiB each by default) and backward allocates ``[T, H]`` and
+        the weight's gradient.
+
+        Logits route: saved for backward: a reference to ``logits`` and two to four
         float32 per local row, and the kept sets' entries (18 bytes per kept
         id; about 46 at the peak while they are built). Forward allocates one or two float32 ``[chunk, V/tp]``
         buffers; backward the logits' gradient.
     """
     assert non_loss_data
+    if isinstance(logits, HiddenStates):
+        return _from_hidden(logits, args, unconcat_tokens, total_lengths, response_lengths, with_entropy,
+                            top_p_token_ids, top_p_token_offsets)
     tp_group = _mpu().get_tensor_model_parallel_group()
     # The adapter's own checks join an agreed call: a rank refused here raises with its peers instead of
     # leaving them in the library's collectives (one more small all-gather per call under TP).
@@ -263,6 +283,39 @@ def get_log_probs_and_entropy(
     return torch.empty((0,), device=device), res
 
 
+def _from_hidden(states: HiddenStates, args, unconcat_tokens, total_lengths, response_lengths, with_entropy,
+                 top_p_token_ids, top_p_token_offsets):
+    """The hidden-state route: the response rows only, through the fused head on the model's output layer."""
+    head = states.head(chunk_size=_chunk_size(args))
+    hidden = states.hidden
+    with agreed_call(head.process_group) as call:
+        if hidden.dim() != 3 or hidden.shape[1] != 1:
+            raise ValueError(f"slime's packed hidden states must be [T, 1, H], got {tuple(hidden.shape)}")
+        t_local = hidden.shape[0] * (call.world if head.sequence_parallel else 1)
+        device = hidden.device
+        layout = _Layout(args, t_local, total_lengths, response_lengths)
+        labels = layout.labels(unconcat_tokens, total_lengths, response_lengths, t_local, device)
+        keep = None
+        if top_p_token_ids is not None and top_p_token_offsets is not None:
+            keep = layout.kept_sets(top_p_token_ids, top_p_token_offsets, labels, t_local, device)
+        count = sum(length for pieces in layout.pieces for _, _, length in pieces)  # known on the host: no sync
+        temperature = float(getattr(args, "rollout_temperature", 1.0))
+    out = head(hidden, labels.unsqueeze(1), temperature=temperature, compute_entropy=bool(with_entropy), keep=keep,
+               rows=("kept", count))
+    res = {"log_probs": layout.per_sample(out.log_probs.squeeze(1))}
+    if with_entropy:
+        entropy = out.entropy.squeeze(1)
+        if getattr(args, "entropy_coef", 0.0) == 0:
+            entropy = entropy.detach()
+        res["entropy"] = layout.per_sample(entropy)
+    if layout.allgather:
+        res = {k: layout.redistribute(v, total_lengths, response_lengths) for k, v in res.items()}
+    return torch.empty((0,), device=device), res
+
+
+_HIDDEN = _hidden_route.postprocess_patch("slime")
+
+
 _PATCH = Patch(
     "slime",
     [Target(m, "get_log_probs_and_entropy", get_log_probs_and_entropy,
@@ -273,22 +326,54 @@ _PATCH = Patch(
 )
 
 
-def install(args=None) -> None:
-    """slime's ``--custom-megatron-init-path`` hook: replace ``get_log_probs_and_entropy`` (idempotent).
+def install(args=None, *, route: Optional[str] = None) -> None:
+    """slime's ``--custom-megatron-init-path`` hook: serve slime's log-probs and entropy (idempotent).
+
+    Replaces ``get_log_probs_and_entropy`` wherever slime looks it up and, on
+    the hidden-state route (the default), megatron-core's
+    ``GPTModel._postprocess``, so that the actor's forwards hand on the
+    hidden states instead of the logits. ``route`` (else the environment
+    variable ``CHUNKED_ENTROPY_SLIME_ROUTE``, else ``"hidden"``) is one of
+    :data:`ROUTES`; ``"logits"`` keeps megatron-core's logits and chunks
+    them. A custom loss (``--loss-type custom_loss``) may read the logits
+    itself: it gets the logits route, with one logged warning.
 
     Checks the signature of every target already imported, then replaces
-    them all, and the rest as soon as slime imports them. On a mismatch it
+    them all, and the rest as soon as they are imported. On a mismatch it
     raises RuntimeError and leaves slime as it was. ``args`` (slime's
-    arguments, passed by the hook) are read per call, not here.
+    arguments, passed by the hook) are read per call, except ``loss_type``.
     """
+    import os
+
+    route = route if route is not None else os.environ.get(_ROUTE_ENV, "hidden")
+    if route not in ROUTES:
+        raise ValueError(f"route must be one of {ROUTES} (argument or {_ROUTE_ENV}), got {route!r}")
+    if route == "hidden" and getattr(args, "loss_type", None) == "custom_loss":
+        _hidden_route.warn_once("--loss-type custom_loss (a custom loss may read the logits itself)")
+        route = "logits"
     _PATCH.install()
+    if route == "hidden":
+        try:
+            _HIDDEN.install()
+        except BaseException:
+            _PATCH.uninstall()
+            raise
+    else:
+        _HIDDEN.uninstall()
 
 
 def uninstall() -> None:
-    """Restore slime's own function everywhere (and drop a pending hook)."""
+    """Restore slime's own function and megatron-core's post-processing (and drop pending hooks)."""
+    _HIDDEN.uninstall()
     _PATCH.uninstall()
 
 
 def installed() -> bool:
     return _PATCH.installed()
 
+
+def route() -> Optional[str]:
+    """The route installed: ``"hidden"``, ``"logits"``, or None."""
+    if not (_PATCH.installed() or _PATCH._hook is not None):
+        return None
+    return "hidden" if (_HIDDEN.installed() or _HIDDEN._hook is not None) else "logits"

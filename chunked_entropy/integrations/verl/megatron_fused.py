@@ -45,7 +45,8 @@ tensor exists, forward or backward. Context parallelism: each rank serves its
 own tokens, as verl's fused route does; verl's post-processing gathers.
 
 What it cannot serve (a vision model, a model whose forward is not ours, a
-megatron-core GPTModel without ``output_layer``) goes to verl's own route, with
+megatron-core GPTModel without ``output_layer``, a ``MambaModel`` /
+``HybridModel``, whose post-processing is inline) goes to verl's own route, with
 one logged warning naming the reason (verl's own route then raises where it
 raises).
 
@@ -447,6 +448,9 @@ def _unserved(model, multi_modal_inputs):
     gpt = getattr(inner, "language_model", inner)
     if getattr(gpt, "output_layer", None) is None:
         return f"{type(gpt).__name__} has no output_layer"
+    if not hasattr(gpt, "_postprocess"):
+        return (f"{type(gpt).__name__} post-processes inline in its forward (megatron-core's MambaModel / "
+                "HybridModel); the fused route serves GPTModel's _postprocess and output_processor")
     if verl_fused._use_output_processor_hook(model):
         return None
     bound = gpt.__dict__.get("forward")

@@ -1,0 +1,263 @@
+"""slime's hidden-state route against its logits route, through slime's own loss and log-prob functions.
+
+A tiny megatron-core ``GPTModel`` on the CPU (tests/verl_engine.py's
+CPU-only replacements: core attention and RoPE), slime's packed ``thd``
+micro-batch built as slime's ``get_batch`` builds it (its module allocates on
+CUDA, so the few lines are reproduced here), and the model called as slime's
+``train_one_step`` / ``forward_only`` call it (``labels=None``,
+``loss_mask=full_loss_masks``). What comes back goes into slime's real
+``loss_function`` (the policy loss: PPO clip, entropy bonus, KL loss) and
+slime's ``get_log_probs_and_entropy`` name in its loss module (as
+``forward_only`` calls it), with the plugin installed on the logits route and
+on the hidden-state route: log-probs, entropy, the loss, every metric slime
+logs and every parameter's gradient agree. TP 1 and 2 (with sequence
+parallelism) over gloo, with and without top-p replay. Needs slime's source
+(``CHUNKED_ENTROPY_SLIME_SRC``, at the commit tests/test_integrations_slime.py
+names); skips without it. The same for megatron-core 0.16.1's ``MambaModel`` (attention and MLP
+layers only, tests/verl_engine.py), whose post-processing is inline in its ``forward``, and for
+0.19's ``HybridModel`` (its forward reproduced from the upstream source, lines cited there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import warnings
+
+import pytest
+import torch
+
+from chunked_entropy.integrations import _hidden_route
+from chunked_entropy.integrations import slime as ce_slime
+from tests.helpers import require, run_distributed
+from tests.test_integrations_slime import SLIME_COMMIT, SLIME_SRC
+
+require("megatron.core", "verl")
+
+needs_slime = pytest.mark.skipif(
+    not SLIME_SRC,
+    reason=f"set CHUNKED_ENTROPY_SLIME_SRC to a checkout of https://github.com/THUDM/slime at commit {SLIME_COMMIT}",
+)
+
+LENGTHS = ((9, 4), (7, 3), (11, 6))  # (total, response) per sample
+
+
+def _args(**kw):
+    base = dict(
+        loss_type="policy_loss", calculate_per_token_loss=False, recompute_loss_function=False, allgather_cp=False,
+        use_rollout_logprobs=False, use_opsm=False, advantage_estimator="grpo", eps_clip=0.2, eps_clip_high=0.28,
+        eps_clip_c=None, get_mismatch_metrics=False, use_tis=False, custom_pg_loss_reducer_function_path=None,
+        entropy_coef=0.01, use_kl_loss=True, kl_loss_coef=0.05, kl_loss_type="low_var_kl", use_unbiased_kl=False,
+        rollout_temperature=0.8, log_probs_chunk_size=4, rollout_top_p=1.0, use_rollout_entropy=True,
+    )
+    base.update(kw)
+    return argparse.Namespace(**base)
+
+
+def _batch(tp, v, topp, seed=0):
+    """slime's micro-batch after ``get_batch`` (cp 1): packed tokens padded to the TP size, aligned loss masks."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    g = torch.Generator().manual_seed(seed)
+    tokens = [torch.randint(0, v, (t,), generator=g) for t, _ in LENGTHS]
+    loss_masks = [(torch.rand(r, generator=g) > 0.2).int() for _, r in LENGTHS]
+    cu = [0]
+    for t in tokens:
+        cu.append(cu[-1] + t.numel())
+    flat = torch.cat(tokens)
+    pad = (tp - flat.numel() % tp) % tp
+    if pad:
+        flat = torch.nn.functional.pad(flat, (0, pad))
+        cu.append(cu[-1] + pad)
+    cu = torch.tensor(cu, dtype=torch.int)
+    full = torch.cat([torch.nn.functional.pad(m, (t - r - 1, 1))
+                      for m, (t, r) in zip(loss_masks, LENGTHS, strict=True)])
+    longest = int((cu[1:] - cu[:-1]).max())
+    batch = {
+        "tokens": flat.unsqueeze(0), "unconcat_tokens": tokens,
+        "packed_seq_params": PackedSeqParams(cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
+                                             max_seqlen_kv=longest, qkv_format="thd"),
+        "total_lengths": [t for t, _ in LENGTHS], "response_lengths": [r for _, r in LENGTHS],
+        "loss_masks": loss_masks, "full_loss_masks": torch.nn.functional.pad(full, (0, pad)).unsqueeze(0),
+        "advantages": [torch.randn(r, generator=g) for _, r in LENGTHS],
+        "log_probs": [-torch.rand(r, generator=g) * 3 for _, r in LENGTHS],
+        "ref_log_probs": [-torch.rand(r, generator=g) * 3 for _, r in LENGTHS],
+        "rollout_mask_sums": None,
+    }
+    if topp:
+        ids, offsets = [], []
+        for _, r in LENGTHS:
+            counts = torch.randint(0, 6, (r - 1,), generator=g)  # one response row left without a recorded set
+            offsets.append([0] + torch.cumsum(counts, 0).tolist())
+            ids.append(torch.randint(0, v, (int(counts.sum()),), generator=g).tolist())
+        batch["rollout_top_p_token_ids"], batch["rollout_top_p_token_offsets"] = ids, offsets
+    return batch
+
+
+def _run(loss_mod, model, args, batch):
+    """One training micro-batch and one log-prob forward, as slime's model.py runs them."""
+    model.zero_grad(set_to_none=True)
+    kw = dict(input_ids=batch["tokens"], position_ids=None, attention_mask=None, labels=None,
+              packed_seq_params=batch["packed_seq_params"])
+    if not _is_mamba(model):  # megatron-core 0.16.1's MambaModel.forward takes no loss_mask
+        kw["loss_mask"] = batch["full_loss_masks"]
+    out = model(**kw)
+    loss, normalizer, log = loss_mod.loss_function(args, batch, 1, len(LENGTHS), out)
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    with torch.no_grad():
+        model.eval()
+        out = model(**kw)
+        extra = loss_mod.get_rollout_top_p_logprob_kwargs(args, batch)
+        _, res = loss_mod.get_log_probs_and_entropy(
+            out, args=args, unconcat_tokens=batch["unconcat_tokens"], total_lengths=batch["total_lengths"],
+            response_lengths=batch["response_lengths"], with_entropy=args.use_rollout_entropy, **extra)
+        model.train()
+    return out, loss.detach(), log, grads, res
+
+
+def _is_mamba(model):
+    return type(model).__name__ == "MambaModel"
+
+
+def _plain_loss(model, args, batch):
+    """Without slime's source: the plugin's function as slime's loss calls it, a weighted sum, backward."""
+    model.zero_grad(set_to_none=True)
+    kw = dict(input_ids=batch["tokens"], position_ids=None, attention_mask=None, labels=None,
+              packed_seq_params=batch["packed_seq_params"], loss_mask=batch["full_loss_masks"])
+    out = model(**kw)
+    extra = {k[len("rollout_"):]: batch[k] for k in ("rollout_top_p_token_ids", "rollout_top_p_token_offsets")
+             if k in batch}
+    _, res = ce_slime.get_log_probs_and_entropy(
+        out, args=args, unconcat_tokens=batch["unconcat_tokens"], total_lengths=batch["total_lengths"],
+        response_lengths=batch["response_lengths"], with_entropy=True, **extra)
+    loss = sum((lp * a).sum() + (h * 0.3 * a.flip(0)).sum()
+               for lp, h, a in zip(res["log_probs"], res["entropy"], batch["advantages"], strict=True))
+    loss = loss + 0 * out.sum()  # slime's keep-alive term, on either route
+    loss.backward()
+    return out, res, {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def _ci_worker(rank, world):
+    from megatron.core import parallel_state
+
+    from tests import verl_engine
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
+    try:
+        with verl_engine.cpu_only_replacements(), verl_engine.sequence_parallel_on_cpu():
+            model = verl_engine.gpt_model(world, tied=False, seed=3, sequence_parallel=True)
+            args = _args()
+            batch = _batch(world, verl_engine.V, True, seed=9)
+            results = {}
+            for route in ("logits", "hidden"):
+                ce_slime.install(args, route=route)
+                try:
+                    assert ce_slime.route() == route
+                    results[route] = _plain_loss(model, args, batch)
+                finally:
+                    ce_slime.uninstall()
+            (out_l, res_l, g_l), (out_h, res_h, g_h) = results["logits"], results["hidden"]
+            assert isinstance(out_h, _hidden_route.HiddenStates) and isinstance(out_l, torch.Tensor)
+            for key in ("log_probs", "entropy"):
+                for a, b in zip(res_h[key], res_l[key], strict=True):
+                    torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-6)
+            for name in g_l:
+                torch.testing.assert_close(g_h[name], g_l[name], rtol=1e-4, atol=1e-6, msg=name)
+            # multi-token prediction: megatron-core's own post-processing, with one logged warning
+            mtp = verl_engine.gpt_model(world, tied=False, seed=3, mtp_layers=1)
+            why = _hidden_route.why_not(mtp, None, None, None, None)
+            assert why is not None and why[1] and "multi-token prediction" in why[0]
+            assert _hidden_route.why_not(model, None, None, None, None) is None
+            assert _hidden_route.why_not(model, batch["tokens"], None, None, None)[1] is False  # labels: quiet
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def test_hidden_route_matches_logits_route_tp2_sequence_parallel_without_slime():
+    """In CI (no slime source): the plugin's function on both routes, a GPTModel at TP 2 with SP, top-p sets."""
+    run_distributed(_ci_worker, 2, timeout_s=180)
+
+
+def _worker(rank, world, kind):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core import parallel_state
+
+        from tests import verl_engine
+    if SLIME_SRC not in sys.path:  # appended: Miles has a package named tests too; this project's comes first
+        sys.path.append(SLIME_SRC)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import slime.backends.megatron_utils.loss as loss_mod
+    for tp in (world, 1):
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+        try:
+            with verl_engine.cpu_only_replacements(), verl_engine.sequence_parallel_on_cpu():
+                build = {"gpt": verl_engine.gpt_model, "mamba": verl_engine.mamba_model,
+                         "hybrid019": verl_engine.hybrid_model_019}[kind]
+                model = build(tp, tied=(tp == 1), seed=1, sequence_parallel=tp > 1)
+                for topp in (False, True):
+                    args = _args(rollout_top_p=0.9 if topp else 1.0)
+                    batch = _batch(tp, verl_engine.V, topp, seed=7)
+                    results = {}
+                    for route in ("logits", "hidden"):
+                        ce_slime.install(args, route=route)
+                        try:
+                            results[route] = _run(loss_mod, model, args, batch)
+                        finally:
+                            ce_slime.uninstall()
+                    _compare(results["logits"], results["hidden"], topp)
+        finally:
+            parallel_state.destroy_model_parallel()
+            verl_engine.drop_hybrid_019()
+
+
+def _compare(logits_route, hidden_route, topp):
+    out_l, loss_l, log_l, grads_l, res_l = logits_route
+    out_h, loss_h, log_h, grads_h, res_h = hidden_route
+    assert isinstance(out_l, torch.Tensor) and isinstance(out_h, _hidden_route.HiddenStates), (type(out_l), out_h)
+    assert out_h.hidden.shape[-1] != out_l.shape[-1]  # no [T, V/tp] tensor came out of the model
+    tol = dict(rtol=2e-5, atol=2e-6)
+    torch.testing.assert_close(loss_h, loss_l, **tol)
+    # slime's logged metrics: {"keys": [names], "values": [count, metric, ...]}
+    assert log_h["keys"] == log_l["keys"] and {"pg_loss", "entropy_loss", "kl_loss", "ppo_kl"} <= set(log_l["keys"])
+    torch.testing.assert_close(log_h["values"], log_l["values"], **tol)
+    assert grads_h.keys() == grads_l.keys()
+    for name in grads_l:
+        torch.testing.assert_close(grads_h[name], grads_l[name], rtol=1e-4, atol=1e-6, msg=f"grad of {name}")
+    assert set(res_h) == set(res_l) == {"log_probs", "entropy"}
+    for key in res_l:
+        for a, b in zip(res_h[key], res_l[key], strict=True):
+            assert a.shape == b.shape
+            torch.testing.assert_close(a, b, **tol)
+    # the entropy bonus moved the parameters: its gradient flows on the hidden-state route as well
+    assert any(g.abs().max() > 0 for g in grads_h.values())
+
+
+@needs_slime
+@pytest.mark.parametrize("kind", ["gpt", "mamba", "hybrid019"])
+def test_hidden_route_matches_logits_route_through_slimes_loss_tp1_tp2(kind):
+    """GPTModel; megatron-core 0.16.1's MambaModel (attention and MLP layers); 0.19's HybridModel, reproduced
+    (tests/verl_engine.py, with the upstream lines cited)."""
+    run_distributed(_worker, 2, kind, timeout_s=300)
+
+
+def test_route_argument_is_checked():
+    with pytest.raises(ValueError, match="route must be one of"):
+        ce_slime.install(route="both")
+    assert not ce_slime.installed()
+
+
+def test_custom_loss_gets_the_logits_route_with_one_warning(caplog):
+    _hidden_route._warned.discard("--loss-type custom_loss (a custom loss may read the logits itself)")
+    try:
+        with caplog.at_level(logging.WARNING, logger="chunked_entropy.integrations"):
+            ce_slime.install(argparse.Namespace(loss_type="custom_loss"))
+            ce_slime.install(argparse.Namespace(loss_type="custom_loss"))
+        assert ce_slime.route() == "logits"
+        assert sum("custom_loss" in r.getMessage() for r in caplog.records) == 1
+    finally:
+        ce_slime.uninstall()
+    assert ce_slime.route() is None
