@@ -208,7 +208,7 @@ def _filter_keys(rows, top_k, top_p, n: int, v_local: int, scale, call) -> torch
         torch.mul(nz[:, 0] + a, v_global + 1, out=key)
         pieces.append(key.add_(nz[:, 1]).add_(1))
         del nz
-    pieces.append(torch.empty(n, dtype=torch.int64, device=pieces[0].device if pieces else None))
+    pieces.append(torch.empty(n, dtype=torch.int64, device=rows.t.device))
     return torch.cat(pieces)
 
 
