@@ -263,10 +263,13 @@ def _parity_worker(rank, world, tp, cp):
                                          valid, backward, **groups, **kw)
         _same(ours, theirs)
     # the packed route: prepare_packed_loss_input (Megatron's sequence packing; it needs a TP group)
+    def packed_input(*args, **kw):  # looked up at each call: the plugin replaces it in NeMo-RL's module
+        return loss_utils.prepare_packed_loss_input(*args, **kw)
+
     packed, cu, cu_padded = _pack(model_utils, shard, data["input_lengths"], cp, cp_rank, multiple=2 * cp)
     for kw in (dict(chunk_size=None), dict(chunk_size=4), *(dict(chunk_size=c, sampling_params=f)
                                                            for f in filters for c in (None, 4))):
-        ours, theirs = _with_and_without(_step, loss_utils.prepare_packed_loss_input, losses["clipped_pg"], packed,
+        ours, theirs = _with_and_without(_step, packed_input, losses["clipped_pg"], packed,
                                          data, valid, backward, cu_seqlens_q=cu,
                                          cu_seqlens_q_padded=cu_padded, **groups, **kw)
         _same(ours, theirs)
