@@ -230,8 +230,8 @@ def parse_keep(keep, *, lead_shape, v_local: int, labels: torch.Tensor, valid: t
     if isinstance(keep, dict):
         top_k, top_p = _parse_filter(keep, v_local * call.world)
         if rows is None:
-            raise TypeError("keep as the row's own filter ({'top_k', 'top_p'}) needs the logits: pass it to "
-                            "log_probs_and_entropy, or pass the kept sets themselves")
+            raise TypeError("keep as the row's own filter ({'top_k', 'top_p'}) needs the logits: only "
+                            "log_probs_and_entropy takes it; here pass the kept sets themselves")
         if top_k is None and top_p is None:
             keep = None  # keeps every id: the whole row
         else:

@@ -445,6 +445,8 @@ def test_bad_kept_sets_are_named_before_any_work():
         log_probs_and_entropy(x, labels, entropy_of="kept")
     with pytest.raises(TypeError, match="row's own filter .* needs the logits"):
         linear_log_probs_and_entropy(x, torch.randn(V, V, dtype=x.dtype), labels, keep={"top_p": 0.5})
+    with pytest.raises(TypeError, match="row's own filter .* needs the logits"):  # the fused policy loss
+        policy_loss_from_logits(x, labels, torch.zeros(4), torch.ones(4), torch.ones(4), keep={"top_k": 2})
     assert x.grad is None
 
 
