@@ -16,6 +16,12 @@ over the inputs, measured by ``chunked-entropy bench``'s own ``CpuMemory``.
 
     python benchmarks/nemo_rl_memory.py --nemo-rl-src /path/to/RL            # T = 8192, V = 32768
     python benchmarks/nemo_rl_memory.py --nemo-rl-src /path/to/RL --cp 2
+    python benchmarks/nemo_rl_memory.py --nemo-rl-src /path/to/RL --top-p 0.9 --scale 4   # filtered log-probs
+
+``--top-p`` / ``--top-k`` turn on NeMo-RL's top-k/top-p filtered log-probs
+(``sampling_params``); ``--scale`` is the logits' standard deviation (how
+many ids a top-p keeps: at ``V = 32768``, top-p 0.9 keeps about 200 ids per
+row at scale 4 and 7700 at scale 2).
 
 The loss modules import with NeMo-RL's two package modules that need
 transformers < 5.12 and mlflow registered as stand-ins, as in
@@ -54,7 +60,7 @@ def _inputs(a, cp, cp_rank, model_utils):
         "generation_logprobs": -torch.rand(1, t, generator=g),
         "reference_policy_logprobs": -torch.rand(1, t, generator=g),
     })
-    logits = (torch.randn(1, t // cp, a.vocab, generator=torch.Generator().manual_seed(1 + cp_rank)) * 2)
+    logits = (torch.randn(1, t // cp, a.vocab, generator=torch.Generator().manual_seed(1 + cp_rank)) * a.scale)
     return data, logits.to(torch.bfloat16).requires_grad_()
 
 
@@ -62,7 +68,10 @@ def _measure(a, method, cp, rank):
     os.environ["CHUNKED_ENTROPY_NEMO_RL_SRC"] = a.nemo_rl_src  # read by the tests' one loader of NeMo-RL
     from tests.test_integrations_nemo_rl import _import_nemo_rl
 
-    model_utils, loss_utils, loss_functions, _ = _import_nemo_rl()
+    model_utils, loss_utils, loss_functions, sampling = _import_nemo_rl()
+    params = None
+    if a.top_k is not None or a.top_p != 1.0:
+        params = sampling.TrainingSamplingParams(top_k=a.top_k, top_p=a.top_p)
     if method == "plugin":
         from chunked_entropy.integrations import nemo_rl as ce_nemo_rl
 
@@ -73,7 +82,8 @@ def _measure(a, method, cp, rank):
 
     def step(data, logits):
         loss_input, data = loss_utils.prepare_loss_input(logits, data, loss_fn, vocab_parallel_rank=0,
-                                                         vocab_parallel_group=one, context_parallel_group=cp_group)
+                                                         vocab_parallel_group=one, context_parallel_group=cp_group,
+                                                         sampling_params=params)
         loss, _ = loss_fn(data=data, global_valid_seqs=torch.tensor(1.0),
                           global_valid_toks=data["token_mask"][:, 1:].sum(), **loss_input)
         if cp == 1:
@@ -120,6 +130,9 @@ def main(argv=None) -> int:
     p.add_argument("--vocab", type=int, default=32768)
     p.add_argument("--cp", type=int, default=1, choices=[1, 2])
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--scale", type=float, default=2.0, help="the logits' standard deviation")
+    p.add_argument("--top-k", type=int, default=None, help="NeMo-RL's filtered log-probs: top-k")
+    p.add_argument("--top-p", type=float, default=1.0, help="NeMo-RL's filtered log-probs: top-p")
     p.add_argument("--case", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.case:
@@ -138,7 +151,8 @@ def main(argv=None) -> int:
     if not commit:  # a checkout without git metadata (git archive): the commit the tests pin
         from chunked_entropy.integrations.nemo_rl import NEMO_RL_COMMIT as commit
     print(f"NeMo-RL at {commit}; T={a.tokens}, V={a.vocab}, bf16 logits, TP 1, CP {a.cp}, "
-          f"logprob_chunk_size null, ClippedPGLossFn with the reference KL; {what}")
+          f"logprob_chunk_size null, ClippedPGLossFn with the reference KL; {what}; logits scale {a.scale}, "
+          f"top_k {a.top_k}, top_p {a.top_p}")
     print(f"| method | peak extra memory | x the bf16 logits | time {what} (median) |")
     print("|---|---:|---:|---:|")
     for method, rows in results.items():

@@ -65,6 +65,8 @@ class Tokens:
         The log-prob is 0 where the label is masked.
         """
         log_probs = torch.where(self.valid, r.log_probs(), 0.0)
+        if self.keep is not None and self.keep.label_out is not None:  # the row's own filter: a label outside
+            log_probs = log_probs.masked_fill(self.keep.label_out, -math.inf)
         of_kept = self.keep is not None and self.keep.of_kept
         return (
             log_probs,
@@ -130,6 +132,7 @@ def prepare_tokens(
     entropy_of: str = "full",
     log_probs_at=None,
     top_k=None,
+    logits: Optional[torch.Tensor] = None,
 ) -> Tokens:
     """Check labels, mask and temperature against ``lead_shape``; build :class:`Tokens`.
 
@@ -140,7 +143,9 @@ def prepare_tokens(
     transform and fingerprints of the labels (after the mask) and of the
     temperatures. ``keep`` and ``entropy_of`` are sampling replay's (see
     :func:`chunked_entropy._keep.parse_keep`); ``log_probs_at`` and ``top_k``
-    distillation's (see :func:`chunked_entropy._at.parse_at`).
+    distillation's (see :func:`chunked_entropy._at.parse_at`). ``logits``:
+    the op's raw logits where it has them, read by ``keep`` as the row's own
+    filter.
     """
     if not isinstance(labels, torch.Tensor):
         raise TypeError(f"{labels_name} must be a torch.Tensor of int64 ids, got {type(labels).__name__}")
@@ -200,8 +205,10 @@ def prepare_tokens(
         call.agree("temperature", _fingerprint_scale(inv_t))
     call.agree("softcap", _bits(transform.softcap))
     call.agree("logit_scale", _bits(transform.logit_scale))
+    k_rows = lambda a, b: transform.k(inv_t[a:b] if isinstance(inv_t, torch.Tensor) else inv_t)  # noqa: E731
     kept = parse_keep(keep, lead_shape=lead_shape, v_local=v_local, labels=flat, valid=valid, entropy_of=entropy_of,
-                      device=device, call=call)
+                      device=device, call=call, rows=None if logits is None else Rows(logits),
+                      scale=(transform, k_rows, dtype))
     at = parse_at(log_probs_at, top_k, lead_shape=lead_shape, v_local=v_local, device=device, call=call, keep=keep)
     return Tokens(lead_shape, valid, target, inv_t, transform, kept, at)
 

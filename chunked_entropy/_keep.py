@@ -13,6 +13,18 @@ set is empty is not truncated (prompt tokens, rows sampled without
 truncation); a repeated id counts once. The entropy and ``sum_j p_j**2`` stay
 of the whole row unless ``entropy_of="kept"``.
 
+**The row's own filter.** ``keep={"top_k": k, "top_p": p}`` builds the
+kept sets from the trainer's own logits instead (vLLM's sampler filter as
+NeMo-RL replays it, ``apply_top_k_top_p``): on the transformed logits ``x``
+(temperature included) the ``k`` largest (ties at the ``k``-th kept), then,
+over the softmax of those, the smallest set of the largest whose cumulative
+probability (summed in ascending order) exceeds ``1 - p``, the largest always
+kept. Here the label is *not* added: a label outside its row's set gets log-prob
+``-inf`` and no term of its own in the gradient (``-p^K_j`` on the kept ids
+only). The sets are computed once per call, ``FILTER_ROWS`` full rows at a
+time (under a process group each rank all-gathers those rows' shards), so a
+transient ``[rows, V]`` sort instead of a ``[tokens, V]`` mask.
+
 **Representation.** Once per call the kept sets become *entries*, pairs
 ``(row, id)`` sorted by row: the recorded ids and one entry per valid label,
 with repeats marked dead rather than removed (so that no size depends on the
@@ -56,7 +68,11 @@ from .parallel import all_reduce_min_flags, fingerprint
 ENTROPY_OF = ("full", "kept")
 
 #: What the ranks of a group agree on: the form of ``keep`` (they exchange statistics of it).
-FORMS = {None: 0, "csr": 1, "dense": 2}
+FORMS = {None: 0, "csr": 1, "dense": 2, "filter": 3}
+#: The keys of ``keep`` as the row's own filter.
+FILTER_KEYS = ("top_k", "top_p")
+#: Elements of one transient ``[rows, V]`` block of the row's own filter (about 26 bytes each at the peak).
+FILTER_ELEMENTS = 1 << 24
 
 
 @dataclass(eq=False)
@@ -77,10 +93,13 @@ class Kept:
     col: Optional[torch.Tensor] = None
     counted: Optional[torch.Tensor] = None
     is_label: Optional[torch.Tensor] = None
+    #: the row's own filter: bool ``[n]``, a valid label outside its row's kept set (log-prob ``-inf``)
+    label_out: Optional[torch.Tensor] = None
     _bounds: dict = field(default_factory=dict)
 
-    def fill(self, row, col, counted, is_label) -> "Kept":
+    def fill(self, row, col, counted, is_label, label_out=None) -> "Kept":
         self.row, self.col, self.counted, self.is_label = row, col, counted, is_label
+        self.label_out = label_out
         return self
 
     @property
@@ -126,21 +145,113 @@ def _as_ids(name: str, value, device) -> torch.Tensor:
     return value.to(torch.int64)
 
 
+def _parse_filter(keep: dict, v_global: int) -> tuple:
+    """``(top_k, top_p)`` of ``keep`` as the row's own filter, checked; ``top_k`` None or ``<= 0`` and ``top_p``
+    1.0 disable each (NeMo-RL's and vLLM's convention); a ``top_k`` of ``V`` or more keeps every id."""
+    extra = sorted(set(keep) - set(FILTER_KEYS), key=str)
+    if extra or not keep:
+        raise ValueError("keep as the row's own filter takes the keys 'top_k' and/or 'top_p', got "
+                         f"{sorted(keep, key=str)}")
+    top_k, top_p = keep.get("top_k"), keep.get("top_p", 1.0)
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int)):
+        raise TypeError(f"keep's top_k must be an int or None, got {top_k!r}")
+    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0.0 < float(top_p) <= 1.0:
+        raise ValueError(f"keep's top_p must be a float in (0, 1], got {top_p!r}")
+    top_k = None if top_k is None or top_k <= 0 or top_k >= v_global else int(top_k)
+    return top_k, (None if float(top_p) == 1.0 else float(top_p))
+
+
+@torch.no_grad()
+def filter_mask(x: torch.Tensor, top_k: Optional[int], top_p: Optional[float]) -> torch.Tensor:
+    """The kept ids of full rows ``x`` ``[rows, V]`` (transformed logits) as a bool mask: vLLM's top-k then
+    top-p, in NeMo-RL's arithmetic (``apply_top_k_top_p``), which the module doc states. ``x`` is not written."""
+    if top_p is None:  # top-k only: no sort of the row
+        return x >= x.topk(top_k, dim=-1).values[:, -1:]
+    s, idx = x.sort(dim=-1)  # ascending
+    by_k = None
+    if top_k is not None:
+        by_k = s >= s[:, s.shape[1] - top_k].unsqueeze(1)
+        s.masked_fill_(~by_k, -math.inf)
+    keep = s.softmax(dim=-1).cumsum_(dim=-1) > 1 - top_p
+    keep[:, -1] = True
+    if by_k is not None:
+        keep &= by_k
+    return torch.empty_like(keep).scatter_(1, idx, keep)
+
+
+def _filter_keys(rows, top_k, top_p, n: int, v_local: int, scale, call) -> torch.Tensor:
+    """Keys (see :func:`_record_keys_`) of the row's own filter's kept ids, plus room for the labels.
+
+    ``rows(a, b)`` reads rows ``[a, b)`` of the raw logits; ``scale`` is
+    ``(transform, k_rows, dtype)`` with ``k_rows(a, b)`` the multiplier ``x = k * u``
+    and ``dtype`` the compute dtype. Under a group each rank gathers the same
+    full rows and gets the same keys.
+    """
+    tf, k_rows, dtype = scale
+    v_global = v_local * call.world
+    step = max(1, min(n, FILTER_ELEMENTS // v_global))
+    pieces = []
+    for a in range(0, n, step):
+        b = min(a + step, n)
+        x = tf.to_u_(rows(a, b).to(dtype, copy=True))
+        if call.world > 1:
+            parts = [torch.empty_like(x) for _ in range(call.world)]
+            torch.distributed.all_gather(parts, x.contiguous(), group=call.group)
+            x = torch.cat(parts, dim=1)
+            del parts
+        k = k_rows(a, b)
+        if k is not None:
+            x.mul_(k)
+        nz = filter_mask(x, top_k, top_p).nonzero()
+        del x
+        key = torch.empty(nz.shape[0], dtype=torch.int64, device=nz.device)
+        torch.mul(nz[:, 0] + a, v_global + 1, out=key)
+        pieces.append(key.add_(nz[:, 1]).add_(1))
+        del nz
+    pieces.append(torch.empty(n, dtype=torch.int64, device=rows.t.device))
+    return torch.cat(pieces)
+
+
 def parse_keep(keep, *, lead_shape, v_local: int, labels: torch.Tensor, valid: torch.Tensor, entropy_of,
-               device, call) -> Optional[Kept]:
-    """``keep`` (a ``(token_ids, offsets)`` pair, an object with ``.token_ids`` and ``.offsets``, or a bool
-    ``[..., V_local]`` mask) as :class:`Kept`, checked; None when ``keep`` is None.
+               device, call, rows=None, scale=None) -> Optional[Kept]:
+    """``keep`` (a ``(token_ids, offsets)`` pair, an object with ``.token_ids`` and ``.offsets``, a bool
+    ``[..., V_local]`` mask, or a ``{"top_k", "top_p"}`` dict: the row's own filter) as :class:`Kept`,
+    checked; None when ``keep`` is None (or a filter that keeps every id).
 
     ``labels`` and ``valid`` are the flat global labels and whether each
-    counts. Runs inside the op's :func:`~chunked_entropy.parallel.agreed_call`.
+    counts. ``rows`` (a :class:`~chunked_entropy._inputs.Rows` of the raw
+    logits) and ``scale`` (``(transform, k_rows, dtype)``) serve the row's own
+    filter; None where the op has no logits (the fused linear head). Runs
+    inside the op's :func:`~chunked_entropy.parallel.agreed_call`.
     """
     if entropy_of not in ENTROPY_OF:
         raise ValueError(f"entropy_of must be 'full' or 'kept', got {entropy_of!r}")
     n = labels.numel()
+    if isinstance(keep, dict):
+        top_k, top_p = _parse_filter(keep, v_local * call.world)
+        if rows is None:
+            raise TypeError("keep as the row's own filter ({'top_k', 'top_p'}) needs the logits: only "
+                            "log_probs_and_entropy takes it; here pass the kept sets themselves")
+        if top_k is None and top_p is None:
+            keep = None  # keeps every id: the whole row
+        else:
+            call.agree("keep (0: none, 1: token_ids/offsets, 2: a dense mask, 3: the row's own filter)",
+                       FORMS["filter"])
+            call.agree("keep's top_k (-1: none)", -1 if top_k is None else top_k)
+            call.agree("keep's top_p (bits)", -1 if top_p is None else _float_bits(top_p))
+            call.agree("entropy_of (0: full, 1: kept)", ENTROPY_OF.index(entropy_of))
+            kept = Kept(entropy_of, "filter")
+
+            def filter_entries():  # once every rank passed its checks: under a group, all-gathers of rows' shards
+                key = _filter_keys(rows, top_k, top_p, n, v_local, scale, call)
+                kept.fill(*_entries(key, labels, valid, v_local, v_local * call.world, call.rank, label_kept=False))
+
+            call.then(filter_entries)
+            return kept
     if keep is None:
         if entropy_of != "full":
             raise ValueError("entropy_of='kept' needs keep= (the kept sets)")
-        call.agree("keep (0: none, 1: token_ids/offsets, 2: a dense mask)", 0)
+        call.agree("keep (0: none, 1: token_ids/offsets, 2: a dense mask, 3: the row's own filter)", 0)
         return None
     v_global = v_local * call.world
     if isinstance(keep, torch.Tensor):
@@ -156,7 +267,7 @@ def parse_keep(keep, *, lead_shape, v_local: int, labels: torch.Tensor, valid: t
         mask = keep.reshape(n, v_local)
         whole_here = mask.all(dim=1)  # rows that keep this whole shard: one read of the mask
         kept = Kept(entropy_of, "dense")
-        call.agree("keep (0: none, 1: token_ids/offsets, 2: a dense mask)", FORMS["dense"])
+        call.agree("keep (0: none, 1: token_ids/offsets, 2: a dense mask, 3: the row's own filter)", FORMS["dense"])
         call.agree("entropy_of (0: full, 1: kept)", ENTROPY_OF.index(entropy_of))
 
         def dense_entries():  # once every rank passed its checks: under a group, one all-reduce of [n] flags
@@ -198,7 +309,7 @@ def parse_keep(keep, *, lead_shape, v_local: int, labels: torch.Tensor, valid: t
     if call.world > 1:
         call.agree("keep's token_ids", fingerprint(ids))
         call.agree("keep's offsets", fingerprint(offsets))
-    call.agree("keep (0: none, 1: token_ids/offsets, 2: a dense mask)", FORMS["csr"])
+    call.agree("keep (0: none, 1: token_ids/offsets, 2: a dense mask, 3: the row's own filter)", FORMS["csr"])
     call.agree("entropy_of (0: full, 1: kept)", ENTROPY_OF.index(entropy_of))
     kept = Kept(entropy_of, "csr")
 
@@ -225,7 +336,13 @@ def _record_keys_(key: torch.Tensor, row: torch.Tensor, ids: torch.Tensor, v_glo
     head.add_(ids).add_(shift + 1)
 
 
-def _entries(key, labels, valid, v_local, v_global, rank) -> tuple:
+def _float_bits(x: float) -> int:
+    import struct
+
+    return struct.unpack("<q", struct.pack("<d", float(x)))[0]
+
+
+def _entries(key, labels, valid, v_local, v_global, rank, label_kept=True) -> tuple:
     """Recorded ids plus one entry per valid label, sorted by row; repeats marked dead (static sizes).
 
     ``key`` holds ``row * (V + 1) + id + 1`` of the recorded ids in its first
@@ -236,7 +353,9 @@ def _entries(key, labels, valid, v_local, v_global, rank) -> tuple:
     are read back from the sorted keys, with no gathers by the sort's order.
     Peak: about 40 bytes per entry while sorting; kept: two int64 and two
     flags (18 bytes) per entry. Returns the fields of :class:`Kept`:
-    ``(row, col, counted, is_label)``.
+    ``(row, col, counted, is_label)``; with ``label_kept=False`` (the row's
+    own filter) a label is not added to its row's set, and a fifth field,
+    ``label_out``, flags the valid labels outside it.
     """
     n = labels.numel()
     base = v_global + 1
@@ -255,6 +374,12 @@ def _entries(key, labels, valid, v_local, v_global, rank) -> tuple:
     is_label = (ids == labels[row]) & valid[row]  # on the survivor of its repeats only, with ``live`` below
     local = ids.sub_(rank * v_local)
     live = first & (local >= 0) & (local < v_local)
+    if not label_kept:  # the labels' own entries are dead; whether each label is in its set, on every rank
+        live &= recorded
+        inside = torch.zeros(n, dtype=torch.bool, device=key.device)
+        inside[row[first & recorded & is_label]] = True
+        col = torch.where(live, local, -1)
+        return row, col, live, live & is_label, valid & ~inside
     col = torch.where(live, local, -1)
     return row, col, live & recorded, live & is_label
 

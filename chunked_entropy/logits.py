@@ -153,7 +153,13 @@ def log_probs_and_entropy(
             ``SamplingMask``; lists too), or a bool ``[..., V_local]`` mask of
             this rank's shard in the labels' leading shape. Under a process
             group every rank passes the same CSR pair (or its own shard of a
-            dense mask). See the "Sampling replay" section of the concepts.
+            dense mask). Or a dict ``{"top_k": k, "top_p": p}`` (either key
+            alone too): the kept sets are the row's own top-k then top-p of
+            the transformed logits, as NeMo-RL's ``apply_top_k_top_p`` makes
+            them (``top_k`` None or <= 0, ``top_p`` 1.0: off); then a label
+            outside its set is *not* kept: its log-prob is ``-inf`` and its
+            gradient ``-p^K`` on the kept ids. See the "Sampling replay"
+            section of the concepts.
         entropy_of: ``"full"`` (default): the entropy and ``sum_pi_squared``
             are of the whole row, as without ``keep``; ``"kept"``: of the
             kept distribution where the row is truncated (gradients follow).
@@ -200,6 +206,9 @@ def log_probs_and_entropy(
         peak while they are built, 64 from a dense mask) and two to four more
         float32 per token; nothing of size ``[tokens, V]`` (a dense mask is
         read once, and its rows that hold the whole vocabulary cost nothing).
+        The row's own filter also sorts ``2**24 / V`` full rows at a time
+        once per call (about 26 bytes per element; under a process group
+        each rank all-gathers those rows' shards).
 
     Example:
         >>> logits = torch.randn(2, 5, 11, requires_grad=True)
@@ -233,7 +242,7 @@ def log_probs_and_entropy(
             labels, logits.shape[:-1], logits.shape[-1], call=call, label_mask=label_mask,
             ignore_index=ignore_index, temperature=temperature, device=logits.device, dtype=cdt,
             transform=Transform(softcap, logit_scale), keep=keep, entropy_of=entropy_of,
-            log_probs_at=log_probs_at, top_k=top_k,
+            log_probs_at=log_probs_at, top_k=top_k, logits=logits,
         )
         call.agree_all({"chunk_size": chunk_size, "compute_entropy": want.entropy,
                         "compute_sum_pi_squared": want.sum_pi_squared, "logits.requires_grad": grads,

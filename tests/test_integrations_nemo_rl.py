@@ -80,7 +80,28 @@ def _contract_worker(rank, world):
         torch.testing.assert_close(got, want.detach(), rtol=1e-9, atol=1e-10, msg=name)
         torch.testing.assert_close(x.grad, full.grad[..., cols], rtol=1e-9, atol=1e-10, msg=name)
         assert torch.equal(x.detach(), before)
+    # the top-k/top-p filtered Functions: NeMo-RL's definition (-inf at a target outside its row's kept set)
+    from tests.test_replay import own_reference
+
+    filtered = {
+        "DistributedLogprobWithSampling": lambda x, k, p: ce_nemo_rl.DistributedLogprobWithSampling.apply(
+            x, target, group, k, p),
+        "ChunkedDistributedLogprobWithSampling": lambda x, k, p: ce_nemo_rl.ChunkedDistributedLogprobWithSampling
+        .apply(x, target, group, k, p, 3),
+    }
+    for (name, call), (top_k, top_p) in zip(filtered.items(), ((5, 1.0), (None, 0.8)), strict=True):
+        for k_, p_ in ((top_k, top_p), (7, 0.9)):
+            full = logits.clone().requires_grad_()
+            want, grad_of, _, inside = own_reference(full, target, k_, None if p_ == 1.0 else p_)
+            assert inside.any() and not inside.all()
+            (grad_of * up).sum().backward()
+            x = logits[..., cols].clone().requires_grad_()
+            got = call(x, k_, p_)
+            torch.testing.assert_close(got, want.detach(), rtol=1e-9, atol=1e-10, msg=name)
+            torch.autograd.backward(got, up)  # NeMo-RL's gradient at the -inf tokens too: -p^K on the kept ids
+            torch.testing.assert_close(x.grad, full.grad[..., cols], rtol=1e-9, atol=1e-10, msg=name)
     x = logits[..., cols].clone().requires_grad_()
+    assert not ce_nemo_rl.DistributedLogprobWithSampling.apply(x, target, group, 3, 0.5, True).requires_grad
     assert not ce_nemo_rl.DistributedLogprob.apply(x, target, start, end, group, True).requires_grad  # inference
     assert not ce_nemo_rl.ChunkedDistributedEntropy.apply(x, 3, group, True).requires_grad
     # NeMo-RL's shard bounds must be the contiguous shard of this rank
@@ -232,21 +253,43 @@ def _parity_worker(rank, world, tp, cp):
     backward = cp == 1
     losses = _losses(loss_functions)
     groups = dict(vocab_parallel_rank=tp_rank, vocab_parallel_group=tp_group, context_parallel_group=cp_group)
-    top_p = sampling.TrainingSamplingParams(top_p=0.9)
-    cases = [("clipped_pg", dict(chunk_size=None)), ("clipped_pg", dict(chunk_size=4)),
-             ("clipped_pg", dict(chunk_size=None, sampling_params=top_p))]
+    filters = [sampling.TrainingSamplingParams(top_p=0.9), sampling.TrainingSamplingParams(top_k=6),
+               sampling.TrainingSamplingParams(top_k=10, top_p=0.95)]
+    cases = [("clipped_pg", dict(chunk_size=None)), ("clipped_pg", dict(chunk_size=4))]
+    cases += [("clipped_pg", dict(chunk_size=c, sampling_params=f)) for f in filters for c in (None, 4)]
     cases += [("distillation", {}), ("distillation_topk_only", {})]
     for name, kw in cases:  # the unpacked route: prepare_loss_input
         ours, theirs = _with_and_without(_step, loss_utils.prepare_loss_input, losses[name], local, data,
                                          valid, backward, **groups, **kw)
         _same(ours, theirs)
     # the packed route: prepare_packed_loss_input (Megatron's sequence packing; it needs a TP group)
+    def packed_input(*args, **kw):  # looked up at each call: the plugin replaces it in NeMo-RL's module
+        return loss_utils.prepare_packed_loss_input(*args, **kw)
+
     packed, cu, cu_padded = _pack(model_utils, shard, data["input_lengths"], cp, cp_rank, multiple=2 * cp)
-    for kw in (dict(chunk_size=None), dict(chunk_size=4), dict(chunk_size=None, sampling_params=top_p)):
-        ours, theirs = _with_and_without(_step, loss_utils.prepare_packed_loss_input, losses["clipped_pg"], packed,
+    for kw in (dict(chunk_size=None), dict(chunk_size=4), *(dict(chunk_size=c, sampling_params=f)
+                                                           for f in filters for c in (None, 4))):
+        ours, theirs = _with_and_without(_step, packed_input, losses["clipped_pg"], packed,
                                          data, valid, backward, cu_seqlens_q=cu,
                                          cu_seqlens_q_padded=cu_padded, **groups, **kw)
         _same(ours, theirs)
+    # NeMo-RL's filtered Functions themselves, called as its routes call them: values (-inf included) and the
+    # gradient for a random upstream, -inf tokens included (NeMo-RL's loss masks them; the Function does not)
+    if cp == 1:
+        target = data["input_ids"].roll(-1, dims=-1)
+        up = torch.randn(B, S, generator=torch.Generator().manual_seed(9))
+        for f in filters:
+            for name, extra in (("DistributedLogprobWithSampling", ()),
+                                ("ChunkedDistributedLogprobWithSampling", (4,))):
+                def run(name=name, extra=extra, f=f):
+                    x = shard.clone().requires_grad_()
+                    lp = getattr(model_utils, name).apply(x, target, tp_group, f.top_k, f.top_p, *extra)
+                    torch.autograd.backward(lp, up)
+                    return lp.detach(), x.grad
+                (lp_o, g_o), (lp_t, g_t) = _with_and_without(run)
+                assert torch.isinf(lp_t).any() and torch.isfinite(lp_t).any()
+                torch.testing.assert_close(lp_o, lp_t, rtol=1e-5, atol=1e-6, msg=name)
+                torch.testing.assert_close(g_o, g_t, rtol=1e-5, atol=1e-7, msg=name)
 
 
 def _dtensor_worker(rank, world):
@@ -254,7 +297,7 @@ def _dtensor_worker(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
-    _, loss_utils, loss_functions, _ = _import_nemo_rl()
+    _, loss_utils, loss_functions, sampling = _import_nemo_rl()
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     data, logits = _batch(V_LOCAL * world, seed=5)
     shard = logits[..., rank * V_LOCAL:(rank + 1) * V_LOCAL]
@@ -267,6 +310,9 @@ def _dtensor_worker(rank, world):
 
     for name in losses:
         ours, theirs = _with_and_without(_step, prepare, losses[name], shard, data, valid)
+        _same(ours, theirs)
+    for f in (sampling.TrainingSamplingParams(top_p=0.9), sampling.TrainingSamplingParams(top_k=6, top_p=0.95)):
+        ours, theirs = _with_and_without(_step, prepare, losses["clipped_pg"], shard, data, valid, sampling_params=f)
         _same(ours, theirs)
 
 
@@ -289,22 +335,27 @@ def _plain_worker(rank, world):
 
     from tests.helpers import reference
 
-    model_utils, loss_utils, loss_functions, _ = _import_nemo_rl()
+    model_utils, loss_utils, loss_functions, sampling = _import_nemo_rl()
     one = dist.new_group([rank])
     data, logits = _batch(V_LOCAL, seed=7)
     mask = data["token_mask"][:, 1:] * data["sample_mask"][:, None]
     valid = (data["sample_mask"].sum(), mask.sum())
     losses = _losses(loss_functions)
+    filters = {"top_p": sampling.TrainingSamplingParams(top_p=0.9),
+               "top_k_top_p": sampling.TrainingSamplingParams(top_k=6, top_p=0.95)}
+    cases = {**{name: (fn, None) for name, fn in losses.items()},
+             **{f"clipped_pg_{k}": (losses["clipped_pg"], f) for k, f in filters.items()}}
     theirs = {name: _step(loss_utils.prepare_loss_input, fn, logits, data, valid, vocab_parallel_rank=0,
-                          vocab_parallel_group=one) for name, fn in losses.items()}
+                          vocab_parallel_group=one, sampling_params=f) for name, (fn, f) in cases.items()}
     ce_nemo_rl.install()
     try:
-        ours = {name: _step(loss_utils.prepare_loss_input, fn, logits, data, valid) for name, fn in losses.items()}
+        ours = {name: _step(loss_utils.prepare_loss_input, fn, logits, data, valid, sampling_params=f)
+                for name, (fn, f) in cases.items()}
         x = logits.double().requires_grad_()
         lp = model_utils.get_next_token_logprobs_from_logits(data["input_ids"], x)
     finally:
         ce_nemo_rl.uninstall()
-    for name in losses:
+    for name in cases:
         _same(ours[name], theirs[name])
     want, _ = reference(x.detach()[:, :-1].clone(), data["input_ids"][:, 1:])
     torch.testing.assert_close(lp, want, rtol=1e-9, atol=1e-10)

@@ -319,6 +319,95 @@ def test_fused_losses_use_the_kept_log_probs(path, entropy_of, vocab_chunk_size)
     torch.testing.assert_close(metrics["actor/ppo_kl"], want_metrics["actor/ppo_kl"], rtol=1e-10, atol=1e-12)
 
 
+# ------------------------------------------------------------ the row's own filter (NeMo-RL's top-k / top-p)
+
+
+def _own_filter(x, top_k, top_p):
+    """The definition, row by row in float64, in descending order: the ids at or above the ``top_k``-th largest;
+    of those, each whose softmax mass strictly above it (over the top-k ones) is below ``top_p``."""
+    keep = torch.zeros(x.shape, dtype=torch.bool)
+    for i, row in enumerate(x):
+        order = row.argsort(descending=True).tolist()
+        cut = row[order[top_k - 1]] if top_k else -math.inf
+        ids = [j for j in order if row[j] >= cut]
+        p = torch.softmax(row[ids], 0).tolist()
+        above = 0.0
+        for j, pj in zip(ids, p, strict=True):
+            if top_p is None or above < top_p:
+                keep[i, j] = True
+            above += pj
+    return keep
+
+
+def own_reference(z64, labels, top_k, top_p, *, temperature=1.0, softcap=None, label_mask=None, entropy_of="full"):
+    """float64 ``(log_probs, entropy)`` of NeMo-RL's filtered log-probs, and the value whose gradient NeMo-RL
+    takes (``log_softmax`` over the kept set; a label outside it: ``-inf``, gradient ``-p^K`` on the kept ids)."""
+    t = temperature
+    if isinstance(t, torch.Tensor):
+        t = t.double().unsqueeze(-1)
+    x = _transform(z64, softcap, None, t).reshape(-1, z64.shape[-1])
+    mask = _own_filter(x.detach(), top_k, top_p)
+    logp_k = torch.log_softmax(x.masked_fill(~mask, -math.inf), -1)
+    flat = labels.reshape(-1)
+    valid = torch.ones_like(flat, dtype=torch.bool) if label_mask is None else label_mask.reshape(-1)
+    inside = mask.gather(1, flat[:, None]).squeeze(1)
+    lse = torch.logsumexp(x.masked_fill(~mask, -math.inf), -1)
+    grad_of = torch.where(valid, torch.where(inside, x.gather(1, flat[:, None]).squeeze(1), 0.0) - lse, 0.0)
+    lp = torch.where(valid & ~inside, -math.inf, grad_of)
+    logp = logp_k if entropy_of == "kept" else torch.log_softmax(x, -1)
+    p = logp.exp()
+    ent = -(p * torch.where(p > 0, logp, 0.0)).sum(-1)
+    lead = labels.shape
+    return lp.reshape(lead), grad_of.reshape(lead), ent.reshape(lead), inside.reshape(lead)
+
+
+OWN = [
+    pytest.param(dict(top_k=5), id="top_k"),
+    pytest.param(dict(top_p=0.8, temperature=0.7), id="top_p"),
+    pytest.param(dict(top_k=9, top_p=0.9, temperature="per_token", softcap=4.0, mask=True), id="both_softcap"),
+    pytest.param(dict(top_p=0.6, entropy_of="kept", offset=1e4), id="top_p_entropy_of_kept_offset"),
+]
+
+
+@pytest.mark.parametrize("opts", OWN)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_the_rows_own_filter_matches_float64(opts, dtype):
+    z, labels, ups = _case(seed=40, offset=opts.get("offset", 0.0))
+    labels.view(-1)[::2] = z.reshape(-1, V).argmax(-1)[::2]  # half the labels at the row's top: inside its set
+    t = opts.get("temperature", 1.0)
+    if t == "per_token":
+        t = torch.rand(labels.shape, generator=torch.Generator().manual_seed(41), dtype=torch.float64) + 0.3
+    mask = None
+    if opts.get("mask"):
+        mask = torch.ones(labels.shape, dtype=torch.bool)
+        mask[0, ::3] = False
+    keep = {k: opts[k] for k in ("top_k", "top_p") if k in opts}
+    entropy_of = opts.get("entropy_of", "full")
+    x = z.to(dtype).requires_grad_()
+    before = x.detach().clone()
+    out = log_probs_and_entropy(x, labels, keep=keep, chunk_size=4, label_mask=mask, softcap=opts.get("softcap"),
+                                temperature=t.to(dtype) if isinstance(t, torch.Tensor) else t, entropy_of=entropy_of)
+    zr = z.to(dtype).double().requires_grad_()
+    lp, grad_of, ent, inside = own_reference(zr, labels, opts.get("top_k"), opts.get("top_p"), temperature=t,
+                                             softcap=opts.get("softcap"), label_mask=mask, entropy_of=entropy_of)
+    valid = torch.ones_like(inside) if mask is None else mask
+    assert (valid & inside).any() and (valid & ~inside).any()  # both kinds of label occur
+    tol = dict(rtol=1e-10, atol=1e-10) if dtype == torch.float64 else dict(rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(out.log_probs.double(), lp.detach(), **tol)  # -inf where the label is outside
+    torch.testing.assert_close(out.entropy.double(), ent.detach(), **tol)
+    ((out.log_probs.double() * ups[0]).sum() + (out.entropy.double() * ups[1]).sum()).backward()
+    ((grad_of * ups[0]).sum() + (ent * ups[1]).sum()).backward()
+    torch.testing.assert_close(x.grad.double(), zr.grad, **tol)
+    assert torch.equal(x.detach(), before)
+
+
+def test_the_rows_own_filter_keeping_everything_is_the_whole_row():
+    z, labels, _ = _case(seed=42)
+    whole = log_probs_and_entropy(z, labels).log_probs
+    for keep in ({"top_k": -1}, {"top_k": None, "top_p": 1.0}, {"top_k": V}, {"top_k": 0, "top_p": 1}):
+        torch.testing.assert_close(log_probs_and_entropy(z, labels, keep=keep).log_probs, whole, rtol=0, atol=0)
+
+
 # ------------------------------------------------------------ bad input
 
 
@@ -339,6 +428,12 @@ def test_bad_kept_sets_are_named_before_any_work():
         (torch.ones(4, V + 1, dtype=torch.bool), ValueError, r"dense mask must be \[..., V_local\]"),
         (torch.ones(4, V), TypeError, "bool tensor"),
         ("top-p", TypeError, "keep must be a \\(token_ids, offsets\\) pair"),
+        ({"top_p": 0.0}, ValueError, "keep's top_p must be a float in \\(0, 1\\]"),
+        ({"top_p": 1.5}, ValueError, "keep's top_p must be a float in \\(0, 1\\]"),
+        ({"top_k": 2.0}, TypeError, "keep's top_k must be an int or None"),
+        ({"top_k": True}, TypeError, "keep's top_k must be an int or None"),
+        ({"top_n": 3}, ValueError, "keys 'top_k' and/or 'top_p', got \\['top_n'\\]"),
+        ({}, ValueError, "keys 'top_k' and/or 'top_p'"),
     ]
     x = z.clone().requires_grad_()
     for keep, exc, msg in bad:
@@ -348,6 +443,10 @@ def test_bad_kept_sets_are_named_before_any_work():
         log_probs_and_entropy(x, labels, keep=(ok_ids, ok_off), entropy_of="kept_set")
     with pytest.raises(ValueError, match="entropy_of='kept' needs keep"):
         log_probs_and_entropy(x, labels, entropy_of="kept")
+    with pytest.raises(TypeError, match="row's own filter .* needs the logits"):
+        linear_log_probs_and_entropy(x, torch.randn(V, V, dtype=x.dtype), labels, keep={"top_p": 0.5})
+    with pytest.raises(TypeError, match="row's own filter .* needs the logits"):  # the fused policy loss
+        policy_loss_from_logits(x, labels, torch.zeros(4), torch.ones(4), torch.ones(4), keep={"top_k": 2})
     assert x.grad is None
 
 
@@ -421,6 +520,20 @@ def _tp_worker(rank, world):
     (lp * up).sum().backward()
     torch.testing.assert_close(h.grad, hr.grad[rows], rtol=1e-9, atol=1e-10)
     torch.testing.assert_close(w.grad, wr.grad[shard], rtol=1e-9, atol=1e-10)
+    # the row's own filter: each rank gathers the rows' shards, the same kept sets on every rank
+    for keep in ({"top_k": 4}, {"top_k": 7, "top_p": 0.7}):
+        lab = labels.clone()
+        lab.view(-1)[::2] = z.reshape(-1, v).argmax(-1)[::2]
+        x = z[..., shard].clone().requires_grad_()
+        out = log_probs_and_entropy(x, lab, keep=keep, chunk_size=3, process_group=group, temperature=0.7)
+        zr = z.clone().requires_grad_()
+        lp, grad_of, ent, _ = own_reference(zr, lab, keep.get("top_k"), keep.get("top_p"), temperature=0.7)
+        torch.testing.assert_close(out.log_probs, lp.detach(), rtol=1e-10, atol=1e-10)
+        ((out.log_probs * ups[0]).sum() + (out.entropy * ups[1]).sum()).backward()
+        ((grad_of * ups[0]).sum() + (ent * ups[1]).sum()).backward()
+        torch.testing.assert_close(x.grad, zr.grad[..., shard], rtol=1e-10, atol=1e-10)
+    with pytest.raises(ValueError, match="keep's top_p .bits. differs across"):
+        log_probs_and_entropy(z[..., shard], labels, keep={"top_p": 0.5 + 0.1 * rank}, process_group=group)
     # ranks that pass different kept sets get the same clear error
     other = ids.clone()
     other[0] = (other[0] + rank) % v

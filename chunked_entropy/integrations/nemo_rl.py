@@ -25,6 +25,14 @@ sequences) ends in one of a few autograd Functions; around them NeMo-RL
   under top-k/top-p) with :class:`DistributedLogprob` /
   :class:`ChunkedDistributedLogprob`, computed by
   :func:`~chunked_entropy.log_probs_and_entropy`;
+- ``DistributedLogprobWithSampling`` and ``ChunkedDistributedLogprobWithSampling``
+  (the top-k/top-p *filtered* log-probs of every route) with
+  :class:`DistributedLogprobWithSampling` /
+  :class:`ChunkedDistributedLogprobWithSampling`, computed by
+  :func:`~chunked_entropy.log_probs_and_entropy` with ``keep={"top_k", "top_p"}``
+  (the row's own filter, NeMo-RL's definition: a sampled token outside the
+  kept set gets ``-inf``, as NeMo-RL's gives it) instead of NeMo-RL's
+  all-to-all of the logits to full rows and its saved float32 softmax;
 - ``ChunkedDistributedGatherLogprob`` (the top-k distillation log-probs) with
   :class:`ChunkedDistributedGatherLogprob` (``log_probs_at=``);
 - ``ChunkedDistributedEntropy`` (the distillation's ``H_all = sum p log p``,
@@ -34,14 +42,11 @@ sequences) ends in one of a few autograd Functions; around them NeMo-RL
   head;
 - ``get_next_token_logprobs_from_logits``, ``prepare_packed_loss_input`` and
   ``get_distillation_topk_logprobs_from_logits`` with versions that skip the
-  float32 upcast of the whole logits on every unfiltered route (the layout
-  code, CP sharding and packing stay NeMo-RL's own).
+  float32 upcast of the whole logits on every route, filtered or not (the
+  layout code, CP sharding and packing stay NeMo-RL's own).
 
-NeMo-RL's own code still serves (documented, not refused): top-k/top-p
-*filtered* log-probs (``DistributedLogprobWithSampling`` and its chunked
-twin: NeMo-RL's filter gives ``-inf`` to a sampled token outside the kept
-set, which the library's ``keep=`` counts as kept); context parallelism on
-the hidden-state route stays refused, as NeMo-RL refuses it.
+Context parallelism on the hidden-state route stays refused, as NeMo-RL
+refuses it.
 
 Turn it on from the launch script, one line (each Ray worker then runs
 :func:`install` when it starts; see :func:`ray_runtime_env_hook`)::
@@ -68,7 +73,8 @@ from ._common import Patch, Target, check_parameters
 
 __all__ = [
     "DEFAULT_CHUNK_SIZE", "NEMO_RL_COMMIT", "ChunkedDistributedEntropy", "ChunkedDistributedGatherLogprob",
-    "ChunkedDistributedLogprob", "DistributedLogprob", "from_parallel_hidden_states_to_logprobs",
+    "ChunkedDistributedLogprob", "ChunkedDistributedLogprobWithSampling", "DistributedLogprob",
+    "DistributedLogprobWithSampling", "from_parallel_hidden_states_to_logprobs",
     "get_distillation_topk_logprobs_from_logits",
     "get_next_token_logprobs_from_logits", "install",
     "installed", "prepare_packed_loss_input", "ray_runtime_env_hook", "uninstall",
@@ -144,6 +150,50 @@ class ChunkedDistributedLogprob:
                           int(chunk_size), inference_only, "ChunkedDistributedLogprob")
 
 
+def _filtered(logits, target, group, top_k, top_p, chunk_size, inference_only):
+    """NeMo-RL's top-k/top-p filtered log-probs: the library's row's own filter (``keep={"top_k", "top_p"}``)."""
+    keep = {"top_k": None if top_k is None else int(top_k), "top_p": 1.0 if top_p is None else float(top_p)}
+    with torch.no_grad() if inference_only else torch.enable_grad():
+        return log_probs_and_entropy(logits, target.long(), chunk_size=chunk_size, process_group=_group(group),
+                                     compute_entropy=False, keep=keep).log_probs
+
+
+class DistributedLogprobWithSampling:
+    """NeMo-RL's ``DistributedLogprobWithSampling.apply(logits, target, tp_group, top_k, top_p,
+    inference_only=False)``: the log-probs ``[B, S]`` of the (shifted) global ``target`` under the softmax
+    restricted to each row's top-k / top-p of the logits themselves; ``-inf`` where the target is outside,
+    with NeMo-RL's gradient (``-p^K`` on the kept ids there). Chunked in :data:`DEFAULT_CHUNK_SIZE` tokens.
+
+    Memory:
+        Saved for backward: a reference to the logits, two float32 per token
+        and the kept ids (18 bytes each); the filter sorts ``2**24 / V`` full
+        rows at a time (under TP each rank all-gathers those rows' shards).
+        NeMo-RL's all-to-alls the logits to full rows, casts them to float32
+        and saves the float32 softmax and the bool keep mask of its
+        ``[B*S/tp, V]`` rows.
+    """
+
+    @staticmethod
+    def apply(vocab_parallel_logits, target, tp_group, top_k, top_p, inference_only=False):
+        return _filtered(vocab_parallel_logits, target, tp_group, top_k, top_p, DEFAULT_CHUNK_SIZE, inference_only)
+
+
+class ChunkedDistributedLogprobWithSampling:
+    """NeMo-RL's ``ChunkedDistributedLogprobWithSampling.apply(logits, target, tp_group, top_k, top_p,
+    chunk_size, inference_only=False)``: :class:`DistributedLogprobWithSampling` in ``chunk_size`` tokens.
+
+    NeMo-RL's requires ``B * chunk_size`` (and ``B * S``) divisible by the TP
+    size; this one does not.
+
+    Memory:
+        As :class:`DistributedLogprobWithSampling`.
+    """
+
+    @staticmethod
+    def apply(vocab_parallel_logits, target, tp_group, top_k, top_p, chunk_size, inference_only=False):
+        return _filtered(vocab_parallel_logits, target, tp_group, top_k, top_p, int(chunk_size), inference_only)
+
+
 class ChunkedDistributedGatherLogprob:
     """NeMo-RL's ``ChunkedDistributedGatherLogprob.apply(logits, global_indices, vocab_start_index,
     vocab_end_index, chunk_size, tp_group, inference_only=False)``: ``[B, S, K]`` log-probs at global ids.
@@ -199,7 +249,8 @@ def get_next_token_logprobs_from_logits(
     """NeMo-RL's ``get_next_token_logprobs_from_logits`` without the float32 upcast of the whole logits.
 
     The same arguments and result (``[B, S - 1]`` float32 log-probs of the
-    next tokens). Unfiltered (no top-k/top-p in ``sampling_params``):
+    next tokens; with top-k/top-p in ``sampling_params``, NeMo-RL's filtered
+    ones, ``-inf`` at a token outside its row's kept set):
 
     - Megatron (``vocab_parallel_group`` given): NeMo-RL's own
       ``from_parallel_logits_to_logprobs`` (its CP sharding and gather) with
@@ -208,19 +259,18 @@ def get_next_token_logprobs_from_logits(
     - DTensor: NeMo-RL's own ``get_logprobs_from_vocab_parallel_logits`` on the
       DTensor as it is (the replaced Function serves);
     - a plain tensor (TP 1 FSDP2): :func:`~chunked_entropy.log_probs_and_entropy`
-      on ``logits[:, :-1]`` and ``input_ids[:, 1:]``.
+      on ``logits[:, :-1]`` and ``input_ids[:, 1:]`` (with ``keep={"top_k",
+      "top_p"}`` where filtered).
 
-    With top-k/top-p filtering NeMo-RL's own function runs (upcast included).
+    On the first two the replaced Functions serve, filtered or not.
 
     Memory:
-        Unfiltered: saved for backward a reference to the logits and two
-        float32 per token; per chunk one float32 ``[chunk, V/tp]`` buffer.
+        Saved for backward a reference to the logits and two float32 per
+        token (filtered: and the kept ids, 18 bytes each); per chunk one
+        float32 ``[chunk, V/tp]`` buffer.
     """
     mu = _mu()
-    own = _PATCH.original("get_next_token_logprobs_from_logits")
-    if mu.need_top_k_or_top_p_filtering(sampling_params):
-        return own(input_ids, next_token_logits, seq_index, vocab_parallel_rank, vocab_parallel_group,
-                   context_parallel_group, sampling_params, chunk_size)
+    filtered = mu.need_top_k_or_top_p_filtering(sampling_params)
     chunk = DEFAULT_CHUNK_SIZE if chunk_size is None else int(chunk_size)
     if vocab_parallel_group is not None:
         if vocab_parallel_rank is None:
@@ -237,6 +287,9 @@ def get_next_token_logprobs_from_logits(
         return mu.get_logprobs_from_vocab_parallel_logits(next_token_logits, input_ids, seq_index=seq_index,
                                                           sampling_params=sampling_params)
     labels = input_ids[:, 1:].to(device=next_token_logits.device, dtype=torch.int64)
+    if filtered:
+        return _filtered(next_token_logits[:, :-1], labels, None, sampling_params.top_k, sampling_params.top_p, chunk,
+                         False)
     return log_probs_and_entropy(next_token_logits[:, :-1], labels, chunk_size=chunk,
                                  compute_entropy=False).log_probs
 
@@ -394,15 +447,49 @@ def prepare_packed_loss_input(
 ):
     """NeMo-RL's ``prepare_packed_loss_input``, with ``chunk_size`` defaulting to :data:`DEFAULT_CHUNK_SIZE`.
 
-    NeMo-RL's own function runs; without a chunk size it would cast the
-    packed logits to float32 first. With one (and unfiltered) it passes them
-    as they are to the chunked Function, which the plugin replaced. Filtered
-    (top-k/top-p) it runs as NeMo-RL's.
+    Unfiltered, NeMo-RL's own function runs; without a chunk size it would
+    cast the packed logits to float32 first. With one it passes them as they
+    are to the chunked Function, which the plugin replaced. Filtered
+    (top-k/top-p), NeMo-RL's own casts them whatever the chunk size; here its
+    steps run instead without the cast (its ``_pack_input_ids``,
+    ``from_parallel_logits_to_logprobs_packed_sequences`` with the chunk size,
+    so the replaced ``ChunkedDistributedLogprobWithSampling`` serves, its
+    ``mask_out_neg_inf_logprobs``, and the unfiltered log-probs for the
+    reference KL).
     """
     own = _PATCH.original("prepare_packed_loss_input")
     chunk = DEFAULT_CHUNK_SIZE if chunk_size is None else chunk_size
+    lu = sys.modules[_LOSS_UTILS]
+    if (_mu().need_top_k_or_top_p_filtering(sampling_params) and loss_fn.input_type == lu.LossInputType.LOGPROB
+            and vocab_parallel_group is not None and vocab_parallel_rank is not None):
+        return _packed_filtered(lu, logits, data, loss_fn, cu_seqlens_q, cu_seqlens_q_padded, vocab_parallel_rank,
+                                vocab_parallel_group, context_parallel_group, sampling_params, chunk)
     return own(logits, data, loss_fn, cu_seqlens_q, cu_seqlens_q_padded, vocab_parallel_rank,
                vocab_parallel_group, context_parallel_group, sampling_params, chunk)
+
+
+def _packed_filtered(lu, logits, data, loss_fn, cu_seqlens_q, cu_seqlens_q_padded, tp_rank, tp_group, cp_group,
+                     sampling_params, chunk):
+    """NeMo-RL's filtered ``prepare_packed_loss_input`` (at 7ea279ab), its own steps, without its float32 cast."""
+    mu = _mu()
+    input_ids = data["input_ids"]
+    cp_size = 1 if cp_group is None else dist.get_world_size(cp_group)
+    cp_rank = 0 if cp_group is None else dist.get_rank(cp_group)
+    targets = lu._pack_input_ids(input_ids, cu_seqlens_q, cu_seqlens_q_padded, cp_rank=cp_rank, cp_size=cp_size,
+                                 roll_shift=-1)
+    v_local = logits.shape[-1]
+
+    def log_probs(params):
+        return mu.from_parallel_logits_to_logprobs_packed_sequences(
+            logits, targets, cu_seqlens_q_padded, input_ids.shape[1], vocab_start_index=tp_rank * v_local,
+            vocab_end_index=(tp_rank + 1) * v_local, group=tp_group, inference_only=False, cp_group=cp_group,
+            sampling_params=params, chunk_size=chunk, target_is_pre_rolled=True)
+
+    mask = data["token_mask"] * data["sample_mask"].unsqueeze(-1)
+    logprobs = lu.mask_out_neg_inf_logprobs(log_probs(sampling_params), mask[:, 1:], "curr_logprobs")
+    if getattr(loss_fn, "reference_policy_kl_penalty", 0) != 0:
+        data["curr_logprobs_unfiltered"] = log_probs(None)
+    return {"next_token_logprobs": logprobs}, data
 
 
 # ----------------------------------------------------------------------------- install
@@ -422,6 +509,10 @@ _FUNCTIONS = (
     (ChunkedDistributedGatherLogprob, ("vocab_parallel_logits", "global_indices", "vocab_start_index",
                                        "vocab_end_index", "chunk_size", "tp_group", "inference_only")),
     (ChunkedDistributedEntropy, ("vocab_parallel_logits", "chunk_size", "tp_group", "inference_only")),
+    (DistributedLogprobWithSampling, ("vocab_parallel_logits", "target", "tp_group", "top_k", "top_p",
+                                      "inference_only")),
+    (ChunkedDistributedLogprobWithSampling, ("vocab_parallel_logits", "target", "tp_group", "top_k", "top_p",
+                                             "chunk_size", "inference_only")),
 )
 _NEXT = ("input_ids", "next_token_logits", "seq_index", "vocab_parallel_rank", "vocab_parallel_group",
          "context_parallel_group", "sampling_params", "chunk_size")
@@ -461,7 +552,7 @@ _PATCH = Patch(
               check_parameters(f"{m}.prepare_packed_loss_input", _PACKED, _WRITTEN))
        for m in (_LOSS_UTILS, "nemo_rl.algorithms.loss", "nemo_rl.models.megatron.train"))],
     "NeMo-RL's log-probs, top-k distillation log-probs and entropy now run chunked: no float32 copy of the "
-    "logits, no saved softmax (top-k/top-p filtered log-probs and the hidden-state route stay NeMo-RL's)",
+    "logits, no saved softmax, top-k/top-p filtered log-probs included",
 )
 
 
