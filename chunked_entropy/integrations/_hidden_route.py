@@ -271,3 +271,18 @@ def postprocess_patch(framework: str) -> Patch:
         "the hidden states: only the response rows are projected, through the fused head (no [T, V/tp] logits)",
     )
     return patch
+
+
+def install_route(patch: Patch, hidden: Patch, route: str) -> None:
+    """Install the framework's logits-route ``patch`` and, for ``route == "hidden"``, the post-processing
+    ``hidden`` too: all or nothing (a failed ``hidden`` leaves ``patch`` uninstalled); ``"logits"`` removes a
+    ``hidden`` left from an earlier install."""
+    patch.install()
+    if route != "hidden":
+        hidden.uninstall()
+        return
+    try:
+        hidden.install()
+    except BaseException:
+        patch.uninstall()
+        raise

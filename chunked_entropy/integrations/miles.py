@@ -274,15 +274,7 @@ def install(args=None, *, route: Optional[str] = None) -> None:
     if route == "hidden" and getattr(args, "loss_type", None) == "custom_loss":
         _hidden_route.warn_once("--loss-type custom_loss (a custom loss may read the logits itself)")
         route = "logits"
-    _PATCH.install()
-    if route == "hidden":
-        try:
-            _HIDDEN.install()
-        except BaseException:
-            _PATCH.uninstall()
-            raise
-    else:
-        _HIDDEN.uninstall()
+    _hidden_route.install_route(_PATCH, _HIDDEN, route)
 
 
 def uninstall() -> None:
