@@ -16,6 +16,10 @@ parallelism) over gloo, with and without top-p replay. Needs slime's source
 names); skips without it. The same for megatron-core 0.16.1's ``MambaModel`` (attention and MLP
 layers only, tests/verl_engine.py), whose post-processing is inline in its ``forward``, and for
 0.19's ``HybridModel`` (its forward reproduced from the upstream source, lines cited there).
+
+Combined-1F1B: megatron-core's ``PostProcessNode`` calls the same ``_postprocess``; the route falls back
+to the logits there. Tested in CI through megatron-core's own schedule plan (``build_schedule_plan``,
+``TransformerModelChunkSchedulePlan.run``), with only CUDA events, streams and NVTX replaced.
 """
 
 from __future__ import annotations
@@ -179,6 +183,106 @@ def test_hidden_route_matches_logits_route_tp2_sequence_parallel_without_slime()
     """In CI (no slime source): the plugin's function on both routes, a GPTModel at TP 2 with SP, top-p sets."""
     run_distributed(_ci_worker, 2, timeout_s=180)
 
+
+
+def _schedule_step(model, args, batch):
+    """One training micro-batch through megatron-core's combined-1F1B schedule plan, as its scheduler runs it.
+
+    The plan is built by slime's ``forward_step`` call (``return_schedule_plan=True``: slime's model.py,
+    ``model.build_schedule_plan(input_ids=..., position_ids=None, attention_mask=None, labels=None,
+    packed_seq_params=..., loss_mask=full_loss_masks)``); megatron-core's ``combined_forward_backward_step``
+    (pipeline_parallel/combined_1f1b.py) runs its forward (``TransformerModelChunkSchedulePlan.run(plan, None)``:
+    pre-process, layers, then ``PostProcessNode``, which calls ``_postprocess``), the loss in a ``ScheduleNode``,
+    and the backward from that node's input gradient (``run(None, plan, b_grad=...)``).
+    """
+    from megatron.core.models.common.model_chunk_schedule_plan import TransformerModelChunkSchedulePlan
+    from megatron.core.pipeline_parallel.utils import ScheduleNode
+
+    model.zero_grad(set_to_none=True)
+    plan = model.build_schedule_plan(input_ids=batch["tokens"], position_ids=None, attention_mask=None, labels=None,
+                                     packed_seq_params=batch["packed_seq_params"], loss_mask=batch["full_loss_masks"])
+    plan.record_current_stream()
+    out = TransformerModelChunkSchedulePlan.run(plan, None)
+    results = {}
+
+    def loss_func(output):
+        extra = {k[len("rollout_"):]: batch[k] for k in ("rollout_top_p_token_ids", "rollout_top_p_token_offsets")
+                 if k in batch}
+        _, res = ce_slime.get_log_probs_and_entropy(
+            output, args=args, unconcat_tokens=batch["unconcat_tokens"], total_lengths=batch["total_lengths"],
+            response_lengths=batch["response_lengths"], with_entropy=True, **extra)
+        results.update(output=output.detach().clone(), **res)
+        return sum((lp * a).sum() + (h * 0.3 * a.flip(0)).sum()
+                   for lp, h, a in zip(res["log_probs"], res["entropy"], batch["advantages"], strict=True))
+
+    loss_node = ScheduleNode(loss_func, torch.cuda.current_stream(), plan.event, name="loss_func")
+    loss_node.forward(out).backward()
+    TransformerModelChunkSchedulePlan.run(None, plan, b_grad=loss_node.get_grad())
+    results["grads"] = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return results
+
+
+def _combined_1f1b_worker(rank, world):
+    from megatron.core import parallel_state
+
+    from tests import verl_engine
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("chunked_entropy.integrations")
+    logger.addHandler(handler)
+    reason = "combined-1F1B's PostProcessNode (its schedule nodes pass tensors only)"
+    _hidden_route._warned.discard(reason)
+    try:
+        with verl_engine.cpu_only_replacements(), verl_engine.sequence_parallel_on_cpu(), \
+                verl_engine.combined_1f1b_on_cpu():
+            model = verl_engine.gpt_model(world, tied=False, seed=3, sequence_parallel=True)
+            args = _args()
+            batch = _batch(world, verl_engine.V, True, seed=9)
+            ce_slime.install(args, route="logits")
+            try:
+                logits_route = _schedule_step(model, args, batch)
+            finally:
+                ce_slime.uninstall()
+            assert not any("combined-1F1B" in r.getMessage() for r in records)
+            ce_slime.install(args, route="hidden")
+            try:
+                assert ce_slime.route() == "hidden"
+                hidden_route = [_schedule_step(model, args, batch) for _ in range(2)]  # two micro-batches
+                # outside the schedule node the same model still hands on the hidden states
+                out = model(input_ids=batch["tokens"], position_ids=None, attention_mask=None, labels=None,
+                            packed_seq_params=batch["packed_seq_params"], loss_mask=batch["full_loss_masks"])
+                assert isinstance(out, _hidden_route.HiddenStates), type(out)
+            finally:
+                ce_slime.uninstall()
+        warned = [r.getMessage() for r in records if r.levelno == logging.WARNING and "falls back" in r.getMessage()]
+        assert len(warned) == 1 and "combined-1F1B" in warned[0] and "PostProcessNode" in warned[0], warned
+        for got in hidden_route:
+            # the logits route taken: megatron-core's [B, S, V/tp] float32 logits, the same as on the logits route
+            assert isinstance(got["output"], torch.Tensor) and got["output"].shape[-1] == verl_engine.V // world
+            exact = dict(rtol=0, atol=0)
+            torch.testing.assert_close(got["output"], logits_route["output"], **exact)
+            for key in ("log_probs", "entropy"):
+                for a, b in zip(got[key], logits_route[key], strict=True):
+                    torch.testing.assert_close(a, b, **exact)
+            assert got["grads"].keys() == logits_route["grads"].keys()
+            assert "output_layer.weight" in got["grads"] and "embedding.word_embeddings.weight" in got["grads"]
+            for name, g in logits_route["grads"].items():
+                torch.testing.assert_close(got["grads"][name], g, **exact, msg=name)
+    finally:
+        logger.removeHandler(handler)
+        parallel_state.destroy_model_parallel()
+
+
+def test_combined_1f1b_post_process_node_takes_the_logits_route_with_one_warning():
+    """megatron-core's combined-1F1B ``PostProcessNode`` calls the same ``_postprocess`` as ``GPTModel.forward``;
+    its schedule nodes pass tensors only, so the route falls back there (detected from the caller's frame), with
+    one logged warning naming why, and the values and gradients are the logits route's. TP 2 with SP, through
+    megatron-core's own schedule plan (tests/verl_engine.py's ``combined_1f1b_on_cpu``: CUDA events, streams and
+    NVTX only)."""
+    run_distributed(_combined_1f1b_worker, 2, timeout_s=180)
 
 def _worker(rank, world, kind):
     with warnings.catch_warnings():

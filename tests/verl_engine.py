@@ -18,6 +18,9 @@ what cannot run on a CPU, replaced here and only here (:func:`cpu_only_replaceme
   embedding concat at TP > 1) allocates its output on
   ``torch.cuda.current_device()``: the same gather on the input's device.
 
+:func:`combined_1f1b_on_cpu` lets megatron-core's combined-1F1B schedule plan run on
+the CPU (its CUDA events, streams, NVTX ranges and stream records as no-ops).
+
 :func:`with_output_processor_hook` gives 0.16.1's model the ``output_processor``
 hook of megatron-core >= 0.18 (which needs Python >= 3.12 to install), with
 0.19.2's contract, through a subclass.
@@ -119,6 +122,44 @@ def cpu_only_replacements():
             setattr(holder, name, value)
         if had is None:
             tracker.pop("values", None)
+
+
+@contextlib.contextmanager
+def combined_1f1b_on_cpu():
+    """megatron-core's combined-1F1B schedule plan on the CPU (replaced: CUDA events, streams and NVTX ranges).
+
+    ``TransformerModelChunkSchedulePlan`` and its ``ScheduleNode``s order their
+    work with a ``torch.cuda.Event`` (a dummy class that refuses to be built in
+    a CPU build of torch), record and wait on ``torch.cuda.current_stream()``
+    (no CUDA device) and mark ranges with ``torch.cuda.nvtx`` (absent from a
+    CPU build); the backward tells the CUDA caching allocator which stream
+    uses a gradient (``Tensor.record_stream``, which refuses a CPU tensor). On
+    one CPU stream nothing needs ordering: the event records and waits
+    nothing, the current stream is ``None`` (``torch.cuda.stream(None)`` is
+    torch's own no-op case), the ranges and the stream records are no-ops.
+    The plan, its nodes and every computation they run are megatron-core's.
+    """
+    class Event:  # one CPU stream: nothing to order
+        def record(self, stream=None):
+            pass
+
+        def wait(self, stream=None):
+            pass
+
+    saved = [(torch.cuda, "Event", torch.cuda.Event), (torch.cuda, "current_stream", torch.cuda.current_stream),
+             (torch.cuda.nvtx, "range_push", torch.cuda.nvtx.range_push),
+             (torch.cuda.nvtx, "range_pop", torch.cuda.nvtx.range_pop)]
+    torch.cuda.Event = Event
+    torch.cuda.current_stream = lambda device=None: None
+    torch.cuda.nvtx.range_push = lambda msg: None
+    torch.cuda.nvtx.range_pop = lambda: None
+    torch.Tensor.record_stream = lambda self, stream: None  # a CUDA allocator hint; nothing to record on the CPU
+    try:
+        yield
+    finally:
+        del torch.Tensor.record_stream  # torch's own, inherited from the C tensor base class, again
+        for holder, name, value in saved:
+            setattr(holder, name, value)
 
 
 def gpt_model(tp: int, *, tied: bool, seed: int = 0, mtp_layers: int = 0, sequence_parallel: bool = False):
