@@ -7,8 +7,11 @@ padded ``bshd`` layout (TP 1, ``max_seq_lens``); what comes back goes to the
 ``get_log_probs_and_entropy`` Miles's loss module looks up, with the plugin
 installed on the logits route and on the hidden-state route: log-probs,
 entropy (with and without its gradient) and every parameter's gradient of a
-weighted sum agree. Needs Miles's source (``CHUNKED_ENTROPY_MILES_SRC``);
-skips without it.
+weighted sum agree. The same on megatron-core 0.16.1's ``MambaModel``
+(attention and MLP layers only, tests/verl_engine.py; its post-processing is
+inline in its ``forward``) and on the reproduction of 0.19's ``HybridModel``
+there (upstream lines cited). Needs Miles's source
+(``CHUNKED_ENTROPY_MILES_SRC``); skips without it.
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ def _run(loss_mod, model, args, kw, tokens, max_seq_lens, ups):
     return out, res, {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
 
-def _worker(rank, world):
+def _worker(rank, world, kind):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         from megatron.core import parallel_state
@@ -75,7 +78,9 @@ def _worker(rank, world):
         try:
             _miles_parallel_state()
             with verl_engine.cpu_only_replacements(), verl_engine.sequence_parallel_on_cpu():
-                model = verl_engine.gpt_model(tp, tied=(fmt == "bshd"), seed=2, sequence_parallel=tp > 1)
+                build = {"gpt": verl_engine.gpt_model, "mamba": verl_engine.mamba_model,
+                         "hybrid019": verl_engine.hybrid_model_019}[kind]
+                model = build(tp, tied=(fmt == "bshd"), seed=2, sequence_parallel=tp > 1)
                 for coef in (0.01, 0.0):
                     args = argparse.Namespace(rollout_temperature=0.8, log_probs_chunk_size=4, allgather_cp=False,
                                               qkv_format=fmt, true_on_policy_mode=False, entropy_coef=coef)
@@ -88,6 +93,8 @@ def _worker(rank, world):
                         tokens, padded, max_seq_lens = _bshd(verl_engine.V, seed=4)
                         pos = torch.arange(padded.shape[1]).expand_as(padded)
                         kw = dict(input_ids=padded, position_ids=pos, attention_mask=None, labels=None)
+                    if kind == "mamba":  # megatron-core 0.16.1's MambaModel.forward takes no loss_mask (0.19's does)
+                        kw.pop("loss_mask", None)
                     results = {}
                     for route in ("logits", "hidden"):
                         ce_miles.install(args, route=route)
@@ -106,11 +113,15 @@ def _worker(rank, world):
                         torch.testing.assert_close(g_h[name], g_l[name], rtol=1e-4, atol=1e-6, msg=name)
         finally:
             parallel_state.destroy_model_parallel()
+            verl_engine.drop_hybrid_019()
 
 
 @needs_miles
-def test_hidden_route_matches_logits_route_thd_bshd_tp1_tp2():
-    run_distributed(_worker, 2, timeout_s=300)
+@pytest.mark.parametrize("kind", ["gpt", "mamba", "hybrid019"])
+def test_hidden_route_matches_logits_route_thd_bshd_tp1_tp2(kind):
+    """GPTModel; megatron-core 0.16.1's MambaModel (attention and MLP layers); 0.19's HybridModel, reproduced
+    (tests/verl_engine.py, with the upstream lines cited)."""
+    run_distributed(_worker, 2, kind, timeout_s=300)
 
 
 def test_true_on_policy_mode_gets_the_logits_route():
