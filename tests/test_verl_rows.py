@@ -78,7 +78,7 @@ def _step(eng, model, data, ups):
     return {k: v.detach() for k, v in read.items()}, output, float(loss), metrics, grads
 
 
-def _rows_vs_all(rank, world, hook):
+def _rows_vs_all(rank, world, hook, mtp=False):
     import os
 
     from chunked_entropy.integrations.verl import megatron_fused
@@ -90,15 +90,26 @@ def _rows_vs_all(rank, world, hook):
     try:
         for on in (False, True):  # the spawned rank's own environment
             os.environ[megatron_fused.ROWS_ENV] = "1" if on else "0"
-            model = ve.gpt_model(world, tied=hook, seed=13)
+            model = ve.gpt_model(world, tied=hook, seed=13, mtp_layers=int(mtp))
             if hook:
                 model = ve.with_output_processor_hook(model)
-            eng = ve.engine(model, fused=True, chunk_size=4)
+            eng = ve.engine(model, fused=True, chunk_size=4, mtp_train=mtp)
+            if mtp:  # what verl's initialize() does under MTP; the MTP loss verl logs is compared too
+                from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+                from verl.utils.megatron_utils import patch_engine_mtp
+
+                eng.model_config.mtp.detach_encoder = False
+                patch_engine_mtp([model], eng.model_config)
+                MTPLossLoggingHelper.tracker["values"].zero_()
             runs[on] = _step(eng, model, rl_batch(3, flags), ups)
+            if mtp:
+                logged = MTPLossLoggingHelper.tracker["values"][:1].clone()
+                assert logged.abs().sum() > 0
+                runs[on][3]["mtp logged loss"] = logged.tolist()
     finally:
         os.environ.pop(megatron_fused.ROWS_ENV, None)
     (r_all, o_all, l_all, m_all, g_all), (r_on, o_on, l_on, m_on, g_on) = runs[False], runs[True]
-    what = f"rank {rank} tp {world} hook={hook}"
+    what = f"rank {rank} tp {world} hook={hook} mtp={mtp}"
     assert set(r_on) == set(r_all) == set(KEYS), what
     for k in KEYS:
         torch.testing.assert_close(r_on[k], r_all[k], **VALUES, msg=lambda m, k=k: f"{what} {k}: {m}")
@@ -125,6 +136,7 @@ def _engine(rank, world):
             ce_verl.install()
             for hook in (False, True):
                 _rows_vs_all(rank, world, hook)
+            _rows_vs_all(rank, world, False, mtp=True)
     finally:
         ce_verl.uninstall()
         parallel_state.destroy_model_parallel()
@@ -132,8 +144,9 @@ def _engine(rank, world):
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_megatron_fused_route_projects_only_the_rows_verl_reads(world):
-    """Legacy (untied) and hook mode (tied): rows on equals rows off in every read value, verl's ppo_loss and its
-    metrics, and every parameter's gradient; the unread rows are not projected."""
+    """Legacy (untied; with an MTP layer too) and hook mode (tied): rows on equals rows off in every read value,
+    verl's ppo_loss and its metrics, the logged MTP loss, and every parameter's gradient; the unread rows are not
+    projected."""
     run_distributed(_engine, world, timeout_s=120)
 
 
