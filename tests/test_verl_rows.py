@@ -99,13 +99,21 @@ def _rows_vs_all(rank, world, hook, mtp=False):
                 from verl.utils.megatron_utils import patch_engine_mtp
 
                 eng.model_config.mtp.detach_encoder = False
+                if hook:
+                    model.config.mtp_detach_heads = False  # megatron-core 0.19's option
                 patch_engine_mtp([model], eng.model_config)
-                MTPLossLoggingHelper.tracker["values"].zero_()
+                tracker = MTPLossLoggingHelper.tracker
+                if hook:
+                    for key in ("loss_values", "correct_values", "total_values"):
+                        tracker.pop(key, None)
+                else:
+                    tracker["values"].zero_()
             runs[on] = _step(eng, model, rl_batch(3, flags), ups)
             if mtp:
-                logged = MTPLossLoggingHelper.tracker["values"][:1].clone()
+                logged = (torch.stack([tracker[k][:1] for k in ("loss_values", "correct_values", "total_values")])
+                          if hook else tracker["values"][:1].clone())
                 assert logged.abs().sum() > 0
-                runs[on][3]["mtp logged loss"] = logged.tolist()
+                runs[on][3]["mtp logged"] = logged.reshape(-1).tolist()
     finally:
         os.environ.pop(megatron_fused.ROWS_ENV, None)
     (r_all, o_all, l_all, m_all, g_all), (r_on, o_on, l_on, m_on, g_on) = runs[False], runs[True]
@@ -137,6 +145,10 @@ def _engine(rank, world):
             for hook in (False, True):
                 _rows_vs_all(rank, world, hook)
             _rows_vs_all(rank, world, False, mtp=True)
+            ce_verl.uninstall()
+            with ve.megatron_019_mtp():  # hook mode under MTP: megatron-core 0.19's contract (tests.verl_engine)
+                ce_verl.install()
+                _rows_vs_all(rank, world, True, mtp=True)
     finally:
         ce_verl.uninstall()
         parallel_state.destroy_model_parallel()
@@ -144,9 +156,9 @@ def _engine(rank, world):
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_megatron_fused_route_projects_only_the_rows_verl_reads(world):
-    """Legacy (untied; with an MTP layer too) and hook mode (tied): rows on equals rows off in every read value,
-    verl's ppo_loss and its metrics, the logged MTP loss, and every parameter's gradient; the unread rows are not
-    projected."""
+    """Legacy (untied) and hook mode (tied), each also with an MTP layer in training: rows on equals rows off in
+    every read value, verl's ppo_loss and its metrics, the logged MTP loss, and every parameter's gradient; the
+    unread rows are not projected."""
     run_distributed(_engine, world, timeout_s=120)
 
 
