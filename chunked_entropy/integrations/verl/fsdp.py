@@ -30,7 +30,9 @@ edited), these :data:`TARGETS` are replaced:
 - ``FSDPEngineWithLMHead.prepare_model_inputs`` → :func:`prepare_model_inputs`:
   verl's own, plus a clear error for a bad temperature; on the fused route it
   lets the per-sample temperature through (per token, as verl expands and
-  splits it) and tells the fused kernel what this micro-batch needs.
+  splits it) and tells the fused kernel what this micro-batch needs, and which
+  rows verl reads (only those are projected: each RL sequence's response
+  positions, unless ``CHUNKED_ENTROPY_VERL_ROWS=0``).
 - ``FusedLinearForPPO.forward`` (torch and Liger backends) and
   ``linear_cross_entropy`` (Triton; served for the FSDP engine only, verl's
   Megatron fused forward keeps its own) → :func:`fused_linear_for_ppo_forward`,

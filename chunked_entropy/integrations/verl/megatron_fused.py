@@ -44,6 +44,14 @@ embedding weight megatron-core passes (``output_weight``). No ``[T, V/tp]``
 tensor exists, forward or backward. Context parallelism: each rank serves its
 own tokens, as verl's fused route does; verl's post-processing gathers.
 
+Only the rows verl reads are projected (:func:`read_rows`: each RL sequence's
+response positions; every row of an SFT micro-batch), unless
+``CHUNKED_ENTROPY_VERL_ROWS=0`` (:data:`ROWS_ENV`).
+
+Only the rows verl reads are projected (:func:`read_rows`: each RL sequence's
+response positions; every row of an SFT micro-batch), unless
+``CHUNKED_ENTROPY_VERL_ROWS=0`` (:data:`ROWS_ENV`).
+
 What it cannot serve (a vision model, a model whose forward is not ours, a
 megatron-core GPTModel without ``output_layer``, a ``MambaModel`` /
 ``HybridModel``, whose post-processing is inline) goes to verl's own route, with
@@ -583,7 +591,7 @@ def read_rows(batch, input_ids: torch.Tensor) -> Optional[torch.Tensor]:
     if response_lens.shape != lengths.shape:
         return None
     seq = torch.repeat_interleave(torch.arange(lengths.numel(), device=device), lengths)
-    pos = torch.arange(int(offsets[-1]), device=device) - offsets[:-1][seq]
+    pos = torch.arange(input_ids.values().shape[0], device=device) - offsets[:-1][seq]  # no host sync
     length = lengths[seq]
     mask = (pos >= length - response_lens[seq] - 1) & (pos < length - 1)
     return torch.nested.nested_tensor_from_jagged(mask, offsets=offsets)
