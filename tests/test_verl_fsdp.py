@@ -12,8 +12,10 @@ gloo processes (verl's engine sets process-wide state).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+import os
 import warnings
 
 import pytest
@@ -83,6 +85,54 @@ def _close(ours, theirs, what, keep=None):
     torch.testing.assert_close(lo, lt, **TOL)
 
 
+@contextlib.contextmanager
+def _all_rows():
+    """The fused route projects every row (``CHUNKED_ENTROPY_VERL_ROWS=0``): for comparisons of every row's value
+    and of random upstream gradients on every row, against verl's own unfused route."""
+    from chunked_entropy.integrations.verl.megatron_fused import ROWS_ENV
+
+    saved = os.environ.get(ROWS_ENV)
+    os.environ[ROWS_ENV] = "0"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(ROWS_ENV)
+        else:
+            os.environ[ROWS_ENV] = saved
+
+
+def _rows_on_off(engine, td, what):
+    """The fused route with the rows verl reads (the default) against every row: verl's own losses (policy loss,
+    entropy bonus, top-k distillation), every value verl reads (the response positions) and every parameter's
+    gradient equal; the rows not read are zero (not projected)."""
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    from chunked_entropy.integrations.verl.megatron_fused import read_rows
+    from tests import verl_fsdp_env as env
+
+    with _all_rows():
+        (v_all, g_all, l_all) = _run(engine, td(), env.losses())
+    v_on, g_on, l_on = _run(engine, td(), env.losses())
+    data = td()
+    ids = data["input_ids"]
+    read = read_rows(data, ids).values()
+    assert 0 < int(read.sum()) < read.numel(), what
+    assert set(v_on) == set(v_all), what
+    for k in v_all:
+        if v_all[k].shape[:1] != read.shape:
+            continue
+        on, off = (no_padding_2_padding(torch.nested.nested_tensor_from_jagged(v[k], offsets=ids.offsets()), data)
+                   for v in (v_on, v_all))
+        torch.testing.assert_close(on, off, **TOL, msg=lambda m, k=k: f"{what}: {k}: {m}")
+    assert (v_on["log_probs"][~read] == 0).all() and (v_all["log_probs"][~read] != 0).all(), what
+    assert set(g_on) == set(g_all) and g_all, what
+    for n in g_all:
+        torch.testing.assert_close(g_on[n], g_all[n], rtol=TOL["rtol"], atol=1e-4 * float(g_all[n].abs().max()),
+                                   msg=lambda m, n=n: f"{what}: grad of {n}: {m}")
+    torch.testing.assert_close(l_on, l_all, **TOL)
+
+
 def _not_last(td):
     """Every token but each sequence's last (whose label verl's fused padded route takes from its own row)."""
     lengths = td["input_ids"].offsets().diff()
@@ -120,10 +170,13 @@ def _routes(rank, world, tie):
     for rm in (True, False):
         td = functools.partial(env.ppo_batch, seed, remove_padding=rm, fused=True, sum_pi_squared=True, distill=False)
         keep = None if rm else _not_last(td())
-        _close(_run(fused, td()), ref[rm], f"fused rm={rm}", keep)
-        _close(_run(fused, td(temperature=1.0)), ref[rm, "t1"], f"fused t=1 rm={rm}", keep)
-        _close(_run(fused, env.ppo_batch(seed, remove_padding=rm, fused=True), env.losses()),
-               ref[rm, "distill"], f"fused distill rm={rm}", keep)
+        with _all_rows():
+            _close(_run(fused, td()), ref[rm], f"fused rm={rm}", keep)
+            _close(_run(fused, td(temperature=1.0)), ref[rm, "t1"], f"fused t=1 rm={rm}", keep)
+            _close(_run(fused, env.ppo_batch(seed, remove_padding=rm, fused=True), env.losses()),
+                   ref[rm, "distill"], f"fused distill rm={rm}", keep)
+        _rows_on_off(fused, functools.partial(env.ppo_batch, seed, remove_padding=rm, fused=True, sum_pi_squared=True),
+                     f"fused rows rm={rm}")
     if world == 1:  # distillation only (verl's keys, no log-probs), against verl's own unfused route
         only = functools.partial(env.ppo_batch, seed, distillation_only=True)
         ce_verl.uninstall()
@@ -131,11 +184,13 @@ def _routes(rank, world, tie):
         assert "log_probs" not in theirs[0] and "distillation_losses" in theirs[0]
         ce_verl.install()
         _close(_run(unfused, only(), env.losses(task_rewards=False)), theirs, "unfused distillation only")
-        _close(_run(fused, only(fused=True), env.losses(task_rewards=False)), theirs, "fused distillation only")
+        with _all_rows():
+            _close(_run(fused, only(fused=True), env.losses(task_rewards=False)), theirs, "fused distillation only")
     if tie and world == 1:  # verl's Liger and Triton backends: served by the plugin (verl's own need CUDA)
         for backend in ("liger", "triton"):
             engine = env.build_engine(path, fused=True, backend=backend)
-            _close(_run(engine, env.ppo_batch(seed, fused=True), env.losses()), ref[True, "distill"], backend)
+            with _all_rows():
+                _close(_run(engine, env.ppo_batch(seed, fused=True), env.losses()), ref[True, "distill"], backend)
         _triton_elsewhere()
     if not tie:  # verl's own fused route cannot read an FSDP2-sharded untied lm_head
         ce_verl.uninstall()
@@ -156,8 +211,9 @@ def _bf16(rank, world):
     theirs = _run(half, env.ppo_batch(6), env.losses())[0]
     ce_verl.install()
     fused = env.build_engine(path, fused=True, dtype="bf16")
-    for name, ours in (("unfused", _run(half, env.ppo_batch(6), env.losses())[0]),
-                       ("fused", _run(fused, env.ppo_batch(6, fused=True), env.losses())[0])):
+    with _all_rows():
+        fused_all = _run(fused, env.ppo_batch(6, fused=True), env.losses())[0]
+    for name, ours in (("unfused", _run(half, env.ppo_batch(6), env.losses())[0]), ("fused", fused_all)):
         assert set(ours) == set(theirs), name
         for k in ("log_probs", "entropy", "distillation_losses", "student_mass"):
             assert ours[k].dtype == torch.float32, (name, k, ours[k].dtype)
@@ -182,8 +238,10 @@ def _ulysses(rank, world):
     _close(_run(unfused, env.ppo_batch(4, sum_pi_squared=True, distill=False)), ref, "ulysses unfused")
     _close(_run(unfused, env.ppo_batch(4), env.losses()), ref_d, "ulysses unfused distill")
     fused = env.build_engine(path, fused=True, sp=world)
-    _close(_run(fused, env.ppo_batch(4, fused=True, sum_pi_squared=True, distill=False)), ref, "ulysses fused")
-    _close(_run(fused, env.ppo_batch(4, fused=True), env.losses()), ref_d, "ulysses fused distill")
+    with _all_rows():
+        _close(_run(fused, env.ppo_batch(4, fused=True, sum_pi_squared=True, distill=False)), ref, "ulysses fused")
+        _close(_run(fused, env.ppo_batch(4, fused=True), env.losses()), ref_d, "ulysses fused distill")
+    _rows_on_off(fused, functools.partial(env.ppo_batch, 4, fused=True, sum_pi_squared=True), "ulysses fused rows")
 
 
 def _triton_elsewhere():

@@ -30,7 +30,9 @@ edited), these :data:`TARGETS` are replaced:
 - ``FSDPEngineWithLMHead.prepare_model_inputs`` → :func:`prepare_model_inputs`:
   verl's own, plus a clear error for a bad temperature; on the fused route it
   lets the per-sample temperature through (per token, as verl expands and
-  splits it) and tells the fused kernel what this micro-batch needs.
+  splits it) and tells the fused kernel what this micro-batch needs, and which
+  rows verl reads (only those are projected: each RL sequence's response
+  positions, unless ``CHUNKED_ENTROPY_VERL_ROWS=0``).
 - ``FusedLinearForPPO.forward`` (torch and Liger backends) and
   ``linear_cross_entropy`` (Triton; served for the FSDP engine only, verl's
   Megatron fused forward keeps its own) → :func:`fused_linear_for_ppo_forward`,
@@ -127,6 +129,7 @@ class _Request:
     entropy: bool
     sum_pi_squared: bool
     teacher: Optional[tuple]  # (clamp, ids [*, K] in the hidden states' layout, log-probs likewise)
+    rows: Optional[torch.Tensor] = None  # the rows verl reads, a bool mask in the hidden states' layout (None: all)
     served: bool = False
     extra: dict = field(default_factory=dict)
 
@@ -172,8 +175,43 @@ def prepare_model_inputs(self, micro_batch):
     if _flag(micro_batch, "distillation_use_topk", False):
         teacher = _teacher(getattr(_LOCAL, "loss_function", None), micro_batch, remove_padding)
     _LOCAL.request = _Request(self, bool(_flag(micro_batch, "calculate_entropy", False)),
-                              bool(_flag(micro_batch, "calculate_sum_pi_squared", False)), teacher)
+                              bool(_flag(micro_batch, "calculate_sum_pi_squared", False)), teacher,
+                              _read_rows(self, micro_batch, remove_padding))
     return model_inputs, output_args
+
+
+def _read_rows(engine, micro_batch, remove_padding: bool) -> Optional[torch.Tensor]:
+    """The rows verl reads (:func:`~chunked_entropy.integrations.verl.megatron_fused.read_rows`: each RL
+    sequence's response positions) in the fused kernel's hidden-state layout, or None (every row: an SFT
+    micro-batch, a vision model under Ulysses, or ``CHUNKED_ENTROPY_VERL_ROWS=0``).
+
+    Packed (``use_remove_padding``): ``[1, T]``, padded and split as verl pads and splits the packed tokens
+    (its bucket padding, then Ulysses' pad-and-slice), the pads unread. Padded: ``[B, S]``.
+    """
+    from verl.workers.engine.fsdp import transformer_impl as verl_impl
+
+    from .megatron_fused import read_rows, rows_enabled
+
+    if not rows_enabled():
+        return None
+    mask = read_rows(micro_batch, micro_batch["input_ids"])
+    if mask is None:
+        return None
+    values = mask.values()
+    if not remove_padding:
+        padded = _padded_mask(micro_batch)
+        return torch.zeros(padded.shape, dtype=torch.bool, device=values.device).masked_scatter_(padded, values)
+    packed = values.unsqueeze(0)
+    static_pad = engine._get_packed_pad_size(packed.size(-1))
+    if static_pad:
+        packed, _ = verl_impl.pad_packed_inputs(packed, None, static_pad)
+    if getattr(engine, "use_ulysses_sp", False):
+        module = getattr(engine.module, "module", engine.module)
+        if hasattr(getattr(module, "config", None), "vision_config"):
+            return None  # verl slices a vision model's inputs after the embedding
+        packed, _, _ = verl_impl.ulysses_pad_and_slice_inputs(
+            packed, position_ids_rmpad=None, sp_size=engine.ulysses_sequence_parallel_size)
+    return packed
 
 
 def _teacher(loss_function, micro_batch, remove_padding: bool):
@@ -450,6 +488,10 @@ def _fused(hidden, weight, labels, temperature, chunk: int, group, verls):
     spp = False if request is None else request.sum_pi_squared
     teacher = None if request is None else request.teacher
     labels = labels.to(torch.int64)
+    rows = None if request is None else request.rows
+    if rows is not None and tuple(rows.shape) != tuple(labels.shape):
+        raise RuntimeError(f"chunked_entropy: the rows verl reads ({tuple(rows.shape)}) do not match the fused "
+                           f"kernel's labels ({tuple(labels.shape)}); set CHUNKED_ENTROPY_VERL_ROWS=0")
 
     def compute(h, w):
         ids = None if teacher is None else teacher[1]
@@ -457,6 +499,7 @@ def _fused(hidden, weight, labels, temperature, chunk: int, group, verls):
             h, w, labels, chunk_size=chunk, temperature=temperature, process_group=group,
             compute_entropy=entropy, compute_sum_pi_squared=spp, log_probs_at=ids,
             top_k=None if ids is None else ids.shape[-1],
+            label_mask=None if rows is None else rows.to(labels.device), rows=None if rows is None else "kept",
         )
         extra = _collect(out, False, False, spp, teacher)
         names = sorted(extra)

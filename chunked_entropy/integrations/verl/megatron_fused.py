@@ -44,6 +44,14 @@ embedding weight megatron-core passes (``output_weight``). No ``[T, V/tp]``
 tensor exists, forward or backward. Context parallelism: each rank serves its
 own tokens, as verl's fused route does; verl's post-processing gathers.
 
+Only the rows verl reads are projected (:func:`read_rows`: each RL sequence's
+response positions; every row of an SFT micro-batch), unless
+``CHUNKED_ENTROPY_VERL_ROWS=0`` (:data:`ROWS_ENV`).
+
+Only the rows verl reads are projected (:func:`read_rows`: each RL sequence's
+response positions; every row of an SFT micro-batch), unless
+``CHUNKED_ENTROPY_VERL_ROWS=0`` (:data:`ROWS_ENV`).
+
 What it cannot serve (a vision model, a model whose forward is not ours, a
 megatron-core GPTModel without ``output_layer``, a ``MambaModel`` /
 ``HybridModel``, whose post-processing is inline) goes to verl's own route, with
@@ -61,6 +69,7 @@ import contextvars
 import functools
 import itertools
 import logging
+import os
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -72,8 +81,9 @@ from ._distill import distillation_keys, teacher_topk
 from .megatron import PADDING_TEMPERATURE
 
 __all__ = [
-    "FusedRequest", "TARGETS", "forward_step", "fused_forward_model_engine", "fused_gpt_forward",
-    "fused_output_processor", "fused_outputs", "maybe_enable_fused_kernels", "resolve_fused_temperature",
+    "FusedRequest", "ROWS_ENV", "TARGETS", "forward_step", "fused_forward_model_engine", "fused_gpt_forward",
+    "fused_output_processor", "fused_outputs", "maybe_enable_fused_kernels", "read_rows", "resolve_fused_temperature",
+    "rows_enabled",
 ]
 
 logger = logging.getLogger("chunked_entropy.integrations")
@@ -86,6 +96,8 @@ _CLASS = "MegatronEngineWithLMHead"
 DEFAULT_CHUNK_SIZE = 2048
 
 _VERLS = {}  # attribute -> verl's own function, recorded when its signature is checked
+#: Set to ``0`` to project every row on the fused route (by default only the rows verl reads: see :func:`read_rows`).
+ROWS_ENV = "CHUNKED_ENTROPY_VERL_ROWS"
 _BATCH = contextvars.ContextVar("chunked_entropy_verl_fused_batch", default=None)
 _WARNED = set()
 
@@ -103,7 +115,10 @@ class FusedRequest:
     ``temperature``: a float, or the per-token ``[1, T]`` tensor packed (and
     CP-split) like the labels; values <= 0 (packing padding) read as verl's
     ``1e-8``. ``teacher``: ``(clamp, ids, log-probs)``, the teacher's top-k
-    ``[1, T, K]`` for verl's Megatron top-k distillation, or None. ``mtp``:
+    ``[1, T, K]`` for verl's Megatron top-k distillation, or None. ``rows``:
+    the ``[1, T]`` mask of the rows verl reads (:func:`read_rows`, packed like
+    the temperature): only those are projected (``rows="kept"``), the others'
+    outputs are zero; None projects every row. ``mtp``:
     also the MTP layers' losses (MTP training on), attached to the hidden
     states as verl attaches them (:func:`chunked_entropy.integrations.verl.mtp.mtp_hidden_states`).
     """
@@ -115,6 +130,7 @@ class FusedRequest:
     sum_pi_squared: bool = False
     teacher: Optional[tuple] = None
     mtp: bool = False
+    rows: Optional[torch.Tensor] = None  # [1, T] bool, packed like the labels: the rows verl reads (None: all)
 
     def output_keys(self) -> tuple:
         keys = (["log_probs"] if self.log_probs else []) + (["entropy"] if self.entropy else [])
@@ -139,6 +155,10 @@ def fused_outputs(hidden_states, output_layer, output_weight, labels, request: F
     Returns:
         ``{key: [1, S] tensor}`` for :meth:`FusedRequest.output_keys`, float32.
 
+    With ``request.rows`` only the rows verl reads are projected
+    (``rows="kept"``: one host sync for their count); the outputs keep their
+    ``[1, S]`` shape, zero on the other rows.
+
     Memory:
         That of :func:`~chunked_entropy.linear_log_probs_and_entropy`: two to
         four float32 per token saved, one or two ``[chunk, V/tp]`` buffers per
@@ -153,10 +173,13 @@ def fused_outputs(hidden_states, output_layer, output_weight, labels, request: F
         t = max(float(t), PADDING_TEMPERATURE)
     teacher = request.teacher
     ids = None if teacher is None else teacher[1].transpose(0, 1)
+    with_labels = request.log_probs or teacher is None
+    only = request.rows is not None and with_labels
     out = head(
-        hidden_states, labels.transpose(0, 1) if request.log_probs or teacher is None else None, temperature=t,
+        hidden_states, labels.transpose(0, 1) if with_labels else None, temperature=t,
         compute_entropy=request.entropy, compute_sum_pi_squared=request.sum_pi_squared, log_probs_at=ids,
-        top_k=None if ids is None else ids.shape[-1],
+        top_k=None if ids is None else ids.shape[-1], label_mask=request.rows.transpose(0, 1) if only else None,
+        rows="kept" if only else None,
     )
     ret = {}
     if request.log_probs:
@@ -492,9 +515,12 @@ def _serve(request: Optional[_Batch], *, model, input_ids, labels, multi_modal_i
                     "distillation (distillation_ppo_loss with a megatron actor config and the teacher's "
                     "'teacher_ids'/'teacher_logprobs'); this logits_processor_func needs the logits: set "
                     "use_fused_kernels=False")
+        rows = read_rows(request.batch, input_ids) if rows_enabled() else None
+        if rows is not None:  # a row mask, not rolled: row i is the hidden state of token i
+            rows = preprocess_thd_engine(rows, pre_process=True, **pack)[0].contiguous()
         fused = FusedRequest(temperature=t_packed, chunk_size=request.chunk_size, log_probs=request.log_probs,
                              entropy=request.entropy, sum_pi_squared=request.sum_pi_squared, teacher=teacher,
-                             mtp=mtp and inner.post_process)
+                             mtp=mtp and inner.post_process, rows=rows)
     kwargs = dict(input_ids=ids_packed.contiguous(), attention_mask=None, position_ids=None,
                   packed_seq_params=packed_seq_params, labels=labels_packed.contiguous())
     if fused.mtp:  # what verl's unfused route hands the model for MTP: position ids and the rolled loss mask
@@ -517,6 +543,58 @@ def _serve(request: Optional[_Batch], *, model, input_ids, labels, multi_modal_i
         value = out[key]
         result[key] = unpack(value.unsqueeze(0) if value.dim() == 1 else value)
     return result
+
+
+def rows_enabled() -> bool:
+    """Whether the fused routes project only the rows verl reads (``CHUNKED_ENTROPY_VERL_ROWS``, default on)."""
+    value = os.environ.get(ROWS_ENV, "1").strip().lower()
+    if value in ("1", "true", "on", "yes", ""):
+        return True
+    if value in ("0", "false", "off", "no"):
+        return False
+    raise ValueError(f"{ROWS_ENV} must be 1 or 0 (on or off), got {value!r}")
+
+
+def read_rows(batch, input_ids: torch.Tensor) -> Optional[torch.Tensor]:
+    """The rows of verl's micro-batch that verl reads from the fused route's per-token outputs, or None (all).
+
+    Every verl 0.9.1 consumer of the log-probs, entropy, Σp² and distillation
+    keys of an RL micro-batch (``ppo_loss``, the distillation losses, the
+    trainer's ``compute_log_prob`` / ``compute_ref_log_prob`` through
+    ``no_padding_2_padding``, the v1 trainer's ``response_from_nested``) reads
+    the **response positions** of each sequence: in the nested layout the rows
+    ``[L - R - 1, L - 1)`` of a sequence of ``L`` tokens with ``R`` response
+    tokens (the row before each response token), whatever the response mask
+    says (it masks later). No consumer reads a prompt row. ``R`` is taken as
+    verl's ``no_padding_2_padding`` takes it: from the nested ``responses``,
+    else from ``attention_mask[:, prompt_len:]``. A micro-batch without
+    ``prompts`` and ``responses`` (SFT: ``sft_loss`` reads the rolled
+    ``loss_mask`` over the whole sequence) gets None: every row is projected.
+
+    Returns:
+        A nested ``[B, j]`` bool tensor with ``input_ids``' offsets, or None.
+    """
+    keys = batch.keys() if batch is not None else ()
+    if "prompts" not in keys or "responses" not in keys or not input_ids.is_nested:
+        return None
+    prompts, responses = batch["prompts"], batch["responses"]
+    if prompts.is_nested and responses.is_nested:
+        response_lens = responses.offsets().diff()
+    elif "attention_mask" in keys and not batch["attention_mask"].is_nested and not prompts.is_nested:
+        response_lens = batch["attention_mask"][:, prompts.shape[1]:].sum(dim=1)
+    else:
+        return None
+    offsets = input_ids.offsets()
+    lengths = offsets.diff()
+    device = offsets.device
+    response_lens = response_lens.to(device=device, dtype=lengths.dtype)
+    if response_lens.shape != lengths.shape:
+        return None
+    seq = torch.repeat_interleave(torch.arange(lengths.numel(), device=device), lengths)
+    pos = torch.arange(input_ids.values().shape[0], device=device) - offsets[:-1][seq]  # no host sync
+    length = lengths[seq]
+    mask = (pos >= length - response_lens[seq] - 1) & (pos < length - 1)
+    return torch.nested.nested_tensor_from_jagged(mask, offsets=offsets)
 
 
 def _mtp_inputs(request: _Batch, input_ids, pack: dict) -> dict:
