@@ -30,6 +30,10 @@ try:
         from transformers import Qwen2Config, Qwen2ForCausalLM
 finally:
     sys.path.remove(STUBS)
+    # the stand-in must not outlive these imports: a later `import flash_attn` (verl's unpad_input, say) would find
+    # it in sys.modules and take it for the real package; OpenRLHF's modules keep the names they bound
+    for name in [m for m in sys.modules if m == "flash_attn" or m.startswith("flash_attn.")]:
+        del sys.modules[name]
 
 assert importlib.metadata.version("openrlhf") == "0.11.2"
 
