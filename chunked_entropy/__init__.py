@@ -11,6 +11,10 @@ Public API:
 - :func:`linear_divergence`, :func:`linear_divergence_loss` and
   :func:`divergence_from_logits`: forward KL, reverse KL or JSD between a
   student's and a teacher's distributions, from their hidden states.
+- The settings the ops take, each built once and checked on construction:
+  :class:`OutputLayer` (the weight shard, bias, logit transform, group),
+  :class:`Chunking` (chunk size, vocabulary blocks, backend),
+  :class:`PolicyLoss` (the RL objective) and :class:`Divergence`.
 """
 
 from ._outputs import LogProbsEntropy
@@ -25,10 +29,15 @@ from .divergence import (
 from .head import ChunkedVocabParallelHead
 from .linear import linear_log_probs_and_entropy
 from .logits import log_probs_and_entropy
+from .options import Chunking, Divergence, OutputLayer, PolicyLoss
 from .policy import linear_policy_loss, policy_loss_from_logits
 
 __all__ = [
     "ChunkedEntropyConfig",
+    "Chunking",
+    "Divergence",
+    "OutputLayer",
+    "PolicyLoss",
     "ChunkedVocabParallelHead",
     "DivergenceLoss",
     "DivergenceOutputs",
@@ -41,4 +50,4 @@ __all__ = [
     "log_probs_and_entropy",
     "policy_loss_from_logits",
 ]
-__version__ = "0.1.0"
+__version__ = "0.2.0"

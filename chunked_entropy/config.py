@@ -55,6 +55,11 @@ def vocab_block_for(vocab_chunk_size: Optional[int], chunk_size: int, n: int, v_
     return min(v_local, max(128, CHUNK_BUFFER_BYTES // (rows * _BUFFER_ITEMSIZE) // 128 * 128))
 
 
+def auto_chunk_size(max_chunk_bytes: int, buffers: int, width: int) -> int:
+    """``chunk_size="auto"``: the most rows whose ``buffers`` float32 ``[rows, width]`` buffers fit the budget."""
+    return max(1, max_chunk_bytes // (buffers * _BUFFER_ITEMSIZE * width))
+
+
 def grad_vocab_block_for(n: int, v_local: int, itemsize: int) -> int:
     """The vocabulary block of a half-precision weight's backward, which walks the blocks outermost: as wide
     as a ``[n, block]`` gradient buffer of ``itemsize``-byte elements allows within :data:`GRAD_BUFFER_BYTES`
@@ -204,7 +209,7 @@ class ChunkedEntropyConfig:
         if fused and self.vocab_chunk_size is not None:
             width = min(self.vocab_chunk_size, v_local)
         buffers = 2 if (self.compute_entropy if compute_entropy is None else compute_entropy) else 1
-        return max(1, self.max_chunk_bytes // (buffers * _BUFFER_ITEMSIZE * width))
+        return auto_chunk_size(self.max_chunk_bytes, buffers, width)
 
     @classmethod
     def from_actor_config(cls, cfg) -> "ChunkedEntropyConfig":

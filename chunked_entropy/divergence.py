@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import struct
 from dataclasses import dataclass, replace
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Union
 
 import torch
 
@@ -39,12 +39,14 @@ from ._blocks import (
     resolve_vocab_chunk,
     weak_group,
 )
-from ._checks import check_chunk, check_device, check_flag, check_float, check_positive, is_real
+from ._checks import check_device, check_flag, check_float, is_real
 from ._divergence import DivergenceSpec, PairRows
 from ._inputs import Rows, Tokens, check_transform_scale, compute_dtype, dtype_code, prepare_tokens
 from ._loop import new_row_stats, pair_grad_blocks, pair_row_stats
+from ._migrate import accepts_01_keywords
 from ._rows import kept_rows, parse_kept, put_rows, select_logit_rows, select_rows, take_rows
 from ._stats import RowStats, Transform, Want
+from .options import Chunking, Divergence, OutputLayer, as_chunking, as_divergence, as_layer, check_layer_width
 from .parallel import agreed_call, all_gather_dim0, fingerprint_floats, group_rank_size
 
 __all__ = [
@@ -54,6 +56,10 @@ __all__ = [
     "linear_divergence",
     "linear_divergence_loss",
 ]
+
+
+#: The default chunk of the two-head walks: a quarter of the fused head's (four blocks are live).
+PAIR_CHUNK = 256
 
 
 class DivergenceOutputs(NamedTuple):
@@ -142,12 +148,16 @@ def _loss_weights(call, tok: Tokens, valid, *, reduction, normalizer, weights, c
     return w
 
 
-def _spec(divergence, beta) -> DivergenceSpec:
-    if not isinstance(divergence, str):
-        raise TypeError(f"divergence must be a str ('forward_kl', 'reverse_kl' or 'jsd'), got {divergence!r}")
-    if beta is not None and not is_real(beta):
-        raise TypeError(f"beta must be a float in (0, 1) or None, got {beta!r}")
-    return DivergenceSpec(divergence, beta)
+def _one_group(student: OutputLayer, teacher: OutputLayer) -> tuple:
+    """Both heads' vocabularies are sharded over one group, with one sequence-parallel layout."""
+    if student.process_group is not teacher.process_group:
+        raise ValueError("student_layer.process_group and teacher_layer.process_group must be the same group (both "
+                         "vocabularies are sharded the same way over it)")
+    if student.sequence_parallel != teacher.sequence_parallel:
+        raise ValueError(f"student_layer.sequence_parallel ({student.sequence_parallel}) and "
+                         f"teacher_layer.sequence_parallel ({teacher.sequence_parallel}) must agree: both hidden "
+                         "states arrive split the same way")
+    return student.process_group, student.sequence_parallel
 
 
 def _check_pair(student, teacher, what: str) -> None:
@@ -327,19 +337,20 @@ class _LinearDivergenceLossFunction(torch.autograd.Function):
                 None, None, None, None, None)
 
 
-def _linear_call(student_hidden, student_weight, teacher_hidden, teacher_weight, *, divergence, beta, labels,
-                 student_bias, teacher_bias, temperature, student_softcap, student_logit_scale, teacher_softcap,
-                 teacher_logit_scale, label_mask, ignore_index, chunk_size, vocab_chunk_size, process_group,
-                 sequence_parallel, compute_entropy, logits_dtype, loss: Optional[dict] = None):
+def _linear_call(student_hidden, student: OutputLayer, teacher_hidden, teacher: OutputLayer, *,
+                 divergence: Divergence, chunking: Chunking, labels, temperature, label_mask, ignore_index,
+                 compute_entropy, loss: Optional[dict] = None):
     """Check everything (every rank agreeing) and prepare: ``(tok, plan, spec, teacher, valid, no_labels, grads,
     w)``. ``loss``: the loss form's ``reduction``, ``normalizer`` and ``weights`` (``w``, its per-token weights,
     is None without)."""
+    process_group, sequence_parallel = _one_group(student, teacher)
+    student_weight, student_bias, teacher_weight, teacher_bias = student.weight, student.bias, teacher.weight, \
+        teacher.bias
     with agreed_call(process_group) as call:
-        spec = _spec(divergence, beta)
-        sequence_parallel = check_flag("sequence_parallel", sequence_parallel)
+        spec = divergence.spec
         compute_entropy = check_flag("compute_entropy", compute_entropy)
-        float32 = check_head(student_hidden, student_weight, student_bias, "student_", logits_dtype)
-        float32_t = check_head(teacher_hidden, teacher_weight, teacher_bias, "teacher_", logits_dtype)
+        float32 = check_head(student_hidden, student_weight, student_bias, "student_", student.logits_dtype)
+        float32_t = check_head(teacher_hidden, teacher_weight, teacher_bias, "teacher_", teacher.logits_dtype)
         _check_pair(student_hidden, teacher_hidden, "hidden")
         if teacher_weight.shape[0] != student_weight.shape[0]:
             raise ValueError(
@@ -350,19 +361,16 @@ def _linear_call(student_hidden, student_weight, teacher_hidden, teacher_weight,
         if teacher_weight.device != student_weight.device:
             raise ValueError(f"teacher_weight is on {teacher_weight.device} but student_weight is on "
                              f"{student_weight.device}")
-        check_chunk("chunk_size", chunk_size)
-        check_chunk("vocab_chunk_size", vocab_chunk_size, optional=True)
         lead = student_hidden.shape[:-1]
         if sequence_parallel:
             if student_hidden.dim() < 2:
                 raise ValueError("with sequence_parallel=True, student_hidden and teacher_hidden must be [S/P, ..., H]")
             lead = torch.Size((student_hidden.shape[0] * call.world,) + tuple(student_hidden.shape[1:-1]))
         v_local = student_weight.shape[0]
+        vocab_chunk_size = chunking.vocab_chunk_size
+        chunk_size = chunking.resolve(min(vocab_chunk_size or v_local, v_local), buffers=4)
         cdt = compute_dtype(student_weight.dtype)
-        tf_s = Transform(check_positive("student_softcap", student_softcap),
-                         check_positive("student_logit_scale", student_logit_scale))
-        tf_t = Transform(check_positive("teacher_softcap", teacher_softcap),
-                         check_positive("teacher_logit_scale", teacher_logit_scale))
+        tf_s, tf_t = student.transform, teacher.transform
         tok, valid, no_labels = _prepare(
             call, lead, labels, v_local=v_local, label_mask=label_mask, ignore_index=ignore_index,
             temperature=temperature, tf_s=tf_s, tf_t=tf_t, device=student_hidden.device, cdt=cdt, spec=spec,
@@ -387,6 +395,8 @@ def _linear_call(student_hidden, student_weight, teacher_hidden, teacher_weight,
             "the teacher's logits_dtype (1: float32 blocks)": float32_t,
             "student_hidden.requires_grad (under grad mode)": bool(grads and student_hidden.requires_grad),
             "the loss form": loss is not None,
+            "student_layer (OutputLayer)": student.fingerprint(), "teacher_layer (OutputLayer)": teacher.fingerprint(),
+            "chunking (Chunking)": chunking.fingerprint(), "divergence (Divergence)": divergence.fingerprint(),
         })
         w = None if loss is None else _loss_weights(call, tok, valid, cdt=cdt, device=student_hidden.device, **loss)
     teacher = _Teacher(full_hidden(teacher_hidden.detach(), plan), teacher_weight.detach(),
@@ -394,77 +404,61 @@ def _linear_call(student_hidden, student_weight, teacher_hidden, teacher_weight,
     return tok, plan, spec, teacher, valid, no_labels, grads, w
 
 
+@accepts_01_keywords("linear_divergence")
 def linear_divergence(
     student_hidden: torch.Tensor,
-    student_weight: torch.Tensor,
+    student_layer: Union[OutputLayer, torch.Tensor],
     teacher_hidden: torch.Tensor,
-    teacher_weight: torch.Tensor,
+    teacher_layer: Union[OutputLayer, torch.Tensor],
     *,
-    divergence: str = "forward_kl",
-    beta: Optional[float] = None,
+    divergence: Union[Divergence, str, None] = None,
+    chunking: Union[Chunking, int, None] = None,
     labels: Optional[torch.Tensor] = None,
-    student_bias: Optional[torch.Tensor] = None,
-    teacher_bias: Optional[torch.Tensor] = None,
     temperature=1.0,
-    student_softcap: Optional[float] = None,
-    student_logit_scale: Optional[float] = None,
-    teacher_softcap: Optional[float] = None,
-    teacher_logit_scale: Optional[float] = None,
     label_mask: Optional[torch.Tensor] = None,
     ignore_index: int = -100,
     compute_entropy: bool = False,
-    chunk_size: int = 256,
-    vocab_chunk_size: Optional[int] = None,
-    process_group=None,
-    sequence_parallel: bool = False,
-    logits_dtype: Optional[torch.dtype] = None,
     rows=None,
 ) -> DivergenceOutputs:
     """Per-token divergence between the student's and the teacher's next-token distributions.
 
-    ``p_s = softmax(transform_s(student_hidden @ student_weight.T + student_bias) / temperature)`` and
-    ``p_t`` likewise from the teacher's, ``transform(z) = softcap * tanh(logit_scale * z / softcap)`` (each
-    part optional, per model). Neither model's logits exist beyond one ``[chunk_size, vocab_chunk_size]``
-    block at a time.
+    ``p_s = softmax(transform_s(student_hidden @ W_s.T + b_s) / temperature)`` (``W_s``, ``b_s`` the
+    student layer's weight and bias) and ``p_t`` likewise from the teacher's,
+    ``transform(z) = softcap * tanh(logit_scale * z / softcap)`` (each part optional, per model).
+    Neither model's logits exist beyond one ``[chunk_size, vocab_chunk_size]`` block at a time.
 
     Args:
-        student_hidden: ``[..., H_s]`` (``[S/P, B, H_s]``, this rank's slice, with ``sequence_parallel``).
-        student_weight: ``[V_local, H_s]``, this rank's vocabulary shard of the student's output layer.
+        student_hidden: ``[..., H_s]`` (``[S/P, B, H_s]``, this rank's slice, with sequence parallelism).
+        student_layer: the student's :class:`~chunked_entropy.OutputLayer` (or its bare ``[V_local, H_s]``
+            weight): this rank's vocabulary shard, its bias, logit transform (soft-cap, logit scale) and
+            ``logits_dtype`` (resolved for each model on its own: None keeps each model's logits in its
+            weight's dtype; ``torch.float32`` gives a bf16/fp16 model float32 blocks). Its
+            ``process_group`` (both weights sharded by rows over it; both hidden states replicated; the
+            student's gradient summed over it) and ``sequence_parallel`` (both hidden states arrive split
+            along dim 0, as the fused head's) must be the teacher layer's.
         teacher_hidden: ``[..., H_t]`` with the student's leading shape (the teacher's width may differ).
-        teacher_weight: ``[V_local, H_t]``: the same vocabulary shard as ``student_weight`` (rank ``r``
-            holds ids ``[r * V_local, (r + 1) * V_local)`` of both heads).
-        divergence: ``"forward_kl"``, KL(teacher || student) (mode-covering, what SFT on the teacher's
-            distribution minimizes); ``"reverse_kl"``, KL(student || teacher) (mode-seeking, on-policy
-            distillation's usual choice); ``"jsd"``, TRL's generalized JSD
-            ``beta * KL(t || m) + (1 - beta) * KL(s || m)`` with ``m = (1 - beta) p_s + beta p_t``.
-        beta: the JSD's ``beta`` in (0, 1) (its limits are 0, not the KLs; TRL's ``beta`` 0 and 1 are
-            ``"forward_kl"`` and ``"reverse_kl"`` here). None for the KLs.
+        teacher_layer: the teacher's :class:`~chunked_entropy.OutputLayer` (or weight), ``[V_local, H_t]``:
+            the same vocabulary shard as the student's (rank ``r`` holds ids ``[r * V_local, (r + 1) *
+            V_local)`` of both heads).
+        divergence: a :class:`~chunked_entropy.Divergence` or its kind's name: ``"forward_kl"`` (the
+            default), KL(teacher || student) (mode-covering, what SFT on the teacher's distribution
+            minimizes); ``"reverse_kl"``, KL(student || teacher) (mode-seeking, on-policy distillation's
+            usual choice); ``Divergence("jsd", beta)``, TRL's generalized JSD
+            ``beta * KL(t || m) + (1 - beta) * KL(s || m)`` with ``m = (1 - beta) p_s + beta p_t``,
+            ``beta`` in (0, 1) (TRL's ``beta`` 0 and 1 are the KLs: :meth:`Divergence.from_trl_beta`).
+        chunking: a :class:`~chunked_entropy.Chunking` or an int (the chunk size; the default, 256, is a
+            quarter of the fused head's: four blocks are live). Its ``vocab_chunk_size`` also blocks the
+            vocabulary: the per-chunk buffers become ``chunk_size * vocab_chunk_size``; forward then fills
+            each block twice (statistics, then the divergence's sums, which need both models' final
+            log-sum-exps).
         labels: optional ``[...]`` int64 *global* ids (the full sequence under sequence parallelism): the
             student's log-probs at them come out of the same pass (``log_probs``).
-        student_bias: ``[V_local]`` or None.
-        teacher_bias: ``[V_local]`` or None.
         temperature: a float > 0 or a tensor broadcasting to the tokens, applied to both models after
             their transforms.
-        student_softcap: the student's soft-cap, as ``softcap`` of
-            :func:`~chunked_entropy.log_probs_and_entropy`.
-        student_logit_scale: the student's logit scale, as ``logit_scale`` there.
-        teacher_softcap: the teacher's soft-cap.
-        teacher_logit_scale: the teacher's logit scale.
         label_mask: ``[...]`` bool; False rows (and, with ``labels``, rows labelled ``ignore_index``) have
             divergence 0 and no gradient. They are still projected (the walk has static shapes: no host
             sync) unless ``rows="kept"`` (or an index) leaves them out.
         compute_entropy: also the student's entropy at ``temperature`` (with its gradient).
-        chunk_size: tokens per chunk (the default is a quarter of the fused head's: four blocks are live).
-        vocab_chunk_size: also block the vocabulary: the per-chunk buffers become
-            ``chunk_size * vocab_chunk_size``; forward then fills each block twice (statistics, then the
-            divergence's sums, which need both models' final log-sum-exps).
-        process_group: the tensor-parallel group over which both weights are sharded by rows. Both hidden
-            states are replicated over it; the student's gradient is summed over it.
-        sequence_parallel: both hidden states arrive split along dim 0, as the fused head's.
-        logits_dtype: as in :func:`~chunked_entropy.linear_log_probs_and_entropy`, resolved for each
-            model on its own: None keeps each model's logits in its weight's dtype; ``torch.float32``
-            gives every bf16/fp16 model float32 blocks (a float32 student beside a bf16 teacher: the
-            teacher's too). The blocks run through the eager kernels (no ``backend="compile"`` here yet).
         rows: project only these rows, as in :func:`~chunked_entropy.linear_log_probs_and_entropy`: an
             int64 index into the student's flattened token rows (the gathered sequence under sequence
             parallelism), ``labels``, ``label_mask`` and ``teacher_hidden`` then given per selected row
@@ -491,15 +485,15 @@ def linear_divergence(
         :mod:`chunked_entropy._divergence`). Backward allocates the student's gradients. No ``[tokens, V]``
         tensor of either model exists. Inputs are never written.
     """
+    student_layer, teacher_layer = as_layer(student_layer, "student_layer"), as_layer(teacher_layer, "teacher_layer")
+    divergence, chunking = as_divergence(divergence), as_chunking(chunking, default=Chunking(PAIR_CHUNK))
     if rows is not None:
         return _rows_call(linear_divergence, dict(locals()))
+    student_weight, student_bias = student_layer.weight, student_layer.bias
     tok, plan, spec, teacher, valid, no_labels, grads, _ = _linear_call(
-        student_hidden, student_weight, teacher_hidden, teacher_weight, divergence=divergence, beta=beta,
-        labels=labels, student_bias=student_bias, teacher_bias=teacher_bias, temperature=temperature,
-        student_softcap=student_softcap, student_logit_scale=student_logit_scale, teacher_softcap=teacher_softcap,
-        teacher_logit_scale=teacher_logit_scale, label_mask=label_mask, ignore_index=ignore_index,
-        chunk_size=chunk_size, vocab_chunk_size=vocab_chunk_size, process_group=process_group,
-        sequence_parallel=sequence_parallel, compute_entropy=compute_entropy, logits_dtype=logits_dtype,
+        student_hidden, student_layer, teacher_hidden, teacher_layer, divergence=divergence, chunking=chunking,
+        labels=labels, temperature=temperature, label_mask=label_mask, ignore_index=ignore_index,
+        compute_entropy=compute_entropy,
     )
     if tok.n == 0:
         z = torch.zeros(tok.shape, dtype=compute_dtype(student_weight.dtype), device=student_hidden.device)
@@ -521,14 +515,15 @@ def _rows_call(op, a: dict):
     rows (:func:`~chunked_entropy._rows.select_rows`); ``"kept"`` derives the index from the mask and the
     labels, takes every per-token input (the teacher's hidden rows too) at it, and puts the per-token outputs
     back in the full shape."""
-    rows, group, sp = a.pop("rows"), a["process_group"], a["sequence_parallel"]
+    rows = a.pop("rows")
+    group, sp = a["student_layer"].process_group, a["student_layer"].sequence_parallel
     per_token = [k for k in ("labels", "label_mask", "weights") if a.get(k) is not None]
     kept = parse_kept(rows)
     if kept is None:
         a["student_hidden"] = select_rows(
             rows, a["student_hidden"], process_group=group, sequence_parallel=sp, name="student_hidden",
             tails=("teacher_hidden",), teacher_hidden=a["teacher_hidden"], **{k: a[k] for k in per_token})
-        a["sequence_parallel"] = False
+        _not_sequence_parallel(a)
         return op(**a)
     s, t = a["student_hidden"], a["teacher_hidden"]
     if not isinstance(s, torch.Tensor) or not isinstance(t, torch.Tensor) or s.dim() < 2 or t.dim() < 2:
@@ -552,12 +547,18 @@ def _rows_call(op, a: dict):
     a["student_hidden"] = select_rows(
         idx, s, process_group=group, sequence_parallel=sp, name="student_hidden", tails=("teacher_hidden",),
         require=require, teacher_hidden=a["teacher_hidden"], **{k: a[k] for k in per_token})
-    a["sequence_parallel"] = False
+    _not_sequence_parallel(a)
     out = op(**a)
     per = lambda x: put_rows(x, lead, idx)  # noqa: E731
     if isinstance(out, DivergenceLoss):
         return DivergenceLoss(out.loss, per(out.divergence), per(out.entropy))
     return DivergenceOutputs(per(out.divergence), per(out.log_probs), per(out.entropy))
+
+
+def _not_sequence_parallel(a: dict) -> None:
+    """The selected rows are gathered: the call on them is not sequence-parallel."""
+    for k in ("student_layer", "teacher_layer"):
+        a[k] = a[k].replace(sequence_parallel=False)
 
 
 class _NoCtx:
@@ -575,31 +576,21 @@ class _NoCtx:
         pass
 
 
+@accepts_01_keywords("linear_divergence_loss")
 def linear_divergence_loss(
     student_hidden: torch.Tensor,
-    student_weight: torch.Tensor,
+    student_layer: Union[OutputLayer, torch.Tensor],
     teacher_hidden: torch.Tensor,
-    teacher_weight: torch.Tensor,
+    teacher_layer: Union[OutputLayer, torch.Tensor],
     *,
-    divergence: str = "forward_kl",
-    beta: Optional[float] = None,
+    divergence: Union[Divergence, str, None] = None,
+    chunking: Union[Chunking, int, None] = None,
+    temperature=1.0,
     reduction: str = "mean",
     normalizer=None,
     weights: Optional[torch.Tensor] = None,
-    student_bias: Optional[torch.Tensor] = None,
-    teacher_bias: Optional[torch.Tensor] = None,
-    temperature=1.0,
-    student_softcap: Optional[float] = None,
-    student_logit_scale: Optional[float] = None,
-    teacher_softcap: Optional[float] = None,
-    teacher_logit_scale: Optional[float] = None,
     label_mask: Optional[torch.Tensor] = None,
     compute_entropy: bool = False,
-    chunk_size: int = 256,
-    vocab_chunk_size: Optional[int] = None,
-    process_group=None,
-    sequence_parallel: bool = False,
-    logits_dtype: Optional[torch.dtype] = None,
     rows=None,
 ) -> DivergenceLoss:
     """The divergence as a trainer's loss, its gradients formed in forward: ``sum_i w_i * D_i``.
@@ -626,16 +617,15 @@ def linear_divergence_loss(
         ``[V_local]``) from forward to backward instead of references to the inputs, plus what
         :func:`linear_divergence` holds per chunk (a fifth buffer with a student soft-cap).
     """
+    student_layer, teacher_layer = as_layer(student_layer, "student_layer"), as_layer(teacher_layer, "teacher_layer")
+    divergence, chunking = as_divergence(divergence), as_chunking(chunking, default=Chunking(PAIR_CHUNK))
     if rows is not None:
         return _rows_call(linear_divergence_loss, dict(locals()))
+    student_weight, student_bias = student_layer.weight, student_layer.bias
     tok, plan, spec, teacher, valid, _, grads, w = _linear_call(
-        student_hidden, student_weight, teacher_hidden, teacher_weight, divergence=divergence, beta=beta,
-        labels=None, student_bias=student_bias, teacher_bias=teacher_bias, temperature=temperature,
-        student_softcap=student_softcap, student_logit_scale=student_logit_scale, teacher_softcap=teacher_softcap,
-        teacher_logit_scale=teacher_logit_scale, label_mask=label_mask, ignore_index=-100,
-        chunk_size=chunk_size, vocab_chunk_size=vocab_chunk_size, process_group=process_group,
-        sequence_parallel=sequence_parallel, compute_entropy=compute_entropy, logits_dtype=logits_dtype,
-        loss=dict(reduction=reduction, normalizer=normalizer, weights=weights),
+        student_hidden, student_layer, teacher_hidden, teacher_layer, divergence=divergence, chunking=chunking,
+        labels=None, temperature=temperature, label_mask=label_mask, ignore_index=-100,
+        compute_entropy=compute_entropy, loss=dict(reduction=reduction, normalizer=normalizer, weights=weights),
     )
     cdt = compute_dtype(student_weight.dtype)
     shape = tuple(tok.shape)
@@ -697,23 +687,20 @@ class _LogitsDivergenceFunction(torch.autograd.Function):
         return grad, None, None, None, None, None
 
 
+@accepts_01_keywords("divergence_from_logits")
 def divergence_from_logits(
     student_logits: torch.Tensor,
     teacher_logits: torch.Tensor,
     *,
-    divergence: str = "forward_kl",
-    beta: Optional[float] = None,
+    divergence: Union[Divergence, str, None] = None,
+    chunking: Union[Chunking, int, None] = None,
+    student_layer: Optional[OutputLayer] = None,
+    teacher_layer: Optional[OutputLayer] = None,
     labels: Optional[torch.Tensor] = None,
     temperature=1.0,
-    student_softcap: Optional[float] = None,
-    student_logit_scale: Optional[float] = None,
-    teacher_softcap: Optional[float] = None,
-    teacher_logit_scale: Optional[float] = None,
     label_mask: Optional[torch.Tensor] = None,
     ignore_index: int = -100,
     compute_entropy: bool = False,
-    chunk_size: int = 1024,
-    process_group=None,
     rows=None,
 ) -> DivergenceOutputs:
     """:func:`linear_divergence` from logits the caller holds: ``[..., V_local]`` each, the same shard.
@@ -721,16 +708,23 @@ def divergence_from_logits(
     Neither log-softmax is formed: each chunk of rows is copied into float32 buffers (four of
     ``[chunk_size, V_local]``, plus the divergence's temporaries) and reduced to per-token statistics;
     backward fills them again and writes the gradient w.r.t. ``student_logits`` (its shape and dtype;
-    the teacher's logits get none). Arguments as :func:`linear_divergence`; ``rows`` an int64 index into
+    the teacher's logits get none). Arguments as :func:`linear_divergence` (``chunking`` defaults to 1024
+    rows); ``student_layer`` and ``teacher_layer`` are the :class:`~chunked_entropy.OutputLayer` that made
+    each model's logits, or None: their logit transforms and (one) ``process_group`` are read, as in
+    :func:`~chunked_entropy.log_probs_and_entropy`; ``rows`` an int64 index into
     the student's flattened logit rows (the teacher's logits, the labels and the mask then given per
     selected row), one ``[M, V_local]`` gather of them.
     """
+    student_layer = as_layer(student_layer, "student_layer", logits=True)
+    teacher_layer = as_layer(teacher_layer, "teacher_layer", logits=True)
+    divergence, chunking = as_divergence(divergence), as_chunking(chunking)
+    process_group, _ = _one_group(student_layer, teacher_layer)
     if rows is not None:
         student_logits = select_logit_rows(rows, student_logits, process_group, name="student_logits",
                                            tails=("teacher_logits",), teacher_logits=teacher_logits, labels=labels,
                                            label_mask=label_mask)
     with agreed_call(process_group) as call:
-        spec = _spec(divergence, beta)
+        spec = divergence.spec
         compute_entropy = check_flag("compute_entropy", compute_entropy)
         check_float("student_logits", student_logits)
         check_float("teacher_logits", teacher_logits)
@@ -743,22 +737,24 @@ def divergence_from_logits(
                 f"{student_logits.shape[-1]}: the divergence needs one vocabulary, sharded the same way"
             )
         _check_pair(student_logits, teacher_logits, "logits")
-        check_chunk("chunk_size", chunk_size)
         lead = student_logits.shape[:-1]
         v_local = student_logits.shape[-1]
+        check_layer_width(student_layer, v_local, "student_layer")
+        check_layer_width(teacher_layer, v_local, "teacher_layer")
+        chunk_size = chunking.resolve(v_local, buffers=4)
         cdt = compute_dtype(student_logits.dtype)
-        tf_s = Transform(check_positive("student_softcap", student_softcap),
-                         check_positive("student_logit_scale", student_logit_scale))
-        tf_t = Transform(check_positive("teacher_softcap", teacher_softcap),
-                         check_positive("teacher_logit_scale", teacher_logit_scale))
+        tf_s, tf_t = student_layer.transform, teacher_layer.transform
         tok, valid, no_labels = _prepare(
             call, lead, labels, v_local=v_local, label_mask=label_mask, ignore_index=ignore_index,
             temperature=temperature, tf_s=tf_s, tf_t=tf_t, device=student_logits.device, cdt=cdt, spec=spec,
             teacher_values=teacher_logits, teacher_name="teacher_logits",
         )
         grads = torch.is_grad_enabled() and student_logits.requires_grad
-        call.agree_all({"chunk_size": chunk_size, "compute_entropy": compute_entropy,
-                        "whether gradients are computed": grads})
+        call.agree_all({"compute_entropy": compute_entropy, "whether gradients are computed": grads,
+                        "student_layer (OutputLayer)": student_layer.fingerprint(),
+                        "teacher_layer (OutputLayer)": teacher_layer.fingerprint(),
+                        "chunking (Chunking)": chunking.fingerprint(),
+                        "divergence (Divergence)": divergence.fingerprint()})
     plan = Plan(chunk_size=chunk_size, vocab_chunk_size=v_local, group=process_group, sequence_parallel=False,
                 want=Want(compute_entropy, False))
     teacher = _Teacher(teacher_logits.detach(), None, None, tf_t)

@@ -1,112 +1,76 @@
 """``ChunkedVocabParallelHead``: the output layer users wrap; it stores options and dispatches.
 
-Floor 5 (the top): an ``nn.Module`` over the ops below it, the fused head
-(:func:`~chunked_entropy.linear_log_probs_and_entropy`) and the fused policy
-loss (:func:`~chunked_entropy.linear_policy_loss`). It holds no math of its
-own and knows no framework: ``from_hf_model`` finds the Hugging Face reader
-an adapter registers (see :meth:`ChunkedVocabParallelHead.from_hf_model`).
+Layer: the module (the top): an ``nn.Module`` over the ops below it, the fused
+head (:func:`~chunked_entropy.linear_log_probs_and_entropy`) and the fused
+policy loss (:func:`~chunked_entropy.linear_policy_loss`). It holds an
+:class:`~chunked_entropy.OutputLayer` and a :class:`~chunked_entropy.Chunking`,
+no math of its own, and knows no framework: ``from_hf_model`` finds the
+Hugging Face reader an adapter registers (see
+:meth:`ChunkedVocabParallelHead.from_hf_model`).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import dataclasses
+import warnings
+from typing import Optional, Union
 
 import torch
 from torch import nn
 
-from ._blocks import check_logits_dtype
-from ._checks import check_chunk, check_flag, check_float
-from ._kernels import check_backend
+from ._migrate import REMOVED_IN, accepts_01_keywords
 from ._outputs import LogProbsEntropy
-from ._stats import Transform
 from .linear import linear_log_probs_and_entropy
-from .parallel import group_rank_size
+from .options import READERS, Chunking, OutputLayer, as_chunking, as_layer, model_reader
 from .policy import linear_policy_loss
 
-__all__ = ["ChunkedVocabParallelHead", "model_reader"]
+__all__ = ["READERS", "ChunkedVocabParallelHead", "model_reader"]
 
-#: The entry-point group through which adapters supply the readers of other frameworks' models.
-READERS = "chunked_entropy.model_readers"
-
-
-def model_reader(name: str):
-    """The model reader registered under ``name`` in the :data:`READERS` entry-point group.
-
-    A reader is ``reader(model, **kw) -> ChunkedVocabParallelHead``. This
-    package registers ``huggingface``; another package can register its own
-    in its metadata (``[options.entry_points]`` of its ``setup.cfg``).
-    """
-    from importlib.metadata import entry_points
-
-    for ep in entry_points(group=READERS):
-        if ep.name == name:
-            return ep.load()
-    raise RuntimeError(
-        f"no {name!r} model reader is registered in the {READERS!r} entry points: is chunked_entropy installed "
-        "(pip install -e .)? Without the package metadata, call "
-        "chunked_entropy.integrations.huggingface.head_from_model(model) directly"
-    )
+_LAYER_FIELDS = tuple(f.name for f in dataclasses.fields(OutputLayer))
+_CHUNKING_FIELDS = tuple(f.name for f in dataclasses.fields(Chunking))
 
 
 class ChunkedVocabParallelHead(nn.Module):
     """An output layer that returns log-probs and entropy instead of logits.
 
-    Wraps the weight (and bias) of an lm_head, a Megatron ``ColumnParallelLinear``
-    output layer or a tied embedding; ``forward(hidden, labels)`` calls
-    :func:`linear_log_probs_and_entropy`. The parameters are shared, not
-    copied: training the head trains the original layer. ``softcap`` and
-    ``logit_scale`` are the model's logit transform (see
-    :func:`~chunked_entropy.log_probs_and_entropy`), fixed per head,
-    ``backend`` chooses the per-block kernels (``"auto"``, ``"eager"``,
-    ``"compile"``, ``"triton"``; see :func:`~chunked_entropy.log_probs_and_entropy`), and
-    ``logits_dtype=torch.float32`` keeps a bf16/fp16 head's matmuls in float32
-    (see :func:`linear_log_probs_and_entropy`; the default rounds the logits to
-    the weight's dtype, as the model's own layer and a vLLM rollout do).
+    Holds an :class:`~chunked_entropy.OutputLayer` (the weight and bias of an
+    lm_head, a Megatron ``ColumnParallelLinear`` output layer or a tied
+    embedding, with its logit transform, group and dtype settings) and a
+    :class:`~chunked_entropy.Chunking`; ``forward(hidden, labels)`` calls
+    :func:`linear_log_probs_and_entropy` with them. The parameters are
+    shared, not copied: training the head trains the original layer.
 
     Example:
         >>> lm_head = torch.nn.Linear(16, 50, bias=False)
-        >>> head = ChunkedVocabParallelHead.from_linear(lm_head, chunk_size=256)
+        >>> head = ChunkedVocabParallelHead.from_linear(lm_head, chunking=256)
         >>> hidden = torch.randn(2, 7, 16, requires_grad=True)
         >>> labels = torch.randint(0, 50, (2, 7))
         >>> log_probs, entropy = head(hidden, labels)
     """
 
-    def __init__(
-        self,
-        weight: torch.Tensor,
-        bias: Optional[torch.Tensor] = None,
-        *,
-        chunk_size: int = 1024,
-        process_group=None,
-        sequence_parallel: bool = False,
-        vocab_chunk_size: Optional[int] = None,
-        gradient_accumulation_fusion: Optional[bool] = None,
-        softcap: Optional[float] = None,
-        logit_scale: Optional[float] = None,
-        backend: str = "auto",
-        logits_dtype: Optional[torch.dtype] = None,
-    ):
+    @accepts_01_keywords("ChunkedVocabParallelHead", old_bias_position=2)
+    def __init__(self, layer: Union[OutputLayer, torch.Tensor], chunking: Union[Chunking, int, None] = None):
         super().__init__()
-        check_float("weight", weight, dim=2)
-        if bias is not None:
-            check_float("bias", bias)
-            if bias.shape != (weight.shape[0],):
-                raise ValueError(f"bias must have shape ({weight.shape[0]},) (V_local), got {tuple(bias.shape)}")
-        check_chunk("chunk_size", chunk_size)
-        check_chunk("vocab_chunk_size", vocab_chunk_size, optional=True)
-        group_rank_size(process_group)  # a clear error now if the group is unusable
-        tf = Transform(softcap, logit_scale)  # checked now
-        self.softcap, self.logit_scale = tf.softcap, tf.logit_scale
-        self.backend = check_backend(backend)
-        self.weight = weight
-        self.bias = bias
-        self.chunk_size = chunk_size
-        self.process_group = process_group
-        self.sequence_parallel = check_flag("sequence_parallel", sequence_parallel)
-        self.vocab_chunk_size = vocab_chunk_size
-        self.gradient_accumulation_fusion = gradient_accumulation_fusion
-        check_logits_dtype(logits_dtype, weight)
-        self.logits_dtype = logits_dtype
+        self._layer = as_layer(layer)
+        self.chunking = as_chunking(chunking)
+        if self._layer.weight is None:
+            raise ValueError("layer must hold a weight (the head computes the logits from hidden states)")
+        self.weight = self._layer.weight  # registered as the head's parameter when it is one
+        self.bias = self._layer.bias
+
+    @property
+    def layer(self) -> OutputLayer:
+        """The output layer, over the head's current weight and bias (``.to()`` may have replaced them)."""
+        if self._layer.weight is self.weight and self._layer.bias is self.bias:
+            return self._layer
+        return self._layer.replace(weight=self.weight, bias=self.bias)
+
+    def __getattr__(self, name):  # 0.1's attributes: head.chunk_size, head.softcap, ...
+        if name in _CHUNKING_FIELDS:
+            return getattr(self.chunking, name)
+        if name in _LAYER_FIELDS and name not in ("weight", "bias"):
+            return getattr(self.__dict__["_layer"], name)
+        return super().__getattr__(name)
 
     def forward(
         self,
@@ -124,7 +88,7 @@ class ChunkedVocabParallelHead(nn.Module):
         top_k: Optional[int] = None,
         rows=None,
     ) -> LogProbsEntropy:
-        """:func:`linear_log_probs_and_entropy` with this head's weight, bias and settings.
+        """:func:`linear_log_probs_and_entropy` with this head's layer and chunking.
 
         ``keep`` (the rollout's kept sets, for sampling replay), ``entropy_of``,
         ``log_probs_at`` and ``top_k`` (distillation) are as in
@@ -134,37 +98,38 @@ class ChunkedVocabParallelHead(nn.Module):
         :func:`~chunked_entropy.linear_log_probs_and_entropy`.
         """
         return linear_log_probs_and_entropy(
-            hidden, self.weight, labels, bias=self.bias, chunk_size=self.chunk_size,
-            temperature=temperature, process_group=self.process_group,
-            sequence_parallel=self.sequence_parallel, compute_entropy=compute_entropy,
-            label_mask=label_mask, ignore_index=ignore_index,
-            vocab_chunk_size=self.vocab_chunk_size,
-            gradient_accumulation_fusion=self.gradient_accumulation_fusion,
-            softcap=self.softcap, logit_scale=self.logit_scale,
-            compute_sum_pi_squared=compute_sum_pi_squared, backend=self.backend, keep=keep, entropy_of=entropy_of,
-            logits_dtype=self.logits_dtype, log_probs_at=log_probs_at, top_k=top_k, rows=rows,
+            hidden, self.layer, labels, chunking=self.chunking, temperature=temperature,
+            compute_entropy=compute_entropy, label_mask=label_mask, ignore_index=ignore_index,
+            compute_sum_pi_squared=compute_sum_pi_squared, keep=keep, entropy_of=entropy_of,
+            log_probs_at=log_probs_at, top_k=top_k, rows=rows,
         )
 
     def policy_loss(self, hidden: torch.Tensor, labels: torch.Tensor, old_log_probs, advantages, loss_mask, **kw):
-        """:func:`~chunked_entropy.linear_policy_loss` with this head's weight, bias and settings: ``(loss, metrics)``.
+        """:func:`~chunked_entropy.linear_policy_loss` with this head's layer and chunking: ``(loss, metrics)``.
 
         Keywords are those of :func:`~chunked_entropy.linear_policy_loss`
-        (the loss options, ``temperature``, ``ref_log_probs``, ``keep``, ``entropy_of``).
+        (``loss=PolicyLoss(...)``, ``temperature``, ``ref_log_probs``, ``keep``, ...).
         """
-        for key, value in (("bias", self.bias), ("chunk_size", self.chunk_size), ("process_group", self.process_group),
-                           ("sequence_parallel", self.sequence_parallel), ("vocab_chunk_size", self.vocab_chunk_size),
-                           ("gradient_accumulation_fusion", self.gradient_accumulation_fusion),
-                           ("softcap", self.softcap), ("logit_scale", self.logit_scale), ("backend", self.backend),
-                           ("logits_dtype", self.logits_dtype)):
-            kw.setdefault(key, value)
-        return linear_policy_loss(hidden, self.weight, labels, old_log_probs, advantages, loss_mask, **kw)
+        layer, chunking = self.layer, kw.pop("chunking", self.chunking)
+        old_layer = {k: kw.pop(k) for k in _LAYER_FIELDS if k in kw}
+        old_chunking = {k: kw.pop(k) for k in _CHUNKING_FIELDS if k in kw}
+        if old_layer or old_chunking:  # 0.1 took the head's settings here too
+            names = ", ".join(sorted({**old_layer, **old_chunking}))
+            warnings.warn(
+                f"ChunkedVocabParallelHead.policy_loss: the keyword(s) {names} are 0.1's and go in {REMOVED_IN}; "
+                "build the head with those settings (OutputLayer, Chunking), or pass chunking=Chunking(...)",
+                DeprecationWarning, stacklevel=2)
+            layer = layer.replace(**old_layer)
+            chunking = as_chunking(chunking).replace(**old_chunking)
+        return linear_policy_loss(hidden, layer, labels, old_log_probs, advantages, loss_mask, chunking=chunking,
+                                  **kw)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, **kw) -> "ChunkedVocabParallelHead":
-        """Wrap a ``torch.nn.Linear`` lm_head (e.g. a Hugging Face model's); its parameters are shared."""
-        if not isinstance(linear, nn.Linear):
-            raise TypeError(f"linear must be a torch.nn.Linear, got {type(linear).__name__}")
-        return cls(linear.weight, linear.bias, **kw)
+    def from_linear(cls, linear: nn.Linear, *, chunking=None, **changes) -> "ChunkedVocabParallelHead":
+        """Wrap a ``torch.nn.Linear`` lm_head (e.g. a Hugging Face model's); its parameters are shared.
+        ``changes`` set the layer's other fields (:meth:`OutputLayer.from_linear`)."""
+        layer_fields = {k: changes.pop(k) for k in list(changes) if k in _LAYER_FIELDS}
+        return cls(OutputLayer.from_linear(linear, **layer_fields), chunking=chunking, **changes)
 
     @classmethod
     def from_hf_model(cls, model, *, verify: bool = True, **kw) -> "ChunkedVocabParallelHead":
@@ -178,48 +143,28 @@ class ChunkedVocabParallelHead(nn.Module):
         Granite's ``logits_scaling`` from the config (each only for the
         architectures that apply it), and checks the head against a two-token
         forward of the model (``verify``), so an unknown transform raises
-        instead of giving other log-probs.
+        instead of giving other log-probs. ``kw``: ``chunking=`` and the
+        layer's fields.
         """
         return model_reader("huggingface")(model, verify=verify, **kw)
 
     @classmethod
-    def from_megatron(cls, output_layer, *, weight: Optional[torch.Tensor] = None, **kw) -> "ChunkedVocabParallelHead":
-        """Wrap a megatron-core ``ColumnParallelLinear`` output layer.
-
-        Takes its weight (or ``weight=``, the tied embedding weight, required
-        when the layer was built with ``skip_weight_param_allocation``), its
-        bias (unless ``skip_bias_add``), its tensor-parallel group,
-        ``sequence_parallel`` and ``gradient_accumulation_fusion``. Keyword
-        arguments override these, and pass ``chunk_size`` etc.
-        """
-        for attr in ("tp_group", "sequence_parallel"):
-            if not hasattr(output_layer, attr):
-                raise TypeError(
-                    f"output_layer must be a megatron-core ColumnParallelLinear (missing .{attr}), "
-                    f"got {type(output_layer).__name__}"
-                )
-        if weight is None:
-            weight = output_layer.weight
-            if weight is None:
-                raise ValueError(
-                    "output_layer has no weight (skip_weight_param_allocation, tied embeddings): pass "
-                    "weight=model.shared_embedding_or_output_weight()"
-                )
-        bias = None if getattr(output_layer, "skip_bias_add", False) else getattr(output_layer, "bias", None)
-        kw.setdefault("process_group", output_layer.tp_group)
-        kw.setdefault("sequence_parallel", output_layer.sequence_parallel)
-        if getattr(output_layer, "gradient_accumulation_fusion", False):
-            kw.setdefault("gradient_accumulation_fusion", True)
-        else:
-            kw.setdefault("gradient_accumulation_fusion", False)
-        return cls(weight, bias, **kw)
+    def from_megatron(cls, output_layer, *, weight: Optional[torch.Tensor] = None, chunking=None,
+                      **changes) -> "ChunkedVocabParallelHead":
+        """Wrap a megatron-core ``ColumnParallelLinear`` output layer (:meth:`OutputLayer.from_megatron`:
+        its weight or ``weight=``, bias, group, ``sequence_parallel``, ``gradient_accumulation_fusion``);
+        ``changes`` override the layer's fields."""
+        layer_fields = {k: changes.pop(k) for k in list(changes) if k in _LAYER_FIELDS}
+        return cls(OutputLayer.from_megatron(output_layer, weight=weight, **layer_fields), chunking=chunking,
+                   **changes)
 
     def extra_repr(self) -> str:
-        v, h = self.weight.shape
+        layer, c = self.layer, self.chunking
+        v, h = layer.weight.shape
         return (
-            f"V_local={v}, H={h}, bias={self.bias is not None}, chunk_size={self.chunk_size}, "
-            f"vocab_chunk_size={self.vocab_chunk_size}, sequence_parallel={self.sequence_parallel}"
-            + (f", softcap={self.softcap}" if self.softcap is not None else "")
-            + (f", logit_scale={self.logit_scale}" if self.logit_scale is not None else "")
-            + (f", logits_dtype={self.logits_dtype}" if self.logits_dtype is not None else "")
+            f"V_local={v}, H={h}, bias={layer.bias is not None}, chunk_size={c.chunk_size}, "
+            f"vocab_chunk_size={c.vocab_chunk_size}, sequence_parallel={layer.sequence_parallel}"
+            + (f", softcap={layer.softcap}" if layer.softcap is not None else "")
+            + (f", logit_scale={layer.logit_scale}" if layer.logit_scale is not None else "")
+            + (f", logits_dtype={layer.logits_dtype}" if layer.logits_dtype is not None else "")
         )

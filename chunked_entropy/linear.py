@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -21,7 +21,6 @@ from ._autograd import once_differentiable
 from ._blocks import (
     Plan,
     check_linear_args,
-    check_logits_dtype,
     full_hidden,
     grad_vocab_block,
     linear_filler,
@@ -35,13 +34,15 @@ from ._blocks import (
     resolve_vocab_chunk,
     weak_group,
 )
-from ._checks import check_chunk, check_flag
+from ._checks import check_flag
 from ._inputs import Rows, Tokens, compute_dtype, prepare_tokens
-from ._kernels import check_backend, use_compiled
+from ._kernels import use_compiled
 from ._loop import grad_blocks
+from ._migrate import accepts_01_keywords
 from ._outputs import LogProbsEntropy, empty_outputs, pack_outputs, run_outputs, split_grads, without_labels
 from ._rows import check_full_shape, kept_rows, parse_kept, put_rows, select_rows, take_keep, take_rows
-from ._stats import RowStats, Transform, Want
+from ._stats import RowStats, Want
+from .options import Chunking, OutputLayer, as_chunking, as_layer
 from .parallel import agreed_call
 
 __all__ = ["linear_log_probs_and_entropy"]
@@ -99,28 +100,20 @@ class _HeadFunction(torch.autograd.Function):
         return grad_hidden, grad_weight, grad_bias, None, None, None
 
 
+@accepts_01_keywords("linear_log_probs_and_entropy")
 def linear_log_probs_and_entropy(
     hidden: torch.Tensor,
-    weight: torch.Tensor,
+    layer: Union[OutputLayer, torch.Tensor],
     labels: torch.Tensor,
     *,
-    bias: Optional[torch.Tensor] = None,
-    chunk_size: int = 1024,
+    chunking: Union[Chunking, int, None] = None,
     temperature=1.0,
-    process_group=None,
-    sequence_parallel: bool = False,
-    compute_entropy: bool = True,
     label_mask: Optional[torch.Tensor] = None,
     ignore_index: int = -100,
-    vocab_chunk_size: Optional[int] = None,
-    gradient_accumulation_fusion: Optional[bool] = None,
-    softcap: Optional[float] = None,
-    logit_scale: Optional[float] = None,
+    compute_entropy: bool = True,
     compute_sum_pi_squared: bool = False,
-    backend: str = "auto",
     keep=None,
     entropy_of: str = "full",
-    logits_dtype: Optional[torch.dtype] = None,
     log_probs_at: Optional[torch.Tensor] = None,
     top_k: Optional[int] = None,
     rows=None,
@@ -133,53 +126,51 @@ def linear_log_probs_and_entropy(
 
     Args:
         hidden: ``[..., H]`` hidden states (``[S/P, B, H]``, this rank's
-            slice, with ``sequence_parallel=True``), same dtype as ``weight``.
-        weight: ``[V_local, H]``, this rank's vocabulary shard (Megatron's
-            output layer, a tied embedding, or an ``nn.Linear`` lm_head).
+            slice, with ``layer.sequence_parallel``), the weight's dtype.
+        layer: the :class:`~chunked_entropy.OutputLayer` (or its bare
+            ``[V_local, H]`` weight): this rank's vocabulary shard (Megatron's
+            output layer, a tied embedding, or an ``nn.Linear`` lm_head), its
+            bias and logit transform. Under its ``process_group`` the weight is
+            sharded by rows and ``hidden`` replicated, so the hidden gradient
+            is summed over the group (as ColumnParallelLinear does); with
+            ``sequence_parallel``, ``hidden`` arrives split along dim 0:
+            forward all-gathers it, outputs cover the full sequence on every
+            rank, backward reduce-scatters its gradient to the slice. With
+            ``gradient_accumulation_fusion`` (None: when the weight has
+            ``main_grad``) the weight gradient is added to ``weight.main_grad``
+            in float32, as Megatron's linear layers do. ``logits_dtype``: the
+            dtype each block's matmul produces, for bf16/fp16 weights. None
+            (the default): their own dtype, rounded as the model's own output
+            layer rounds it (and as a vLLM rollout does, which widens the bf16
+            logits to float32 only for sampling), then widened for the float32
+            statistics. ``torch.float32``: the matmul is kept in float32
+            (``out_dtype`` on CUDA; elsewhere each block's rows are cast to
+            float32 first), and so is ``grad @ weight`` in backward: as exact
+            as plain float32 PyTorch on the same bf16 inputs.
         labels: ``[...]`` int64 *global* vocabulary ids; with sequence
             parallelism, for the full gathered sequence. None when only
             ``log_probs_at`` / ``top_k`` are wanted (``log_probs`` is then None).
-        bias: ``[V_local]`` or None.
-        chunk_size: tokens per chunk.
+        chunking: a :class:`~chunked_entropy.Chunking` or an int (the chunk
+            size), as in :func:`~chunked_entropy.log_probs_and_entropy`. Its
+            ``vocab_chunk_size`` also blocks the vocabulary (merging statistics
+            with an online softmax), so that the per-chunk buffers are
+            ``chunk_size * vocab_chunk_size`` instead of ``chunk_size *
+            V_local``; None: the whole shard while a float32 ``[chunk_size,
+            V_local]`` buffer is at most 128 MiB, else the widest multiple of
+            128 columns that is (a 152k vocabulary at chunk 1024: blocks of
+            32768). Its ``backend``: the matmuls stay cuBLAS/BLAS calls, the
+            compiled and Triton kernels fuse the work on each block of their
+            output.
         temperature: as in :func:`~chunked_entropy.log_probs_and_entropy`.
         label_mask: as in :func:`~chunked_entropy.log_probs_and_entropy`.
         ignore_index: as in :func:`~chunked_entropy.log_probs_and_entropy`.
         compute_entropy: as in :func:`~chunked_entropy.log_probs_and_entropy`.
-        process_group: the tensor-parallel group over which ``weight`` is
-            sharded by rows, or None. ``hidden`` is replicated over it, so its
-            gradient is summed over the group (as ColumnParallelLinear does).
-        sequence_parallel: ``hidden`` arrives split along dim 0; forward
-            all-gathers it, outputs cover the full sequence on every rank,
-            backward reduce-scatters its gradient to the slice.
-        vocab_chunk_size: also block the vocabulary (merging statistics with
-            an online softmax), so that the per-chunk buffers are
-            ``chunk_size * vocab_chunk_size`` instead of ``chunk_size * V_local``.
-            None: the whole shard while a float32 ``[chunk_size, V_local]``
-            buffer is at most 128 MiB, else the widest multiple of 128 columns
-            that is (a 152k vocabulary at chunk 1024: blocks of 32768).
-        gradient_accumulation_fusion: accumulate the weight gradient into
-            ``weight.main_grad`` (float32), as Megatron's linear layers do with
-            that option; None means "when ``weight`` has ``main_grad``".
-        softcap: as in :func:`~chunked_entropy.log_probs_and_entropy`.
-        logit_scale: as in :func:`~chunked_entropy.log_probs_and_entropy`.
         compute_sum_pi_squared: as in :func:`~chunked_entropy.log_probs_and_entropy`.
-        backend: as in :func:`~chunked_entropy.log_probs_and_entropy`; the
-            matmuls stay cuBLAS/BLAS calls, the compiled and Triton kernels
-            fuse the work on each block of their output.
         keep: sampling replay's kept sets, as in
             :func:`~chunked_entropy.log_probs_and_entropy`, over the tokens in
             the order of the flattened ``labels`` (with sequence parallelism:
             the full ``[S, B]`` labels, so row ``s * B + b``).
         entropy_of: as in :func:`~chunked_entropy.log_probs_and_entropy`.
-        logits_dtype: the dtype each block's matmul produces, for bf16/fp16
-            ``hidden`` and ``weight``. None (the default): their own dtype,
-            rounded as the model's own output layer rounds it (and as a vLLM
-            rollout does, which widens the bf16 logits to float32 only for
-            sampling), then widened for the float32 statistics.
-            ``torch.float32``: the matmul is kept in float32 (``out_dtype``
-            on CUDA; elsewhere each block's rows are cast to float32 first),
-            and so is ``grad @ weight`` in backward: as exact as plain float32
-            PyTorch on the same bf16 inputs, for a rollout with an fp32 LM head.
         log_probs_at: distillation's ids, ``[..., K]`` in the labels' leading
             shape, as in :func:`~chunked_entropy.log_probs_and_entropy`; read
             from each block as it is computed: no extra matmul pass.
@@ -235,50 +226,50 @@ def linear_log_probs_and_entropy(
         (under sequence parallelism the ``[S, B, H]`` gather is made once,
         outside the chunk loop), and a ``[tokens, H]`` hidden gradient.
     """
+    layer, chunking = as_layer(layer), as_chunking(chunking)
+    weight, bias, process_group, sequence_parallel = layer.weight, layer.bias, layer.process_group, \
+        layer.sequence_parallel
     kept = parse_kept(rows)
     if kept is not None:
-        return _kept_call(hidden, weight, labels, kept[1], process_group, sequence_parallel, label_mask,
-                          ignore_index, temperature, keep, log_probs_at, dict(
-                              bias=bias, chunk_size=chunk_size, compute_entropy=compute_entropy,
-                              ignore_index=ignore_index, vocab_chunk_size=vocab_chunk_size,
-                              gradient_accumulation_fusion=gradient_accumulation_fusion, softcap=softcap,
-                              logit_scale=logit_scale, compute_sum_pi_squared=compute_sum_pi_squared, backend=backend,
-                              entropy_of=entropy_of, logits_dtype=logits_dtype, top_k=top_k))
+        return _kept_call(hidden, layer, labels, kept[1], label_mask, ignore_index, temperature, keep, log_probs_at,
+                          dict(chunking=chunking, compute_entropy=compute_entropy, ignore_index=ignore_index,
+                               compute_sum_pi_squared=compute_sum_pi_squared, entropy_of=entropy_of, top_k=top_k))
     if rows is not None:
         hidden = select_rows(rows, hidden, process_group=process_group, sequence_parallel=sequence_parallel,
                              labels=labels, label_mask=label_mask, log_probs_at=log_probs_at,
                              keep=keep if isinstance(keep, torch.Tensor) else None)
         sequence_parallel = False
+        layer = layer.replace(sequence_parallel=False)
     with agreed_call(process_group) as call:  # every rank validates; a refused call raises on all of them
-        sequence_parallel = check_flag("sequence_parallel", sequence_parallel)
         no_labels = labels is None and (log_probs_at is not None or top_k is not None)
         lead = check_linear_args(hidden, weight, bias, _lead_labels(hidden, labels, no_labels, call.world,
                                                                     sequence_parallel),
-                                 call.world, sequence_parallel, vocab_chunk_size)
-        check_chunk("chunk_size", chunk_size)
+                                 call.world, sequence_parallel, chunking.vocab_chunk_size)
         want = Want(check_flag("compute_entropy", compute_entropy),
                     check_flag("compute_sum_pi_squared", compute_sum_pi_squared))
         v_local = weight.shape[0]
+        chunk_size = chunking.resolve(min(chunking.vocab_chunk_size or v_local, v_local), buffers=1 + want.scratch)
         cdt = compute_dtype(weight.dtype)
-        main_grad = main_grad_of(weight, gradient_accumulation_fusion)
+        main_grad = main_grad_of(weight, layer.gradient_accumulation_fusion)
         grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
         plan = Plan(
             chunk_size=chunk_size,
-            vocab_chunk_size=resolve_vocab_chunk(vocab_chunk_size, chunk_size, math.prod(lead), v_local),
+            vocab_chunk_size=resolve_vocab_chunk(chunking.vocab_chunk_size, chunk_size, math.prod(lead), v_local),
             group=process_group,
             sequence_parallel=sequence_parallel,
             want=want,
-            compiled=use_compiled(check_backend(backend), hidden.device),
-            float32_logits=check_logits_dtype(logits_dtype, weight),
+            compiled=use_compiled(chunking.backend, hidden.device),
+            float32_logits=layer.float32_logits,
         )
         if no_labels:
             labels = torch.full(lead, ignore_index, dtype=torch.int64, device=hidden.device)
         tok = prepare_tokens(
             labels, lead, v_local, call=call, label_mask=label_mask, ignore_index=ignore_index,
-            temperature=temperature, device=hidden.device, dtype=cdt, transform=Transform(softcap, logit_scale),
+            temperature=temperature, device=hidden.device, dtype=cdt, transform=layer.transform,
             keep=keep, entropy_of=entropy_of, log_probs_at=log_probs_at, top_k=top_k,
         )
         call.agree_all(linear_settings(hidden, weight, bias, plan, grads))
+        call.agree_all({"layer (OutputLayer)": layer.fingerprint(), "chunking (Chunking)": chunking.fingerprint()})
     if tok.n == 0:
         return without_labels(empty_outputs(labels.shape, want, cdt, hidden.device, [hidden, weight, bias], tok.at),
                               no_labels)
@@ -292,11 +283,12 @@ def linear_log_probs_and_entropy(
     ), no_labels)
 
 
-def _kept_call(hidden, weight, labels, count, group, sequence_parallel, label_mask, ignore_index, temperature, keep,
-               log_probs_at, kw) -> LogProbsEntropy:
+def _kept_call(hidden, layer: OutputLayer, labels, count, label_mask, ignore_index, temperature, keep, log_probs_at,
+               kw) -> LogProbsEntropy:
     """``rows="kept"``: the call on the kept rows, its outputs back in the labels' shape (zero elsewhere)."""
     if not isinstance(labels, torch.Tensor):
         raise TypeError("rows='kept' selects the rows by their labels: pass labels (an int64 tensor)")
+    group, sequence_parallel = layer.process_group, layer.sequence_parallel
     check_full_shape("labels", labels, hidden, group, sequence_parallel)
     if isinstance(label_mask, torch.Tensor) and label_mask.shape != labels.shape:
         raise ValueError(f"label_mask must have the labels' shape {tuple(labels.shape)}, got "
@@ -312,7 +304,7 @@ def _kept_call(hidden, weight, labels, count, group, sequence_parallel, label_ma
                          labels=labels, label_mask=label_mask, log_probs_at=log_probs_at,
                          keep=keep if isinstance(keep, torch.Tensor) else None)
     out = linear_log_probs_and_entropy(
-        hidden, weight, labels, process_group=group, label_mask=label_mask,
+        hidden, layer.replace(sequence_parallel=False), labels, label_mask=label_mask,
         temperature=take_rows(temperature, lead, idx), keep=keep, log_probs_at=log_probs_at, **kw)
     return LogProbsEntropy(*(put_rows(t, lead, idx) for t in (out.log_probs, out.entropy, out.sum_pi_squared,
                                                               out.log_probs_at, out.top_k_ids, out.top_k_log_probs)))

@@ -6,19 +6,21 @@ walks the rows of the caller's logits with the chunk loop.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
 from ._autograd import once_differentiable
 from ._blocks import logits_row_stats, logits_source
-from ._checks import check_chunk, check_flag, check_float
+from ._checks import check_flag, check_float
 from ._inputs import Tokens, compute_dtype, dtype_code, prepare_tokens
-from ._kernels import Kernels, check_backend, use_compiled
+from ._kernels import Kernels, use_compiled
 from ._loop import grad_blocks
+from ._migrate import accepts_01_keywords
 from ._outputs import LogProbsEntropy, empty_outputs, pack_outputs, run_outputs, split_grads, without_labels
 from ._rows import select_logit_rows
-from ._stats import RowStats, Transform, Want
+from ._stats import RowStats, Want
+from .options import Chunking, OutputLayer, as_chunking, as_layer, check_layer_width
 from .parallel import agreed_call
 
 
@@ -67,20 +69,18 @@ class _LogitsFunction(torch.autograd.Function):
         return grad, None, None, None, None, None
 
 
+@accepts_01_keywords("log_probs_and_entropy")
 def log_probs_and_entropy(
     logits: torch.Tensor,
     labels: torch.Tensor,
     *,
-    chunk_size: int = 1024,
+    layer: Optional[OutputLayer] = None,
+    chunking: Union[Chunking, int, None] = None,
     temperature=1.0,
-    process_group=None,
-    compute_entropy: bool = True,
     label_mask: Optional[torch.Tensor] = None,
     ignore_index: int = -100,
-    softcap: Optional[float] = None,
-    logit_scale: Optional[float] = None,
+    compute_entropy: bool = True,
     compute_sum_pi_squared: bool = False,
-    backend: str = "auto",
     keep=None,
     entropy_of: str = "full",
     log_probs_at: Optional[torch.Tensor] = None,
@@ -103,15 +103,32 @@ def log_probs_and_entropy(
             version-counter bump; it may feed other ops and other calls.
         labels: ``[...]`` int64 *global* vocabulary ids, or None when only
             ``log_probs_at`` / ``top_k`` are wanted (``log_probs`` is then None).
-        chunk_size: tokens per chunk (>= 1). Memory per chunk is
-            ``chunk_size * V_local * 4`` bytes per buffer.
+        layer: the :class:`~chunked_entropy.OutputLayer` that made the
+            logits, or None. Read here: its ``process_group``, the
+            tensor-parallel group over which the vocabulary is sharded (rank
+            ``r`` holds ids ``[r*V_local, (r+1)*V_local)``; forward makes two
+            all-reduces per chunk, backward none), and its logit transform:
+            the softmax is over ``softcap * tanh(logit_scale * logits /
+            softcap) / temperature`` (Gemma's ``final_logit_softcapping``,
+            Cohere's ``logit_scale``; each optional). Its other fields say how
+            the logits were formed, which they already are (a weight, if
+            given, must have ``V_local`` rows).
+        chunking: a :class:`~chunked_entropy.Chunking`, or an int: the chunk
+            size (tokens per chunk; default 1024, ``"auto"`` sized to its
+            budget). Memory per chunk is ``chunk_size * V_local * 4`` bytes
+            per buffer. Its ``backend`` chooses the kernels of each block:
+            ``"auto"`` (Triton on CUDA when importable, else compiled, each
+            tried once per process and skipped with one warning where it
+            fails; eager on the CPU), ``"eager"`` (the reference: in-place
+            PyTorch ops per block), ``"compile"`` (each block's statistics and
+            gradient as one ``torch.compile``d pass reading the logits
+            directly) or ``"triton"`` (the same two passes as Triton kernels;
+            on a CPU tensor only under ``TRITON_INTERPRET=1``). The compiled
+            and Triton kernels allocate no ``[chunk_size, V]`` buffer on this
+            path. See :mod:`chunked_entropy._kernels`.
         temperature: a float > 0 or a tensor broadcastable to ``labels``'
             shape (per-sample temperatures), applied in float32 inside the
             chunk loop. It receives no gradient.
-        process_group: the tensor-parallel group over which the vocabulary is
-            sharded (rank ``r`` holds ids ``[r*V_local, (r+1)*V_local)``), or
-            None for a whole local vocabulary. Forward makes two all-reduces
-            per chunk; backward makes none.
         compute_entropy: when False, ``entropy`` is None and no entropy
             statistic is computed (one buffer per chunk instead of two).
         label_mask: optional bool ``[...]``; where False (or where
@@ -119,27 +136,8 @@ def log_probs_and_entropy(
             gradient. Masked labels are not range-checked. The entropy is
             defined for every token.
         ignore_index: label id meaning "no label".
-        softcap: the model's final-logit soft-cap (Gemma 2/3's
-            ``final_logit_softcapping``), a float > 0, or None: the softmax is
-            over ``softcap * tanh(logit_scale * logits / softcap) / temperature``.
-        logit_scale: a multiplier applied before the cap (Cohere's
-            ``logit_scale``; Granite's ``1 / logits_scaling``), a float > 0,
-            or None.
         compute_sum_pi_squared: also return ``sum_j p_j**2`` per token (as
             ``.sum_pi_squared``, with its gradient), from the same pass.
-        backend: which kernels run each block's math: ``"auto"`` (the
-            default: the fast path of the device, the Triton kernels on
-            CUDA when Triton is importable, else the compiled ones, each
-            tried once per process and skipped with one warning where it
-            fails; ``"eager"`` on the CPU and other devices), ``"eager"``
-            (the reference: in-place PyTorch ops per block), ``"compile"``
-            (each block's statistics and gradient as one ``torch.compile``d
-            pass that reads the logits directly, compiled on first use) or
-            ``"triton"`` (the same two passes as Triton kernels; on a CPU
-            tensor only under Triton's interpreter, ``TRITON_INTERPRET=1``,
-            for tests; a clear error where Triton is not installed). The
-            compiled and Triton kernels allocate no ``[chunk_size, V]``
-            buffer on this path. See :mod:`chunked_entropy._kernels`.
         keep: sampling replay: the rollout's kept set of each token (top-k /
             top-p), or None. The log-prob is then taken over the softmax
             restricted to the row's kept set; the label always counts as
@@ -213,7 +211,7 @@ def log_probs_and_entropy(
     Example:
         >>> logits = torch.randn(2, 5, 11, requires_grad=True)
         >>> labels = torch.randint(0, 11, (2, 5))
-        >>> log_probs, entropy = log_probs_and_entropy(logits, labels, chunk_size=4)
+        >>> log_probs, entropy = log_probs_and_entropy(logits, labels, chunking=4)
         >>> (log_probs.sum() + 0.01 * entropy.sum()).backward()
 
     ``rows`` (an int64 index into the flattened logit rows, repeats allowed)
@@ -222,6 +220,8 @@ def log_probs_and_entropy(
     the logits' gradient summed over repeats and zero on the other rows; one
     ``[M, V_local]`` gather of the selected logit rows.
     """
+    layer, chunking = as_layer(layer, logits=True), as_chunking(chunking)
+    process_group = layer.process_group
     if rows is not None:
         logits = select_logit_rows(rows, logits, process_group, labels=labels, label_mask=label_mask,
                                    log_probs_at=log_probs_at, keep=keep if isinstance(keep, torch.Tensor) else None)
@@ -229,10 +229,11 @@ def log_probs_and_entropy(
         check_float("logits", logits)
         if logits.dim() < 1 or logits.shape[-1] < 1:
             raise ValueError(f"logits must be [..., V_local] with V_local >= 1, got shape {tuple(logits.shape)}")
-        check_chunk("chunk_size", chunk_size)
+        check_layer_width(layer, logits.shape[-1])
         want = Want(check_flag("compute_entropy", compute_entropy),
                     check_flag("compute_sum_pi_squared", compute_sum_pi_squared))
-        compiled = use_compiled(check_backend(backend), logits.device)
+        chunk_size = chunking.resolve(logits.shape[-1], buffers=1 + want.scratch)
+        compiled = use_compiled(chunking.backend, logits.device)
         cdt = compute_dtype(logits.dtype)
         grads = torch.is_grad_enabled() and logits.requires_grad
         no_labels = labels is None and (log_probs_at is not None or top_k is not None)
@@ -241,10 +242,11 @@ def log_probs_and_entropy(
         tok = prepare_tokens(
             labels, logits.shape[:-1], logits.shape[-1], call=call, label_mask=label_mask,
             ignore_index=ignore_index, temperature=temperature, device=logits.device, dtype=cdt,
-            transform=Transform(softcap, logit_scale), keep=keep, entropy_of=entropy_of,
+            transform=layer.transform, keep=keep, entropy_of=entropy_of,
             log_probs_at=log_probs_at, top_k=top_k, logits=logits,
         )
-        call.agree_all({"chunk_size": chunk_size, "compute_entropy": want.entropy,
+        call.agree_all({"layer (OutputLayer)": layer.fingerprint(), "chunking (Chunking)": chunking.fingerprint(),
+                        "compute_entropy": want.entropy,
                         "compute_sum_pi_squared": want.sum_pi_squared, "logits.requires_grad": grads,
                         "logits.dtype (0 float32, 1 bfloat16, 2 float16, 3 float64)": dtype_code(logits.dtype)})
     if tok.n == 0:

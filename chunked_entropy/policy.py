@@ -32,9 +32,7 @@ tokens by the mask alone (:func:`~chunked_entropy.losses.agg_weights`), so:
 from __future__ import annotations
 
 import math
-import zlib
-from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -42,7 +40,6 @@ from ._autograd import connected, graph_is_kept, once_differentiable
 from ._blocks import (
     Plan,
     check_linear_args,
-    check_logits_dtype,
     full_hidden,
     grad_vocab_block,
     linear_filler,
@@ -58,67 +55,31 @@ from ._blocks import (
     token_major,
     token_major_grad,
 )
-from ._checks import check_chunk, check_flag, check_float, check_real, require
+from ._checks import check_float, require
 from ._inputs import Rows, Tokens, compute_dtype, dtype_code, prepare_tokens
-from ._kernels import Kernels, check_backend, use_compiled
+from ._kernels import Kernels, use_compiled
 from ._loop import loss_grad_blocks, new_row_stats
+from ._migrate import accepts_01_keywords
 from ._rows import check_full_shape, parse_kept, select_logit_rows, select_rows, take_keep, take_rows
-from ._stats import RowStats, Transform, Want
-from .losses import KL_KINDS, Aggregation, PolicyOptions, kl_penalty, kl_penalty_grad, rollout_correction
+from ._stats import RowStats, Want
+from .losses import Aggregation, kl_penalty, kl_penalty_grad, rollout_correction
 from .losses._common import check_mask, check_same_shape
 from .losses.aggregation import aggregate
-from .losses.registry import check_weights, evaluate, objective, options_of
+from .losses.registry import check_weights, evaluate, objective
 from .losses.token import selected
+from .options import Chunking, OutputLayer, PolicyLoss, as_chunking, as_layer, as_loss, check_layer_width
 from .parallel import agreed_call, fingerprint, fingerprint_floats
 
-__all__ = ["PolicyLossOptions", "linear_policy_loss", "policy_loss_from_logits"]
-
-
-@dataclass(frozen=True, eq=False)
-class PolicyLossOptions:
-    """The loss: ``pg - entropy_coeff * agg(entropy) + kl_coef * agg(kl_penalty)``.
-
-    ``loss_mode`` names ``pg`` (:data:`~chunked_entropy.losses.LOSS_MODES`),
-    ``policy`` holds its options (:class:`~chunked_entropy.losses.PolicyOptions`,
-    verl's field names and defaults), ``agg`` the aggregation of every term
-    (:class:`~chunked_entropy.losses.Aggregation`, verl's ``agg_loss``
-    arguments). Checked on construction; numbers of any kind (numpy's too) are
-    stored as floats, so the options of two ranks compare equal.
-    """
-
-    loss_mode: str = "vanilla"
-    policy: PolicyOptions = field(default_factory=PolicyOptions)
-    entropy_coeff: float = 0.0
-    kl_coef: float = 0.0
-    kl_kind: str = "low_var_kl"
-    agg: Aggregation = field(default_factory=Aggregation)
-
-    def __post_init__(self):
-        object.__setattr__(self, "entropy_coeff", check_real("entropy_coeff", self.entropy_coeff))
-        object.__setattr__(self, "kl_coef", check_real("kl_coef", self.kl_coef))
-        if not isinstance(self.kl_kind, str) or self.kl_kind not in KL_KINDS:
-            raise ValueError(f"kl_kind must be one of {', '.join(map(repr, KL_KINDS))}; got {self.kl_kind!r}")
-        objective(self.loss_mode, self.policy)  # an unknown mode, or dro without dro_beta, is named now
-
-    def fingerprint(self) -> tuple:
-        """What the ranks of a tensor-parallel group must agree on."""
-        scalars = (self.loss_mode, self.policy.fingerprint(), self.entropy_coeff, self.kl_coef, self.kl_kind)
-        return (zlib.crc32(repr(scalars).encode()), *self.agg.fingerprint())
-
-
-def loss_options(loss_mode, options, fields, entropy_coeff, kl_coef, kl_kind, agg_args) -> PolicyLossOptions:
-    """The fused losses' :class:`PolicyLossOptions` from their keyword arguments (checked, naming each)."""
-    return PolicyLossOptions(loss_mode, options_of(options, fields), entropy_coeff, kl_coef, kl_kind,
-                             Aggregation(*agg_args))
+__all__ = ["linear_policy_loss", "policy_loss_from_logits"]
 
 
 class _Objective:
     """Per-token data of the loss, its per-token upstream gradients, and its value from the outputs."""
 
-    def __init__(self, opts: PolicyLossOptions, labels, old_log_probs, advantages, loss_mask, ref_log_probs,
+    def __init__(self, opts: PolicyLoss, labels, old_log_probs, advantages, loss_mask, ref_log_probs,
                  rollout_is_weights, rollout_log_probs, generator, dtype):
         self.opts = opts
-        self.objective = objective(opts.loss_mode, opts.policy)
+        self.objective = objective(opts.mode, opts.options)
         if not isinstance(labels, torch.Tensor):
             raise TypeError(f"labels must be a torch.Tensor of int64 ids, got {type(labels).__name__}")
         self.shape = labels.shape
@@ -137,7 +98,7 @@ class _Objective:
             if weights is not None:
                 raise ValueError("pass rollout_is_weights or rollout_log_probs (to compute them), not both")
             check_same_shape("labels", labels, rollout_log_probs=rollout_log_probs)
-            o = opts.policy
+            o = opts.options
             weights, loss_mask, _ = rollout_correction(
                 old_log_probs, rollout_log_probs, loss_mask, rollout_is=o.rollout_is,
                 rollout_is_threshold=o.rollout_is_threshold, rollout_is_batch_normalize=o.rollout_is_batch_normalize,
@@ -153,8 +114,9 @@ class _Objective:
                                     flat(weights))
         self.old, self.adv, self.ref, self.is_w = old, adv, ref, w
         self.mask_flat = loss_mask.reshape(-1)
-        pg_agg = opts.agg if self.objective.agg_mode is None else opts.agg.with_mode(self.objective.agg_mode)
-        self.weights = opts.agg.weights(loss_mask, dtype).reshape(-1)  # the entropy's and the KL's
+        agg = opts.aggregation
+        pg_agg = agg if self.objective.agg_mode is None else agg.with_mode(self.objective.agg_mode)
+        self.weights = opts.aggregation.weights(loss_mask, dtype).reshape(-1)  # the entropy's and the KL's
         self.pg_weights = pg_agg.weights(loss_mask, dtype).reshape(-1)
         self.inputs = (old_log_probs, advantages, ref_log_probs)
         self.pg = None  # (pg loss, metrics) of a sequence-level objective, from its one evaluation
@@ -165,21 +127,21 @@ class _Objective:
         """How many consecutive tokens a token's gradient reads (see ``loss_grad_blocks``): 1, a row's, or all."""
         if self.objective.token_local:
             return 1
-        return self.shape[-1] if self.objective.reads_only_its_row(self.opts.policy) else None
+        return self.shape[-1] if self.objective.reads_only_its_row(self.opts.options) else None
 
     def settings(self, call) -> dict:
         """What every rank of a process group must agree on (see ``prepare_tokens``); nothing without one."""
         if call.world == 1:
             return {}
         out = {
-            "the loss options": self.opts.fingerprint(),
+            "loss (PolicyLoss)": self.opts.fingerprint(),
             "old_log_probs": fingerprint_floats(self.old),
             "advantages": fingerprint_floats(self.adv),
             "ref_log_probs": fingerprint_floats(self.ref),
             "loss_mask": fingerprint_floats(self.mask_flat),
             "rollout_is_weights": fingerprint_floats(self.is_w),
         }
-        if self.opts.loss_mode == "clip_cov":  # its random draw must be the same on every rank
+        if self.opts.mode == "clip_cov":  # its random draw must be the same on every rank
             state = (self.generator.get_state() if self.generator is not None else torch.random.get_rng_state())
             out["the random generator's state (clip_cov draws its tokens from it)"] = fingerprint(state)
         return out
@@ -191,7 +153,7 @@ class _Objective:
         if self.objective.token_local:
             keep = self.keep.reshape(-1)[a:b]
             lp_k, = selected(keep, lp)
-            g = self.objective.token_grad(lp_k, self.old[a:b], self.adv[a:b], self.mask_flat[a:b], self.opts.policy)
+            g = self.objective.token_grad(lp_k, self.old[a:b], self.adv[a:b], self.mask_flat[a:b], self.opts.options)
             if self.is_w is not None:
                 g = g * self.is_w[a:b]
             return g * self.pg_weights[a:b]
@@ -202,7 +164,7 @@ class _Objective:
         with torch.enable_grad():
             lp_k, = selected(self.keep, x)
             loss, metrics = evaluate(self.objective, lp_k, self.old.view(self.shape), self.adv.view(self.shape),
-                                     self.mask, self.opts.policy, self.opts.agg,
+                                     self.mask, self.opts.options, self.opts.aggregation,
                                      None if self.is_w is None else self.is_w.view(self.shape), self.generator)
             (g,) = torch.autograd.grad(loss, x, allow_unused=True)
         if whole:  # the value and metrics too; a row-local objective asked by chunks is evaluated once more at the end
@@ -229,12 +191,12 @@ class _Objective:
     def value(self, log_probs: torch.Tensor, entropy: torch.Tensor):
         """``(loss, metrics)`` from the outputs, by the composition itself (no gradient), with verl's metric
         names: the objective's, ``"actor/pg_loss"``, ``"actor/entropy_loss"`` and, with a reference, ``"kl_loss"``."""
-        o, agg = self.opts, self.opts.agg
+        o, agg = self.opts, self.opts.aggregation
         lp, ent = log_probs.view(self.shape), entropy.view(self.shape)
         if self.pg is None:
             lp_k, = selected(self.keep, lp)
             pg, metrics = evaluate(self.objective, lp_k, self.old.view(self.shape).to(lp.dtype),
-                                   self.adv.view(self.shape).to(lp.dtype), self.mask, o.policy, agg,
+                                   self.adv.view(self.shape).to(lp.dtype), self.mask, o.options, agg,
                                    None if self.is_w is None else self.is_w.view(self.shape).to(lp.dtype),
                                    self.generator)
         else:
@@ -319,55 +281,37 @@ class _HeadLossFunction(torch.autograd.Function):
         return _hand_over(grad_h, g), grad_weight, grad_bias, None, None, None, None
 
 
+@accepts_01_keywords("linear_policy_loss", policy_fields=True)
 def linear_policy_loss(
     hidden: torch.Tensor,
-    weight: torch.Tensor,
+    layer: Union[OutputLayer, torch.Tensor],
     labels: torch.Tensor,
     old_log_probs: torch.Tensor,
     advantages: torch.Tensor,
     loss_mask: torch.Tensor,
     *,
-    bias: Optional[torch.Tensor] = None,
+    loss: Optional[PolicyLoss] = None,
+    chunking: Union[Chunking, int, None] = None,
+    temperature=1.0,
     ref_log_probs: Optional[torch.Tensor] = None,
-    kl_coef: float = 0.0,
-    kl_kind: str = "low_var_kl",
-    entropy_coeff: float = 0.0,
-    loss_mode: str = "vanilla",
     rollout_is_weights: Optional[torch.Tensor] = None,
     rollout_log_probs: Optional[torch.Tensor] = None,
-    options: Optional[PolicyOptions] = None,
     generator: Optional[torch.Generator] = None,
-    loss_agg_mode: str = "token-mean",
-    loss_scale_factor: Optional[float] = None,
-    dp_size: int = 1,
-    batch_num_tokens=None,
-    global_batch_size=None,
-    temperature=1.0,
-    chunk_size: int = 1024,
-    vocab_chunk_size: Optional[int] = None,
-    process_group=None,
-    sequence_parallel: bool = False,
-    softcap: Optional[float] = None,
-    logit_scale: Optional[float] = None,
-    gradient_accumulation_fusion: Optional[bool] = None,
-    backend: str = "auto",
     keep=None,
-    entropy_of: str = "full",
-    logits_dtype: Optional[torch.dtype] = None,
     rows=None,
-    **fields,
 ):
     """The RL policy loss of the output layer, fused: ``(loss, metrics)`` from hidden states.
 
     Equals, in value and in the gradients of ``hidden``, ``weight`` and
     ``bias``, the composition ::
 
-        lp, ent = linear_log_probs_and_entropy(hidden, weight, labels, ...)
-        pg, m = losses.policy_loss(lp, old_log_probs, advantages, loss_mask, loss_mode=..., ...)
-        loss = (pg - entropy_coeff * losses.entropy_bonus(ent, loss_mask, loss_agg_mode)
-                + kl_coef * losses.agg_loss(losses.kl_penalty(lp, ref_log_probs, kl_kind), loss_mask, loss_agg_mode))
+        lp, ent = linear_log_probs_and_entropy(hidden, layer, labels, ...)
+        pg, m = losses.policy_loss(lp, old_log_probs, advantages, loss_mask, loss_mode=loss.mode, ...)
+        loss = (pg - loss.entropy_coeff * losses.entropy_bonus(ent, loss_mask, agg_mode)
+                + loss.kl_coef * losses.agg_loss(losses.kl_penalty(lp, ref_log_probs, loss.kl_kind), loss_mask,
+                                                 agg_mode))
 
-    but forms the gradients in the chunk loop. A token-local ``loss_mode``
+    but forms the gradients in the chunk loop. A token-local ``loss.mode``
     (vanilla, dppo_tv, dppo_kl, sapo, gpg, dro, cispo) forms them in the
     forward pass: three matmul passes instead of four when the vocabulary is
     not blocked (with ``vocab_chunk_size`` a row's statistics are complete
@@ -382,20 +326,33 @@ def linear_policy_loss(
     in the same memory.
 
     Args:
-        hidden: ``[B, T, H]``; with ``sequence_parallel=True``, Megatron's
+        hidden: ``[B, T, H]``; with ``layer.sequence_parallel``, Megatron's
             ``[T/P, B, H]`` slice of this rank (the per-token tensors stay ``[B, T]``).
-        weight: ``[V_local, H]``, this rank's vocabulary shard.
+        layer: the :class:`~chunked_entropy.OutputLayer` (or its bare
+            ``[V_local, H]`` weight), as in
+            :func:`~chunked_entropy.linear_log_probs_and_entropy`: this rank's
+            vocabulary shard, bias, logit transform, tensor-parallel group,
+            sequence parallelism, ``logits_dtype`` and
+            ``gradient_accumulation_fusion``.
         labels: ``[B, T]`` int64 global ids (not range-checked where ``loss_mask`` is 0).
         old_log_probs: ``[B, T]`` log-probs under the rollout policy (no gradient).
         advantages: ``[B, T]`` advantages (no gradient).
         loss_mask: ``[B, T]`` bool (or 0/1, or non-negative weights).
-        bias: ``[V_local]`` or None.
-        ref_log_probs: ``[B, T]`` reference log-probs (needed when ``kl_coef != 0``).
-        kl_coef: the KL penalty's weight.
-        kl_kind: its estimator, one of :data:`~chunked_entropy.losses.KL_KINDS`.
-        entropy_coeff: the entropy bonus's weight.
-        loss_mode: the policy objective, one of :data:`~chunked_entropy.losses.LOSS_MODES`
-            (verl's names), as in :func:`~chunked_entropy.losses.policy_loss`.
+        loss: the :class:`~chunked_entropy.PolicyLoss` (None: verl's vanilla
+            PPO defaults): the objective (``mode``, one of
+            :data:`~chunked_entropy.losses.LOSS_MODES`, verl's names) and its
+            ``options`` (``clip_ratio``, ...), ``entropy_coeff``, ``kl_coef``
+            and ``kl_kind``, the ``aggregation`` (verl's ``agg_loss``
+            arguments; with data parallelism the global batch's counts, so
+            that the average of the ranks' gradients, what DDP forms, is the
+            gradient of the loss over the global batch), and ``entropy_of``:
+            the entropy bonus's entropy under sampling replay, ``"full"`` (the
+            whole distribution) or ``"kept"``.
+        chunking: a :class:`~chunked_entropy.Chunking` or an int (the chunk
+            size), as in :func:`~chunked_entropy.linear_log_probs_and_entropy`
+            (vocabulary blocks cost the fourth matmul pass).
+        temperature: as in :func:`~chunked_entropy.linear_log_probs_and_entropy`.
+        ref_log_probs: ``[B, T]`` reference log-probs (needed when ``loss.kl_coef != 0``).
         rollout_is_weights: ``[B, T]`` rollout-correction weights, as in
             :func:`~chunked_entropy.losses.policy_loss`.
         rollout_log_probs: ``[B, T]`` the rollout engine's log-probs, instead of
@@ -403,38 +360,12 @@ def linear_policy_loss(
             from :func:`~chunked_entropy.losses.rollout_correction` of
             ``old_log_probs`` against them, with the options' ``rollout_is*``
             and ``rollout_rs*`` settings (as verl's trainer computes them).
-        options: a :class:`~chunked_entropy.losses.PolicyOptions` (e.g.
-            ``PolicyOptions.from_actor_config(config.actor)``); ``**fields``
-            replace its fields.
         generator: ``clip_cov``'s random draw, as in :func:`~chunked_entropy.losses.policy_loss`
             (under a process group every rank must hold the same state; the ranks agree on it).
-        loss_agg_mode: as in :func:`~chunked_entropy.losses.agg_loss`.
-        loss_scale_factor: as in :func:`~chunked_entropy.losses.agg_loss`.
-        dp_size: as in :func:`~chunked_entropy.losses.agg_loss`: the data-parallel size; with
-            ``dp_size > 1`` pass the global counts below, and the average of the ranks' gradients
-            (what DDP forms) is the gradient of the loss over the global batch.
-        batch_num_tokens: as in :func:`~chunked_entropy.losses.agg_loss` (``"token-mean"``).
-        global_batch_size: as in :func:`~chunked_entropy.losses.agg_loss` (the ``"seq-mean-*"`` modes).
-        temperature: as in :func:`~chunked_entropy.linear_log_probs_and_entropy`.
-        chunk_size: tokens per chunk.
-        vocab_chunk_size: as in :func:`~chunked_entropy.linear_log_probs_and_entropy`
-            (blocks cost the fourth matmul pass).
-        process_group: the tensor-parallel group ``weight`` is sharded over.
-        sequence_parallel: ``hidden`` is this rank's ``[T/P, B, H]`` slice.
-        softcap: as in :func:`~chunked_entropy.log_probs_and_entropy`.
-        logit_scale: as in :func:`~chunked_entropy.log_probs_and_entropy`.
-        gradient_accumulation_fusion: add the weight gradient to ``weight.main_grad``
-            in backward (None: when the weight has one).
-        backend: as in :func:`~chunked_entropy.log_probs_and_entropy`.
         keep: sampling replay's kept sets, as in
             :func:`~chunked_entropy.linear_log_probs_and_entropy` (rows in the
             order of the flattened ``[B, T]`` labels): the ratio, the KL and the
             metrics use the log-probs over each token's kept set.
-        entropy_of: the entropy bonus's entropy: ``"full"`` (the whole
-            distribution) or ``"kept"``, as in
-            :func:`~chunked_entropy.log_probs_and_entropy`.
-        logits_dtype: as in :func:`~chunked_entropy.linear_log_probs_and_entropy`
-            (``torch.float32``: float32 matmuls for bf16/fp16 weights).
         rows: project only these rows (docs/concepts.md, "Rows"). A ``[B, T]``
             int64 index into the flattened token rows of ``hidden`` (``[B,
             T, H]``: row ``b * T + t``; under sequence parallelism the gathered
@@ -450,9 +381,6 @@ def linear_policy_loss(
             by the full ``T``). One host sync for that count;
             ``("kept", count)`` passes it (>= every sequence's kept count).
             Every rank of ``process_group`` must pass the same rows.
-        **fields: the objective's options by verl's field names (``clip_ratio``,
-            ``clip_ratio_low``, ``clip_ratio_high``, ``clip_ratio_c``, ``tau_pos``, ...),
-            as in :func:`~chunked_entropy.losses.policy_loss`.
 
     Returns:
         ``(loss, metrics)``: a 0-dim float32 loss; ``metrics`` holds detached
@@ -489,17 +417,14 @@ def linear_policy_loss(
         gather of them (the rows' own ``B, T``) and the hidden gradient's
         ``[tokens, H]``.
     """
+    layer, chunking, opts = as_layer(layer), as_chunking(chunking), as_loss(loss)
+    weight, bias, process_group, sequence_parallel = layer.weight, layer.bias, layer.process_group, \
+        layer.sequence_parallel
     kept = parse_kept(rows)
     if kept is not None:
-        return _kept_loss(hidden, weight, labels, old_log_probs, advantages, loss_mask, kept[1], dict(
-            bias=bias, ref_log_probs=ref_log_probs, kl_coef=kl_coef, kl_kind=kl_kind, entropy_coeff=entropy_coeff,
-            loss_mode=loss_mode, rollout_is_weights=rollout_is_weights, rollout_log_probs=rollout_log_probs,
-            options=options, generator=generator, loss_agg_mode=loss_agg_mode, loss_scale_factor=loss_scale_factor,
-            dp_size=dp_size, batch_num_tokens=batch_num_tokens, global_batch_size=global_batch_size,
-            temperature=temperature, chunk_size=chunk_size, vocab_chunk_size=vocab_chunk_size,
-            process_group=process_group, sequence_parallel=sequence_parallel, softcap=softcap,
-            logit_scale=logit_scale, gradient_accumulation_fusion=gradient_accumulation_fusion, backend=backend,
-            keep=keep, entropy_of=entropy_of, logits_dtype=logits_dtype, **fields))
+        return _kept_loss(hidden, layer, labels, old_log_probs, advantages, loss_mask, kept[1], dict(
+            loss=opts, chunking=chunking, ref_log_probs=ref_log_probs, rollout_is_weights=rollout_is_weights,
+            rollout_log_probs=rollout_log_probs, generator=generator, temperature=temperature, keep=keep))
     if rows is not None:
         if isinstance(rows, torch.Tensor) and rows.dim() != 2:
             raise ValueError(f"rows of the policy loss must be [B, T] (the selected rows laid out as sequences), "
@@ -509,12 +434,9 @@ def linear_policy_loss(
                              ref_log_probs=ref_log_probs, rollout_is_weights=rollout_is_weights,
                              rollout_log_probs=rollout_log_probs, keep=keep if isinstance(keep, torch.Tensor) else None)
         sequence_parallel = False
+        layer = layer.replace(sequence_parallel=False)
     with agreed_call(process_group) as call:  # every rank validates; a refused call raises on all of them
-        opts = loss_options(loss_mode, options, fields, entropy_coeff, kl_coef, kl_kind,
-                            (loss_agg_mode, loss_scale_factor, dp_size, batch_num_tokens, global_batch_size))
-        check_linear_args(hidden, weight, bias, labels, 1, False, vocab_chunk_size)
-        check_chunk("chunk_size", chunk_size)
-        sequence_parallel = check_flag("sequence_parallel", sequence_parallel)
+        check_linear_args(hidden, weight, bias, labels, 1, False, chunking.vocab_chunk_size)
         lead = hidden.shape[:-1]
         if sequence_parallel:
             if hidden.dim() != 3:
@@ -527,22 +449,24 @@ def linear_policy_loss(
                 + f", got {tuple(labels.shape)}"
             )
         v_local = weight.shape[0]
+        chunk_size = chunking.resolve(min(chunking.vocab_chunk_size or v_local, v_local))
         cdt = compute_dtype(weight.dtype)
         objective = _Objective(opts, labels, old_log_probs, advantages, loss_mask, ref_log_probs, rollout_is_weights,
                                rollout_log_probs, generator, cdt)
         grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
         plan = Plan(chunk_size=chunk_size,
-                    vocab_chunk_size=resolve_vocab_chunk(vocab_chunk_size, chunk_size, math.prod(lead), v_local),
+                    vocab_chunk_size=resolve_vocab_chunk(chunking.vocab_chunk_size, chunk_size, math.prod(lead),
+                                                         v_local),
                     group=process_group, sequence_parallel=sequence_parallel, want=Want(),
-                    compiled=use_compiled(check_backend(backend), hidden.device),
-                    float32_logits=check_logits_dtype(logits_dtype, weight))
-        main_grad = main_grad_of(weight, gradient_accumulation_fusion)
+                    compiled=use_compiled(chunking.backend, hidden.device), float32_logits=layer.float32_logits)
+        main_grad = main_grad_of(weight, layer.gradient_accumulation_fusion)
         tok = prepare_tokens(
             labels, lead, v_local, call=call, label_mask=objective.keep, ignore_index=-100,
-            temperature=temperature, device=hidden.device, dtype=cdt, transform=Transform(softcap, logit_scale),
-            keep=keep, entropy_of=entropy_of,
+            temperature=temperature, device=hidden.device, dtype=cdt, transform=layer.transform,
+            keep=keep, entropy_of=opts.entropy_of,
         )
         call.agree_all(linear_settings(hidden, weight, bias, plan, grads))
+        call.agree_all({"layer (OutputLayer)": layer.fingerprint(), "chunking (Chunking)": chunking.fingerprint()})
         call.agree_all(objective.settings(call))
     if tok.n == 0 or not grads:
         if tok.n == 0:
@@ -559,14 +483,15 @@ def linear_policy_loss(
     return loss, objective.result[1]
 
 
-def _kept_loss(hidden, weight, labels, old_log_probs, advantages, loss_mask, count, kw):
+def _kept_loss(hidden, layer: OutputLayer, labels, old_log_probs, advantages, loss_mask, count, kw):
     """``rows="kept"`` of :func:`linear_policy_loss`: each sequence's kept rows first, padded (masked) to the
     longest count; the call on them with the full ``T`` as the ``seq-mean-token-sum-norm`` divisor."""
     if not isinstance(loss_mask, torch.Tensor) or not isinstance(labels, torch.Tensor) or loss_mask.dim() != 2 \
             or loss_mask.shape != labels.shape:
         raise ValueError("rows='kept' selects the rows by loss_mask: labels and loss_mask must be [B, T] tensors "
                          "of one shape")
-    check_full_shape("labels", labels, hidden, kw["process_group"], kw["sequence_parallel"], batch_first=True)
+    group, sequence_parallel = layer.process_group, layer.sequence_parallel
+    check_full_shape("labels", labels, hidden, group, sequence_parallel, batch_first=True)
     b, t = labels.shape
     kept = loss_mask != 0
     n = kept.sum(1)
@@ -579,7 +504,7 @@ def _kept_loss(hidden, weight, labels, old_log_probs, advantages, loss_mask, cou
     pos = torch.sort((~kept).to(torch.int8), dim=1, stable=True).indices[:, :width]  # kept positions first
     pad = torch.arange(width, device=pos.device) >= n[:, None]
     seq = torch.arange(b, device=pos.device)[:, None]
-    rows = pos * b + seq if kw["sequence_parallel"] else seq * t + pos
+    rows = pos * b + seq if sequence_parallel else seq * t + pos
     tok = (seq * t + pos).reshape(-1)  # the selected rows in the [B, T] order of the per-token inputs
     at = lambda x: None if x is None else x.gather(1, pos)  # noqa: E731
     lm = at(loss_mask)
@@ -590,18 +515,19 @@ def _kept_loss(hidden, weight, labels, old_log_probs, advantages, loss_mask, cou
     keep = take_keep(keep, labels.shape, tok)
     if isinstance(keep, torch.Tensor) and keep.dim() == 2:
         keep = keep.view(b, width, keep.shape[-1])
-    if kw["loss_scale_factor"] is None:
-        kw["loss_scale_factor"] = t
+    agg = kw["loss"].aggregation
+    if agg.loss_scale_factor is None:
+        kw["loss"] = kw["loss"].replace(aggregation=Aggregation(agg.mode, t, agg.dp_size, agg.batch_num_tokens,
+                                                                agg.global_batch_size))
     for name in ("ref_log_probs", "rollout_is_weights", "rollout_log_probs"):
         kw[name] = at(kw[name])
     labels, old_log_probs, advantages = at(labels), at(old_log_probs), at(advantages)
-    hidden = select_rows(rows, hidden, process_group=kw["process_group"], sequence_parallel=kw["sequence_parallel"],
+    hidden = select_rows(rows, hidden, process_group=group, sequence_parallel=sequence_parallel,
                          require=require, labels=labels, old_log_probs=old_log_probs, advantages=advantages,
                          loss_mask=lm, keep=keep if isinstance(keep, torch.Tensor) else None,
                          **{k: kw[k] for k in ("ref_log_probs", "rollout_is_weights", "rollout_log_probs")})
-    kw["sequence_parallel"] = False
-    return linear_policy_loss(hidden, weight, labels, old_log_probs, advantages, lm, temperature=temperature,
-                              keep=keep, **kw)
+    return linear_policy_loss(hidden, layer.replace(sequence_parallel=False), labels, old_log_probs, advantages, lm,
+                              temperature=temperature, keep=keep, **kw)
 
 
 class _LogitsLossFunction(torch.autograd.Function):
@@ -637,6 +563,7 @@ class _LogitsLossFunction(torch.autograd.Function):
         return _hand_over(grad, g), None, None, None, None, None
 
 
+@accepts_01_keywords("policy_loss_from_logits", policy_fields=True)
 def policy_loss_from_logits(
     logits: torch.Tensor,
     labels: torch.Tensor,
@@ -644,37 +571,26 @@ def policy_loss_from_logits(
     advantages: torch.Tensor,
     loss_mask: torch.Tensor,
     *,
+    layer: Optional[OutputLayer] = None,
+    loss: Optional[PolicyLoss] = None,
+    chunking: Union[Chunking, int, None] = None,
+    temperature=1.0,
     ref_log_probs: Optional[torch.Tensor] = None,
-    kl_coef: float = 0.0,
-    kl_kind: str = "low_var_kl",
-    entropy_coeff: float = 0.0,
-    loss_mode: str = "vanilla",
     rollout_is_weights: Optional[torch.Tensor] = None,
     rollout_log_probs: Optional[torch.Tensor] = None,
-    options: Optional[PolicyOptions] = None,
     generator: Optional[torch.Generator] = None,
-    loss_agg_mode: str = "token-mean",
-    loss_scale_factor: Optional[float] = None,
-    dp_size: int = 1,
-    batch_num_tokens=None,
-    global_batch_size=None,
-    temperature=1.0,
-    chunk_size: int = 1024,
-    process_group=None,
-    softcap: Optional[float] = None,
-    logit_scale: Optional[float] = None,
-    backend: str = "auto",
     keep=None,
-    entropy_of: str = "full",
     rows=None,
-    **fields,
 ):
     """The RL policy loss from given logits: :func:`linear_policy_loss`'s twin, one read of the logits.
 
     Equals the same composition with ``lp, ent`` from
     :func:`~chunked_entropy.log_probs_and_entropy` (values and the logits'
     gradient). Arguments as in :func:`linear_policy_loss`; ``logits`` are
-    ``[B, T, V_local]`` (never written).
+    ``[B, T, V_local]`` (never written), and ``layer`` is the
+    :class:`~chunked_entropy.OutputLayer` that made them, or None, as in
+    :func:`~chunked_entropy.log_probs_and_entropy` (its group and logit
+    transform are read).
 
     Returns:
         ``(loss, metrics)`` as :func:`linear_policy_loss`.
@@ -691,6 +607,8 @@ def policy_loss_from_logits(
         With ``rows`` (a ``[B, T]`` index into the flattened logit rows, as in
         :func:`linear_policy_loss`), one ``[B*T, V_local]`` gather of them.
     """
+    layer, chunking, opts = as_layer(layer, logits=True), as_chunking(chunking), as_loss(loss)
+    process_group = layer.process_group
     if rows is not None:
         if isinstance(rows, torch.Tensor) and rows.dim() != 2:
             raise ValueError(f"rows of the policy loss must be [B, T] (the selected rows laid out as sequences), "
@@ -700,23 +618,23 @@ def policy_loss_from_logits(
                                    rollout_is_weights=rollout_is_weights, rollout_log_probs=rollout_log_probs,
                                    keep=keep if isinstance(keep, torch.Tensor) else None)
     with agreed_call(process_group) as call:  # every rank validates; a refused call raises on all of them
-        opts = loss_options(loss_mode, options, fields, entropy_coeff, kl_coef, kl_kind,
-                            (loss_agg_mode, loss_scale_factor, dp_size, batch_num_tokens, global_batch_size))
         check_float("logits", logits)
         if logits.dim() < 1 or logits.shape[-1] < 1:
             raise ValueError(f"logits must be [..., V_local] with V_local >= 1, got shape {tuple(logits.shape)}")
-        check_chunk("chunk_size", chunk_size)
+        check_layer_width(layer, logits.shape[-1])
+        chunk_size = chunking.resolve(logits.shape[-1])
         cdt = compute_dtype(logits.dtype)
         objective = _Objective(opts, labels, old_log_probs, advantages, loss_mask, ref_log_probs, rollout_is_weights,
                                rollout_log_probs, generator, cdt)
-        compiled = use_compiled(check_backend(backend), logits.device)
+        compiled = use_compiled(chunking.backend, logits.device)
         grads = torch.is_grad_enabled() and logits.requires_grad
         tok = prepare_tokens(
             labels, logits.shape[:-1], logits.shape[-1], call=call, label_mask=objective.keep, ignore_index=-100,
-            temperature=temperature, device=logits.device, dtype=cdt, transform=Transform(softcap, logit_scale),
-            keep=keep, entropy_of=entropy_of,
+            temperature=temperature, device=logits.device, dtype=cdt, transform=layer.transform,
+            keep=keep, entropy_of=opts.entropy_of,
         )
-        call.agree_all({"chunk_size": chunk_size, "logits.requires_grad": grads,
+        call.agree_all({"layer (OutputLayer)": layer.fingerprint(), "chunking (Chunking)": chunking.fingerprint(),
+                        "logits.requires_grad": grads,
                         "logits.dtype (0 float32, 1 bfloat16, 2 float16, 3 float64)": dtype_code(logits.dtype)})
         call.agree_all(objective.settings(call))
     if tok.n == 0 or not grads:

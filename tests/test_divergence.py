@@ -364,7 +364,7 @@ def test_bad_tensors_are_named(change, match):
     (dict(divergence="kl"), "divergence must be one of"),
     (dict(temperature=0.0), "temperature must be finite and > 0"),
     (dict(temperature=torch.tensor([1.0, -1.0, 1.0, 1.0])), "temperature must be finite and > 0"),
-    (dict(teacher_softcap=-1.0), "teacher_softcap must be"),
+    (dict(teacher_softcap=-1.0), "teacher_layer.softcap must be"),
     (dict(chunk_size=0), "chunk_size must be"),
 ])
 def test_bad_options_are_named(kw, match):
