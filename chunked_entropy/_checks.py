@@ -15,11 +15,18 @@ import contextvars
 import math
 import numbers
 import os
+import struct
 from typing import Optional
 
 import torch
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def float_bits(x: Optional[float]) -> int:
+    """A float's exact bit pattern as an int (None: -1): equal settings on two ranks give equal ints, for the
+    cross-rank agreement (:meth:`~chunked_entropy.parallel.CallCheck.agree`)."""
+    return -1 if x is None else struct.unpack("<q", struct.pack("<d", float(x)))[0]
 
 
 def is_real(value) -> bool:

@@ -7,14 +7,13 @@ Everything here runs before any chunk is touched, so a bad argument raises
 from __future__ import annotations
 
 import math
-import struct
 from dataclasses import dataclass
 from typing import Optional, Union
 
 import torch
 
 from ._at import At, parse_at
-from ._checks import FLOAT_DTYPES, check_device, check_strided, is_int, is_real
+from ._checks import FLOAT_DTYPES, check_device, check_strided, float_bits, is_int, is_real
 from ._keep import Kept, parse_keep
 from ._stats import Coefficients, RowStats, Transform, Want
 from .parallel import CallCheck, fingerprint, fingerprint_floats
@@ -203,8 +202,8 @@ def prepare_tokens(
         call.agree(f"{labels_name} (with label_mask and ignore_index applied)",
                    fingerprint(torch.where(valid, flat, -1)))
         call.agree("temperature", _fingerprint_scale(inv_t))
-    call.agree("softcap", _bits(transform.softcap))
-    call.agree("logit_scale", _bits(transform.logit_scale))
+    call.agree("softcap", float_bits(transform.softcap))
+    call.agree("logit_scale", float_bits(transform.logit_scale))
     k_rows = lambda a, b: transform.k(inv_t[a:b] if isinstance(inv_t, torch.Tensor) else inv_t)  # noqa: E731
     kept = parse_keep(keep, lead_shape=lead_shape, v_local=v_local, labels=flat, valid=valid, entropy_of=entropy_of,
                       device=device, call=call, rows=None if logits is None else Rows(logits),
@@ -218,15 +217,12 @@ def dtype_code(dtype: torch.dtype) -> int:
     return FLOAT_DTYPES.index(dtype) if dtype in FLOAT_DTYPES else -1
 
 
-def _bits(x: Optional[float]) -> int:
-    """A float's exact bit pattern as an int (None: -1)."""
-    return -1 if x is None else struct.unpack("<q", struct.pack("<d", float(x)))[0]
 
 
 def _fingerprint_scale(inv_t):
     if isinstance(inv_t, torch.Tensor):
         return fingerprint_floats(inv_t)
-    return _bits(1.0 if inv_t is None else inv_t), 0
+    return float_bits(1.0 if inv_t is None else inv_t), 0
 
 
 def prepare_temperature(temperature, lead_shape, device, dtype, call: CallCheck):

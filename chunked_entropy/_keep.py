@@ -61,7 +61,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from ._checks import check_device
+from ._checks import check_device, float_bits
 from ._stats import NEG_FLOOR, BlockStats, Coefficients, RowStats, Transform
 from .parallel import all_reduce_min_flags, fingerprint
 
@@ -238,7 +238,7 @@ def parse_keep(keep, *, lead_shape, v_local: int, labels: torch.Tensor, valid: t
             call.agree("keep (0: none, 1: token_ids/offsets, 2: a dense mask, 3: the row's own filter)",
                        FORMS["filter"])
             call.agree("keep's top_k (-1: none)", -1 if top_k is None else top_k)
-            call.agree("keep's top_p (bits)", -1 if top_p is None else _float_bits(top_p))
+            call.agree("keep's top_p (bits)", -1 if top_p is None else float_bits(top_p))
             call.agree("entropy_of (0: full, 1: kept)", ENTROPY_OF.index(entropy_of))
             kept = Kept(entropy_of, "filter")
 
@@ -336,10 +336,6 @@ def _record_keys_(key: torch.Tensor, row: torch.Tensor, ids: torch.Tensor, v_glo
     head.add_(ids).add_(shift + 1)
 
 
-def _float_bits(x: float) -> int:
-    import struct
-
-    return struct.unpack("<q", struct.pack("<d", float(x)))[0]
 
 
 def _entries(key, labels, valid, v_local, v_global, rank, label_kept=True) -> tuple:

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 from collections.abc import Mapping
 from typing import Optional, Union
+
+from ._checks import is_int, is_real
 
 #: Bytes per element of the per-chunk buffers (they are float32).
 _BUFFER_ITEMSIZE = 4
@@ -87,26 +88,18 @@ def _get(cfg, key: str, path: str):
         return _ABSENT
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def _is_real(value) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
 def _check_field(name: str, key: str, value):
     """Check one field's value; ``key`` names it in the error (a field or a config path)."""
     if name == "chunk_size":
         if value == "auto" and isinstance(value, str):
             return value
-        if not (_is_int(value) and value >= 1):
+        if not (is_int(value) and value >= 1):
             raise ValueError(f"{key} must be an int >= 1 or 'auto', got {value!r}")
         return int(value)
     if name in ("max_chunk_bytes", "vocab_chunk_size"):
         if name == "vocab_chunk_size" and value is None:
             return None
-        if not (_is_int(value) and value >= 1):
+        if not (is_int(value) and value >= 1):
             extra = " or None" if name == "vocab_chunk_size" else ""
             raise ValueError(f"{key} must be an int >= 1{extra}, got {value!r}")
         return int(value)
@@ -120,7 +113,7 @@ def _check_field(name: str, key: str, value):
         return value
     if name == "temperature":
         # the same rule as the functions: 1 / temperature must be finite in float32
-        if not (_is_real(value) and math.isfinite(value) and value > 0 and 1.0 / value < _FLOAT32_MAX):
+        if not (is_real(value) and math.isfinite(value) and value > 0 and 1.0 / value < _FLOAT32_MAX):
             raise ValueError(f"{key} must be a finite float > 0 (with 1/temperature finite in float32), got {value!r}")
         return float(value)
     raise AssertionError(name)  # pragma: no cover - every field is listed above
@@ -197,7 +190,7 @@ class ChunkedEntropyConfig:
         Returns:
             The chunk size, an int >= 1.
         """
-        if not (_is_int(v_local) and v_local >= 1):
+        if not (is_int(v_local) and v_local >= 1):
             raise ValueError(f"v_local must be an int >= 1, got {v_local!r}")
         for name, flag in (("fused", fused), ("compute_entropy", compute_entropy)):
             if flag is not None and not isinstance(flag, bool):
@@ -288,7 +281,7 @@ class ChunkedEntropyConfig:
             hit = read("calculate_entropy", lambda key, value: _check_field("compute_entropy", key, value))
             coeff = _get(cfg, "entropy_coeff", "entropy_coeff")
             if coeff is not _ABSENT:
-                if not (_is_real(coeff) and math.isfinite(coeff)):
+                if not (is_real(coeff) and math.isfinite(coeff)):
                     raise ValueError(f"entropy_coeff must be a finite number, got {coeff!r}")
             if hit is not None or coeff is not _ABSENT:
                 kwargs["compute_entropy"] = bool(hit is not None and hit[1]) or (

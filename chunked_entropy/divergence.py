@@ -19,7 +19,6 @@ The walk is :mod:`chunked_entropy._loop`'s, with a second projection per block
 from __future__ import annotations
 
 import math
-import struct
 from dataclasses import dataclass, replace
 from typing import NamedTuple, Optional, Union
 
@@ -39,7 +38,7 @@ from ._blocks import (
     resolve_vocab_chunk,
     weak_group,
 )
-from ._checks import check_device, check_flag, check_float, is_real
+from ._checks import check_device, check_flag, check_float, float_bits, is_real
 from ._divergence import DivergenceSpec, PairRows
 from ._inputs import Rows, Tokens, check_transform_scale, compute_dtype, dtype_code, prepare_tokens
 from ._loop import new_row_stats, pair_grad_blocks, pair_row_stats
@@ -92,9 +91,6 @@ class _Teacher:
     float32_logits: bool = False  # the teacher's own resolution of logits_dtype (a half-precision teacher's)
 
 
-def _bits(x) -> int:
-    """A float's exact bit pattern as an int (None: -1), for the cross-rank agreement."""
-    return -1 if x is None else struct.unpack("<q", struct.pack("<d", float(x)))[0]
 
 
 def _all_finite(t: torch.Tensor) -> torch.Tensor:
@@ -137,7 +133,7 @@ def _loss_weights(call, tok: Tokens, valid, *, reduction, normalizer, weights, c
         norm = (2, *fingerprint_floats(nz)) if call.world > 1 else (2, 0, 0)
     elif is_real(normalizer) and math.isfinite(normalizer) and normalizer > 0:
         w = w / float(normalizer)
-        norm = (1, _bits(normalizer), 0)
+        norm = (1, float_bits(normalizer), 0)
     else:
         raise ValueError(f"normalizer must be a number > 0 or a 0-d tensor, got {normalizer!r}")
     call.agree("reduction (0 mean, 1 sum)", ("mean", "sum").index(reduction))
@@ -187,10 +183,10 @@ def _prepare(call, lead, labels, *, v_local, label_mask, ignore_index, temperatu
     check_transform_scale(tf_t, tok.inv_t, cdt, call)
     call.require(_all_finite(teacher_values),
                  f"{teacher_name} must be finite (no NaN or inf): a teacher's NaN would poison every divergence")
-    call.agree("teacher_softcap", _bits(tf_t.softcap))
-    call.agree("teacher_logit_scale", _bits(tf_t.logit_scale))
+    call.agree("teacher_softcap", float_bits(tf_t.softcap))
+    call.agree("teacher_logit_scale", float_bits(tf_t.logit_scale))
     call.agree("divergence (0 forward_kl, 1 reverse_kl, 2 jsd)", ("forward_kl", "reverse_kl", "jsd").index(spec.kind))
-    call.agree("beta", _bits(spec.beta))
+    call.agree("beta", float_bits(spec.beta))
     if call.world > 1:
         call.agree("label_mask (the rows the divergence counts)", fingerprint_floats(valid.to(torch.float32)))
     return tok, valid, no_labels

@@ -28,14 +28,13 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-import struct
 import zlib
 from typing import Optional, Union
 
 import torch
 from torch import nn
 
-from ._checks import FLOAT_DTYPES, check_flag, check_float, check_positive, check_real
+from ._checks import FLOAT_DTYPES, check_flag, check_float, check_positive, check_real, float_bits
 from ._divergence import DivergenceSpec
 from ._keep import ENTROPY_OF
 from ._stats import Transform
@@ -60,9 +59,6 @@ def _crc(values) -> int:
     return zlib.crc32(repr(values).encode()) & 0x7FFFFFFF
 
 
-def _float_bits(x: Optional[float]) -> int:
-    """A float's exact bit pattern as an int (None: -1): equal settings on two ranks give equal ints."""
-    return -1 if x is None else struct.unpack("<q", struct.pack("<d", float(x)))[0]
 
 
 def model_reader(name: str):
@@ -196,7 +192,7 @@ class OutputLayer:
         w = self.weight
         return _crc((
             None if w is None else (tuple(w.shape), str(w.dtype)), self.bias is not None,
-            _float_bits(self.softcap), _float_bits(self.logit_scale), str(self.logits_dtype), self.world_size,
+            float_bits(self.softcap), float_bits(self.logit_scale), str(self.logits_dtype), self.world_size,
             self.sequence_parallel, self.gradient_accumulation_fusion,
         ))
 
@@ -443,7 +439,7 @@ class PolicyLoss:
 
     def fingerprint(self) -> tuple:
         """What the ranks of a tensor-parallel group must agree on: every field, the counts' values too."""
-        scalars = (self.mode, self.options.fingerprint(), _float_bits(self.entropy_coeff), _float_bits(self.kl_coef),
+        scalars = (self.mode, self.options.fingerprint(), float_bits(self.entropy_coeff), float_bits(self.kl_coef),
                    self.kl_kind, self.entropy_of)
         return (_crc(scalars), *self.aggregation.fingerprint())
 
@@ -527,7 +523,7 @@ class Divergence:
 
     def fingerprint(self) -> int:
         """What the ranks of a tensor-parallel group must agree on."""
-        return _crc((self.kind, _float_bits(self.beta)))
+        return _crc((self.kind, float_bits(self.beta)))
 
     @classmethod
     def from_trl_beta(cls, beta) -> "Divergence":

@@ -7,14 +7,13 @@ lets the fused policy loss form its gradient per token.
 
 from __future__ import annotations
 
-import struct
 import zlib
 from dataclasses import dataclass
 from typing import Optional, Union
 
 import torch
 
-from .._checks import check_real, checked_call, is_int, require
+from .._checks import check_real, checked_call, float_bits, is_int, require
 from ..parallel import fingerprint_floats
 from ._common import check_mask, check_tensor, masked_sum, safe_div
 
@@ -121,7 +120,7 @@ class Aggregation:
         def count(v):
             if isinstance(v, torch.Tensor):
                 return fingerprint_floats(v)
-            return (-1, -1) if v is None else (struct.unpack("<q", struct.pack("<d", v))[0], 0)
+            return (-1, -1) if v is None else (float_bits(v), 0)
         return (zlib.crc32(repr((self.mode, self.loss_scale_factor, self.dp_size)).encode()),
                 *count(self.batch_num_tokens), *count(self.global_batch_size))
 
