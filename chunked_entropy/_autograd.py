@@ -13,6 +13,7 @@ results stay exact.
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import torch
 from torch._C import _functions
@@ -74,3 +75,18 @@ def connected(result: torch.Tensor, *inputs) -> torch.Tensor:
         if x is not None and x.requires_grad:
             result = result + x.unsqueeze(-1)[..., :0].sum().to(result.dtype)
     return result
+
+
+def hand_over(t: Optional[torch.Tensor], g: torch.Tensor) -> Optional[torch.Tensor]:
+    """A gradient stored in forward (the fused losses') times the scalar upstream gradient ``g``, as a tensor
+    the caller owns.
+
+    When the graph is freed after this backward, the stored tensor itself is handed over (scaled in place,
+    with no host sync: also when ``g`` is 1, where asking would be one). When it is kept (``retain_graph``,
+    ``create_graph``), a scaled copy is returned, so that the caller may modify it and a later backward still
+    finds the original.
+    """
+    if t is None:
+        return None
+    g = g.to(t.dtype)
+    return t * g if graph_is_kept() else t.mul_(g)

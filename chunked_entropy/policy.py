@@ -36,7 +36,7 @@ from typing import Optional, Union
 
 import torch
 
-from ._autograd import connected, graph_is_kept, once_differentiable
+from ._autograd import connected, hand_over, once_differentiable
 from ._blocks import (
     Plan,
     check_linear_args,
@@ -216,22 +216,6 @@ def _outputs(tok: Tokens, stats: RowStats):
     return lp, ent
 
 
-def _hand_over(t: Optional[torch.Tensor], g: torch.Tensor) -> Optional[torch.Tensor]:
-    """A stored gradient times the scalar upstream gradient ``g``, as a tensor the caller owns.
-
-    When the graph is freed after this backward, the stored tensor itself is
-    handed over (scaled in place, with no host sync: also when ``g`` is 1). When it is kept
-    (``retain_graph``, ``create_graph``), a scaled copy is returned, so that
-    the caller may modify it and a later backward still finds the original.
-    """
-    if t is None:
-        return None
-    g = g.to(t.dtype)
-    if graph_is_kept():
-        return t * g
-    return t.mul_(g)  # also when g is 1: asking would be a host sync
-
-
 class _HeadLossFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, tok: Tokens, plan: Plan, objective: _Objective, main_grad):
@@ -273,12 +257,12 @@ class _HeadLossFunction(torch.autograd.Function):
         grad_weight = None
         if gw is not None:
             if ctx.main_grad is None:
-                grad_weight = _hand_over(gw, g).to(ctx.dtypes[0])
+                grad_weight = hand_over(gw, g).to(ctx.dtypes[0])
             else:
-                ctx.main_grad.add_(_hand_over(gw, g).to(ctx.main_grad.dtype))
+                ctx.main_grad.add_(hand_over(gw, g).to(ctx.main_grad.dtype))
                 grad_weight = main_grad_result(ctx.weight_param, ctx.main_grad)
-        grad_bias = None if gb is None else _hand_over(gb, g).to(ctx.dtypes[1])
-        return _hand_over(grad_h, g), grad_weight, grad_bias, None, None, None, None
+        grad_bias = None if gb is None else hand_over(gb, g).to(ctx.dtypes[1])
+        return hand_over(grad_h, g), grad_weight, grad_bias, None, None, None, None
 
 
 @accepts_01_keywords("linear_policy_loss", policy_fields=True)
@@ -560,7 +544,7 @@ class _LogitsLossFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, g):
         (grad,) = ctx.saved_tensors
-        return _hand_over(grad, g), None, None, None, None, None
+        return hand_over(grad, g), None, None, None, None, None
 
 
 @accepts_01_keywords("policy_loss_from_logits", policy_fields=True)
