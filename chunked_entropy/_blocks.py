@@ -104,6 +104,25 @@ def check_head(hidden, weight, bias, prefix: str = "", logits_dtype=None) -> boo
     return check_logits_dtype(logits_dtype, weight, w)
 
 
+def token_shape(hidden: torch.Tensor, world: int, sequence_parallel: bool, *, batch_first: bool = False,
+                name: str = "hidden") -> torch.Size:
+    """The leading shape of the tokens ``hidden`` (``[..., H]``) stands for.
+
+    Without sequence parallelism, ``hidden.shape[:-1]``. With it, ``hidden`` is this rank's ``[S/P, ..., H]``
+    slice of a ``world``-way group and the tokens are the gathered sequence: ``(S, ...)``; ``batch_first``
+    (the policy loss's per-token tensors, ``[B, T]`` beside Megatron's ``[T/P, B, H]``): ``(B, T)``.
+    """
+    if not sequence_parallel:
+        return hidden.shape[:-1]
+    if batch_first:
+        if hidden.dim() != 3:
+            raise ValueError(f"with sequence_parallel=True, {name} must be [T/P, B, H], got {tuple(hidden.shape)}")
+        return torch.Size((hidden.shape[1], hidden.shape[0] * world))
+    if hidden.dim() < 2:
+        raise ValueError(f"with sequence_parallel=True, {name} must be [S/P, ..., H], got {tuple(hidden.shape)}")
+    return torch.Size((hidden.shape[0] * world,) + tuple(hidden.shape[1:-1]))
+
+
 def check_linear_args(hidden, weight, bias, labels, world: int, sequence_parallel: bool, vocab_chunk_size):
     """Check the fused head's tensors; returns the labels' expected leading shape.
 
@@ -114,11 +133,8 @@ def check_linear_args(hidden, weight, bias, labels, world: int, sequence_paralle
     check_chunk("vocab_chunk_size", vocab_chunk_size, optional=True)
     if not isinstance(labels, torch.Tensor):
         raise TypeError(f"labels must be a torch.Tensor of int64 ids, got {type(labels).__name__}")
-    lead = hidden.shape[:-1]
+    lead = token_shape(hidden, world, sequence_parallel)
     if sequence_parallel:
-        if hidden.dim() < 2:
-            raise ValueError("with sequence_parallel=True, hidden must be [S/P, ..., H]")
-        lead = torch.Size((hidden.shape[0] * world,) + tuple(hidden.shape[1:-1]))
         if labels.shape != lead:
             raise ValueError(
                 f"with sequence_parallel=True, hidden is this rank's slice [S/P, ..., H] = "

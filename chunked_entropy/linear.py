@@ -11,7 +11,6 @@ the weight and the bias (:func:`chunked_entropy._blocks.linear_grads`).
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 from typing import Optional, Union
 
@@ -31,18 +30,17 @@ from ._blocks import (
     main_grad_of,
     main_grad_result,
     reduce_hidden_grad,
-    resolve_vocab_chunk,
     weak_group,
 )
+from ._call import agree_objects, plan_for, settings
 from ._checks import check_flag
 from ._inputs import Rows, Tokens, compute_dtype, prepare_tokens
-from ._kernels import use_compiled
 from ._loop import grad_blocks
 from ._migrate import accepts_01_keywords
 from ._outputs import LogProbsEntropy, empty_outputs, pack_outputs, run_outputs, split_grads, without_labels
 from ._rows import check_full_shape, kept_rows, parse_kept, put_rows, select_rows, take_keep, take_rows
 from ._stats import RowStats, Want
-from .options import Chunking, OutputLayer, as_chunking, as_layer
+from .options import Chunking, OutputLayer
 from .parallel import agreed_call
 
 __all__ = ["linear_log_probs_and_entropy"]
@@ -226,7 +224,7 @@ def linear_log_probs_and_entropy(
         (under sequence parallelism the ``[S, B, H]`` gather is made once,
         outside the chunk loop), and a ``[tokens, H]`` hidden gradient.
     """
-    layer, chunking = as_layer(layer), as_chunking(chunking)
+    layer, chunking = settings(layer, chunking)
     weight, bias, process_group, sequence_parallel = layer.weight, layer.bias, layer.process_group, \
         layer.sequence_parallel
     kept = parse_kept(rows)
@@ -248,19 +246,10 @@ def linear_log_probs_and_entropy(
         want = Want(check_flag("compute_entropy", compute_entropy),
                     check_flag("compute_sum_pi_squared", compute_sum_pi_squared))
         v_local = weight.shape[0]
-        chunk_size = chunking.resolve(min(chunking.vocab_chunk_size or v_local, v_local), buffers=1 + want.scratch)
         cdt = compute_dtype(weight.dtype)
         main_grad = main_grad_of(weight, layer.gradient_accumulation_fusion)
         grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
-        plan = Plan(
-            chunk_size=chunk_size,
-            vocab_chunk_size=resolve_vocab_chunk(chunking.vocab_chunk_size, chunk_size, math.prod(lead), v_local),
-            group=process_group,
-            sequence_parallel=sequence_parallel,
-            want=want,
-            compiled=use_compiled(chunking.backend, hidden.device),
-            float32_logits=layer.float32_logits,
-        )
+        plan = plan_for(layer, chunking, lead=lead, want=want, device=hidden.device)
         if no_labels:
             labels = torch.full(lead, ignore_index, dtype=torch.int64, device=hidden.device)
         tok = prepare_tokens(
@@ -269,7 +258,7 @@ def linear_log_probs_and_entropy(
             keep=keep, entropy_of=entropy_of, log_probs_at=log_probs_at, top_k=top_k,
         )
         call.agree_all(linear_settings(hidden, weight, bias, plan, grads))
-        call.agree_all({"layer (OutputLayer)": layer.fingerprint(), "chunking (Chunking)": chunking.fingerprint()})
+        agree_objects(call, layer=layer, chunking=chunking)
     if tok.n == 0:
         return without_labels(empty_outputs(labels.shape, want, cdt, hidden.device, [hidden, weight, bias], tok.at),
                               no_labels)

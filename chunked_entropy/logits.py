@@ -12,6 +12,7 @@ import torch
 
 from ._autograd import once_differentiable
 from ._blocks import logits_row_stats, logits_source
+from ._call import agree_objects, settings
 from ._checks import check_flag, check_float
 from ._inputs import Tokens, compute_dtype, dtype_code, prepare_tokens
 from ._kernels import Kernels, use_compiled
@@ -20,7 +21,7 @@ from ._migrate import accepts_01_keywords
 from ._outputs import LogProbsEntropy, empty_outputs, pack_outputs, run_outputs, split_grads, without_labels
 from ._rows import select_logit_rows
 from ._stats import RowStats, Want
-from .options import Chunking, OutputLayer, as_chunking, as_layer, check_layer_width
+from .options import Chunking, OutputLayer, check_layer_width
 from .parallel import agreed_call
 
 
@@ -220,7 +221,7 @@ def log_probs_and_entropy(
     the logits' gradient summed over repeats and zero on the other rows; one
     ``[M, V_local]`` gather of the selected logit rows.
     """
-    layer, chunking = as_layer(layer, logits=True), as_chunking(chunking)
+    layer, chunking = settings(layer, chunking, logits=True)
     process_group = layer.process_group
     if rows is not None:
         logits = select_logit_rows(rows, logits, process_group, labels=labels, label_mask=label_mask,
@@ -245,8 +246,8 @@ def log_probs_and_entropy(
             transform=layer.transform, keep=keep, entropy_of=entropy_of,
             log_probs_at=log_probs_at, top_k=top_k, logits=logits,
         )
-        call.agree_all({"layer (OutputLayer)": layer.fingerprint(), "chunking (Chunking)": chunking.fingerprint(),
-                        "compute_entropy": want.entropy,
+        agree_objects(call, layer=layer, chunking=chunking)
+        call.agree_all({"compute_entropy": want.entropy,
                         "compute_sum_pi_squared": want.sum_pi_squared, "logits.requires_grad": grads,
                         "logits.dtype (0 float32, 1 bfloat16, 2 float16, 3 float64)": dtype_code(logits.dtype)})
     if tok.n == 0:

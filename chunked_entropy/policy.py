@@ -31,7 +31,6 @@ tokens by the mask alone (:func:`~chunked_entropy.losses.agg_weights`), so:
 
 from __future__ import annotations
 
-import math
 from typing import Optional, Union
 
 import torch
@@ -51,10 +50,11 @@ from ._blocks import (
     main_grad_of,
     main_grad_result,
     reduce_hidden_grad,
-    resolve_vocab_chunk,
     token_major,
     token_major_grad,
+    token_shape,
 )
+from ._call import agree_objects, plan_for, settings
 from ._checks import check_float, require
 from ._inputs import Rows, Tokens, compute_dtype, dtype_code, prepare_tokens
 from ._kernels import Kernels, use_compiled
@@ -67,7 +67,7 @@ from .losses._common import check_mask, check_same_shape
 from .losses.aggregation import aggregate
 from .losses.registry import check_weights, evaluate, objective
 from .losses.token import selected
-from .options import Chunking, OutputLayer, PolicyLoss, as_chunking, as_layer, as_loss, check_layer_width
+from .options import Chunking, OutputLayer, PolicyLoss, as_loss, check_layer_width
 from .parallel import agreed_call, fingerprint, fingerprint_floats
 
 __all__ = ["linear_policy_loss", "policy_loss_from_logits"]
@@ -401,7 +401,7 @@ def linear_policy_loss(
         gather of them (the rows' own ``B, T``) and the hidden gradient's
         ``[tokens, H]``.
     """
-    layer, chunking, opts = as_layer(layer), as_chunking(chunking), as_loss(loss)
+    (layer, chunking), opts = settings(layer, chunking), as_loss(loss)
     weight, bias, process_group, sequence_parallel = layer.weight, layer.bias, layer.process_group, \
         layer.sequence_parallel
     kept = parse_kept(rows)
@@ -421,11 +421,7 @@ def linear_policy_loss(
         layer = layer.replace(sequence_parallel=False)
     with agreed_call(process_group) as call:  # every rank validates; a refused call raises on all of them
         check_linear_args(hidden, weight, bias, labels, 1, False, chunking.vocab_chunk_size)
-        lead = hidden.shape[:-1]
-        if sequence_parallel:
-            if hidden.dim() != 3:
-                raise ValueError(f"with sequence_parallel=True, hidden must be [T/P, B, H], got {tuple(hidden.shape)}")
-            lead = torch.Size((hidden.shape[1], hidden.shape[0] * call.world))
+        lead = token_shape(hidden, call.world, sequence_parallel, batch_first=True)
         if labels.shape != lead:
             raise ValueError(
                 f"labels must have shape {tuple(lead)} ([B, T]"
@@ -433,16 +429,11 @@ def linear_policy_loss(
                 + f", got {tuple(labels.shape)}"
             )
         v_local = weight.shape[0]
-        chunk_size = chunking.resolve(min(chunking.vocab_chunk_size or v_local, v_local))
         cdt = compute_dtype(weight.dtype)
         objective = _Objective(opts, labels, old_log_probs, advantages, loss_mask, ref_log_probs, rollout_is_weights,
                                rollout_log_probs, generator, cdt)
         grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
-        plan = Plan(chunk_size=chunk_size,
-                    vocab_chunk_size=resolve_vocab_chunk(chunking.vocab_chunk_size, chunk_size, math.prod(lead),
-                                                         v_local),
-                    group=process_group, sequence_parallel=sequence_parallel, want=Want(),
-                    compiled=use_compiled(chunking.backend, hidden.device), float32_logits=layer.float32_logits)
+        plan = plan_for(layer, chunking, lead=lead, want=Want(), device=hidden.device, buffers=2)
         main_grad = main_grad_of(weight, layer.gradient_accumulation_fusion)
         tok = prepare_tokens(
             labels, lead, v_local, call=call, label_mask=objective.keep, ignore_index=-100,
@@ -450,7 +441,7 @@ def linear_policy_loss(
             keep=keep, entropy_of=opts.entropy_of,
         )
         call.agree_all(linear_settings(hidden, weight, bias, plan, grads))
-        call.agree_all({"layer (OutputLayer)": layer.fingerprint(), "chunking (Chunking)": chunking.fingerprint()})
+        agree_objects(call, layer=layer, chunking=chunking)
         call.agree_all(objective.settings(call))
     if tok.n == 0 or not grads:
         if tok.n == 0:
@@ -591,7 +582,7 @@ def policy_loss_from_logits(
         With ``rows`` (a ``[B, T]`` index into the flattened logit rows, as in
         :func:`linear_policy_loss`), one ``[B*T, V_local]`` gather of them.
     """
-    layer, chunking, opts = as_layer(layer, logits=True), as_chunking(chunking), as_loss(loss)
+    (layer, chunking), opts = settings(layer, chunking, logits=True), as_loss(loss)
     process_group = layer.process_group
     if rows is not None:
         if isinstance(rows, torch.Tensor) and rows.dim() != 2:
@@ -617,8 +608,8 @@ def policy_loss_from_logits(
             temperature=temperature, device=logits.device, dtype=cdt, transform=layer.transform,
             keep=keep, entropy_of=opts.entropy_of,
         )
-        call.agree_all({"layer (OutputLayer)": layer.fingerprint(), "chunking (Chunking)": chunking.fingerprint(),
-                        "logits.requires_grad": grads,
+        agree_objects(call, layer=layer, chunking=chunking)
+        call.agree_all({"logits.requires_grad": grads,
                         "logits.dtype (0 float32, 1 bfloat16, 2 float16, 3 float64)": dtype_code(logits.dtype)})
         call.agree_all(objective.settings(call))
     if tok.n == 0 or not grads:

@@ -1,0 +1,88 @@
+"""The preparation every op shares, between its public signature and its autograd Function.
+
+Layer: the call (below the ops, above the loop and the per-token preparation). An op turns its arguments into
+the objects of :mod:`chunked_entropy.options` (:func:`settings`), checks and prepares them inside one
+:func:`~chunked_entropy.parallel.agreed_call` (the tokens' leading shape,
+:func:`~chunked_entropy._blocks.token_shape`; the :class:`~chunked_entropy._blocks.Plan`, :func:`plan_for`;
+the per-token inputs, :func:`~chunked_entropy._inputs.prepare_tokens`), has the ranks agree on every object
+whole (:func:`agree_objects`), and then runs: zero tokens give :func:`zeros_connected`, a call without
+gradients the Function's forward bare (:func:`apply_or_forward`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from ._autograd import connected
+from ._blocks import Plan, resolve_vocab_chunk, token_shape
+from ._kernels import use_compiled
+from ._stats import Want
+from .options import Chunking, OutputLayer, as_chunking, as_layer
+
+__all__ = ["agree_objects", "apply_or_forward", "plan_for", "settings", "token_shape", "zeros_connected"]
+
+
+def settings(layer, chunking, *, logits: bool = False, default: Optional[Chunking] = None,
+             name: str = "layer") -> tuple[OutputLayer, Chunking]:
+    """An op's ``layer`` and ``chunking`` arguments as objects (bare tensors and ints accepted)."""
+    return as_layer(layer, name, logits=logits), as_chunking(chunking, default=default)
+
+
+def plan_for(layer: OutputLayer, chunking: Chunking, *, lead, want: Want, device, buffers: Optional[int] = None,
+             compiled: bool = True) -> Plan:
+    """How an op over hidden states walks ``lead``'s tokens and the layer's vocabulary shard.
+
+    The chunk size is ``chunking``'s (``"auto"`` resolved for ``buffers`` float32 buffers of the vocabulary
+    block; by default one, two with a scratch output); the vocabulary block its ``vocab_chunk_size``, or the
+    default of :func:`~chunked_entropy.config.vocab_block_for`; the kernels its ``backend`` (``compiled=False``:
+    the eager ones, for a walk without compiled kernels)."""
+    v_local = layer.weight.shape[0]
+    buffers = 1 + want.scratch if buffers is None else buffers
+    chunk_size = chunking.resolve(min(chunking.vocab_chunk_size or v_local, v_local), buffers=buffers)
+    return Plan(
+        chunk_size=chunk_size,
+        vocab_chunk_size=resolve_vocab_chunk(chunking.vocab_chunk_size, chunk_size, math.prod(lead), v_local),
+        group=layer.process_group,
+        sequence_parallel=layer.sequence_parallel,
+        want=want,
+        compiled=use_compiled(chunking.backend, device) if compiled else None,
+        float32_logits=layer.float32_logits,
+    )
+
+
+def agree_objects(call, **objects) -> None:
+    """Every rank of the call's group must pass equal option objects: each agreed on whole, by its
+    ``fingerprint()``, and named in the error by its argument and class (``teacher_layer (OutputLayer)``)."""
+    for name, obj in objects.items():
+        call.agree(f"{name} ({type(obj).__name__})", obj.fingerprint())
+
+
+def zeros_connected(shape, dtype, device, grads: bool, *inputs) -> torch.Tensor:
+    """The result of zero tokens: zeros of ``shape``, connected to ``inputs`` (zero gradients) when ``grads``."""
+    z = torch.zeros(tuple(shape), dtype=dtype, device=device)
+    return connected(z, *inputs) if grads else z
+
+
+class _NoCtx:
+    """A stand-in for autograd's ctx when no gradient is needed: forward runs bare, nothing is kept."""
+
+    needs_input_grad = (False,) * 16
+
+    def save_for_backward(self, *args):
+        pass
+
+    def set_materialize_grads(self, value):
+        pass
+
+    def mark_non_differentiable(self, *args):
+        pass
+
+
+def apply_or_forward(function, *args, grads: bool):
+    """``function.apply(*args)``, or without gradients its forward on a stand-in ctx: nothing saved, no graph."""
+    if grads:
+        return function.apply(*args)
+    return function.forward(_NoCtx(), *args)
