@@ -1,6 +1,6 @@
 """Log-probs at K given ids per token, and the row's own top-k (on-policy distillation), in the chunk loop.
 
-Floor 1 (with the per-token inputs of :mod:`chunked_entropy._inputs`). With
+Layer: per-token inputs (with :mod:`chunked_entropy._inputs`). With
 ``x = k * u`` the transformed, tempered logits of a row (see
 :mod:`chunked_entropy._stats`), its maximum offset ``m`` and ``log s``:
 

@@ -1,6 +1,6 @@
 """Argument checks of plain values: numbers, flags, sizes and tensor dtypes.
 
-Floor 0: imports only torch. Every check names the argument and says what
+Layer: basics (imports only torch). Every check names the argument and says what
 was expected. Numbers are anything ``numbers.Real`` (Python, numpy, ...)
 except bools, and come back as Python floats or ints. The value checks
 computed on a device (labels in range, temperatures finite, ...) are

@@ -1,6 +1,6 @@
 """Sampling replay: the rollout's kept sets (top-k / top-p), without a ``[tokens, V]`` mask.
 
-Floor 1 (with the per-token inputs of :mod:`chunked_entropy._inputs`). A
+Layer: per-token inputs (with :mod:`chunked_entropy._inputs`). A
 rollout sampled with top-k and/or top-p draws each token from the softmax
 renormalized over a *kept set*; replaying it, the trainer's log-prob of the
 token is taken over the same set:

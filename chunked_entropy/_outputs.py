@@ -1,6 +1,6 @@
 """The per-token result type and the plumbing between an autograd Function and its caller.
 
-Floor 1: used by every op (:mod:`chunked_entropy.logits`,
+Layer: results (below the ops): used by every op (:mod:`chunked_entropy.logits`,
 :mod:`chunked_entropy.linear`); imports only torch and the math.
 """
 

@@ -1,6 +1,6 @@
 """Fused head: log-probs and entropy from hidden states; the logits never exist whole.
 
-Floor 4 (an op): :func:`linear_log_probs_and_entropy`. The lm_head matmul is
+Layer: ops. :func:`linear_log_probs_and_entropy`. The lm_head matmul is
 folded into the chunk loop: forward computes one chunk (and, optionally, one
 vocabulary block) of logits at a time, reduces it to the per-token statistics
 of :mod:`chunked_entropy._stats`, and drops it; backward recomputes the chunk

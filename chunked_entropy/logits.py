@@ -1,6 +1,6 @@
 """Chunked log-probs and entropy from given logits (possibly a vocabulary shard).
 
-Floor 4 (an op): :func:`log_probs_and_entropy` over an autograd Function that
+Layer: ops. :func:`log_probs_and_entropy` over an autograd Function that
 walks the rows of the caller's logits with the chunk loop.
 """
 

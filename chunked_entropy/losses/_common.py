@@ -1,6 +1,6 @@
 """Checks and masked arithmetic shared by the loss modules.
 
-Floor 1 of the losses package (imports only torch and the library's plain checks).
+Layer: loss utilities, their base (imports only torch and the library's plain checks).
 Masked positions are *selected away* (``torch.where``), not multiplied by 0,
 so a NaN or inf there (padding) never reaches a value, and every mean guards
 its count: an empty mask gives 0 instead of NaN.

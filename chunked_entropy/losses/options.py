@@ -1,6 +1,6 @@
 """The settings of a policy objective, under verl 0.9.1's config field names and with verl's defaults.
 
-Floor 1 of the losses package. :class:`PolicyOptions` holds every field any
+Layer: loss utilities, their base. :class:`PolicyOptions` holds every field any
 objective of :mod:`chunked_entropy.losses.registry` reads; an objective
 ignores the fields it does not read, as verl's config does. Values are
 checked on construction (naming the field), and
