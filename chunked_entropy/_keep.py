@@ -392,16 +392,16 @@ class Gathered(NamedTuple):
     u: torch.Tensor  # transformed logit (-inf where not inside)
 
 
-def gather(z: torch.Tensor, ent: Entries, v0: int, tf: Transform, dtype) -> Gathered:
+def gather(z: torch.Tensor, entries: Entries, v0: int, tf: Transform, dtype) -> Gathered:
     """Read the entries of a block of raw logits ``z`` (rows of the chunk, columns ``[v0, v0 + width)``).
 
     Must run before the block is overwritten; reads ``z`` only.
     """
     width = z.shape[1]
-    inside = (ent.col >= v0) & (ent.col < v0 + width)
-    col = (ent.col - v0).clamp_(0, width - 1)
-    u = tf.to_u_(z[ent.row, col].to(dtype))  # advanced indexing: a new tensor of the entries, any strides
-    return Gathered(inside, ent.row, col, torch.where(inside, u, -math.inf))
+    inside = (entries.col >= v0) & (entries.col < v0 + width)
+    col = (entries.col - v0).clamp_(0, width - 1)
+    u = tf.to_u_(z[entries.row, col].to(dtype))  # advanced indexing: a new tensor of the entries, any strides
+    return Gathered(inside, entries.row, col, torch.where(inside, u, -math.inf))
 
 
 def _per_row(k, rows: torch.Tensor):
@@ -409,7 +409,7 @@ def _per_row(k, rows: torch.Tensor):
     return k[rows, 0] if isinstance(k, torch.Tensor) else (1.0 if k is None else k)
 
 
-def block_stats(g: Gathered, ent: Entries, n_rows: int, k, dtype) -> tuple:
+def block_stats(g: Gathered, entries: Entries, n_rows: int, k, dtype) -> tuple:
     """``(BlockStats, count)`` of the kept entries of one block; ``zl`` is left 0 (the whole row's is used)."""
     device = g.u.device
     zeros = lambda: torch.zeros(n_rows, dtype=dtype, device=device)  # noqa: E731
@@ -423,7 +423,7 @@ def block_stats(g: Gathered, ent: Entries, n_rows: int, k, dtype) -> tuple:
     rest = zeros().index_add_(0, g.row, torch.where(top, 0.0, e))
     w = zeros().index_add_(0, g.row, e * y)
     q = zeros().index_add_(0, g.row, e * e)
-    count = zeros().index_add_(0, g.row, (g.inside & ent.counted).to(dtype))
+    count = zeros().index_add_(0, g.row, (g.inside & entries.counted).to(dtype))
     return BlockStats(m, ones, rest, w, q, zeros()), count
 
 
@@ -439,7 +439,7 @@ def split(co: Coefficients, truncated: torch.Tensor, of_kept: bool) -> tuple:
     return Coefficients(c, b, a), Coefficients(c_k, b_k, a_k)
 
 
-def add_grad_(grad: torch.Tensor, g: Gathered, ent: Entries, kept: RowStats, truncated: torch.Tensor,
+def add_grad_(grad: torch.Tensor, g: Gathered, entries: Entries, kept: RowStats, truncated: torch.Tensor,
               co: Coefficients, tf: Transform, k) -> torch.Tensor:
     """Add the kept sets' term of the gradient w.r.t. a block's raw logits into ``grad`` (see the module doc).
 
@@ -464,7 +464,7 @@ def add_grad_(grad: torch.Tensor, g: Gathered, ent: Entries, kept: RowStats, tru
         inner += co.a[r] * (p - pick(kept.s2))
     val = p * inner
     if co.c is not None:
-        val = val + torch.where(ent.is_label & g.inside & truncated[r], co.c[r], zero)
+        val = val + torch.where(entries.is_label & g.inside & truncated[r], co.c[r], zero)
     if tf.softcap is not None:  # the cap's derivative 1 - u**2 at each entry
         val = val * (1.0 - torch.where(on, g.u, zero) ** 2)
     grad.index_put_((r, g.col), torch.where(g.inside, val, zero).to(grad.dtype), accumulate=True)

@@ -185,7 +185,7 @@ class _Objective:
 
     def finish(self, tok: Tokens, stats: RowStats) -> torch.Tensor:
         """Record ``(loss, metrics)`` from the chunk loop's statistics; return the loss."""
-        self.result = self.value(*_outputs(tok, stats))
+        self.result = self.value(*_token_results(tok, stats))
         return self.result[0]
 
     def value(self, log_probs: torch.Tensor, entropy: torch.Tensor):
@@ -211,7 +211,7 @@ class _Objective:
         return loss.detach(), metrics
 
 
-def _outputs(tok: Tokens, stats: RowStats):
+def _token_results(tok: Tokens, stats: RowStats):
     lp, ent, _ = tok.outputs(stats, Want())
     return lp, ent
 
@@ -449,7 +449,7 @@ def linear_policy_loss(
             lp = ent = zero
         else:
             h_full = full_hidden(hidden, plan)
-            lp, ent = _outputs(tok, linear_row_stats(token_major(h_full, plan), weight, bias, tok, plan))
+            lp, ent = _token_results(tok, linear_row_stats(token_major(h_full, plan), weight, bias, tok, plan))
         loss, metrics = objective.value(lp, ent)
         if grads:  # zero tokens: a zero loss still connected to the inputs
             loss = connected(loss, hidden, weight, bias)
@@ -615,7 +615,7 @@ def policy_loss_from_logits(
     if tok.n == 0 or not grads:
         lp = ent = torch.zeros(0, dtype=cdt, device=logits.device)
         if tok.n:
-            lp, ent = _outputs(tok, logits_row_stats(logits, tok, chunk_size, process_group, Want(), compiled))
+            lp, ent = _token_results(tok, logits_row_stats(logits, tok, chunk_size, process_group, Want(), compiled))
         loss, metrics = objective.value(lp, ent)
         return (connected(loss, logits) if grads else loss), metrics
     loss = _LogitsLossFunction.apply(logits, tok, chunk_size, process_group, objective, compiled)
