@@ -65,6 +65,7 @@ are freed before the next block.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import ClassVar, NamedTuple, Optional
@@ -72,6 +73,7 @@ from typing import ClassVar, NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
+from . import _stats
 from ._checks import check_real
 
 
@@ -229,14 +231,20 @@ class DivergenceSpec:
 
     @property
     def math(self) -> DivergenceMath:
-        """The kind's math (:class:`DivergenceMath`)."""
-        cls = KINDS[self.kind]
-        return cls(self.beta) if self.kind == "jsd" else cls()
+        """The kind's math (:class:`DivergenceMath`): one object per kind and ``beta`` in the process (the
+        compiled kernels compile once per such object)."""
+        return _math_of(self.kind, self.beta)
 
     @property
     def needs_aux(self) -> bool:
         """Whether the gradient reads a per-row sum beyond the log-sum-exps (reverse KL: ``D``; JSD: ``K``)."""
         return KINDS[self.kind].needs_aux
+
+
+@functools.lru_cache(maxsize=None)
+def _math_of(kind: str, beta: Optional[float]) -> DivergenceMath:
+    cls = KINDS[kind]
+    return cls(beta) if beta is not None else cls()
 
 
 class PairRows(NamedTuple):
@@ -290,3 +298,44 @@ def divergence_grad(y_s, y_t, ls_s, ls_t, aux: Optional[torch.Tensor], spec: Div
     """``dD / dx_s`` of one ``[n, Vb]`` block (a new block), from the offsets (read only) and the rows'
     final ``log s`` and ``aux`` (see :class:`PairRows`)."""
     return spec.math.grad(log_probs(y_s, ls_s), log_probs(y_t, ls_t), aux)
+
+
+# ----------------------------------------------------------------------------- the compiled kernels' functions
+#
+# The pair walk's blocks through ``torch.compile`` (``backend="compile"``, :mod:`chunked_entropy._kernels`): each
+# reads the two raw blocks (never writes them, but for the gradient's, which overwrites the student's block) and
+# forms the transform, the offsets and the log-probs on the fly, as :func:`chunked_entropy._stats.stats_of_block`
+# does for one head; the math is the kind's :class:`DivergenceMath`, as it is.
+
+
+def _log_probs_of(z, cap_factor, k, m, ls, dtype):
+    """``(u, y, lp)`` of a raw block: the transformed logits, the offsets to ``m`` and the log-probs."""
+    u = _stats._u(z, cap_factor, dtype)
+    y = _stats._offsets(u, m, k)
+    return u, y, y - ls.unsqueeze(1)
+
+
+def terms_of_blocks(math_: DivergenceMath, z_s, z_t, cap_s, k_s, m_s, ls_s, cap_t, k_t, m_t, ls_t, dtype):
+    """Per-row sums ``(D, aux)`` of the raw blocks ``z_s``, ``z_t`` (read only), from the rows' final maxima and
+    log-sum-exps (``aux`` is ``D`` where the kind keeps no second sum)."""
+    _, _, lp_s = _log_probs_of(z_s, cap_s, k_s, m_s, ls_s, dtype)
+    _, _, lp_t = _log_probs_of(z_t, cap_t, k_t, m_t, ls_t, dtype)
+    d, aux, _ = math_.terms(lp_s, lp_t)
+    return d, d if aux is None else aux
+
+
+def grad_of_blocks_(math_: DivergenceMath, z_s, z_t, cap_s, k_s, m_s, ls_s, ws, target, v0: int, c, b,
+                    cap_t, k_t, m_t, ls_t, aux, scale, dtype) -> None:
+    """The gradient w.r.t. the student's raw logits of one block, written over ``z_s`` (a buffer of the walk):
+    ``scale * dD/dx_s`` plus the student's log-prob (``c``) and entropy (``b``) terms, times the cap's derivative
+    (with ``cap_s``); ``z_t`` is read only. Every per-row input is a tensor (zeros for an absent term)."""
+    u, y, lp_s = _log_probs_of(z_s, cap_s, k_s, m_s, ls_s, dtype)
+    _, _, lp_t = _log_probs_of(z_t, cap_t, k_t, m_t, ls_t, dtype)
+    p = torch.exp(lp_s)
+    col = torch.arange(u.shape[1], device=u.device).unsqueeze(0)
+    g = p * (b.unsqueeze(1) * (ws.unsqueeze(1) - y) - c.unsqueeze(1))
+    g = g + torch.where(col == (target - v0).unsqueeze(1), c.unsqueeze(1), 0.0)
+    g = g + math_.grad(lp_s, lp_t, aux) * scale.unsqueeze(1)
+    if cap_s is not None:
+        g = g * (1.0 - u * u)
+    z_s.copy_(g)

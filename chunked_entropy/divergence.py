@@ -35,6 +35,7 @@ from ._blocks import (
     linear_grads,
     live_group,
     logits_source,
+    main_grad_result,
     reduce_hidden_grad,
     resolve_vocab_chunk,
     weak_group,
@@ -42,7 +43,7 @@ from ._blocks import (
 from ._checks import check_chunk, check_device, check_flag, check_float, check_positive, is_real
 from ._divergence import DivergenceSpec, PairRows
 from ._inputs import Rows, Tokens, check_transform_scale, compute_dtype, dtype_code, prepare_tokens
-from ._loop import new_row_stats, pair_grad_blocks, pair_row_stats
+from ._loop import new_pair_rows, new_row_stats, pair_grad_blocks, pair_loss_grad_blocks, pair_row_stats
 from ._rows import kept_rows, parse_kept, put_rows, select_logit_rows, select_rows, take_rows
 from ._stats import RowStats, Transform, Want
 from .parallel import agreed_call, all_gather_dim0, fingerprint_floats, group_rank_size
@@ -193,24 +194,11 @@ def _outputs(tok: Tokens, stats: RowStats, pair: PairRows, valid, want: Want):
     return div, lp, ent
 
 
-def _new_pair(n, spec: DivergenceSpec, dtype, device) -> PairRows:
-    new = lambda: torch.empty(n, dtype=dtype, device=device)  # noqa: E731
-    return PairRows(new(), new(), new(), new() if spec.needs_aux else None)
-
-
-def _walk(tok, teacher_fill, spec, fill, *, width, plan: Plan, teacher: _Teacher, dtype, device, weights=None):
-    """``pair_row_stats`` over fresh per-token arrays: ``(the generator, stats, pair)``."""
-    stats = new_row_stats(tok.n, plan.want, dtype, device)
-    pair = _new_pair(tok.n, spec, dtype, device)
-    gen = pair_row_stats(tok, teacher.transform, spec, fill, teacher_fill, width=width, block=plan.vocab_chunk_size,
-                         chunk_size=plan.chunk_size, group=plan.group, want_entropy=plan.want.entropy, dtype=dtype,
-                         device=device, out=stats, pair=pair, weights=weights)
-    return gen, stats, pair
-
-
-def _exhaust(gen) -> None:
-    for _ in gen:
-        pass
+def _walk(tok, teacher_fill, spec, fill, *, width, plan: Plan, teacher: _Teacher, dtype, device) -> tuple:
+    """The statistics walk, :func:`~chunked_entropy._loop.pair_row_stats`: ``(stats, pair)``."""
+    return pair_row_stats(tok, teacher.transform, spec, fill, teacher_fill, width=width, block=plan.vocab_chunk_size,
+                          chunk_size=plan.chunk_size, group=plan.group, want_entropy=plan.want.entropy, dtype=dtype,
+                          device=device, compiled=plan.compiled)
 
 
 def _teacher_fill(teacher: _Teacher, plan: Plan):
@@ -228,19 +216,20 @@ def _rows_from_saved(t) -> tuple:
 
 class _LinearDivergenceFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, teacher: _Teacher, tok: Tokens, plan: Plan, spec, valid):
+    def forward(ctx, hidden, weight, bias, teacher: _Teacher, tok: Tokens, plan: Plan, spec, valid, main_grad=None):
         h_full = full_hidden(hidden, plan)
         cdt = compute_dtype(weight.dtype)
-        gen, stats, pair = _walk(tok, _teacher_fill(teacher, plan), spec,
-                                 linear_filler(Rows(h_full), weight, bias, plan.float32_logits),
-                                 width=weight.shape[0], plan=plan, teacher=teacher, dtype=cdt, device=weight.device)
-        _exhaust(gen)
+        stats, pair = _walk(tok, _teacher_fill(teacher, plan), spec,
+                            linear_filler(Rows(h_full), weight, bias, plan.float32_logits),
+                            width=weight.shape[0], plan=plan, teacher=teacher, dtype=cdt, device=weight.device)
         # Saved: references to the student's hidden (this rank's slice under sequence parallelism), weight
         # and bias, the teacher's (detached; its full hidden states under sequence parallelism), and five to
         # seven float32 per token.
         ctx.save_for_backward(hidden, weight, bias, valid, *_saved_rows(stats, pair))
         ctx.teacher, ctx.tok, ctx.spec = teacher, tok, spec
         ctx.plan, ctx.group = replace(plan, group=None), weak_group(plan.group)
+        ctx.main_grad = main_grad
+        ctx.weight_param = weight if main_grad is not None else None
         ctx.set_materialize_grads(False)
         return _outputs(tok, stats, pair, valid, plan.want)
 
@@ -252,7 +241,7 @@ class _LinearDivergenceFunction(torch.autograd.Function):
         tok, plan = ctx.tok, replace(ctx.plan, group=live_group(ctx.group))
         need = ctx.needs_input_grad[:3]
         if g_div is None and g_lp is None and g_h is None:
-            return (None,) * 8
+            return (None,) * 9
         if g_div is not None:
             g_div = torch.where(valid, g_div.reshape(-1), 0.0)
         if not plan.want.entropy:
@@ -266,14 +255,17 @@ class _LinearDivergenceFunction(torch.autograd.Function):
             _teacher_fill(ctx.teacher, plan), width=weight.shape[0],
             block=plan.vocab_chunk_size if vocab_block is None else vocab_block, vocab_outer=vocab_block is not None,
             chunk_size=plan.chunk_size, stats=stats, pair=pair, grads=(g_div, g_lp, g_h), dtype=cdt,
-            device=weight.device,
+            device=weight.device, compiled=plan.compiled,
         )
+        main_grad = ctx.main_grad if need[1] else None
         grad_h, gw, gb = linear_grads(blocks, rows, weight, n=tok.n, hidden_dtype=hidden.dtype,
                                       chunk_size=plan.chunk_size, need=need, float32=plan.float32_logits,
-                                      vocab_block=vocab_block)
+                                      vocab_block=vocab_block, main_grad=main_grad)
         grad_hidden = None if grad_h is None else reduce_hidden_grad(grad_h, h_full.shape, plan)
+        if main_grad is not None:
+            gw = main_grad_result(ctx.weight_param, main_grad)
         return (grad_hidden, None if gw is None else gw.to(weight.dtype), None if gb is None else gb.to(bias.dtype),
-                None, None, None, None, None)
+                None, None, None, None, None, None)
 
 
 def _scaled_grad(t: Optional[torch.Tensor], g: torch.Tensor, dtype) -> Optional[torch.Tensor]:
@@ -286,32 +278,44 @@ def _scaled_grad(t: Optional[torch.Tensor], g: torch.Tensor, dtype) -> Optional[
 
 class _LinearDivergenceLossFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, teacher: _Teacher, tok: Tokens, plan: Plan, spec, weights):
+    def forward(ctx, hidden, weight, bias, teacher: _Teacher, tok: Tokens, plan: Plan, spec, weights, main_grad=None):
         need = ctx.needs_input_grad[:3]
         h_full = full_hidden(hidden, plan)
         rows = Rows(h_full)
         cdt = compute_dtype(weight.dtype)
+        dev = weight.device
         fill, teacher_fill = linear_filler(rows, weight, bias, plan.float32_logits), _teacher_fill(teacher, plan)
         # half-precision weights: the statistics walk, then the gradients over vocabulary blocks outermost (as
-        # the backward of linear_divergence walks them); else the gradients in the statistics walk
+        # the backward of linear_divergence walks them); else the loss walk, the gradients formed in it
         vocab_block = grad_vocab_block(tok.n, weight, plan, need[1])
-        gen, stats, pair = _walk(tok, teacher_fill, spec, fill, width=weight.shape[0], plan=plan, teacher=teacher,
-                                 dtype=cdt, device=weight.device,
-                                 weights=weights if any(need) and vocab_block is None else None)
-        if vocab_block is not None:
-            _exhaust(gen)
-            gen = pair_grad_blocks(tok, teacher.transform, spec, fill, teacher_fill, width=weight.shape[0],
-                                   block=vocab_block, chunk_size=plan.chunk_size, stats=stats, pair=pair,
-                                   grads=(weights, None, None), dtype=cdt, device=weight.device, vocab_outer=True)
-        grad_h, gw, gb = linear_grads(gen, rows, weight, n=tok.n, hidden_dtype=hidden.dtype,
+        width, tf_t = weight.shape[0], teacher.transform
+        if any(need) and vocab_block is None:
+            stats, pair = new_row_stats(tok.n, plan.want, cdt, dev), new_pair_rows(tok.n, spec, cdt, dev)
+            blocks = pair_loss_grad_blocks(
+                tok, tf_t, spec, fill, teacher_fill, width=width, block=plan.vocab_chunk_size,
+                chunk_size=plan.chunk_size, group=plan.group, want_entropy=plan.want.entropy, weights=weights,
+                stats=stats, pair=pair, dtype=cdt, device=dev, compiled=plan.compiled)
+        else:
+            stats, pair = _walk(tok, teacher_fill, spec, fill, width=width, plan=plan, teacher=teacher, dtype=cdt,
+                                device=dev)
+            blocks = () if vocab_block is None else pair_grad_blocks(
+                tok, tf_t, spec, fill, teacher_fill, width=width, block=vocab_block, chunk_size=plan.chunk_size,
+                stats=stats, pair=pair, grads=(weights, None, None), dtype=cdt, device=dev, vocab_outer=True,
+                compiled=plan.compiled)
+        # With main_grad (Megatron's float32 accumulator) the weight gradient is kept in float32 until the
+        # upstream gradient scales it in backward; else in the weight's dtype.
+        grad_h, gw, gb = linear_grads(blocks, rows, weight, n=tok.n, hidden_dtype=hidden.dtype,
                                       chunk_size=plan.chunk_size, need=need, float32=plan.float32_logits,
-                                      vocab_block=vocab_block)
+                                      vocab_block=vocab_block, weight_grad_dtype=None if main_grad is None else cdt)
         if grad_h is not None:
             grad_h = reduce_hidden_grad(grad_h, h_full.shape, plan)
-        # Saved: the gradients themselves (the hidden states' and the weight's in their dtypes, the float32
-        # bias gradient), allocated here instead of in backward; no reference to the inputs.
+        # Saved: the gradients themselves (the hidden states' and the weight's in their dtypes, or the weight's
+        # in float32 with main_grad, the float32 bias gradient), allocated here instead of in backward; no
+        # reference to the inputs.
         ctx.save_for_backward(grad_h, gw, gb)
         ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
+        ctx.main_grad = main_grad
+        ctx.weight_param = weight if main_grad is not None else None
         ent = stats.entropy() if plan.want.entropy else torch.zeros_like(pair.div)
         ctx.mark_non_differentiable(pair.div, ent)
         return (torch.where(weights != 0, pair.div, 0.0) * weights).sum(), pair.div, ent
@@ -321,10 +325,16 @@ class _LinearDivergenceLossFunction(torch.autograd.Function):
     def backward(ctx, g, _d, _e):
         grad_h, gw, gb = ctx.saved_tensors
         if g is None:
-            return (None,) * 8
-        return (_scaled_grad(grad_h, g, None if grad_h is None else grad_h.dtype),
-                _scaled_grad(gw, g, ctx.dtypes[0]), _scaled_grad(gb, g, ctx.dtypes[1]),
-                None, None, None, None, None)
+            return (None,) * 9
+        grad_w = None
+        if gw is not None:
+            if ctx.main_grad is None:
+                grad_w = _scaled_grad(gw, g, ctx.dtypes[0])
+            else:
+                ctx.main_grad.add_(_scaled_grad(gw, g, ctx.main_grad.dtype))
+                grad_w = main_grad_result(ctx.weight_param, ctx.main_grad)
+        return (_scaled_grad(grad_h, g, None if grad_h is None else grad_h.dtype), grad_w,
+                _scaled_grad(gb, g, ctx.dtypes[1]), None, None, None, None, None, None)
 
 
 def _linear_call(student_hidden, student_weight, teacher_hidden, teacher_weight, *, divergence, beta, labels,
@@ -663,9 +673,8 @@ class _LogitsDivergenceFunction(torch.autograd.Function):
         v = logits.shape[-1]
         cdt = compute_dtype(logits.dtype)
         fill, _ = logits_source(logits)
-        gen, stats, pair = _walk(tok, logits_source(teacher.source)[0], spec, fill, width=v, plan=plan,
-                                 teacher=teacher, dtype=cdt, device=logits.device)
-        _exhaust(gen)
+        stats, pair = _walk(tok, logits_source(teacher.source)[0], spec, fill, width=v, plan=plan,
+                            teacher=teacher, dtype=cdt, device=logits.device)
         # Saved: the student's logits and the teacher's (references, detached) and five to seven float32 per token.
         ctx.save_for_backward(logits, valid, *_saved_rows(stats, pair))
         ctx.teacher, ctx.tok, ctx.spec = teacher, tok, spec
@@ -691,7 +700,7 @@ class _LogitsDivergenceFunction(torch.autograd.Function):
         blocks = pair_grad_blocks(tok, ctx.teacher.transform, ctx.spec, logits_source(logits)[0],
                                   logits_source(ctx.teacher.source)[0], width=v, block=plan.vocab_chunk_size,
                                   chunk_size=plan.chunk_size, stats=stats, pair=pair, grads=(g_div, g_lp, g_h),
-                                  dtype=stats.ls.dtype, device=logits.device)
+                                  dtype=stats.ls.dtype, device=logits.device, compiled=plan.compiled)
         for a, b, v0, v1, g in blocks:
             gflat[a:b, v0:v1].copy_(g)
         return grad, None, None, None, None, None
