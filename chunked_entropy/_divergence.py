@@ -310,8 +310,8 @@ def divergence_grad(y_s, y_t, ls_s, ls_t, aux: Optional[torch.Tensor], spec: Div
 
 def _log_probs_of(z, cap_factor, k, m, ls, dtype):
     """``(u, y, lp)`` of a raw block: the transformed logits, the offsets to ``m`` and the log-probs."""
-    u = _stats._u(z, cap_factor, dtype)
-    y = _stats._offsets(u, m, k)
+    u = _stats.transformed(z, cap_factor, dtype)
+    y = _stats.offsets_of(u, m, k)
     return u, y, y - ls.unsqueeze(1)
 
 

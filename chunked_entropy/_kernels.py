@@ -122,7 +122,7 @@ class _PairKernels:
         n, dev = x.shape[0], x.device
         x, xt, k, k_t, m, ls, m_t, ls_t = _rows_of(n, x, xt, k_column(k, n, dtype, dev), k_column(k_t, n, dtype, dev),
                                                    m, ls, m_t, ls_t)
-        d, aux = self.fns()[0](math_, x, _cap_factor(tf, dtype, dev), k, m, ls, xt, _cap_factor(tf_t, dtype, dev),
+        d, aux = self.fns()[0](math_, x, xt, _cap_factor(tf, dtype, dev), k, m, ls, _cap_factor(tf_t, dtype, dev),
                                k_t, m_t, ls_t, dtype)
         return d[:n], aux[:n]
 

@@ -22,8 +22,17 @@ from ._checks import Requirements, check_summary, collecting
 from ._stats import BlockStats, rescale
 
 # torch 2.13 renamed the single-tensor collectives (the old names warn on every call).
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _all_gather_single(out, t, group):
+    """``torch.distributed``'s one-tensor all-gather (looked up at each call: a wrapper around the group's
+    collectives, e.g. a test's count, sees it)."""
+    return (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, t, group=group)
+
+
+def _reduce_scatter_single(out, t, op, group):
+    """``torch.distributed``'s one-tensor reduce-scatter, looked up at each call."""
+    return (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(out, t, op=op, group=group)
 
 
 def group_rank_size(group) -> tuple[int, int]:

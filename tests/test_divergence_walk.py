@@ -1,0 +1,212 @@
+"""The two-head (divergence) walk: its compiled kernels and its main_grad fusion against the eager walk and the
+float64 definitions, and its collectives per chunk under TP 2 (real gloo groups, counted).
+
+The public ops do not take ``backend`` / ``gradient_accumulation_fusion`` yet (their option objects are being
+introduced); these tests drive the internal hooks the ops pass: ``Plan.compiled`` (the kernels object of
+:func:`chunked_entropy._kernels.use_compiled`) and the autograd Functions' trailing ``main_grad`` argument
+(:func:`chunked_entropy._blocks.main_grad_of`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from chunked_entropy import _kernels, linear_divergence, linear_divergence_loss
+from chunked_entropy import divergence as dv
+from tests.helpers import run_distributed
+from tests.test_divergence import reference, student_reference
+
+V = 37
+
+
+def _linear(form, hs, ws, bs, ht, wt, *, kind, beta, compiled=None, main_grad=None, **kw):
+    """``linear_divergence`` (``form="head"``) or its loss form, with the internal hooks set."""
+    opts = dict(student_bias=bs, teacher_bias=None, temperature=kw.get("temperature", 1.0),
+                student_softcap=kw.get("student_softcap"), student_logit_scale=None,
+                teacher_softcap=kw.get("teacher_softcap"), teacher_logit_scale=None,
+                label_mask=kw.get("label_mask"), chunk_size=kw.get("chunk_size", 4),
+                vocab_chunk_size=kw.get("vocab_chunk_size"), process_group=None, sequence_parallel=False,
+                compute_entropy=form == "head", logits_dtype=None)
+    if form == "head":
+        tok, plan, spec, teacher, valid, _, _, _ = dv._linear_call(
+            hs, ws, ht, wt, divergence=kind, beta=beta, labels=kw["labels"], ignore_index=-100, **opts)
+        plan = replace(plan, compiled=compiled)
+        return dv._LinearDivergenceFunction.apply(hs, ws, bs, teacher, tok, plan, spec, valid, main_grad)
+    tok, plan, spec, teacher, valid, _, _, w = dv._linear_call(
+        hs, ws, ht, wt, divergence=kind, beta=beta, labels=None, ignore_index=-100,
+        loss=dict(reduction="sum", normalizer=None, weights=kw.get("weights")), **opts)
+    plan = replace(plan, compiled=compiled)
+    return dv._LinearDivergenceLossFunction.apply(hs, ws, bs, teacher, tok, plan, spec, w, main_grad)
+
+
+def _problem(seed, n=(2, 7)):
+    g = torch.Generator().manual_seed(seed)
+    new = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    return dict(hs=new(*n, 8), ws=new(V, 8) * 0.7, bs=new(V) * 0.2, ht=new(*n, 10), wt=new(V, 10) * 0.7,
+                labels=torch.randint(0, V, n, generator=g), mask=torch.rand(*n, generator=g) > 0.2,
+                t=torch.rand(n[0], 1, generator=g) + 0.5, ups=[new(*n) for _ in range(3)], weights=new(*n).abs())
+
+
+def _run(form, p, kind, beta, *, compiled=None, fuse=False, vocab_chunk_size=None):
+    """Values and the student's gradients (hidden, weight or the main_grad added to, bias) of one call."""
+    leaves = [p[k].clone().requires_grad_() for k in ("hs", "ws", "bs")]
+    main_grad = None
+    if fuse:
+        main_grad = torch.full(p["ws"].shape, 0.25)  # Megatron's float32 accumulator, holding a previous step's
+        leaves[1].main_grad = main_grad
+    kw = dict(kind=kind, beta=beta, compiled=compiled, main_grad=main_grad, temperature=p["t"], student_softcap=6.0,
+              teacher_softcap=9.0, label_mask=p["mask"], labels=p["labels"], weights=p["weights"],
+              vocab_chunk_size=vocab_chunk_size)
+    out = _linear(form, leaves[0], leaves[1], leaves[2], p["ht"], p["wt"], **kw)
+    shape = p["labels"].shape  # the Functions' per-token outputs are flat
+    if form == "head":
+        values = [o.view(shape) for o in out]
+        sum((o * u).sum() for o, u in zip(values, p["ups"], strict=True)).backward()
+    else:
+        values = [out[0], torch.where(p["mask"], out[1].view(shape), 0.0)]
+        (out[0] * 1.5).backward()
+    gw = leaves[1].grad if main_grad is None else main_grad - 0.25
+    if fuse:
+        assert leaves[1].grad is None  # the gradient went into main_grad, and only there
+    return [v.detach() for v in values] + [leaves[0].grad, gw, leaves[2].grad]
+
+
+def _float64(form, p, kind, beta):
+    """The same from the definitions (tests/test_divergence.py's references), float64."""
+    hs, ws, bs = (p[k].double().requires_grad_() for k in ("hs", "ws", "bs"))
+    zs, zt = hs @ ws.t() + bs, p["ht"].double() @ p["wt"].double().t()
+    t = p["t"].double()
+    d = torch.where(p["mask"], reference(zs, zt, kind, beta, temperature=t, student=dict(softcap=6.0),
+                                         teacher=dict(softcap=9.0)), 0.0)
+    if form == "head":
+        lp, ent = student_reference(zs, p["labels"], temperature=t, student=dict(softcap=6.0), valid=p["mask"])
+        values = [d, lp, ent]
+        total = sum((o * u.double()).sum() for o, u in zip(values, p["ups"], strict=True))
+    else:
+        values = [(d * p["weights"].double()).sum(), d]
+        total = values[0] * 1.5
+    return [v.detach() for v in values] + list(torch.autograd.grad(total, (hs, ws, bs)))
+
+
+def _close(got, want, what, tol):
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        torch.testing.assert_close(a.double(), b.double(), rtol=tol, atol=tol, msg=lambda m, i=i: f"{what} #{i}: {m}")
+
+
+KINDS = [("forward_kl", None), ("reverse_kl", None), ("jsd", 0.3)]
+
+
+@pytest.mark.parametrize("kind,beta", KINDS)
+def test_compiled_and_main_grad_match_the_eager_walk_and_float64(kind, beta):
+    """``backend="compile"`` (the compiled kernels on every block: statistics, the divergence's sums, the
+    gradient) and main_grad fusion, per-token form and loss form, one vocabulary block and several: equal to
+    the eager walk within float32 rounding, and to the float64 definitions."""
+    p = _problem(1)
+    for form in ("head", "loss"):
+        want = _float64(form, p, kind, beta)
+        for vcs in (None, 16):
+            eager = _run(form, p, kind, beta, vocab_chunk_size=vcs)
+            _close(eager, want, f"eager {form} vcs={vcs}", 2e-5)
+            compiled = _run(form, p, kind, beta, compiled=_kernels.COMPILED, fuse=True, vocab_chunk_size=vcs)
+            _close(compiled, eager, f"compiled+main_grad {form} vcs={vcs}", 1e-5)
+
+
+def test_compiled_one_row_and_teacher_equal_to_student():
+    """A chunk of one row (the kernels' doubled row), and a teacher equal to the student: 0, exactly."""
+    p = _problem(2, n=(1, 1))
+    _close(_run("head", p, "jsd", 0.3, compiled=_kernels.COMPILED), _run("head", p, "jsd", 0.3), "one row", 1e-5)
+    q = _problem(3)
+    w = q["ws"]
+    out = _linear("head", q["hs"], w, None, q["hs"], w, kind="reverse_kl", beta=None, compiled=_kernels.COMPILED,
+                  labels=q["labels"])
+    assert out[0].abs().max() == 0
+
+
+# ----------------------------------------------------------------------------- collectives per chunk under TP 2
+
+
+class _Counted:
+    """Counts the group's collectives while it is active: ``torch.distributed.all_reduce`` and the all-gathers
+    (``all_gather_into_tensor``, ``all_gather``), each still run (a wrapper, not a stand-in)."""
+
+    NAMES = ("all_reduce", "all_gather_into_tensor", "all_gather", "all_gather_single")
+
+    def __enter__(self):
+        self.calls, self.saved = [], {}
+        for name in self.NAMES:
+            fn = getattr(dist, name, None)
+            if fn is None:
+                continue
+            self.saved[name] = fn
+
+            def wrapped(*args, _fn=fn, _name=name, **kw):
+                self.calls.append(_name)
+                return _fn(*args, **kw)
+
+            setattr(dist, name, wrapped)
+        return self
+
+    def __exit__(self, *exc):
+        for name, fn in self.saved.items():
+            setattr(dist, name, fn)
+
+
+def _counts(form, kind, beta, chunk_size, vocab_chunk_size, rank, world):
+    """(forward, backward) collectives of one call on 12 tokens, checked against float64 on the way."""
+    g = torch.Generator().manual_seed(50)
+    new = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    n, v = 12, 24
+    h_s, w_s, h_t, w_t = new(n, 6), new(v, 6), new(n, 7), new(v, 7)
+    labels = torch.randint(0, v, (n,), generator=g)
+    ups = [new(n) for _ in range(3)]
+    leaves = [h_s.clone().requires_grad_(), w_s.clone().requires_grad_()]
+    zs, zt = leaves[0] @ leaves[1].t(), h_t @ w_t.t()
+    d_ref = reference(zs, zt, kind, beta)
+    lp_ref, ent_ref = student_reference(zs, labels, valid=torch.ones(n, dtype=torch.bool))
+    rows = slice(rank * v // world, (rank + 1) * v // world)
+    mine = [h_s.clone().requires_grad_(), w_s[rows].clone().requires_grad_()]
+    kw = dict(divergence=kind, beta=beta, chunk_size=chunk_size, vocab_chunk_size=vocab_chunk_size,
+              process_group=dist.group.WORLD)
+    with _Counted() as fwd:
+        if form == "head":
+            out = linear_divergence(mine[0], mine[1], h_t, w_t[rows], labels=labels, compute_entropy=True, **kw)
+            total = (out.divergence * ups[0] + out.log_probs * ups[1] + out.entropy * ups[2]).sum()
+        else:
+            out = linear_divergence_loss(mine[0], mine[1], h_t, w_t[rows], reduction="sum", **kw)
+            total = out.loss
+    with _Counted() as bwd:
+        total.backward()
+    if form == "head":
+        ref = (d_ref * ups[0] + lp_ref * ups[1] + ent_ref * ups[2]).sum()
+        for a, b in ((out.divergence, d_ref), (out.log_probs, lp_ref), (out.entropy, ent_ref)):
+            torch.testing.assert_close(a, b.detach(), rtol=1e-9, atol=1e-9)
+    else:
+        ref = d_ref.sum()
+        torch.testing.assert_close(out.loss, ref.detach(), rtol=1e-9, atol=1e-9)
+    g_h, g_w = torch.autograd.grad(ref, leaves)
+    torch.testing.assert_close(mine[0].grad, g_h, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(mine[1].grad, g_w[rows], rtol=1e-9, atol=1e-9)
+    return fwd.calls, bwd.calls
+
+
+def _tp2_counts(rank, world):
+    for form in ("head", "loss"):
+        for kind, beta in KINDS:
+            for vcs in (None, 5):
+                f3, b3 = _counts(form, kind, beta, 4, vcs, rank, world)  # 3 chunks
+                f6, b6 = _counts(form, kind, beta, 2, vcs, rank, world)  # 6 chunks
+                what = f"{form} {kind} vocab_chunk_size={vcs}"
+                # per chunk: one MAX all-reduce and one all-gather of both heads' statistics, one SUM all-reduce
+                # of the divergence's sums; the rest (the call's agreement, the hidden gradient's all-reduce)
+                # once per call
+                assert len(f6) - len(f3) == 3 * 3, f"{what}: forward {f3} vs {f6}"
+                assert sorted(f6).count("all_reduce") - sorted(f3).count("all_reduce") == 2 * 3, what
+                assert len(b6) == len(b3), f"{what}: backward has no per-chunk collective ({b3} vs {b6})"
+
+
+def test_three_collectives_per_chunk_under_tp2():
+    run_distributed(_tp2_counts, 2)
