@@ -92,12 +92,22 @@ class DivergenceMath:
     - :meth:`grad`: ``dD / dx_s`` of one block from both (a new block; the blocks are overwritten).
 
     ``needs_aux``: whether the gradient reads ``aux`` (summed over blocks and shards as ``D`` is).
+    ``weighs``: for a KL, the side whose probabilities weigh it (``"t"`` or ``"s"``), None otherwise; such a
+    divergence's value also folds online over vocabulary blocks (:meth:`folded`), in the statistics' pass.
     The methods are plain tensor code: :mod:`chunked_entropy._kernels` compiles them into the pair walk's
     kernels as they are (``backend="compile"``).
     """
 
     kind: ClassVar[str]
     needs_aux: ClassVar[bool] = True
+    weighs: ClassVar[Optional[str]] = None
+
+    @staticmethod
+    def folded(cross: torch.Tensor, s_a: torch.Tensor, ls_a: torch.Tensor, ls_b: torch.Tensor) -> torch.Tensor:
+        """A KL's per-row value from its cross sum ``c = sum_j exp(y_a,j) (y_a,j - y_b,j)`` over the whole
+        vocabulary (offsets to the rows' final maxima; ``a`` the side that weighs), the weighing side's sum
+        ``s_a`` and both log-sum-exps: ``sum_j p_a (lp_a - lp_b) = c / s_a - ls_a + ls_b``."""
+        return (cross / s_a).sub_(ls_a).add_(ls_b)
 
     def entries(self, lp_s: torch.Tensor, lp_t: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -122,6 +132,7 @@ class ForwardKL(DivergenceMath):
 
     kind = "forward_kl"
     needs_aux = False
+    weighs = "t"
 
     def entries(self, lp_s, lp_t):
         return p_times(lp_t, lp_t - lp_s)
@@ -142,6 +153,7 @@ class ReverseKL(DivergenceMath):
     """``KL(s || t) = sum_j p_s (lp_s - lp_t)``; ``dD/dx_s = p_s (lp_s - lp_t - D)`` (``aux = D``)."""
 
     kind = "reverse_kl"
+    weighs = "s"
 
     def entries(self, lp_s, lp_t):
         return p_times(lp_s, lp_s - lp_t)
@@ -313,6 +325,14 @@ def _log_probs_of(z, cap_factor, k, m, ls, dtype):
     u = _stats.transformed(z, cap_factor, dtype)
     y = _stats.offsets_of(u, m, k)
     return u, y, y - ls.unsqueeze(1)
+
+
+def cross_of_blocks(z_a, z_b, cap_a, k_a, m_a, cap_b, k_b, m_b, dtype):
+    """A KL's cross sum of one block, ``sum_j exp(y_a,j) (y_a,j - y_b,j)`` (offsets to the blocks' maxima
+    ``m_a``, ``m_b``), from the raw blocks (read only): see :meth:`DivergenceMath.folded`."""
+    y_a = _stats.offsets_of(_stats.transformed(z_a, cap_a, dtype), m_a, k_a)
+    y_b = _stats.offsets_of(_stats.transformed(z_b, cap_b, dtype), m_b, k_b)
+    return (torch.exp(y_a) * (y_a - y_b)).sum(dim=1)
 
 
 def terms_of_blocks(math_: DivergenceMath, z_s, z_t, cap_s, k_s, m_s, ls_s, cap_t, k_t, m_t, ls_t, dtype):

@@ -99,8 +99,9 @@ class _Compiled:
 
 
 class _PairKernels:
-    """A divergence's two kernels (:func:`chunked_entropy._divergence.terms_of_blocks` and
-    :func:`~chunked_entropy._divergence.grad_of_blocks_`) through ``torch.compile``, built on first use: the
+    """A divergence's kernels (:func:`chunked_entropy._divergence.terms_of_blocks`,
+    :func:`~chunked_entropy._divergence.grad_of_blocks_` and, for a KL folded online,
+    :func:`~chunked_entropy._divergence.cross_of_blocks`) through ``torch.compile``, built on first use: the
     pair walk's per-block math, beside either kernels object's one-head ``stats`` (the Triton backend's
     divergence blocks run through these too: there is no hand-written divergence kernel). One compilation
     per divergence kind and ``beta`` (its value is a constant of the kernel) and dtype."""
@@ -113,8 +114,8 @@ class _PairKernels:
         with self._lock:
             if self._fns is None:
                 opts = dict(dynamic=True, fullgraph=True)
-                self._fns = tuple(_no_duck_shapes(torch.compile(f, **opts))
-                                  for f in (_divergence.terms_of_blocks, _divergence.grad_of_blocks_))
+                self._fns = tuple(_no_duck_shapes(torch.compile(f, **opts)) for f in (
+                    _divergence.terms_of_blocks, _divergence.grad_of_blocks_, _divergence.cross_of_blocks))
             return self._fns
 
     def terms(self, math_, x, xt, tf, k, m, ls, tf_t, k_t, m_t, ls_t, dtype):
@@ -125,6 +126,14 @@ class _PairKernels:
         d, aux = self.fns()[0](math_, x, xt, _cap_factor(tf, dtype, dev), k, m, ls, _cap_factor(tf_t, dtype, dev),
                                k_t, m_t, ls_t, dtype)
         return d[:n], aux[:n]
+
+    def cross(self, x_a, x_b, tf_a, k_a, m_a, tf_b, k_b, m_b, dtype):
+        """A KL's cross sum of one block of each head (raw logits, read only; offsets to the blocks' maxima)."""
+        n, dev = x_a.shape[0], x_a.device
+        x_a, x_b, k_a, k_b, m_a, m_b = _rows_of(n, x_a, x_b, k_column(k_a, n, dtype, dev),
+                                                k_column(k_b, n, dtype, dev), m_a, m_b)
+        return self.fns()[2](x_a, x_b, _cap_factor(tf_a, dtype, dev), k_a, m_a, _cap_factor(tf_b, dtype, dev), k_b,
+                             m_b, dtype)[:n]
 
     def grad_(self, math_, x, xt, tf, k, row, target, v0, co, tf_t, k_t, m_t, ls_t, aux, scale, dtype):
         """The gradient w.r.t. the student's raw logits ``x`` (our buffer), written over it."""

@@ -380,6 +380,12 @@ def loss_grad_blocks(
 # ``_gradient_walk``, the statistics' math and merge, ``reduce_stats_pair`` and the kernels objects.
 
 
+#: A KL's value folded online over vocabulary blocks in the statistics' pass (each block filled once in the
+#: per-token form's forward, twice in the loss form's) instead of a second pass that fills each block again for
+#: the divergence's sums. False: the second pass (the A/B switch of the measurement and of the tests).
+FOLD_KL = True
+
+
 class _PairWalk:
     """What the statistics walk, the loss walk and the gradient walk of a divergence share: the two heads'
     fills, transforms and buffers, and the per-chunk steps.
@@ -402,6 +408,8 @@ class _PairWalk:
                             aux=eager and grad and tok.transform.softcap is not None)
         self.bufs_t = Buffers(rows, block, dtype, device, work=True, scratch=eager and teacher_scratch)
         self.no_label = torch.full((rows,), -1, dtype=torch.int64, device=device)
+        self.fold = FOLD_KL and block < width and self.math.weighs is not None
+        self.teacher_weighs = self.math.weighs == "t"
 
     def k(self, a: int, b: int):
         """Both heads' per-row multipliers of rows ``[a, b)``."""
@@ -428,16 +436,37 @@ class _PairWalk:
         _stats.offsets_(self.tf_t.to_u_(xt), m[1], kt)
         return x, xt, scratch, cap
 
+    def _cross_to(self, c, st, stt, m, m_t, k, kt):
+        """A KL's cross sum relative to the maxima ``m``, ``m_t`` (:func:`~chunked_entropy._stats.rescale_cross`)."""
+        if self.teacher_weighs:
+            return _stats.rescale_cross(c, stt, st, m_t, m, kt, k)
+        return _stats.rescale_cross(c, st, stt, m, m_t, k, kt)
+
+    def _cross(self, x, xt, scratch, scratch_t, local, local_t, k, kt):
+        """A KL's cross sum of one block (see :meth:`~chunked_entropy._divergence.DivergenceMath.folded`), from the
+        blocks as the statistics left them: eager, offsets to the local maxima (the two scratch buffers
+        written); compiled, raw."""
+        if self.teacher_weighs:
+            args = (xt, x, self.tf_t, kt, local_t.m, self.tok.transform, k, local.m)
+        else:
+            args = (x, xt, self.tok.transform, k, local.m, self.tf_t, kt, local_t.m)
+        if self.compiled:
+            return PAIR.cross(*args, self.dtype)
+        y_a, y_b = args[0], args[1]
+        d = torch.sub(y_a, y_b, out=scratch)
+        return d.mul_(torch.exp(y_a, out=scratch_t)).sum(dim=1)
+
     def chunk_stats(self, a: int, b: int, group, want_entropy: bool, cap_single: bool = False):
         """Both heads' statistics of rows ``[a, b)``, merged over blocks and ``group`` (one MAX all-reduce, one
         all-gather for both: :func:`~chunked_entropy.parallel.reduce_stats_pair`). Returns ``(rows, ls_t,
-        merged, merged_t, held)``: the student's RowStats, the teacher's log-sum-exps, both merged BlockStats,
-        and the last blocks ``(x_s, x_t, st_s, st_t, aux_s)`` with each head's local statistics (eager: as
-        offsets to their local maxima, the cap's derivative in ``aux_s`` with ``cap_single``; compiled: raw)."""
+        merged, merged_t, held, cross)``: the student's RowStats, the teacher's log-sum-exps, both merged
+        BlockStats, the last blocks ``(x_s, x_t, st_s, st_t, aux_s)`` with each head's local statistics (eager:
+        as offsets to their local maxima, the cap's derivative in ``aux_s`` with ``cap_single``; compiled: raw),
+        and (a KL folded online, ``self.fold``) its cross sum over the whole vocabulary, else None."""
         tok, compiled = self.tok, self.compiled
         k, kt = self.k(a, b)
         target, no_label = tok.target[a:b], self.no_label[: b - a]
-        st = stt = None
+        st = stt = cross = None
         for v0, v1 in chunks(self.width, self.block):
             x, xt, scratch, scratch_t, cap = self.raw(a, b, v0, v1)
             if compiled:
@@ -448,18 +477,32 @@ class _PairWalk:
                                            want_q=False, aux=cap if cap_single else None)
                 local_t = _stats.block_stats(xt, self.tf_t, kt, no_label, v0, scratch_t, want_w=False,
                                              want_q=False)
+            prev, prev_t = st, stt
             st, stt = _stats.merge_stats(st, local, k), _stats.merge_stats(stt, local_t, kt)
-        merged, merged_t = reduce_stats_pair(st, stt, group, k, kt)  # the same arithmetic for both heads
+            if self.fold:
+                c = self._cross(x, xt, scratch, scratch_t, local, local_t, k, kt)
+                cross = c if prev is None else (self._cross_to(cross, prev, prev_t, st.m, stt.m, k, kt)
+                                                + self._cross_to(c, local, local_t, st.m, stt.m, k, kt))
+        if self.fold:  # the cross sum rides in the statistics' gather
+            merged, merged_t, cross = reduce_stats_pair(st, stt, group, k, kt, cross=(cross, self.teacher_weighs))
+        else:  # the same arithmetic for both heads
+            merged, merged_t = reduce_stats_pair(st, stt, group, k, kt)
         rows = _stats.RowStats.from_block(merged, k)
         ls_t = _stats.RowStats.from_block(merged_t, kt).ls
-        return rows, ls_t, merged, merged_t, (x, xt, st, stt, cap)
+        return rows, ls_t, merged, merged_t, (x, xt, st, stt, cap), cross
 
-    def chunk_sums(self, a: int, b: int, group, rows, ls_t, merged, merged_t, held, keep_parts: bool):
+    def chunk_sums(self, a: int, b: int, group, rows, ls_t, merged, merged_t, held, cross, keep_parts: bool):
         """The divergence's per-row sums of rows ``[a, b)`` over the whole vocabulary and ``group`` (one SUM
-        all-reduce): ``(PairRows of the chunk, parts)``. From the blocks still ``held`` when the vocabulary is
-        one block, else from each block filled again; ``parts`` (eager, one block, ``keep_parts``): what
+        all-reduce): ``(PairRows of the chunk, parts)``. A KL folded online: from its ``cross`` sum (no pass, no
+        collective); else from the blocks still ``held`` when the vocabulary is one block, or from each block
+        filled again; ``parts`` (eager, one block, ``keep_parts``): what
         :meth:`~chunked_entropy._divergence.DivergenceMath.grad_from_parts` reads."""
         single, compiled, math_, tok = self.block >= self.width, self.compiled, self.math, self.tok
+        if cross is not None:
+            s_s, s_t = merged.ones + merged.rest, merged_t.ones + merged_t.rest
+            div = (math_.folded(cross, s_t, ls_t, rows.ls) if self.teacher_weighs
+                   else math_.folded(cross, s_s, rows.ls, ls_t))
+            return _divergence.PairRows(merged_t.m, ls_t, div, div if self.spec.needs_aux else None), None
         k, kt = self.k(a, b)
         m = (merged.m, merged_t.m)
         parts = None
@@ -553,8 +596,8 @@ def pair_row_stats(
     stats = new_row_stats(tok.n, _stats.Want(want_entropy, False), dtype, device)
     pair = new_pair_rows(tok.n, spec, dtype, device)
     for a, b in chunks(tok.n, chunk_size):
-        rows, ls_t, merged, merged_t, held = walk.chunk_stats(a, b, group, want_entropy)
-        here, _ = walk.chunk_sums(a, b, group, rows, ls_t, merged, merged_t, held, keep_parts=False)
+        rows, ls_t, merged, merged_t, held, cross = walk.chunk_stats(a, b, group, want_entropy)
+        here, _ = walk.chunk_sums(a, b, group, rows, ls_t, merged, merged_t, held, cross, keep_parts=False)
         _store_pair(stats, pair, rows, here, a, b)
     return stats, pair
 
@@ -576,9 +619,9 @@ def pair_loss_grad_blocks(
                      device=device, compiled=compiled, grad=True)
     single = block >= width
     for a, b in chunks(tok.n, chunk_size):
-        rows, ls_t, merged, merged_t, held = walk.chunk_stats(a, b, group, want_entropy,
-                                                              cap_single=single and tok.transform.softcap is not None)
-        here, parts = walk.chunk_sums(a, b, group, rows, ls_t, merged, merged_t, held, keep_parts=single)
+        rows, ls_t, merged, merged_t, held, cross = walk.chunk_stats(
+            a, b, group, want_entropy, cap_single=single and tok.transform.softcap is not None)
+        here, parts = walk.chunk_sums(a, b, group, rows, ls_t, merged, merged_t, held, cross, keep_parts=single)
         _store_pair(stats, pair, rows, here, a, b)
         scale = _scaled(weights[a:b], tok, a, b)
         if single:

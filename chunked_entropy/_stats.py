@@ -255,6 +255,16 @@ def rescale(st: BlockStats, m_new: torch.Tensor, k: Scale) -> BlockStats:
     return BlockStats(m_new, ones, rest, w, q, st.zl)
 
 
+def rescale_cross(c: torch.Tensor, st_a: BlockStats, st_b: BlockStats, m_a: torch.Tensor, m_b: torch.Tensor,
+                  k_a: Scale, k_b: Scale) -> torch.Tensor:
+    """Two heads' cross sum ``c = sum_j exp(y_a,j) (y_a,j - y_b,j)`` of the same rows and columns (offsets to
+    ``st_a.m``, ``st_b.m``) expressed relative to the larger maxima ``m_a``, ``m_b``: ``exp(d_a) (c + (d_a -
+    d_b) s_a)`` with the offsets' shifts ``d`` (as :func:`rescale` moves ``w``) and head ``a``'s sum ``s_a``.
+    A KL's value folds over vocabulary blocks and shards through it (:mod:`chunked_entropy._divergence`)."""
+    d_a, d_b = _shift(st_a.m, m_a, k_a), _shift(st_b.m, m_b, k_b)
+    return torch.exp(d_a) * (c + (d_a - d_b) * (st_a.ones + st_a.rest))
+
+
 def merge_stats(a: Optional[BlockStats], b: BlockStats, k: Scale) -> BlockStats:
     """Combine the statistics of two disjoint blocks of the same rows."""
     if a is None:
