@@ -11,9 +11,22 @@ Floor 4 (ops), beside :mod:`chunked_entropy.linear` and :mod:`chunked_entropy.po
   matmuls per step: two projections, two gradient matmuls).
 - :func:`divergence_from_logits`: the same from logits the caller holds.
 
-The walk is :mod:`chunked_entropy._loop`'s, with a second projection per block
-(:func:`~chunked_entropy._loop.pair_row_stats`); the math is
-:mod:`chunked_entropy._divergence`.
+The walks are :mod:`chunked_entropy._loop`'s two-head walks, a second projection per
+block: the statistics walk (:func:`~chunked_entropy._loop.pair_row_stats`), the
+loss walk that forms the student's gradient in forward
+(:func:`~chunked_entropy._loop.pair_loss_grad_blocks`) and the gradient walk
+(:func:`~chunked_entropy._loop.pair_grad_blocks`); the math is
+:mod:`chunked_entropy._divergence` (one class per divergence). Under a process
+group the forward makes three collectives per chunk (one MAX all-reduce and one
+all-gather of both heads' statistics, one SUM all-reduce of the divergence's
+sums; a KL over vocabulary blocks folds its value into the statistics and makes
+two); backward none per chunk.
+
+Internal hooks (what the public functions pass, defaulted): ``Plan.compiled``,
+the kernels object of :func:`~chunked_entropy._kernels.use_compiled` (None: the
+eager kernels), and the linear Functions' trailing ``main_grad``
+(:func:`~chunked_entropy._blocks.main_grad_of`: the student's weight gradient
+added into it, Megatron's gradient-accumulation fusion; None: returned).
 """
 
 from __future__ import annotations
@@ -497,9 +510,11 @@ def linear_divergence(
         Saved for backward: references to the student's and the teacher's tensors (the teacher's hidden
         states gathered whole under sequence parallelism) and five to seven float32 per token. Forward and
         backward each hold four float32 ``[chunk_size, vocab_chunk_size]`` buffers (a fifth in backward with
-        a student soft-cap) plus the divergence's block temporaries (two for the KLs, five for the JSD; see
-        :mod:`chunked_entropy._divergence`). Backward allocates the student's gradients. No ``[tokens, V]``
-        tensor of either model exists. Inputs are never written.
+        a student soft-cap; two in all with the compiled kernels) plus the divergence's block temporaries
+        (two for the KLs, five for the JSD; see :mod:`chunked_entropy._divergence`). Backward allocates the
+        student's gradients (or adds the weight's into ``main_grad``). No ``[tokens, V]`` tensor of either
+        model exists. Inputs are never written. Under a process group, forward makes three collectives per
+        chunk (two for a KL with ``vocab_chunk_size``), backward none per chunk.
     """
     if rows is not None:
         return _rows_call(linear_divergence, dict(locals()))
@@ -628,8 +643,10 @@ def linear_divergence_loss(
     Forward walks each chunk once with the vocabulary in one block: two projections, the statistics,
     the divergence's sums, then the student's logit gradient from the blocks still held and its two
     gradient matmuls (``g @ W_s`` and ``g.T @ h_s``): four projection-sized matmuls per step, where a
-    per-token form and its backward take six. With ``vocab_chunk_size`` each block is filled three times.
-    Backward only scales the stored gradients by the loss's upstream gradient.
+    per-token form and its backward take six. With ``vocab_chunk_size`` each block is filled twice for a KL
+    (its value folds online in the statistics' pass), three times for the JSD. Under a process group, three
+    collectives per chunk (two for a KL with ``vocab_chunk_size``). Backward only scales the stored
+    gradients by the loss's upstream gradient.
 
     Memory:
         Holds the student's gradients (``[tokens, H_s]`` in its dtype, float32 ``[V_local, H_s]`` and
