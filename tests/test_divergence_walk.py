@@ -126,6 +126,32 @@ def test_compiled_one_row_and_teacher_equal_to_student():
     assert out[0].abs().max() == 0
 
 
+def test_compiled_from_logits_matches_eager(monkeypatch):
+    """``divergence_from_logits`` with the compiled kernels (its Function given ``Plan.compiled``, the hook the
+    op passes): the same values and logit gradients as the eager walk."""
+    from chunked_entropy import divergence_from_logits
+
+    g = torch.Generator().manual_seed(5)
+    zs, zt = torch.randn(3, 5, V, generator=g) * 3, torch.randn(3, 5, V, generator=g) * 3
+    labels = torch.randint(0, V, (3, 5), generator=g)
+    ups = [torch.randn(3, 5, generator=g) for _ in range(3)]
+    apply = dv._LogitsDivergenceFunction.apply
+    results, ran = [], []
+    grad_ = _kernels.PAIR.grad_
+    monkeypatch.setattr(_kernels.PAIR, "grad_", lambda *a: ran.append(1) or grad_(*a))  # counted, still run
+    for compiled in (None, _kernels.COMPILED):
+        monkeypatch.setattr(dv._LogitsDivergenceFunction, "apply",
+                            lambda x, teacher, tok, plan, *rest, c=compiled: apply(x, teacher, tok,
+                                                                                  replace(plan, compiled=c), *rest))
+        x = zs.clone().requires_grad_()
+        out = divergence_from_logits(x, zt, divergence="jsd", beta=0.4, labels=labels, temperature=0.8,
+                                     student_softcap=7.0, compute_entropy=True, chunk_size=4)
+        sum((o * u).sum() for o, u in zip(out, ups, strict=True)).backward()
+        results.append([o.detach() for o in out] + [x.grad])
+    assert ran, "the compiled gradient kernel never ran"
+    _close(results[1], results[0], "from logits, compiled vs eager", 1e-5)
+
+
 @pytest.mark.parametrize("kind", ["forward_kl", "reverse_kl"])
 def test_a_kl_folded_online_equals_the_second_pass(kind, monkeypatch):
     """With vocabulary blocks a KL's value folds over the blocks in the statistics' pass (each block filled once
