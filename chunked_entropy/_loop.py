@@ -370,14 +370,6 @@ def loss_grad_blocks(
 # The same walk with a second projection per block: the student's block (``fill``, the rows' Tokens ``tok``
 # with its transform) and the teacher's (``fill_t``, transform ``tf_t``, the same temperature). Each model's
 # statistics are the ones above; the divergence's per-row sums are the math of chunked_entropy._divergence.
-#
-# Beside the one-head walks, not folded into them: a divergence's chunk needs a second pass over its blocks
-# after the chunk's statistics are merged over blocks and ranks (its sums read both rows' final log-sum-exps),
-# a second projection per block, a teacher's statistics riding in the student's collectives, and a gradient
-# that reads two blocks; the one-head walks have none of these, and threading them through ``row_stats`` /
-# ``grad_blocks`` / ``loss_grad_blocks`` (the tuned paths of the fused head and loss) would put a branch per
-# block and a second buffer set in each. The pieces are shared instead: ``Buffers``, ``chunks``,
-# ``_gradient_walk``, the statistics' math and merge, ``reduce_stats_pair`` and the kernels objects.
 
 
 #: A KL's value folded online over vocabulary blocks in the statistics' pass (each block filled once in the
@@ -389,6 +381,16 @@ FOLD_KL = True
 class _PairWalk:
     """What the statistics walk, the loss walk and the gradient walk of a divergence share: the two heads'
     fills, transforms and buffers, and the per-chunk steps.
+
+    Beside the one-head walks, not folded into them: a divergence's chunk needs a second pass over its
+    blocks once the chunk's statistics are merged over blocks and ranks (the JSD's sums read both rows'
+    final log-sum-exps), a second projection per block, a teacher's statistics riding in the student's
+    collectives, and a gradient that reads two blocks. The one-head walks have none of these; threading
+    them through ``row_stats`` / ``grad_blocks`` / ``loss_grad_blocks`` (the tuned paths of the fused head
+    and loss, with replay's and distillation's sparse terms) would put a branch per block and a second
+    buffer set into each. The pieces are shared instead: :class:`Buffers`, ``chunks``,
+    :func:`_gradient_walk`, the statistics' math and merge (:mod:`chunked_entropy._stats`),
+    :func:`~chunked_entropy.parallel.reduce_stats_pair` and the kernels objects (their ``stats``).
 
     Buffers: eager, four ``[chunk_size, block]`` in the compute dtype (each head's block and ``exp``
     scratch) plus, for a gradient with a student soft-cap, the cap's derivative; compiled (``compiled``
