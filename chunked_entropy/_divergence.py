@@ -46,6 +46,16 @@ The gradient w.r.t. the student's raw logits is ``dD/dx_s * kz * (1 - u**2)``
 as in :mod:`chunked_entropy._stats` (``kz = logit_scale / t``; the cap's
 derivative only with a soft-cap). The teacher takes no gradient.
 
+**One class per divergence.** Each row of the table is a :class:`DivergenceMath`
+subclass (:class:`ForwardKL`, :class:`ReverseKL`, :class:`JSD`) holding its
+per-entry terms (``entries``, differentiable: what the sparse losses of
+:mod:`chunked_entropy.losses.distill` sum), its block sums (``terms``), its
+gradient from the parts the sums kept (``grad_from_parts``) and its gradient
+(``grad``); :data:`KINDS` maps the ops' names to them and
+:class:`DivergenceSpec` (``kind`` + ``beta``, the JSD's mixture weight: the one
+convention; TRL's through :meth:`DivergenceSpec.from_trl_beta`) resolves its
+kind to one. A new divergence is one class.
+
 **Memory.** The functions below read the offsets blocks (never write them) and
 allocate block-sized temporaries: :func:`divergence_terms` two (KL) or five
 (JSD, and a bool block), of which it returns two (one for the forward KL) for
@@ -55,22 +65,154 @@ are freed before the next block.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
-from typing import NamedTuple, Optional
+from typing import ClassVar, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
 
+from . import _stats
 from ._checks import check_real
 
-#: The divergences, by the name the ops take.
-KINDS = ("forward_kl", "reverse_kl", "jsd")
+
+class DivergenceMath:
+    """One divergence's math: a new divergence is one subclass, registered in :data:`KINDS` by its ``kind``.
+
+    Every method takes log-probability blocks ``lp_s``, ``lp_t`` (``[n, Vb]``, or ``[..., K]`` for
+    :meth:`entries`) and sums over the last dimension:
+
+    - :meth:`entries`: the per-entry terms whose sum is ``D`` (new tensors, differentiable: the sparse
+      distillation losses of :mod:`chunked_entropy.losses.distill` sum them; an entry with ``lp = -inf``
+      on the side that weighs it contributes 0);
+    - :meth:`terms`: one block's per-row sums ``(D, aux, parts)``, overwriting the two blocks (ours: the
+      walk's); ``aux`` the second per-row sum the gradient reads (None if none), ``parts`` what
+      :meth:`grad_from_parts` makes the gradient of, once the rows' ``aux`` is complete;
+    - :meth:`grad`: ``dD / dx_s`` of one block from both (a new block; the blocks are overwritten).
+
+    ``needs_aux``: whether the gradient reads ``aux`` (summed over blocks and shards as ``D`` is).
+    ``weighs``: for a KL, the side whose probabilities weigh it (``"t"`` or ``"s"``), None otherwise; such a
+    divergence's value also folds online over vocabulary blocks (:meth:`folded`), in the statistics' pass.
+    The methods are plain tensor code: :mod:`chunked_entropy._kernels` compiles them into the pair walk's
+    kernels as they are (``backend="compile"``).
+    """
+
+    kind: ClassVar[str]
+    needs_aux: ClassVar[bool] = True
+    weighs: ClassVar[Optional[str]] = None
+
+    @staticmethod
+    def folded(cross: torch.Tensor, s_a: torch.Tensor, ls_a: torch.Tensor, ls_b: torch.Tensor) -> torch.Tensor:
+        """A KL's per-row value from its cross sum ``c = sum_j exp(y_a,j) (y_a,j - y_b,j)`` over the whole
+        vocabulary (offsets to the rows' final maxima; ``a`` the side that weighs), the weighing side's sum
+        ``s_a`` and both log-sum-exps: ``sum_j p_a (lp_a - lp_b) = c / s_a - ls_a + ls_b``."""
+        return (cross / s_a).sub_(ls_a).add_(ls_b)
+
+    def entries(self, lp_s: torch.Tensor, lp_t: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def terms(self, lp_s: torch.Tensor, lp_t: torch.Tensor) -> tuple:
+        raise NotImplementedError
+
+    def grad_from_parts(self, parts: tuple, lp_s, aux: Optional[torch.Tensor]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def grad(self, lp_s: torch.Tensor, lp_t: torch.Tensor, aux: Optional[torch.Tensor]) -> torch.Tensor:
+        raise NotImplementedError
+
+
+def p_times(lp: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """``exp(lp) * r`` per entry, 0 where ``lp = -inf`` (a new tensor, differentiable): a KL's terms."""
+    return torch.where(lp == -math.inf, torch.zeros_like(r), lp.exp() * r)
+
+
+class ForwardKL(DivergenceMath):
+    """``KL(t || s) = sum_j p_t (lp_t - lp_s)``; ``dD/dx_s = p_s - p_t`` (no second sum)."""
+
+    kind = "forward_kl"
+    needs_aux = False
+    weighs = "t"
+
+    def entries(self, lp_s, lp_t):
+        return p_times(lp_t, lp_t - lp_s)
+
+    def terms(self, lp_s, lp_t):
+        d = lp_s.neg_().add_(lp_t)  # lp_t - lp_s
+        p_t = lp_t.exp_()
+        return d.mul_(p_t).sum(dim=1), None, (p_t,)
+
+    def grad_from_parts(self, parts, lp_s, aux):
+        return lp_s().exp_().sub_(parts[0])
+
+    def grad(self, lp_s, lp_t, aux):
+        return lp_s.exp_().sub_(lp_t.exp_())
+
+
+class ReverseKL(DivergenceMath):
+    """``KL(s || t) = sum_j p_s (lp_s - lp_t)``; ``dD/dx_s = p_s (lp_s - lp_t - D)`` (``aux = D``)."""
+
+    kind = "reverse_kl"
+    weighs = "s"
+
+    def entries(self, lp_s, lp_t):
+        return p_times(lp_s, lp_s - lp_t)
+
+    def terms(self, lp_s, lp_t):
+        e = lp_t.neg_().add_(lp_s)  # lp_s - lp_t
+        p_s = lp_s.exp_()
+        e.mul_(p_s)  # p_s (lp_s - lp_t)
+        return e.sum(dim=1), None, (e, p_s)
+
+    def grad_from_parts(self, parts, lp_s, aux):
+        e, p_s = parts
+        return e.addcmul_(p_s, aux.unsqueeze(1), value=-1.0)
+
+    def grad(self, lp_s, lp_t, aux):
+        return lp_t.neg_().add_(lp_s).sub_(aux.unsqueeze(1)).mul_(lp_s.exp_())
+
+
+@dataclass(frozen=True)
+class JSD(DivergenceMath):
+    """``beta KL(t || m) + (1 - beta) KL(s || m)``, ``m = (1 - beta) p_s + beta p_t``;
+    ``dD/dx_s = (1 - beta) p_s (r_s - K)`` (``aux = K = KL(s || m)``)."""
+
+    beta: float
+    kind: ClassVar[str] = "jsd"
+
+    def entries(self, lp_s, lp_t):
+        r_s, r_t = jsd_log_ratios(lp_s, lp_t, self.beta)
+        return p_times(lp_t, r_t) * self.beta + p_times(lp_s, r_s) * (1.0 - self.beta)
+
+    def terms(self, lp_s, lp_t):
+        beta = self.beta
+        r_s, r_t = jsd_log_ratios(lp_s, lp_t, beta)
+        p_s = lp_s.exp_()
+        e = r_s.mul_(p_s)  # p_s r_s
+        k = e.sum(dim=1)  # KL(s || m)
+        return r_t.mul_(lp_t.exp_()).sum(dim=1).mul_(beta).add_(k * (1.0 - beta)), k, (e, p_s)
+
+    def grad_from_parts(self, parts, lp_s, aux):
+        e, p_s = parts
+        return e.addcmul_(p_s, aux.unsqueeze(1), value=-1.0).mul_(1.0 - self.beta)
+
+    def grad(self, lp_s, lp_t, aux):
+        r_s, _ = jsd_log_ratios(lp_s, lp_t, self.beta)
+        return r_s.sub_(aux.unsqueeze(1)).mul_(lp_s.exp_()).mul_(1.0 - self.beta)
+
+
+#: The divergences, by the name the ops take: each kind's class (:class:`DivergenceMath`).
+KINDS = {cls.kind: cls for cls in (ForwardKL, ReverseKL, JSD)}
 
 
 @dataclass(frozen=True)
 class DivergenceSpec:
-    """Which divergence: ``kind`` one of :data:`KINDS`; ``beta`` the JSD's mixture weight in (0, 1)."""
+    """Which divergence: ``kind`` one of :data:`KINDS`; ``beta`` the JSD's mixture weight in (0, 1).
+
+    The one convention for ``beta`` in this library; TRL's (0 the forward KL, 1 the reverse KL, in
+    between the JSD) maps onto it through :meth:`from_trl_beta` only. :attr:`math` is the kind's
+    :class:`DivergenceMath`.
+    """
 
     kind: str = "forward_kl"
     beta: Optional[float] = None
@@ -100,9 +242,21 @@ class DivergenceSpec:
         return DivergenceSpec("jsd", beta)
 
     @property
+    def math(self) -> DivergenceMath:
+        """The kind's math (:class:`DivergenceMath`): one object per kind and ``beta`` in the process (the
+        compiled kernels compile once per such object)."""
+        return _math_of(self.kind, self.beta)
+
+    @property
     def needs_aux(self) -> bool:
         """Whether the gradient reads a per-row sum beyond the log-sum-exps (reverse KL: ``D``; JSD: ``K``)."""
-        return self.kind != "forward_kl"
+        return KINDS[self.kind].needs_aux
+
+
+@functools.lru_cache(maxsize=None)
+def _math_of(kind: str, beta: Optional[float]) -> DivergenceMath:
+    cls = KINDS[kind]
+    return cls(beta) if beta is not None else cls()
 
 
 class PairRows(NamedTuple):
@@ -127,7 +281,7 @@ def log_probs(y: torch.Tensor, ls: torch.Tensor) -> torch.Tensor:
 def jsd_log_ratios(lp_s: torch.Tensor, lp_t: torch.Tensor, beta: float):
     """``(r_s, r_t) = (lp_s - log m, lp_t - log m)`` for ``m = (1 - beta) p_s + beta p_t`` (new blocks), each from
     ``d = lp_t - lp_s + log(beta / (1 - beta))`` through one softplus (no cancellation), and exactly 0 where
-    the two log-probs are equal (see the module doc)."""
+    the two log-probs are equal (see the module doc). Differentiable (in-place only on its own temporaries)."""
     d = torch.sub(lp_t, lp_s)
     equal = d == 0
     d.add_(math.log(beta) - math.log1p(-beta))
@@ -143,41 +297,65 @@ def divergence_terms(y_s, y_t, ls_s, ls_t, spec: DivergenceSpec):
     ``y_s``, ``y_t``: ``[n, Vb]`` offsets to the rows' final maxima (read only);
     ``ls_s``, ``ls_t``: ``[n]`` the rows' final ``log s``.
     """
-    lp_s, lp_t = log_probs(y_s, ls_s), log_probs(y_t, ls_t)
-    if spec.kind == "forward_kl":
-        d = lp_s.neg_().add_(lp_t)  # lp_t - lp_s
-        p_t = lp_t.exp_()
-        return d.mul_(p_t).sum(dim=1), None, (p_t,)
-    if spec.kind == "reverse_kl":
-        e = lp_t.neg_().add_(lp_s)  # lp_s - lp_t
-        p_s = lp_s.exp_()
-        e.mul_(p_s)  # p_s (lp_s - lp_t)
-        return e.sum(dim=1), None, (e, p_s)
-    beta = spec.beta
-    r_s, r_t = jsd_log_ratios(lp_s, lp_t, beta)
-    p_s = lp_s.exp_()
-    e = r_s.mul_(p_s)  # p_s r_s
-    k = e.sum(dim=1)  # KL(s || m)
-    return r_t.mul_(lp_t.exp_()).sum(dim=1).mul_(beta).add_(k * (1.0 - beta)), k, (e, p_s)
+    return spec.math.terms(log_probs(y_s, ls_s), log_probs(y_t, ls_t))
 
 
 def grad_from_parts(parts: tuple, y_s, ls_s, aux: Optional[torch.Tensor], spec: DivergenceSpec) -> torch.Tensor:
     """``dD / dx_s`` of one block from what :func:`divergence_terms` kept (overwritten), once the rows' ``aux``
     is complete: ``p_s - p_t``, ``p_s (lp_s - lp_t) - p_s D`` or ``(1 - beta) (p_s r_s - p_s K)``."""
-    if spec.kind == "forward_kl":
-        return log_probs(y_s, ls_s).exp_().sub_(parts[0])
-    e, p_s = parts
-    g = e.addcmul_(p_s, aux.unsqueeze(1), value=-1.0)
-    return g if spec.kind == "reverse_kl" else g.mul_(1.0 - spec.beta)
+    return spec.math.grad_from_parts(parts, lambda: log_probs(y_s, ls_s), aux)
 
 
 def divergence_grad(y_s, y_t, ls_s, ls_t, aux: Optional[torch.Tensor], spec: DivergenceSpec) -> torch.Tensor:
     """``dD / dx_s`` of one ``[n, Vb]`` block (a new block), from the offsets (read only) and the rows'
     final ``log s`` and ``aux`` (see :class:`PairRows`)."""
-    lp_s, lp_t = log_probs(y_s, ls_s), log_probs(y_t, ls_t)
-    if spec.kind == "forward_kl":
-        return lp_s.exp_().sub_(lp_t.exp_())
-    if spec.kind == "reverse_kl":
-        return lp_t.neg_().add_(lp_s).sub_(aux.unsqueeze(1)).mul_(lp_s.exp_())
-    r_s, _ = jsd_log_ratios(lp_s, lp_t, spec.beta)
-    return r_s.sub_(aux.unsqueeze(1)).mul_(lp_s.exp_()).mul_(1.0 - spec.beta)
+    return spec.math.grad(log_probs(y_s, ls_s), log_probs(y_t, ls_t), aux)
+
+
+# ----------------------------------------------------------------------------- the compiled kernels' functions
+#
+# The pair walk's blocks through ``torch.compile`` (``backend="compile"``, :mod:`chunked_entropy._kernels`): each
+# reads the two raw blocks (never writes them, but for the gradient's, which overwrites the student's block) and
+# forms the transform, the offsets and the log-probs on the fly, as :func:`chunked_entropy._stats.stats_of_block`
+# does for one head; the math is the kind's :class:`DivergenceMath`, as it is.
+
+
+def _log_probs_of(z, cap_factor, k, m, ls, dtype):
+    """``(u, y, lp)`` of a raw block: the transformed logits, the offsets to ``m`` and the log-probs."""
+    u = _stats.transformed(z, cap_factor, dtype)
+    y = _stats.offsets_of(u, m, k)
+    return u, y, y - ls.unsqueeze(1)
+
+
+def cross_of_blocks(z_a, z_b, cap_a, k_a, m_a, cap_b, k_b, m_b, dtype):
+    """A KL's cross sum of one block, ``sum_j exp(y_a,j) (y_a,j - y_b,j)`` (offsets to the blocks' maxima
+    ``m_a``, ``m_b``), from the raw blocks (read only): see :meth:`DivergenceMath.folded`."""
+    y_a = _stats.offsets_of(_stats.transformed(z_a, cap_a, dtype), m_a, k_a)
+    y_b = _stats.offsets_of(_stats.transformed(z_b, cap_b, dtype), m_b, k_b)
+    return (torch.exp(y_a) * (y_a - y_b)).sum(dim=1)
+
+
+def terms_of_blocks(math_: DivergenceMath, z_s, z_t, cap_s, k_s, m_s, ls_s, cap_t, k_t, m_t, ls_t, dtype):
+    """Per-row sums ``(D, aux)`` of the raw blocks ``z_s``, ``z_t`` (read only), from the rows' final maxima and
+    log-sum-exps (``aux`` is ``D`` where the kind keeps no second sum)."""
+    _, _, lp_s = _log_probs_of(z_s, cap_s, k_s, m_s, ls_s, dtype)
+    _, _, lp_t = _log_probs_of(z_t, cap_t, k_t, m_t, ls_t, dtype)
+    d, aux, _ = math_.terms(lp_s, lp_t)
+    return d, d if aux is None else aux
+
+
+def grad_of_blocks_(math_: DivergenceMath, z_s, z_t, cap_s, k_s, m_s, ls_s, ws, target, v0: int, c, b,
+                    cap_t, k_t, m_t, ls_t, aux, scale, dtype) -> None:
+    """The gradient w.r.t. the student's raw logits of one block, written over ``z_s`` (a buffer of the walk):
+    ``scale * dD/dx_s`` plus the student's log-prob (``c``) and entropy (``b``) terms, times the cap's derivative
+    (with ``cap_s``); ``z_t`` is read only. Every per-row input is a tensor (zeros for an absent term)."""
+    u, y, lp_s = _log_probs_of(z_s, cap_s, k_s, m_s, ls_s, dtype)
+    _, _, lp_t = _log_probs_of(z_t, cap_t, k_t, m_t, ls_t, dtype)
+    p = torch.exp(lp_s)
+    col = torch.arange(u.shape[1], device=u.device).unsqueeze(0)
+    g = p * (b.unsqueeze(1) * (ws.unsqueeze(1) - y) - c.unsqueeze(1))
+    g = g + torch.where(col == (target - v0).unsqueeze(1), c.unsqueeze(1), 0.0)
+    g = g + math_.grad(lp_s, lp_t, aux) * scale.unsqueeze(1)
+    if cap_s is not None:
+        g = g * (1.0 - u * u)
+    z_s.copy_(g)

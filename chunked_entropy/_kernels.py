@@ -44,7 +44,7 @@ from typing import Optional, Union
 
 import torch
 
-from . import _stats
+from . import _divergence, _stats
 from .config import BACKENDS
 
 
@@ -96,6 +96,63 @@ class _Compiled:
         dst = out if n > 1 else out.new_empty((2,) + tuple(out.shape[1:]))
         self.fns()[1](z, dst, *args)
         return out if n > 1 else out.copy_(dst[:1])
+
+
+class _PairKernels:
+    """A divergence's kernels (:func:`chunked_entropy._divergence.terms_of_blocks`,
+    :func:`~chunked_entropy._divergence.grad_of_blocks_` and, for a KL folded online,
+    :func:`~chunked_entropy._divergence.cross_of_blocks`) through ``torch.compile``, built on first use: the
+    pair walk's per-block math, beside either kernels object's one-head ``stats`` (the Triton backend's
+    divergence blocks run through these too: there is no hand-written divergence kernel). One compilation
+    per divergence kind and ``beta`` (its value is a constant of the kernel) and dtype."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._fns = None
+
+    def fns(self):
+        with self._lock:
+            if self._fns is None:
+                opts = dict(dynamic=True, fullgraph=True)
+                self._fns = tuple(_no_duck_shapes(torch.compile(f, **opts)) for f in (
+                    _divergence.terms_of_blocks, _divergence.grad_of_blocks_, _divergence.cross_of_blocks))
+            return self._fns
+
+    def terms(self, math_, x, xt, tf, k, m, ls, tf_t, k_t, m_t, ls_t, dtype):
+        """Per-row ``(D, aux)`` of one block of each head (raw logits, read only)."""
+        n, dev = x.shape[0], x.device
+        x, xt, k, k_t, m, ls, m_t, ls_t = _rows_of(n, x, xt, k_column(k, n, dtype, dev), k_column(k_t, n, dtype, dev),
+                                                   m, ls, m_t, ls_t)
+        d, aux = self.fns()[0](math_, x, xt, _cap_factor(tf, dtype, dev), k, m, ls, _cap_factor(tf_t, dtype, dev),
+                               k_t, m_t, ls_t, dtype)
+        return d[:n], aux[:n]
+
+    def cross(self, x_a, x_b, tf_a, k_a, m_a, tf_b, k_b, m_b, dtype):
+        """A KL's cross sum of one block of each head (raw logits, read only; offsets to the blocks' maxima)."""
+        n, dev = x_a.shape[0], x_a.device
+        x_a, x_b, k_a, k_b, m_a, m_b = _rows_of(n, x_a, x_b, k_column(k_a, n, dtype, dev),
+                                                k_column(k_b, n, dtype, dev), m_a, m_b)
+        return self.fns()[2](x_a, x_b, _cap_factor(tf_a, dtype, dev), k_a, m_a, _cap_factor(tf_b, dtype, dev), k_b,
+                             m_b, dtype)[:n]
+
+    def grad_(self, math_, x, xt, tf, k, row, target, v0, co, tf_t, k_t, m_t, ls_t, aux, scale, dtype):
+        """The gradient w.r.t. the student's raw logits ``x`` (our buffer), written over it."""
+        n, dev = x.shape[0], x.device
+        zero = lambda: torch.zeros(n, dtype=dtype, device=dev)  # noqa: E731
+        per_row = [row.m, row.ls, _or(row.ws, zero), target, _or(co.c, zero), _or(co.b, zero), m_t, ls_t,
+                   _or(aux, zero), scale]
+        z, zt, k, k_t, *per_row = _rows_of(n, x, xt, k_column(k, n, dtype, dev), k_column(k_t, n, dtype, dev),
+                                           *per_row)
+        m, ls, ws, target, c, b, m_t, ls_t, aux, scale = per_row
+        self.fns()[1](math_, z, zt, _cap_factor(tf, dtype, dev), k, m, ls, ws, target, v0, c, b,
+                      _cap_factor(tf_t, dtype, dev), k_t, m_t, ls_t, aux, scale, dtype)
+        if n == 1:  # the doubled row (see _rows_of)
+            x.copy_(z[:1])
+        return x
+
+
+#: The pair walk's divergence kernels, for every kernels object (:data:`COMPILED` and :data:`TRITON`).
+PAIR = _PairKernels()
 
 
 def _cap_factor(tf, dtype, device):

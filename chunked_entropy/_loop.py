@@ -22,7 +22,7 @@ import torch
 
 from . import _at, _divergence, _keep, _stats
 from ._inputs import Tokens, chunks
-from ._kernels import Kernels
+from ._kernels import PAIR, Kernels
 from .parallel import all_reduce_sum_, reduce_stats, reduce_stats_pair
 
 Fill = Callable[[torch.Tensor, int, int, int, int], object]
@@ -372,111 +372,266 @@ def loss_grad_blocks(
 # statistics are the ones above; the divergence's per-row sums are the math of chunked_entropy._divergence.
 
 
-def _pair_block(tok: Tokens, tf_t, fill, fill_t, bufs, bufs_t, a, b, v0, v1, *, m=None, aux=False):
-    """Both blocks of rows ``[a, b)``, columns ``[v0, v1)``: as filled (``m`` None: for their statistics), or
-    as offsets to the rows' maxima ``m = (m_s, m_t)``. Returns ``(x_s, x_t, scratch_s, scratch_t, aux_s)``."""
-    x, scratch, cap = bufs.get(b - a, v1 - v0)
-    xt, scratch_t, _ = bufs_t.get(b - a, v1 - v0)
-    fill(x, a, b, v0, v1)
-    fill_t(xt, a, b, v0, v1)
-    if m is not None:
-        inv_t = tok.inv_t_rows(a, b)
+#: A KL's value folded online over vocabulary blocks in the statistics' pass (each block filled once in the
+#: per-token form's forward, twice in the loss form's) instead of a second pass that fills each block again for
+#: the divergence's sums. False: the second pass (the A/B switch of the measurement and of the tests).
+FOLD_KL = True
+
+
+class _PairWalk:
+    """What the statistics walk, the loss walk and the gradient walk of a divergence share: the two heads'
+    fills, transforms and buffers, and the per-chunk steps.
+
+    Beside the one-head walks, not folded into them: a divergence's chunk needs a second pass over its
+    blocks once the chunk's statistics are merged over blocks and ranks (the JSD's sums read both rows'
+    final log-sum-exps), a second projection per block, a teacher's statistics riding in the student's
+    collectives, and a gradient that reads two blocks. The one-head walks have none of these; threading
+    them through ``row_stats`` / ``grad_blocks`` / ``loss_grad_blocks`` (the tuned paths of the fused head
+    and loss, with replay's and distillation's sparse terms) would put a branch per block and a second
+    buffer set into each. The pieces are shared instead: :class:`Buffers`, ``chunks``,
+    :func:`_gradient_walk`, the statistics' math and merge (:mod:`chunked_entropy._stats`),
+    :func:`~chunked_entropy.parallel.reduce_stats_pair` and the kernels objects (their ``stats``).
+
+    Buffers: eager, four ``[chunk_size, block]`` in the compute dtype (each head's block and ``exp``
+    scratch) plus, for a gradient with a student soft-cap, the cap's derivative; compiled (``compiled``
+    set: a kernels object of :mod:`chunked_entropy._kernels`), the two blocks only (the kernels read the
+    raw blocks and form the transform, the offsets and the log-probs on the fly; the gradient kernel
+    overwrites the student's block).
+    """
+
+    def __init__(self, tok: Tokens, tf_t, spec, fill: Fill, fill_t: Fill, *, width: int, block: int,
+                 chunk_size: int, dtype, device, compiled: Kernels, grad: bool, teacher_scratch: bool = True):
+        self.tok, self.tf_t, self.spec, self.math = tok, tf_t, spec, spec.math
+        self.fill, self.fill_t, self.width, self.block = fill, fill_t, width, block
+        self.chunk_size, self.dtype, self.device, self.compiled = chunk_size, dtype, device, compiled
+        rows = min(chunk_size, tok.n)
+        eager = not compiled
+        self.bufs = Buffers(rows, block, dtype, device, work=True, scratch=eager,
+                            aux=eager and grad and tok.transform.softcap is not None)
+        self.bufs_t = Buffers(rows, block, dtype, device, work=True, scratch=eager and teacher_scratch)
+        self.no_label = torch.full((rows,), -1, dtype=torch.int64, device=device)
+        self.fold = FOLD_KL and block < width and self.math.weighs is not None
+        self.teacher_weighs = self.math.weighs == "t"
+
+    def k(self, a: int, b: int):
+        """Both heads' per-row multipliers of rows ``[a, b)``."""
+        return self.tok.k_rows(a, b), self.tf_t.k(self.tok.inv_t_rows(a, b))
+
+    def raw(self, a, b, v0, v1):
+        """Both raw blocks of rows ``[a, b)``, columns ``[v0, v1)``: ``(x_s, x_t, scratch_s, scratch_t, aux_s)``."""
+        x, scratch, cap = self.bufs.get(b - a, v1 - v0)
+        xt, scratch_t, _ = self.bufs_t.get(b - a, v1 - v0)
+        self.fill(x, a, b, v0, v1)
+        self.fill_t(xt, a, b, v0, v1)
+        return x, xt, scratch, scratch_t, cap
+
+    def offsets(self, a, b, v0, v1, m, cap_out: bool = False):
+        """Both blocks as offsets to the rows' maxima ``m = (m_s, m_t)`` (eager), with the student's cap
+        derivative in its aux buffer (``cap_out``). Returns ``(y_s, y_t, scratch_s, aux_s)``."""
+        tok = self.tok
+        x, xt, scratch, _, cap = self.raw(a, b, v0, v1)
+        k, kt = self.k(a, b)
         tok.transform.to_u_(x)
-        if aux and tok.transform.softcap is not None:
+        if cap_out and tok.transform.softcap is not None:
             torch.mul(x, x, out=cap).neg_().add_(1.0)
-        _stats.offsets_(x, m[0], tok.k_rows(a, b))
-        _stats.offsets_(tf_t.to_u_(xt), m[1], tf_t.k(inv_t))
-    return x, xt, scratch, scratch_t, cap
+        _stats.offsets_(x, m[0], k)
+        _stats.offsets_(self.tf_t.to_u_(xt), m[1], kt)
+        return x, xt, scratch, cap
+
+    def _cross_to(self, c, st, stt, m, m_t, k, kt):
+        """A KL's cross sum relative to the maxima ``m``, ``m_t`` (:func:`~chunked_entropy._stats.rescale_cross`)."""
+        if self.teacher_weighs:
+            return _stats.rescale_cross(c, stt, st, m_t, m, kt, k)
+        return _stats.rescale_cross(c, st, stt, m, m_t, k, kt)
+
+    def _cross(self, x, xt, scratch, scratch_t, local, local_t, k, kt):
+        """A KL's cross sum of one block (see :meth:`~chunked_entropy._divergence.DivergenceMath.folded`), from the
+        blocks as the statistics left them: eager, offsets to the local maxima (the two scratch buffers
+        written); compiled, raw."""
+        if self.teacher_weighs:
+            args = (xt, x, self.tf_t, kt, local_t.m, self.tok.transform, k, local.m)
+        else:
+            args = (x, xt, self.tok.transform, k, local.m, self.tf_t, kt, local_t.m)
+        if self.compiled:
+            return PAIR.cross(*args, self.dtype)
+        y_a, y_b = args[0], args[1]
+        d = torch.sub(y_a, y_b, out=scratch)
+        return d.mul_(torch.exp(y_a, out=scratch_t)).sum(dim=1)
+
+    def chunk_stats(self, a: int, b: int, group, want_entropy: bool, cap_single: bool = False):
+        """Both heads' statistics of rows ``[a, b)``, merged over blocks and ``group`` (one MAX all-reduce, one
+        all-gather for both: :func:`~chunked_entropy.parallel.reduce_stats_pair`). Returns ``(rows, ls_t,
+        merged, merged_t, held, cross)``: the student's RowStats, the teacher's log-sum-exps, both merged
+        BlockStats, the last blocks ``(x_s, x_t, st_s, st_t, aux_s)`` with each head's local statistics (eager:
+        as offsets to their local maxima, the cap's derivative in ``aux_s`` with ``cap_single``; compiled: raw),
+        and (a KL folded online, ``self.fold``) its cross sum over the whole vocabulary, else None."""
+        tok, compiled = self.tok, self.compiled
+        k, kt = self.k(a, b)
+        target, no_label = tok.target[a:b], self.no_label[: b - a]
+        st = stt = cross = None
+        for v0, v1 in chunks(self.width, self.block):
+            x, xt, scratch, scratch_t, cap = self.raw(a, b, v0, v1)
+            if compiled:
+                local = compiled.stats(x, tok.transform, k, target, v0, want_entropy, False, self.dtype)
+                local_t = compiled.stats(xt, self.tf_t, kt, no_label, v0, False, False, self.dtype)
+            else:
+                local = _stats.block_stats(x, tok.transform, k, target, v0, scratch, want_w=want_entropy,
+                                           want_q=False, aux=cap if cap_single else None)
+                local_t = _stats.block_stats(xt, self.tf_t, kt, no_label, v0, scratch_t, want_w=False,
+                                             want_q=False)
+            prev, prev_t = st, stt
+            st, stt = _stats.merge_stats(st, local, k), _stats.merge_stats(stt, local_t, kt)
+            if self.fold:
+                c = self._cross(x, xt, scratch, scratch_t, local, local_t, k, kt)
+                cross = c if prev is None else (self._cross_to(cross, prev, prev_t, st.m, stt.m, k, kt)
+                                                + self._cross_to(c, local, local_t, st.m, stt.m, k, kt))
+        if self.fold:  # the cross sum rides in the statistics' gather
+            merged, merged_t, cross = reduce_stats_pair(st, stt, group, k, kt, cross=(cross, self.teacher_weighs))
+        else:  # the same arithmetic for both heads
+            merged, merged_t = reduce_stats_pair(st, stt, group, k, kt)
+        rows = _stats.RowStats.from_block(merged, k)
+        ls_t = _stats.RowStats.from_block(merged_t, kt).ls
+        return rows, ls_t, merged, merged_t, (x, xt, st, stt, cap), cross
+
+    def chunk_sums(self, a: int, b: int, group, rows, ls_t, merged, merged_t, held, cross, keep_parts: bool):
+        """The divergence's per-row sums of rows ``[a, b)`` over the whole vocabulary and ``group`` (one SUM
+        all-reduce): ``(PairRows of the chunk, parts)``. A KL folded online: from its ``cross`` sum (no pass, no
+        collective); else from the blocks still ``held`` when the vocabulary is one block, or from each block
+        filled again; ``parts`` (eager, one block, ``keep_parts``): what
+        :meth:`~chunked_entropy._divergence.DivergenceMath.grad_from_parts` reads."""
+        single, compiled, math_, tok = self.block >= self.width, self.compiled, self.math, self.tok
+        if cross is not None:
+            s_s, s_t = merged.ones + merged.rest, merged_t.ones + merged_t.rest
+            div = (math_.folded(cross, s_t, ls_t, rows.ls) if self.teacher_weighs
+                   else math_.folded(cross, s_s, rows.ls, ls_t))
+            return _divergence.PairRows(merged_t.m, ls_t, div, div if self.spec.needs_aux else None), None
+        k, kt = self.k(a, b)
+        m = (merged.m, merged_t.m)
+        parts = None
+        if compiled:
+            div = aux = None
+            for v0, v1 in chunks(self.width, self.block):
+                x, xt = held[:2] if single else self.raw(a, b, v0, v1)[:2]
+                d, ka = PAIR.terms(math_, x, xt, tok.transform, k, m[0], rows.ls, self.tf_t, kt, m[1], ls_t,
+                                   self.dtype)
+                div, aux = (d, ka) if div is None else (div + d, aux + ka)
+            if not self.spec.needs_aux:
+                aux = None
+        elif single:  # the blocks are held: their offsets to the merged maxima
+            x, xt, st, stt, _ = held
+            if merged is not st:
+                _stats.shift_offsets_(x, st.m, merged.m, k)
+                _stats.shift_offsets_(xt, stt.m, merged_t.m, kt)
+            div, aux, parts = _divergence.divergence_terms(x, xt, rows.ls, ls_t, self.spec)
+            parts = parts if keep_parts else None
+        else:
+            div = aux = None
+            for v0, v1 in chunks(self.width, self.block):
+                x, xt, _, _ = self.offsets(a, b, v0, v1, m)
+                d, ka, _ = _divergence.divergence_terms(x, xt, rows.ls, ls_t, self.spec)
+                div = d if div is None else div + d
+                aux = ka if aux is None else aux + ka
+        sums = all_reduce_sum_(torch.stack([div] if aux is None else [div, aux]), group)
+        div, aux = sums[0], (sums[1] if aux is not None else (sums[0] if self.spec.needs_aux else None))
+        return _divergence.PairRows(merged_t.m, ls_t, div, aux), parts
+
+    def block_grad(self, a, b, v0, v1, rows, here, scale, co=None, held=None, parts=None):
+        """The gradient w.r.t. the student's raw logits of one block (in the student's buffer): ``scale *
+        dD/dx_s`` (``scale``: ``[b - a]``, the upstream gradient times ``kz``) plus, with ``co``, the
+        student's log-prob / entropy terms. ``held``: the chunk's blocks, still held (one vocabulary block),
+        else both are filled again; ``parts``: what the divergence's sums of this block kept (eager)."""
+        tok = self.tok
+        if self.compiled:
+            x, xt = held[:2] if held is not None else self.raw(a, b, v0, v1)[:2]
+            k, kt = self.k(a, b)
+            co = co if co is not None else _stats.Coefficients(None, None, None)
+            return PAIR.grad_(self.math, x, xt, tok.transform, k, rows, tok.target[a:b], v0, co, self.tf_t, kt,
+                              here.m_t, here.ls_t, here.aux, scale, self.dtype)
+        if held is not None:
+            y, yt, cap = held[0], held[1], held[4]
+            scratch = None
+        else:
+            y, yt, scratch, cap = self.offsets(a, b, v0, v1, (rows.m, here.m_t), cap_out=True)
+        if parts is not None:
+            gd = _divergence.grad_from_parts(parts, y, rows.ls, here.aux, self.spec)
+        else:
+            gd = _divergence.divergence_grad(y, yt, rows.ls, here.ls_t, here.aux, self.spec)
+        gd.mul_(scale.unsqueeze(1))
+        if co is not None and (co.c is not None or co.b is not None):
+            _stats.grad_from_offsets_(y, _stats.Transform(), rows, tok.target[a:b], v0, co, scratch, None)
+            y.add_(gd)
+        else:
+            y.copy_(gd)
+        if tok.transform.softcap is not None:
+            y.mul_(cap)
+        return y
 
 
-def _divergence_grad_block(tok: Tokens, spec, y, yt, rows, pair, scale, a, b, v0, cap, co=None, scratch=None,
-                           parts=None):
-    """The gradient w.r.t. the student's raw logits of one block, from both offsets blocks (``y`` is
-    overwritten with it): ``scale * dD/dx_s`` (``scale``: ``[b - a]``, the upstream gradient times ``kz``)
-    plus, with ``co``, the student's log-prob / entropy terms. ``parts``: what the divergence's sums of this
-    block kept (then ``yt`` is not read)."""
-    if parts is not None:
-        gd = _divergence.grad_from_parts(parts, y, rows.ls, pair.aux, spec)
-    else:
-        gd = _divergence.divergence_grad(y, yt, rows.ls, pair.ls_t, pair.aux, spec)
-    gd.mul_(scale.unsqueeze(1))
-    if co is not None and (co.c is not None or co.b is not None):
-        _stats.grad_from_offsets_(y, _stats.Transform(), rows, tok.target[a:b], v0, co, scratch, None)
-        y.add_(gd)
-    else:
-        y.copy_(gd)
-    if tok.transform.softcap is not None:
-        y.mul_(cap)
-    return y
+def _store_pair(stats: _stats.RowStats, pair: "_divergence.PairRows", rows, here, a: int, b: int) -> None:
+    _store(stats, rows, a, b)
+    for dst, src in zip(pair, here, strict=True):
+        if dst is not None:
+            dst[a:b] = src
+
+
+def new_pair_rows(n: int, spec, dtype, device) -> "_divergence.PairRows":
+    """Full-length :class:`~chunked_entropy._divergence.PairRows` for the pair walks to fill."""
+    new = lambda: torch.empty(n, dtype=dtype, device=device)  # noqa: E731
+    return _divergence.PairRows(new(), new(), new(), new() if spec.needs_aux else None)
 
 
 def pair_row_stats(
     tok: Tokens, tf_t, spec, fill: Fill, fill_t: Fill, *, width: int, block: int, chunk_size: int, group,
-    want_entropy: bool, dtype, device, out: _stats.RowStats, pair: "_divergence.PairRows",
-    weights: Optional[torch.Tensor] = None,
-) -> Iterator[tuple]:
-    """Forward of a divergence between two heads: fill ``out`` (the student's RowStats) and ``pair``.
+    want_entropy: bool, dtype, device, compiled: Kernels = None,
+) -> tuple:
+    """Forward of a divergence between two heads: ``(stats, pair)``, the student's
+    :class:`~chunked_entropy._stats.RowStats` and the :class:`~chunked_entropy._divergence.PairRows` of every row.
 
-    A generator: it yields nothing unless ``weights`` (``[N]``, the upstream gradient of each row's
-    divergence, known before the walk: a loss that is a weighted sum) is given; then it yields
-    ``(a, b, v0, v1, g)`` as :func:`grad_blocks` does, the student's logit gradient formed in this walk.
     Per chunk: both blocks of each vocabulary block (two projections), each model's statistics merged over
-    blocks and ``group`` (both models' together, with the same arithmetic: one MAX all-reduce and one
-    all-gather, :func:`~chunked_entropy.parallel.reduce_stats_pair`); then the divergence's sums (one SUM all-reduce):
-    from the blocks still held when the vocabulary is one block, else from each block filled again.
+    blocks and ``group`` (both models' together: one MAX all-reduce and one all-gather,
+    :func:`~chunked_entropy.parallel.reduce_stats_pair`); then the divergence's sums (one SUM all-reduce):
+    from the blocks still held when the vocabulary is one block, else from each block filled again. Three
+    collectives per chunk under a group. ``compiled``: the blocks through those kernels (see :class:`_PairWalk`).
     """
-    n = tok.n
+    walk = _PairWalk(tok, tf_t, spec, fill, fill_t, width=width, block=block, chunk_size=chunk_size, dtype=dtype,
+                     device=device, compiled=compiled, grad=False)
+    stats = new_row_stats(tok.n, _stats.Want(want_entropy, False), dtype, device)
+    pair = new_pair_rows(tok.n, spec, dtype, device)
+    for a, b in chunks(tok.n, chunk_size):
+        rows, ls_t, merged, merged_t, held, cross = walk.chunk_stats(a, b, group, want_entropy)
+        here, _ = walk.chunk_sums(a, b, group, rows, ls_t, merged, merged_t, held, cross, keep_parts=False)
+        _store_pair(stats, pair, rows, here, a, b)
+    return stats, pair
+
+
+def pair_loss_grad_blocks(
+    tok: Tokens, tf_t, spec, fill: Fill, fill_t: Fill, *, width: int, block: int, chunk_size: int, group,
+    want_entropy: bool, weights: torch.Tensor, stats: _stats.RowStats, pair: "_divergence.PairRows", dtype, device,
+    compiled: Kernels = None,
+) -> Iterator[tuple]:
+    """Forward of a loss that is a weighted sum of the rows' divergences, ``sum_i weights_i D_i`` (the
+    weights, ``[N]``, known before the walk): :func:`pair_row_stats`'s walk that also yields ``(a, b, v0, v1,
+    g)`` as :func:`grad_blocks` does, the student's logit gradient formed in the same walk, and fills
+    ``stats`` and ``pair`` (from :func:`new_row_stats`, :func:`new_pair_rows`) on the way.
+
+    One vocabulary block: each chunk's blocks are filled once (statistics, sums and gradient from the blocks
+    held); with vocabulary blocks, three times (statistics, sums, gradient). Three collectives per chunk.
+    """
+    walk = _PairWalk(tok, tf_t, spec, fill, fill_t, width=width, block=block, chunk_size=chunk_size, dtype=dtype,
+                     device=device, compiled=compiled, grad=True)
     single = block >= width
-    cap_aux = weights is not None and tok.transform.softcap is not None
-    bufs = Buffers(min(chunk_size, n), block, dtype, device, work=True, scratch=True, aux=cap_aux)
-    bufs_t = Buffers(min(chunk_size, n), block, dtype, device, work=True, scratch=True)
-    no_label = torch.full((min(chunk_size, n),), -1, dtype=torch.int64, device=device)
-    for a, b in chunks(n, chunk_size):
-        k, kt, target = tok.k_rows(a, b), tf_t.k(tok.inv_t_rows(a, b)), tok.target[a:b]
-        st = stt = None
-        for v0, v1 in chunks(width, block):
-            x, xt, scratch, scratch_t, cap = _pair_block(tok, tf_t, fill, fill_t, bufs, bufs_t, a, b, v0, v1)
-            local = _stats.block_stats(x, tok.transform, k, target, v0, scratch, want_w=want_entropy, want_q=False,
-                                       aux=cap if cap_aux and single else None)
-            local_t = _stats.block_stats(xt, tf_t, kt, no_label[: b - a], v0, scratch_t, want_w=False, want_q=False)
-            st, stt = _stats.merge_stats(st, local, k), _stats.merge_stats(stt, local_t, kt)
-        merged, merged_t = reduce_stats_pair(st, stt, group, k, kt)  # the same arithmetic for both heads
-        rows = _stats.RowStats.from_block(merged, k)
-        ls_t = _stats.RowStats.from_block(merged_t, kt).ls
-        if single:  # the blocks are held: their offsets to the merged maxima
-            if merged is not st:
-                _stats.shift_offsets_(x, st.m, merged.m, k)
-                _stats.shift_offsets_(xt, stt.m, merged_t.m, kt)
-            div, aux, parts = _divergence.divergence_terms(x, xt, rows.ls, ls_t, spec)
-            if weights is None:
-                parts = None
-        else:
-            div = aux = None
-            for v0, v1 in chunks(width, block):
-                x, xt, *_ = _pair_block(tok, tf_t, fill, fill_t, bufs, bufs_t, a, b, v0, v1,
-                                        m=(merged.m, merged_t.m))
-                d, ka, _ = _divergence.divergence_terms(x, xt, rows.ls, ls_t, spec)
-                div = d if div is None else div + d
-                aux = ka if aux is None else aux + ka
-        sums = all_reduce_sum_(torch.stack([div] if aux is None else [div, aux]), group)
-        div, aux = sums[0], (sums[1] if aux is not None else (sums[0] if spec.needs_aux else None))
-        _store(out, rows, a, b)
-        here = _divergence.PairRows(merged_t.m, ls_t, div, aux)
-        for dst, src in zip(pair, here, strict=True):
-            if dst is not None:
-                dst[a:b] = src
-        if weights is None:
-            continue
+    for a, b in chunks(tok.n, chunk_size):
+        rows, ls_t, merged, merged_t, held, cross = walk.chunk_stats(
+            a, b, group, want_entropy, cap_single=single and tok.transform.softcap is not None)
+        here, parts = walk.chunk_sums(a, b, group, rows, ls_t, merged, merged_t, held, cross, keep_parts=single)
+        _store_pair(stats, pair, rows, here, a, b)
         scale = _scaled(weights[a:b], tok, a, b)
         if single:
-            yield a, b, 0, width, _divergence_grad_block(tok, spec, x, xt, rows, here, scale, a, b, 0, cap,
-                                                         parts=parts)
-            parts = None
+            yield a, b, 0, width, walk.block_grad(a, b, 0, width, rows, here, scale, held=held, parts=parts)
+            parts = held = None
         else:
             for v0, v1 in chunks(width, block):
-                x, xt, _, _, cap = _pair_block(tok, tf_t, fill, fill_t, bufs, bufs_t, a, b, v0, v1,
-                                               m=(merged.m, merged_t.m), aux=True)
-                yield a, b, v0, v1, _divergence_grad_block(tok, spec, x, xt, rows, here, scale, a, b, v0, cap)
+                yield a, b, v0, v1, walk.block_grad(a, b, v0, v1, rows, here, scale)
 
 
 def _scaled(g: torch.Tensor, tok: Tokens, a: int, b: int) -> torch.Tensor:
@@ -490,16 +645,16 @@ def _scaled(g: torch.Tensor, tok: Tokens, a: int, b: int) -> torch.Tensor:
 def pair_grad_blocks(
     tok: Tokens, tf_t, spec, fill: Fill, fill_t: Fill, *, width: int, block: int, chunk_size: int,
     stats: _stats.RowStats, pair: "_divergence.PairRows", grads, dtype, device, vocab_outer: bool = False,
+    compiled: Kernels = None,
 ) -> Iterator[tuple]:
     """Backward of :func:`pair_row_stats`: yield ``(a, b, v0, v1, g)``, the gradient w.r.t. the student's raw
     logits of each block, both blocks filled again (two projections). ``grads``: the upstream gradients of
     ``(divergence, log_probs, entropy)`` (None: no term). ``vocab_outer``: vocabulary blocks outermost, as in
-    :func:`grad_blocks`."""
+    :func:`grad_blocks`. No collective."""
     n = tok.n
     g_div, g_lp, g_h = (None if g is None else g.reshape(-1).to(dtype) for g in grads)
-    bufs = Buffers(min(chunk_size, n), block, dtype, device, work=True, scratch=True,
-                   aux=tok.transform.softcap is not None)
-    bufs_t = Buffers(min(chunk_size, n), block, dtype, device, work=True, scratch=False)
+    walk = _PairWalk(tok, tf_t, spec, fill, fill_t, width=width, block=block, chunk_size=chunk_size, dtype=dtype,
+                     device=device, compiled=compiled, grad=True, teacher_scratch=False)
 
     def chunk(a, b):
         rows, here = stats.rows(a, b), pair.rows(a, b)
@@ -509,8 +664,6 @@ def pair_grad_blocks(
 
     def block_grad(a, b, v0, v1, parts):
         rows, here, co, scale = parts
-        x, xt, scratch, _, cap = _pair_block(tok, tf_t, fill, fill_t, bufs, bufs_t, a, b, v0, v1,
-                                             m=(rows.m, here.m_t), aux=True)
-        return _divergence_grad_block(tok, spec, x, xt, rows, here, scale, a, b, v0, cap, co=co, scratch=scratch)
+        return walk.block_grad(a, b, v0, v1, rows, here, scale, co=co)
 
     yield from _gradient_walk(n, width, block, chunk_size, vocab_outer, chunk, block_grad)

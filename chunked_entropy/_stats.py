@@ -255,6 +255,16 @@ def rescale(st: BlockStats, m_new: torch.Tensor, k: Scale) -> BlockStats:
     return BlockStats(m_new, ones, rest, w, q, st.zl)
 
 
+def rescale_cross(c: torch.Tensor, st_a: BlockStats, st_b: BlockStats, m_a: torch.Tensor, m_b: torch.Tensor,
+                  k_a: Scale, k_b: Scale) -> torch.Tensor:
+    """Two heads' cross sum ``c = sum_j exp(y_a,j) (y_a,j - y_b,j)`` of the same rows and columns (offsets to
+    ``st_a.m``, ``st_b.m``) expressed relative to the larger maxima ``m_a``, ``m_b``: ``exp(d_a) (c + (d_a -
+    d_b) s_a)`` with the offsets' shifts ``d`` (as :func:`rescale` moves ``w``) and head ``a``'s sum ``s_a``.
+    A KL's value folds over vocabulary blocks and shards through it (:mod:`chunked_entropy._divergence`)."""
+    d_a, d_b = _shift(st_a.m, m_a, k_a), _shift(st_b.m, m_b, k_b)
+    return torch.exp(d_a) * (c + (d_a - d_b) * (st_a.ones + st_a.rest))
+
+
 def merge_stats(a: Optional[BlockStats], b: BlockStats, k: Scale) -> BlockStats:
     """Combine the statistics of two disjoint blocks of the same rows."""
     if a is None:
@@ -416,13 +426,14 @@ def grad_from_offsets_(
 # temperature).
 
 
-def _u(z: torch.Tensor, cap_factor, dtype) -> torch.Tensor:
+def transformed(z: torch.Tensor, cap_factor, dtype) -> torch.Tensor:
     """``u``: ``tanh(z * logit_scale / softcap)`` with ``cap_factor`` (a 0-d tensor) that factor, else ``z``."""
     u = z.to(dtype)
     return torch.tanh(u * cap_factor) if cap_factor is not None else u
 
 
-def _offsets(u: torch.Tensor, m: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+def offsets_of(u: torch.Tensor, m: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """:func:`offsets_` as a new tensor: ``max(k * (u - m), NEG_FLOOR)``, ``m`` of -inf shifting by 0."""
     shift = torch.where(m == -math.inf, 0.0, m).unsqueeze(1)
     return ((u - shift) * k).clamp(min=NEG_FLOOR)
 
@@ -434,9 +445,9 @@ def stats_of_block(z, cap_factor, k, target, v0: int, dtype) -> BlockStats:
     kernel): ``cap_factor = logit_scale / softcap`` (None without a cap), and
     the rest of it is in the per-row ``k`` (see :class:`Transform`).
     """
-    u = _u(z, cap_factor, dtype)
+    u = transformed(z, cap_factor, dtype)
     m = u.amax(dim=1)
-    y = _offsets(u, m, k)
+    y = offsets_of(u, m, k)
     e = torch.exp(y)
     top = y == 0
     col = torch.arange(u.shape[1], device=u.device).unsqueeze(0)
@@ -452,8 +463,8 @@ def grad_of_block(z, out, cap_factor, k, m, ls, ws, s2, target, v0: int, c, b, a
     Every per-row input is a tensor (zeros for an absent term): one kernel
     serves every combination of outputs with a gradient.
     """
-    u = _u(z, cap_factor, dtype)
-    y = _offsets(u, m, k)
+    u = transformed(z, cap_factor, dtype)
+    y = offsets_of(u, m, k)
     p = torch.exp(y - ls.unsqueeze(1))
     inner = b.unsqueeze(1) * (ws.unsqueeze(1) - y) - c.unsqueeze(1) + a.unsqueeze(1) * (p - s2.unsqueeze(1))
     col = torch.arange(u.shape[1], device=u.device).unsqueeze(0)

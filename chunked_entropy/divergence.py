@@ -1,6 +1,6 @@
 """Divergences between a student's and a teacher's next-token distributions; neither model's logits formed.
 
-Floor 4 (ops), beside :mod:`chunked_entropy.linear` and :mod:`chunked_entropy.policy`:
+Layer: ops, beside :mod:`chunked_entropy.linear` and :mod:`chunked_entropy.policy`:
 
 - :func:`linear_divergence`: per-token forward KL, reverse KL or generalized JSD
   from both models' hidden states and (vocab-parallel) output weights, with the
@@ -11,9 +11,21 @@ Floor 4 (ops), beside :mod:`chunked_entropy.linear` and :mod:`chunked_entropy.po
   matmuls per step: two projections, two gradient matmuls).
 - :func:`divergence_from_logits`: the same from logits the caller holds.
 
-The walk is :mod:`chunked_entropy._loop`'s, with a second projection per block
-(:func:`~chunked_entropy._loop.pair_row_stats`); the math is
-:mod:`chunked_entropy._divergence`.
+The walks are :mod:`chunked_entropy._loop`'s two-head walks, a second projection per
+block: the statistics walk (:func:`~chunked_entropy._loop.pair_row_stats`), the
+loss walk that forms the student's gradient in forward
+(:func:`~chunked_entropy._loop.pair_loss_grad_blocks`) and the gradient walk
+(:func:`~chunked_entropy._loop.pair_grad_blocks`); the math is
+:mod:`chunked_entropy._divergence` (one class per divergence). Under a process
+group the forward makes three collectives per chunk (one MAX all-reduce and one
+all-gather of both heads' statistics, one SUM all-reduce of the divergence's
+sums; a KL over vocabulary blocks folds its value into the statistics and makes
+two); backward none per chunk.
+
+The chunking's ``backend`` chooses the kernels (``Plan.compiled``, as for the
+fused head), and the student layer's ``gradient_accumulation_fusion`` adds the
+student's weight gradient into ``main_grad`` (the linear Functions' trailing
+argument, :func:`~chunked_entropy._blocks.main_grad_of`).
 """
 
 from __future__ import annotations
@@ -24,7 +36,7 @@ from typing import NamedTuple, Optional, Union
 
 import torch
 
-from ._autograd import connected, graph_is_kept, once_differentiable
+from ._autograd import hand_over, once_differentiable
 from ._blocks import (
     Plan,
     check_head,
@@ -34,14 +46,18 @@ from ._blocks import (
     linear_grads,
     live_group,
     logits_source,
+    main_grad_of,
+    main_grad_result,
     reduce_hidden_grad,
-    resolve_vocab_chunk,
+    token_shape,
     weak_group,
 )
+from ._call import agree_objects, apply_or_forward, plan_for, zeros_connected
 from ._checks import check_device, check_flag, check_float, float_bits, is_real
-from ._divergence import DivergenceSpec, PairRows
+from ._divergence import PairRows
 from ._inputs import Rows, Tokens, check_transform_scale, compute_dtype, dtype_code, prepare_tokens
-from ._loop import new_row_stats, pair_grad_blocks, pair_row_stats
+from ._kernels import use_compiled
+from ._loop import new_pair_rows, new_row_stats, pair_grad_blocks, pair_loss_grad_blocks, pair_row_stats
 from ._migrate import accepts_01_keywords
 from ._rows import kept_rows, parse_kept, put_rows, select_logit_rows, select_rows, take_rows
 from ._stats import RowStats, Transform, Want
@@ -199,24 +215,11 @@ def _outputs(tok: Tokens, stats: RowStats, pair: PairRows, valid, want: Want):
     return div, lp, ent
 
 
-def _new_pair(n, spec: DivergenceSpec, dtype, device) -> PairRows:
-    new = lambda: torch.empty(n, dtype=dtype, device=device)  # noqa: E731
-    return PairRows(new(), new(), new(), new() if spec.needs_aux else None)
-
-
-def _walk(tok, teacher_fill, spec, fill, *, width, plan: Plan, teacher: _Teacher, dtype, device, weights=None):
-    """``pair_row_stats`` over fresh per-token arrays: ``(the generator, stats, pair)``."""
-    stats = new_row_stats(tok.n, plan.want, dtype, device)
-    pair = _new_pair(tok.n, spec, dtype, device)
-    gen = pair_row_stats(tok, teacher.transform, spec, fill, teacher_fill, width=width, block=plan.vocab_chunk_size,
-                         chunk_size=plan.chunk_size, group=plan.group, want_entropy=plan.want.entropy, dtype=dtype,
-                         device=device, out=stats, pair=pair, weights=weights)
-    return gen, stats, pair
-
-
-def _exhaust(gen) -> None:
-    for _ in gen:
-        pass
+def _walk(tok, teacher_fill, spec, fill, *, width, plan: Plan, teacher: _Teacher, dtype, device) -> tuple:
+    """The statistics walk, :func:`~chunked_entropy._loop.pair_row_stats`: ``(stats, pair)``."""
+    return pair_row_stats(tok, teacher.transform, spec, fill, teacher_fill, width=width, block=plan.vocab_chunk_size,
+                          chunk_size=plan.chunk_size, group=plan.group, want_entropy=plan.want.entropy, dtype=dtype,
+                          device=device, compiled=plan.compiled)
 
 
 def _teacher_fill(teacher: _Teacher, plan: Plan):
@@ -234,19 +237,20 @@ def _rows_from_saved(t) -> tuple:
 
 class _LinearDivergenceFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, teacher: _Teacher, tok: Tokens, plan: Plan, spec, valid):
+    def forward(ctx, hidden, weight, bias, teacher: _Teacher, tok: Tokens, plan: Plan, spec, valid, main_grad=None):
         h_full = full_hidden(hidden, plan)
         cdt = compute_dtype(weight.dtype)
-        gen, stats, pair = _walk(tok, _teacher_fill(teacher, plan), spec,
-                                 linear_filler(Rows(h_full), weight, bias, plan.float32_logits),
-                                 width=weight.shape[0], plan=plan, teacher=teacher, dtype=cdt, device=weight.device)
-        _exhaust(gen)
+        stats, pair = _walk(tok, _teacher_fill(teacher, plan), spec,
+                            linear_filler(Rows(h_full), weight, bias, plan.float32_logits),
+                            width=weight.shape[0], plan=plan, teacher=teacher, dtype=cdt, device=weight.device)
         # Saved: references to the student's hidden (this rank's slice under sequence parallelism), weight
         # and bias, the teacher's (detached; its full hidden states under sequence parallelism), and five to
         # seven float32 per token.
         ctx.save_for_backward(hidden, weight, bias, valid, *_saved_rows(stats, pair))
         ctx.teacher, ctx.tok, ctx.spec = teacher, tok, spec
         ctx.plan, ctx.group = replace(plan, group=None), weak_group(plan.group)
+        ctx.main_grad = main_grad
+        ctx.weight_param = weight if main_grad is not None else None
         ctx.set_materialize_grads(False)
         return _outputs(tok, stats, pair, valid, plan.want)
 
@@ -258,7 +262,7 @@ class _LinearDivergenceFunction(torch.autograd.Function):
         tok, plan = ctx.tok, replace(ctx.plan, group=live_group(ctx.group))
         need = ctx.needs_input_grad[:3]
         if g_div is None and g_lp is None and g_h is None:
-            return (None,) * 8
+            return (None,) * 9
         if g_div is not None:
             g_div = torch.where(valid, g_div.reshape(-1), 0.0)
         if not plan.want.entropy:
@@ -272,52 +276,65 @@ class _LinearDivergenceFunction(torch.autograd.Function):
             _teacher_fill(ctx.teacher, plan), width=weight.shape[0],
             block=plan.vocab_chunk_size if vocab_block is None else vocab_block, vocab_outer=vocab_block is not None,
             chunk_size=plan.chunk_size, stats=stats, pair=pair, grads=(g_div, g_lp, g_h), dtype=cdt,
-            device=weight.device,
+            device=weight.device, compiled=plan.compiled,
         )
+        main_grad = ctx.main_grad if need[1] else None
         grad_h, gw, gb = linear_grads(blocks, rows, weight, n=tok.n, hidden_dtype=hidden.dtype,
                                       chunk_size=plan.chunk_size, need=need, float32=plan.float32_logits,
-                                      vocab_block=vocab_block)
+                                      vocab_block=vocab_block, main_grad=main_grad)
         grad_hidden = None if grad_h is None else reduce_hidden_grad(grad_h, h_full.shape, plan)
+        if main_grad is not None:
+            gw = main_grad_result(ctx.weight_param, main_grad)
         return (grad_hidden, None if gw is None else gw.to(weight.dtype), None if gb is None else gb.to(bias.dtype),
-                None, None, None, None, None)
+                None, None, None, None, None, None)
 
 
 def _scaled_grad(t: Optional[torch.Tensor], g: torch.Tensor, dtype) -> Optional[torch.Tensor]:
-    """A gradient stored in forward times the scalar upstream ``g``, as a tensor the caller owns."""
-    if t is None:
-        return None
-    t = t * g.to(t.dtype) if graph_is_kept() else t.mul_(g.to(t.dtype))
-    return t.to(dtype)
+    """A gradient stored in forward times the scalar upstream ``g`` (:func:`~chunked_entropy._autograd.hand_over`),
+    in ``dtype``."""
+    return None if t is None else hand_over(t, g).to(dtype)
 
 
 class _LinearDivergenceLossFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, teacher: _Teacher, tok: Tokens, plan: Plan, spec, weights):
+    def forward(ctx, hidden, weight, bias, teacher: _Teacher, tok: Tokens, plan: Plan, spec, weights, main_grad=None):
         need = ctx.needs_input_grad[:3]
         h_full = full_hidden(hidden, plan)
         rows = Rows(h_full)
         cdt = compute_dtype(weight.dtype)
+        dev = weight.device
         fill, teacher_fill = linear_filler(rows, weight, bias, plan.float32_logits), _teacher_fill(teacher, plan)
         # half-precision weights: the statistics walk, then the gradients over vocabulary blocks outermost (as
-        # the backward of linear_divergence walks them); else the gradients in the statistics walk
+        # the backward of linear_divergence walks them); else the loss walk, the gradients formed in it
         vocab_block = grad_vocab_block(tok.n, weight, plan, need[1])
-        gen, stats, pair = _walk(tok, teacher_fill, spec, fill, width=weight.shape[0], plan=plan, teacher=teacher,
-                                 dtype=cdt, device=weight.device,
-                                 weights=weights if any(need) and vocab_block is None else None)
-        if vocab_block is not None:
-            _exhaust(gen)
-            gen = pair_grad_blocks(tok, teacher.transform, spec, fill, teacher_fill, width=weight.shape[0],
-                                   block=vocab_block, chunk_size=plan.chunk_size, stats=stats, pair=pair,
-                                   grads=(weights, None, None), dtype=cdt, device=weight.device, vocab_outer=True)
-        grad_h, gw, gb = linear_grads(gen, rows, weight, n=tok.n, hidden_dtype=hidden.dtype,
+        width, tf_t = weight.shape[0], teacher.transform
+        if any(need) and vocab_block is None:
+            stats, pair = new_row_stats(tok.n, plan.want, cdt, dev), new_pair_rows(tok.n, spec, cdt, dev)
+            blocks = pair_loss_grad_blocks(
+                tok, tf_t, spec, fill, teacher_fill, width=width, block=plan.vocab_chunk_size,
+                chunk_size=plan.chunk_size, group=plan.group, want_entropy=plan.want.entropy, weights=weights,
+                stats=stats, pair=pair, dtype=cdt, device=dev, compiled=plan.compiled)
+        else:
+            stats, pair = _walk(tok, teacher_fill, spec, fill, width=width, plan=plan, teacher=teacher, dtype=cdt,
+                                device=dev)
+            blocks = () if vocab_block is None else pair_grad_blocks(
+                tok, tf_t, spec, fill, teacher_fill, width=width, block=vocab_block, chunk_size=plan.chunk_size,
+                stats=stats, pair=pair, grads=(weights, None, None), dtype=cdt, device=dev, vocab_outer=True,
+                compiled=plan.compiled)
+        # With main_grad (Megatron's float32 accumulator) the weight gradient is kept in float32 until the
+        # upstream gradient scales it in backward; else in the weight's dtype.
+        grad_h, gw, gb = linear_grads(blocks, rows, weight, n=tok.n, hidden_dtype=hidden.dtype,
                                       chunk_size=plan.chunk_size, need=need, float32=plan.float32_logits,
-                                      vocab_block=vocab_block)
+                                      vocab_block=vocab_block, weight_grad_dtype=None if main_grad is None else cdt)
         if grad_h is not None:
             grad_h = reduce_hidden_grad(grad_h, h_full.shape, plan)
-        # Saved: the gradients themselves (the hidden states' and the weight's in their dtypes, the float32
-        # bias gradient), allocated here instead of in backward; no reference to the inputs.
+        # Saved: the gradients themselves (the hidden states' and the weight's in their dtypes, or the weight's
+        # in float32 with main_grad, the float32 bias gradient), allocated here instead of in backward; no
+        # reference to the inputs.
         ctx.save_for_backward(grad_h, gw, gb)
         ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
+        ctx.main_grad = main_grad
+        ctx.weight_param = weight if main_grad is not None else None
         ent = stats.entropy() if plan.want.entropy else torch.zeros_like(pair.div)
         ctx.mark_non_differentiable(pair.div, ent)
         return (torch.where(weights != 0, pair.div, 0.0) * weights).sum(), pair.div, ent
@@ -327,10 +344,16 @@ class _LinearDivergenceLossFunction(torch.autograd.Function):
     def backward(ctx, g, _d, _e):
         grad_h, gw, gb = ctx.saved_tensors
         if g is None:
-            return (None,) * 8
-        return (_scaled_grad(grad_h, g, None if grad_h is None else grad_h.dtype),
-                _scaled_grad(gw, g, ctx.dtypes[0]), _scaled_grad(gb, g, ctx.dtypes[1]),
-                None, None, None, None, None)
+            return (None,) * 9
+        grad_w = None
+        if gw is not None:
+            if ctx.main_grad is None:
+                grad_w = _scaled_grad(gw, g, ctx.dtypes[0])
+            else:
+                ctx.main_grad.add_(_scaled_grad(gw, g, ctx.main_grad.dtype))
+                grad_w = main_grad_result(ctx.weight_param, ctx.main_grad)
+        return (_scaled_grad(grad_h, g, None if grad_h is None else grad_h.dtype), grad_w,
+                _scaled_grad(gb, g, ctx.dtypes[1]), None, None, None, None, None, None)
 
 
 def _linear_call(student_hidden, student: OutputLayer, teacher_hidden, teacher: OutputLayer, *,
@@ -357,14 +380,8 @@ def _linear_call(student_hidden, student: OutputLayer, teacher_hidden, teacher: 
         if teacher_weight.device != student_weight.device:
             raise ValueError(f"teacher_weight is on {teacher_weight.device} but student_weight is on "
                              f"{student_weight.device}")
-        lead = student_hidden.shape[:-1]
-        if sequence_parallel:
-            if student_hidden.dim() < 2:
-                raise ValueError("with sequence_parallel=True, student_hidden and teacher_hidden must be [S/P, ..., H]")
-            lead = torch.Size((student_hidden.shape[0] * call.world,) + tuple(student_hidden.shape[1:-1]))
+        lead = token_shape(student_hidden, call.world, sequence_parallel, name="student_hidden")
         v_local = student_weight.shape[0]
-        vocab_chunk_size = chunking.vocab_chunk_size
-        chunk_size = chunking.resolve(min(vocab_chunk_size or v_local, v_local), buffers=4)
         cdt = compute_dtype(student_weight.dtype)
         tf_s, tf_t = student.transform, teacher.transform
         tok, valid, no_labels = _prepare(
@@ -372,14 +389,14 @@ def _linear_call(student_hidden, student: OutputLayer, teacher_hidden, teacher: 
             temperature=temperature, tf_s=tf_s, tf_t=tf_t, device=student_hidden.device, cdt=cdt, spec=spec,
             teacher_values=teacher_hidden, teacher_name="teacher_hidden",
         )
-        plan = Plan(chunk_size=chunk_size,
-                    vocab_chunk_size=resolve_vocab_chunk(vocab_chunk_size, chunk_size, math.prod(lead), v_local),
-                    group=process_group, sequence_parallel=sequence_parallel, want=Want(compute_entropy, False),
-                    float32_logits=float32)
+        plan = plan_for(student, chunking, lead=lead, want=Want(compute_entropy, False), device=student_hidden.device,
+                        buffers=4)
+        main_grad = main_grad_of(student_weight, student.gradient_accumulation_fusion)
         grads = torch.is_grad_enabled() and any(
             t is not None and t.requires_grad for t in (student_hidden, student_weight, student_bias))
         call.agree_all({
-            "chunk_size": chunk_size, "vocab_chunk_size": plan.vocab_chunk_size, "compute_entropy": compute_entropy,
+            "chunk_size": plan.chunk_size, "vocab_chunk_size": plan.vocab_chunk_size,
+            "compute_entropy": compute_entropy,
             "sequence_parallel": sequence_parallel,
             "student_hidden.shape[0] (sequence-parallel slice)": student_hidden.shape[0],
             "the student's hidden size (student_weight.shape[1])": student_weight.shape[1],
@@ -391,13 +408,12 @@ def _linear_call(student_hidden, student: OutputLayer, teacher_hidden, teacher: 
             "the teacher's logits_dtype (1: float32 blocks)": float32_t,
             "student_hidden.requires_grad (under grad mode)": bool(grads and student_hidden.requires_grad),
             "the loss form": loss is not None,
-            "student_layer (OutputLayer)": student.fingerprint(), "teacher_layer (OutputLayer)": teacher.fingerprint(),
-            "chunking (Chunking)": chunking.fingerprint(), "divergence (Divergence)": divergence.fingerprint(),
         })
+        agree_objects(call, student_layer=student, teacher_layer=teacher, chunking=chunking, divergence=divergence)
         w = None if loss is None else _loss_weights(call, tok, valid, cdt=cdt, device=student_hidden.device, **loss)
     teacher = _Teacher(full_hidden(teacher_hidden.detach(), plan), teacher_weight.detach(),
                        None if teacher_bias is None else teacher_bias.detach(), tf_t, float32_t)
-    return tok, plan, spec, teacher, valid, no_labels, grads, w
+    return tok, plan, spec, teacher, valid, no_labels, grads, w, main_grad
 
 
 @accepts_01_keywords("linear_divergence")
@@ -444,9 +460,10 @@ def linear_divergence(
             ``beta`` in (0, 1) (TRL's ``beta`` 0 and 1 are the KLs: :meth:`Divergence.from_trl_beta`).
         chunking: a :class:`~chunked_entropy.Chunking` or an int (the chunk size; the default, 256, is a
             quarter of the fused head's: four blocks are live). Its ``vocab_chunk_size`` also blocks the
-            vocabulary: the per-chunk buffers become ``chunk_size * vocab_chunk_size``; forward then fills
-            each block twice (statistics, then the divergence's sums, which need both models' final
-            log-sum-exps).
+            vocabulary: the per-chunk buffers become ``chunk_size * vocab_chunk_size``; a KL's forward
+            fills each block once (its value folded online with the log-sum-exps), the JSD's twice
+            (statistics, then its sums, which need both models' final log-sum-exps). Its ``backend``
+            chooses the kernels, as for :func:`~chunked_entropy.linear_log_probs_and_entropy`.
         labels: optional ``[...]`` int64 *global* ids (the full sequence under sequence parallelism): the
             student's log-probs at them come out of the same pass (``log_probs``).
         temperature: a float > 0 or a tensor broadcasting to the tokens, applied to both models after
@@ -477,30 +494,28 @@ def linear_divergence(
         Saved for backward: references to the student's and the teacher's tensors (the teacher's hidden
         states gathered whole under sequence parallelism) and five to seven float32 per token. Forward and
         backward each hold four float32 ``[chunk_size, vocab_chunk_size]`` buffers (a fifth in backward with
-        a student soft-cap) plus the divergence's block temporaries (two for the KLs, five for the JSD; see
-        :mod:`chunked_entropy._divergence`). Backward allocates the student's gradients. No ``[tokens, V]``
-        tensor of either model exists. Inputs are never written.
+        a student soft-cap; two in all with the compiled kernels) plus the divergence's block temporaries
+        (two for the KLs, five for the JSD; see :mod:`chunked_entropy._divergence`). Backward allocates the
+        student's gradients (or adds the weight's into ``main_grad``). No ``[tokens, V]`` tensor of either
+        model exists. Inputs are never written. Under a process group, forward makes three collectives per
+        chunk (two for a KL with ``vocab_chunk_size``), backward none per chunk.
     """
     student_layer, teacher_layer = as_layer(student_layer, "student_layer"), as_layer(teacher_layer, "teacher_layer")
     divergence, chunking = as_divergence(divergence), as_chunking(chunking, default=Chunking(PAIR_CHUNK))
     if rows is not None:
         return _rows_call(linear_divergence, dict(locals()))
     student_weight, student_bias = student_layer.weight, student_layer.bias
-    tok, plan, spec, teacher, valid, no_labels, grads, _ = _linear_call(
+    tok, plan, spec, teacher, valid, no_labels, grads, _, main_grad = _linear_call(
         student_hidden, student_layer, teacher_hidden, teacher_layer, divergence=divergence, chunking=chunking,
         labels=labels, temperature=temperature, label_mask=label_mask, ignore_index=ignore_index,
         compute_entropy=compute_entropy,
     )
     if tok.n == 0:
-        z = torch.zeros(tok.shape, dtype=compute_dtype(student_weight.dtype), device=student_hidden.device)
-        if grads:
-            z = connected(z, student_hidden, student_weight, student_bias)
+        z = zeros_connected(tok.shape, compute_dtype(student_weight.dtype), student_hidden.device, grads,
+                            student_hidden, student_weight, student_bias)
         return DivergenceOutputs(z, None if no_labels else z, z if compute_entropy else None)
-    args = (student_hidden, student_weight, student_bias, teacher, tok, plan, spec, valid)
-    if grads:
-        div, lp, ent = _LinearDivergenceFunction.apply(*args)
-    else:
-        div, lp, ent = _LinearDivergenceFunction.forward(_NoCtx(), *args)
+    div, lp, ent = apply_or_forward(_LinearDivergenceFunction, student_hidden, student_weight, student_bias, teacher,
+                                    tok, plan, spec, valid, main_grad, grads=grads)
     shape = tuple(tok.shape)
     return DivergenceOutputs(div.view(shape), None if no_labels else lp.view(shape),
                              ent.view(shape) if compute_entropy else None)
@@ -557,21 +572,6 @@ def _not_sequence_parallel(a: dict) -> None:
         a[k] = a[k].replace(sequence_parallel=False)
 
 
-class _NoCtx:
-    """A stand-in for autograd's ctx when no gradient is needed: forward runs bare, nothing is kept."""
-
-    needs_input_grad = (False,) * 8
-
-    def save_for_backward(self, *args):
-        pass
-
-    def set_materialize_grads(self, value):
-        pass
-
-    def mark_non_differentiable(self, *args):
-        pass
-
-
 @accepts_01_keywords("linear_divergence_loss")
 def linear_divergence_loss(
     student_hidden: torch.Tensor,
@@ -605,8 +605,10 @@ def linear_divergence_loss(
     Forward walks each chunk once with the vocabulary in one block: two projections, the statistics,
     the divergence's sums, then the student's logit gradient from the blocks still held and its two
     gradient matmuls (``g @ W_s`` and ``g.T @ h_s``): four projection-sized matmuls per step, where a
-    per-token form and its backward take six. With ``vocab_chunk_size`` each block is filled three times.
-    Backward only scales the stored gradients by the loss's upstream gradient.
+    per-token form and its backward take six. With ``vocab_chunk_size`` each block is filled twice for a KL
+    (its value folds online in the statistics' pass), three times for the JSD. Under a process group, three
+    collectives per chunk (two for a KL with ``vocab_chunk_size``). Backward only scales the stored
+    gradients by the loss's upstream gradient.
 
     Memory:
         Holds the student's gradients (``[tokens, H_s]`` in its dtype, float32 ``[V_local, H_s]`` and
@@ -618,7 +620,7 @@ def linear_divergence_loss(
     if rows is not None:
         return _rows_call(linear_divergence_loss, dict(locals()))
     student_weight, student_bias = student_layer.weight, student_layer.bias
-    tok, plan, spec, teacher, valid, _, grads, w = _linear_call(
+    tok, plan, spec, teacher, valid, _, grads, w, main_grad = _linear_call(
         student_hidden, student_layer, teacher_hidden, teacher_layer, divergence=divergence, chunking=chunking,
         labels=None, temperature=temperature, label_mask=label_mask, ignore_index=-100,
         compute_entropy=compute_entropy, loss=dict(reduction=reduction, normalizer=normalizer, weights=weights),
@@ -626,16 +628,11 @@ def linear_divergence_loss(
     cdt = compute_dtype(student_weight.dtype)
     shape = tuple(tok.shape)
     if tok.n == 0:
-        z = torch.zeros((), dtype=cdt, device=student_hidden.device)
-        if grads:
-            z = connected(z, student_hidden, student_weight, student_bias)
+        z = zeros_connected((), cdt, student_hidden.device, grads, student_hidden, student_weight, student_bias)
         e = torch.zeros(shape, dtype=cdt, device=student_hidden.device)
         return DivergenceLoss(z, e, e if compute_entropy else None)
-    args = (student_hidden, student_weight, student_bias, teacher, tok, plan, spec, w)
-    if grads:
-        loss, div, ent = _LinearDivergenceLossFunction.apply(*args)
-    else:
-        loss, div, ent = _LinearDivergenceLossFunction.forward(_NoCtx(), *args)
+    loss, div, ent = apply_or_forward(_LinearDivergenceLossFunction, student_hidden, student_weight, student_bias,
+                                      teacher, tok, plan, spec, w, main_grad, grads=grads)
     div = torch.where(valid, div, 0.0).view(shape)  # masked rows: 0, whatever their states held
     return DivergenceLoss(loss, div, torch.where(valid, ent, 0.0).view(shape) if compute_entropy else None)
 
@@ -649,9 +646,8 @@ class _LogitsDivergenceFunction(torch.autograd.Function):
         v = logits.shape[-1]
         cdt = compute_dtype(logits.dtype)
         fill, _ = logits_source(logits)
-        gen, stats, pair = _walk(tok, logits_source(teacher.source)[0], spec, fill, width=v, plan=plan,
-                                 teacher=teacher, dtype=cdt, device=logits.device)
-        _exhaust(gen)
+        stats, pair = _walk(tok, logits_source(teacher.source)[0], spec, fill, width=v, plan=plan,
+                            teacher=teacher, dtype=cdt, device=logits.device)
         # Saved: the student's logits and the teacher's (references, detached) and five to seven float32 per token.
         ctx.save_for_backward(logits, valid, *_saved_rows(stats, pair))
         ctx.teacher, ctx.tok, ctx.spec = teacher, tok, spec
@@ -677,7 +673,7 @@ class _LogitsDivergenceFunction(torch.autograd.Function):
         blocks = pair_grad_blocks(tok, ctx.teacher.transform, ctx.spec, logits_source(logits)[0],
                                   logits_source(ctx.teacher.source)[0], width=v, block=plan.vocab_chunk_size,
                                   chunk_size=plan.chunk_size, stats=stats, pair=pair, grads=(g_div, g_lp, g_h),
-                                  dtype=stats.ls.dtype, device=logits.device)
+                                  dtype=stats.ls.dtype, device=logits.device, compiled=plan.compiled)
         for a, b, v0, v1, g in blocks:
             gflat[a:b, v0:v1].copy_(g)
         return grad, None, None, None, None, None
@@ -746,24 +742,17 @@ def divergence_from_logits(
             teacher_values=teacher_logits, teacher_name="teacher_logits",
         )
         grads = torch.is_grad_enabled() and student_logits.requires_grad
-        call.agree_all({"compute_entropy": compute_entropy, "whether gradients are computed": grads,
-                        "student_layer (OutputLayer)": student_layer.fingerprint(),
-                        "teacher_layer (OutputLayer)": teacher_layer.fingerprint(),
-                        "chunking (Chunking)": chunking.fingerprint(),
-                        "divergence (Divergence)": divergence.fingerprint()})
+        call.agree_all({"compute_entropy": compute_entropy, "whether gradients are computed": grads})
+        agree_objects(call, student_layer=student_layer, teacher_layer=teacher_layer, chunking=chunking,
+                      divergence=divergence)
     plan = Plan(chunk_size=chunk_size, vocab_chunk_size=v_local, group=process_group, sequence_parallel=False,
-                want=Want(compute_entropy, False))
+                want=Want(compute_entropy, False), compiled=use_compiled(chunking.backend, student_logits.device))
     teacher = _Teacher(teacher_logits.detach(), None, None, tf_t)
     shape = tuple(lead)
     if tok.n == 0:
-        z = torch.zeros(shape, dtype=cdt, device=student_logits.device)
-        if grads:
-            z = connected(z, student_logits)
+        z = zeros_connected(shape, cdt, student_logits.device, grads, student_logits)
         return DivergenceOutputs(z, None if no_labels else z, z if compute_entropy else None)
-    args = (student_logits, teacher, tok, plan, spec, valid)
-    if grads:
-        div, lp, ent = _LogitsDivergenceFunction.apply(*args)
-    else:
-        div, lp, ent = _LogitsDivergenceFunction.forward(_NoCtx(), *args)
+    div, lp, ent = apply_or_forward(_LogitsDivergenceFunction, student_logits, teacher, tok, plan, spec, valid,
+                                    grads=grads)
     return DivergenceOutputs(div.view(shape), None if no_labels else lp.view(shape),
                              ent.view(shape) if compute_entropy else None)

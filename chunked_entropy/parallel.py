@@ -19,11 +19,20 @@ import torch
 import torch.distributed as dist
 
 from ._checks import Requirements, check_summary, collecting
-from ._stats import BlockStats, rescale
+from ._stats import BlockStats, rescale, rescale_cross
 
 # torch 2.13 renamed the single-tensor collectives (the old names warn on every call).
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _all_gather_single(out, t, group):
+    """``torch.distributed``'s one-tensor all-gather (looked up at each call: a wrapper around the group's
+    collectives, e.g. a test's count, sees it)."""
+    return (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, t, group=group)
+
+
+def _reduce_scatter_single(out, t, op, group):
+    """``torch.distributed``'s one-tensor reduce-scatter, looked up at each call."""
+    return (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(out, t, op=op, group=group)
 
 
 def group_rank_size(group) -> tuple[int, int]:
@@ -91,7 +100,7 @@ def reduce_stats(st: BlockStats, group, k, kept: Optional[BlockStats] = None, co
     return out, kept, count
 
 
-def reduce_stats_pair(st: BlockStats, st_t: BlockStats, group, k, k_t):
+def reduce_stats_pair(st: BlockStats, st_t: BlockStats, group, k, k_t, cross=None):
     """Merge two heads' per-shard statistics of the same rows (a divergence's student and teacher) over
     ``group`` with the same arithmetic: one MAX all-reduce of both maxima, then one all-gather of both
     rescaled sums, added in rank order on every rank. Returns ``(st, st_t)``.
@@ -101,13 +110,23 @@ def reduce_stats_pair(st: BlockStats, st_t: BlockStats, group, k, k_t):
     equal logits would get log-sum-exps an ulp apart, and a teacher equal to the student a divergence
     of 1e-7. Here an element's sum depends on its values only. Two collectives per chunk for both
     heads (four as two :func:`reduce_stats`); the gather moves ``world`` times the sums' few floats per row.
+
+    ``cross``: ``(c, teacher_weighs)``, a KL's cross sum folded online (see
+    :func:`~chunked_entropy._stats.rescale_cross`; head ``a`` the teacher when ``teacher_weighs``, else the
+    student), rescaled to the merged maxima and summed in the same gather. Returns ``(st, st_t)``, or
+    ``(st, st_t, c)`` with ``cross``.
     """
     if not _active(group):
-        return st, st_t
+        return (st, st_t) if cross is None else (st, st_t, cross[0])
     m = torch.stack([st.m, st_t.m])
     dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+    c = None
+    if cross is not None:
+        c, teacher_weighs = cross
+        c = (rescale_cross(c, st_t, st, m[1], m[0], k_t, k) if teacher_weighs
+             else rescale_cross(c, st, st_t, m[0], m[1], k, k_t))
     st, st_t = rescale(st, m[0], k), rescale(st_t, m[1], k_t)
-    extra = [t for t in (st.w, st.q, st_t.w, st_t.q) if t is not None]
+    extra = [t for t in (st.w, st.q, st_t.w, st_t.q, c) if t is not None]
     packed = torch.stack([st.ones, st.rest, st.zl, st_t.ones, st_t.rest, st_t.zl] + extra)
     world = dist.get_world_size(group)
     every = packed.new_empty((world * packed.shape[0],) + tuple(packed.shape[1:]))
@@ -119,8 +138,9 @@ def reduce_stats_pair(st: BlockStats, st_t: BlockStats, group, k, k_t):
     it = iter(total[6:])
     pick = lambda t: None if t is None else next(it)  # noqa: E731
     w, q, w_t, q_t = pick(st.w), pick(st.q), pick(st_t.w), pick(st_t.q)
-    return (BlockStats(m[0], total[0], total[1], w, q, total[2]),
-            BlockStats(m[1], total[3], total[4], w_t, q_t, total[5]))
+    out = (BlockStats(m[0], total[0], total[1], w, q, total[2]),
+           BlockStats(m[1], total[3], total[4], w_t, q_t, total[5]))
+    return out if c is None else out + (pick(c),)
 
 
 #: Length of the vector every rank sends in the one all-gather of a call's check. Fixed, so that a rank

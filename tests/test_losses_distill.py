@@ -115,3 +115,39 @@ def test_bad_input_is_named():
     ):
         with pytest.raises(exc, match=name):
             call()
+
+
+@pytest.mark.parametrize("trl_beta", [0.0, 0.3, 1.0])
+def test_each_divergence_class_is_one_math(trl_beta):
+    """The fused ops' block form (``terms``, ``grad``, ``grad_from_parts``) and the sparse losses' per-entry
+    form (``entries``) of each divergence class agree, and the block gradient is the float64 autograd
+    gradient of the entries' sum w.r.t. the student's logits."""
+    from chunked_entropy._divergence import DivergenceSpec
+
+    spec = DivergenceSpec.from_trl_beta(trl_beta)
+    assert spec.kind == {0.0: "forward_kl", 1.0: "reverse_kl"}.get(trl_beta, "jsd")
+    math_ = spec.math
+    g = torch.Generator().manual_seed(4)
+    zs = (torch.randn(5, 17, generator=g, dtype=torch.float64) * 2).requires_grad_()
+    zt = torch.randn(5, 17, generator=g, dtype=torch.float64) * 2
+    lp_s, lp_t = torch.log_softmax(zs, -1), torch.log_softmax(zt, -1)
+    d = math_.entries(lp_s, lp_t).sum(-1)
+    # the definition, written independently (TRL's generalized JSD, its limits the KLs)
+    ps, pt = lp_s.exp(), lp_t.exp()
+    if trl_beta == 0.0:
+        ref = (pt * (lp_t - lp_s)).sum(-1)
+    elif trl_beta == 1.0:
+        ref = (ps * (lp_s - lp_t)).sum(-1)
+    else:
+        m = (1 - trl_beta) * ps + trl_beta * pt
+        ref = trl_beta * (pt * (lp_t - m.log())).sum(-1) + (1 - trl_beta) * (ps * (lp_s - m.log())).sum(-1)
+    torch.testing.assert_close(d, ref, rtol=1e-12, atol=1e-14)
+    up = torch.randn(5, generator=g, dtype=torch.float64)
+    (grad,) = torch.autograd.grad((d * up).sum(), zs)
+    ls, lt = lp_s.detach(), lp_t.detach()
+    div, aux, parts = math_.terms(ls.clone(), lt.clone())
+    torch.testing.assert_close(div, ref.detach(), rtol=1e-12, atol=1e-14)
+    aux = div if spec.kind == "reverse_kl" else aux
+    for block in (math_.grad(ls.clone(), lt.clone(), aux),
+                  math_.grad_from_parts(parts, lambda: ls.clone(), aux)):
+        torch.testing.assert_close(block * up.unsqueeze(1), grad, rtol=1e-10, atol=1e-12)

@@ -40,6 +40,7 @@ from typing import Optional
 import torch
 
 from .._checks import check_chunk
+from .._divergence import DivergenceSpec
 from ..divergence import linear_divergence_loss
 from ..linear import linear_log_probs_and_entropy
 from ..logits import log_probs_and_entropy
@@ -330,9 +331,9 @@ def divergence_keywords(beta, *, temperature=1.0, student_logit_scale=1.0, teach
     """
     if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0.0 <= beta <= 1.0:
         raise ValueError(f"beta must be a float in [0, 1] (TRL's convention), got {beta!r}")
-    kind = "forward_kl" if beta == 0 else "reverse_kl" if beta == 1 else "jsd"
+    spec = DivergenceSpec.from_trl_beta(beta)
     scale = lambda x: None if x is None or x == 1.0 else x  # noqa: E731
-    return dict(divergence=kind, beta=float(beta) if kind == "jsd" else None, temperature=float(temperature),
+    return dict(divergence=spec.kind, beta=spec.beta, temperature=float(temperature),
                 student_logit_scale=scale(student_logit_scale), teacher_logit_scale=scale(teacher_logit_scale),
                 student_softcap=student_softcap, teacher_softcap=teacher_softcap)
 

@@ -10,6 +10,10 @@ whatever produced them.
 - :func:`sparse_divergence`: TRL 1.16's generalized JSD on a sparse support
   (forward KL, reverse KL, or in between), with TRL's tail bucket;
 - :func:`topk_overlap`: verl's teacher/student top-k overlap diagnostics.
+
+The divergences' per-entry terms are :mod:`chunked_entropy._divergence`'s (one
+implementation of the KLs and the JSD, shared with the fused ops); TRL's
+``beta`` reaches them through :meth:`~chunked_entropy._divergence.DivergenceSpec.from_trl_beta`.
 """
 
 from __future__ import annotations
@@ -20,7 +24,10 @@ from typing import NamedTuple, Optional
 import torch
 
 from .._checks import check_real
+from .._divergence import DivergenceSpec, ForwardKL
 from ._common import check_same_shape, check_tensor
+
+_FORWARD_KL = ForwardKL()
 
 
 class TopKForwardKL(NamedTuple):
@@ -67,17 +74,18 @@ def topk_forward_kl(student_log_probs: torch.Tensor, teacher_log_probs: torch.Te
     student_mass, teacher_mass = q.exp().sum(dim=-1), p.exp().sum(dim=-1)
     if log_prob_min_clamp is not None:
         q, p = q.clamp_min(log_prob_min_clamp), p.clamp_min(log_prob_min_clamp)
-    per_id = p.exp() * (p - q)
+    per_id = _FORWARD_KL.entries(q, p)  # p_t (log p_t - log q_s), 0 where p_t = 0
     return TopKForwardKL(per_id.sum(dim=-1), student_mass, teacher_mass, per_id)
 
 
-def _kl_terms(a: torch.Tensor, b: torch.Tensor, support: Optional[torch.Tensor]):
-    """Per element ``exp(a) (a - b)`` (0 off the support), i.e. the terms of ``KL(A || B)``."""
+def _terms(spec: DivergenceSpec, s: torch.Tensor, t: torch.Tensor, support: Optional[torch.Tensor]):
+    """The divergence's per-entry terms (:meth:`~chunked_entropy._divergence.DivergenceMath.entries`), 0 off
+    ``support``: the entries there are replaced by 0 on both sides first (finite: no NaN in the gradient)."""
     if support is None:
-        return torch.where(a == -math.inf, torch.zeros_like(a), a.exp() * (a - b))
-    zero = torch.zeros_like(a)
-    sa, sb = torch.where(support, a, zero), torch.where(support, b, zero)
-    return torch.nan_to_num(torch.where(support, a.exp(), zero) * (sa - sb), nan=0.0)
+        return spec.math.entries(s, t)
+    zero = torch.zeros_like(s)
+    terms = spec.math.entries(torch.where(support, s, zero), torch.where(support, t, zero))
+    return torch.where(support, terms, zero)
 
 
 def _with_tail(log_probs, support):
@@ -130,19 +138,7 @@ def sparse_divergence(student_log_probs: torch.Tensor, teacher_log_probs: torch.
     elif renormalize:
         s = s - torch.logsumexp(s, dim=-1, keepdim=True)
         t = t - torch.logsumexp(t, dim=-1, keepdim=True)
-    if beta == 0:
-        terms = _kl_terms(t, s, support_mask)
-    elif beta == 1:
-        terms = _kl_terms(s, t, support_mask)
-    else:
-        if support_mask is None:
-            m = torch.logsumexp(torch.stack([s + math.log1p(-beta), t + math.log(beta)]), dim=0)
-        else:
-            zero = torch.zeros_like(s)
-            mix = (1 - beta) * torch.where(support_mask, s.exp(), zero) + beta * torch.where(support_mask, t.exp(),
-                                                                                             zero)
-            m = torch.where(support_mask, torch.log(mix.clamp_min(torch.finfo(s.dtype).tiny)), zero)
-        terms = beta * _kl_terms(t, m, support_mask) + (1 - beta) * _kl_terms(s, m, support_mask)
+    terms = _terms(DivergenceSpec.from_trl_beta(beta), s, t, support_mask)
     return terms.sum(dim=-1)
 
 
