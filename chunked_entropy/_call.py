@@ -11,18 +11,22 @@ gradients the Function's forward bare (:func:`apply_or_forward`).
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Optional
 
 import torch
 
 from ._autograd import connected
-from ._blocks import Plan, resolve_vocab_chunk, token_shape
+from ._blocks import Plan, resolve_vocab_chunk
 from ._kernels import use_compiled
 from ._stats import Want
 from .options import Chunking, OutputLayer, as_chunking, as_layer
+from .parallel import agreed_call
 
-__all__ = ["agree_objects", "apply_or_forward", "plan_for", "settings", "token_shape", "zeros_connected"]
+__all__ = [
+    "agree_objects", "apply_or_forward", "group_of", "plan_for", "refused_together", "settings", "zeros_connected",
+]
 
 
 def settings(layer, chunking, *, logits: bool = False, default: Optional[Chunking] = None,
@@ -53,11 +57,29 @@ def plan_for(layer: OutputLayer, chunking: Chunking, *, lead, want: Want, device
     )
 
 
+def group_of(layer):
+    """The tensor-parallel group an op's ``layer`` argument names (None for a bare weight or None)."""
+    return layer.process_group if isinstance(layer, OutputLayer) else None
+
+
+@contextlib.contextmanager
+def refused_together(group):
+    """Argument errors raised before the op's agreed call (building its option objects) reach every rank of
+    ``group``: the failing rank joins an agreed call carrying its refusal, which its peers meet in their own
+    (the op's), so that every rank raises the same error and none waits for a refused one."""
+    try:
+        yield
+    except (TypeError, ValueError):
+        with agreed_call(group):
+            raise
+
+
 def agree_objects(call, **objects) -> None:
-    """Every rank of the call's group must pass equal option objects: each agreed on whole, by its
-    ``fingerprint()``, and named in the error by its argument and class (``teacher_layer (OutputLayer)``)."""
+    """Every rank of the call's group must pass equal option objects: each agreed on whole, every field of its
+    ``fingerprint()``, an error naming the argument and the field (``teacher_layer.softcap``)."""
     for name, obj in objects.items():
-        call.agree(f"{name} ({type(obj).__name__})", obj.fingerprint())
+        for field, value in obj.fingerprint().items():
+            call.agree(f"{name}.{field}", value)
 
 
 def zeros_connected(shape, dtype, device, grads: bool, *inputs) -> torch.Tensor:

@@ -22,9 +22,10 @@ import warnings
 
 import torch
 
+from ._call import group_of, refused_together
 from .losses.aggregation import Aggregation
 from .losses.options import PolicyOptions
-from .options import Chunking, Divergence, OutputLayer, PolicyLoss, _naming
+from .options import Chunking, Divergence, OutputLayer, PolicyLoss, errors_named
 
 __all__ = ["accepts_01_keywords"]
 
@@ -89,7 +90,7 @@ def _build(arg: str, current, changes: dict, op: str):
     if arg in ("layer", "student_layer", "teacher_layer"):
         if isinstance(current, torch.Tensor):
             changes = {"weight": current, **changes}
-        with _naming(arg):  # errors name the op's argument: teacher_layer.softcap
+        with errors_named(arg):  # errors name the op's argument: teacher_layer.softcap
             return OutputLayer(**changes)
     if arg == "chunking":
         if current is not None and not isinstance(current, Chunking):
@@ -122,6 +123,13 @@ def _describe(arg: str, changes: dict) -> str:
         return f"loss=PolicyLoss({', '.join(parts)})"
     cls = {"chunking": "Chunking", "divergence": "Divergence"}.get(arg, "OutputLayer")
     return f"{arg}={cls}({', '.join(f'{f}=...' for f in changes)})"
+
+
+def _old_group(old: dict, arguments: dict):
+    """The group of an old call (its ``process_group=``, or a layer's), for sharing a refusal with its ranks."""
+    if old.get("process_group") is not None:
+        return old["process_group"]
+    return next((group_of(v) for v in arguments.values() if group_of(v) is not None), None)
 
 
 def _targets(table: dict, key: str) -> set:
@@ -174,7 +182,8 @@ def accepts_01_keywords(op: str, *, policy_fields: bool = False, old_bias_positi
                         f"pass the settings in {arg} only")
                 if current is inspect.Parameter.empty:
                     current = None
-                bound.arguments[arg] = _build(arg, current, part, op)
+                with refused_together(_old_group(old, bound.arguments)):
+                    bound.arguments[arg] = _build(arg, current, part, op)
             warnings.warn(
                 f"{op}: the keyword(s) {', '.join(sorted({**old, **fields}))} are 0.1's and go in {REMOVED_IN}; "
                 f"pass {'; '.join(_describe(a, p) for a, p in changes.items())} (see CHANGELOG.md)",

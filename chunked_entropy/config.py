@@ -88,7 +88,7 @@ def _get(cfg, key: str, path: str):
         return _ABSENT
 
 
-def _check_field(name: str, key: str, value):
+def check_field(name: str, key: str, value):
     """Check one field's value; ``key`` names it in the error (a field or a config path)."""
     if name == "chunk_size":
         if value == "auto" and isinstance(value, str):
@@ -162,7 +162,7 @@ class ChunkedEntropyConfig:
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
-            object.__setattr__(self, f.name, _check_field(f.name, f.name, getattr(self, f.name)))
+            object.__setattr__(self, f.name, check_field(f.name, f.name, getattr(self, f.name)))
 
     def resolve_chunk_size(
         self, v_local: int, *, fused: Optional[bool] = None, compute_entropy: Optional[bool] = None
@@ -269,16 +269,16 @@ class ChunkedEntropyConfig:
 
         kwargs = {}
         for name in names:
-            hit = read(name, lambda key, value, name=name: _check_field(name, key, value))
+            hit = read(name, lambda key, value, name=name: check_field(name, key, value))
             if hit is not None:
                 kwargs[name] = hit[1]
         if "chunk_size" not in kwargs:
             value = _get(cfg, VERL_CHUNK_KEY, VERL_CHUNK_KEY)
             if value is not _ABSENT and value is not None:
-                kwargs["chunk_size"] = _check_field("chunk_size", VERL_CHUNK_KEY, value)
+                kwargs["chunk_size"] = check_field("chunk_size", VERL_CHUNK_KEY, value)
         if "compute_entropy" not in kwargs:
             # verl's rule: the entropy is computed when asked for or when it enters the loss.
-            hit = read("calculate_entropy", lambda key, value: _check_field("compute_entropy", key, value))
+            hit = read("calculate_entropy", lambda key, value: check_field("compute_entropy", key, value))
             coeff = _get(cfg, "entropy_coeff", "entropy_coeff")
             if coeff is not _ABSENT:
                 if not (is_real(coeff) and math.isfinite(coeff)):

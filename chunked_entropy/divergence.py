@@ -52,7 +52,7 @@ from ._blocks import (
     token_shape,
     weak_group,
 )
-from ._call import agree_objects, apply_or_forward, plan_for, zeros_connected
+from ._call import agree_objects, apply_or_forward, group_of, plan_for, refused_together, zeros_connected
 from ._checks import check_device, check_flag, check_float, float_bits, is_real
 from ._divergence import PairRows
 from ._inputs import Rows, Tokens, check_transform_scale, compute_dtype, dtype_code, prepare_tokens
@@ -500,8 +500,10 @@ def linear_divergence(
         model exists. Inputs are never written. Under a process group, forward makes three collectives per
         chunk (two for a KL with ``vocab_chunk_size``), backward none per chunk.
     """
-    student_layer, teacher_layer = as_layer(student_layer, "student_layer"), as_layer(teacher_layer, "teacher_layer")
-    divergence, chunking = as_divergence(divergence), as_chunking(chunking, default=Chunking(PAIR_CHUNK))
+    with refused_together(group_of(student_layer)):
+        student_layer = as_layer(student_layer, "student_layer")
+        teacher_layer = as_layer(teacher_layer, "teacher_layer")
+        divergence, chunking = as_divergence(divergence), as_chunking(chunking, default=Chunking(PAIR_CHUNK))
     if rows is not None:
         return _rows_call(linear_divergence, dict(locals()))
     student_weight, student_bias = student_layer.weight, student_layer.bias
@@ -615,8 +617,10 @@ def linear_divergence_loss(
         ``[V_local]``) from forward to backward instead of references to the inputs, plus what
         :func:`linear_divergence` holds per chunk (a fifth buffer with a student soft-cap).
     """
-    student_layer, teacher_layer = as_layer(student_layer, "student_layer"), as_layer(teacher_layer, "teacher_layer")
-    divergence, chunking = as_divergence(divergence), as_chunking(chunking, default=Chunking(PAIR_CHUNK))
+    with refused_together(group_of(student_layer)):
+        student_layer = as_layer(student_layer, "student_layer")
+        teacher_layer = as_layer(teacher_layer, "teacher_layer")
+        divergence, chunking = as_divergence(divergence), as_chunking(chunking, default=Chunking(PAIR_CHUNK))
     if rows is not None:
         return _rows_call(linear_divergence_loss, dict(locals()))
     student_weight, student_bias = student_layer.weight, student_layer.bias
@@ -707,10 +711,11 @@ def divergence_from_logits(
     the student's flattened logit rows (the teacher's logits, the labels and the mask then given per
     selected row), one ``[M, V_local]`` gather of them.
     """
-    student_layer = as_layer(student_layer, "student_layer", logits=True)
-    teacher_layer = as_layer(teacher_layer, "teacher_layer", logits=True)
-    divergence, chunking = as_divergence(divergence), as_chunking(chunking)
-    process_group, _ = _one_group(student_layer, teacher_layer)
+    with refused_together(group_of(student_layer)):
+        student_layer = as_layer(student_layer, "student_layer", logits=True)
+        teacher_layer = as_layer(teacher_layer, "teacher_layer", logits=True)
+        divergence, chunking = as_divergence(divergence), as_chunking(chunking)
+        process_group, _ = _one_group(student_layer, teacher_layer)
     if rows is not None:
         student_logits = select_logit_rows(rows, student_logits, process_group, name="student_logits",
                                            tails=("teacher_logits",), teacher_logits=teacher_logits, labels=labels,

@@ -32,7 +32,7 @@ from ._blocks import (
     reduce_hidden_grad,
     weak_group,
 )
-from ._call import agree_objects, plan_for, settings
+from ._call import agree_objects, group_of, plan_for, refused_together, settings
 from ._checks import check_flag
 from ._inputs import Rows, Tokens, compute_dtype, prepare_tokens
 from ._loop import grad_blocks
@@ -224,7 +224,8 @@ def linear_log_probs_and_entropy(
         (under sequence parallelism the ``[S, B, H]`` gather is made once,
         outside the chunk loop), and a ``[tokens, H]`` hidden gradient.
     """
-    layer, chunking = settings(layer, chunking)
+    with refused_together(group_of(layer)):
+        layer, chunking = settings(layer, chunking)
     weight, bias, process_group, sequence_parallel = layer.weight, layer.bias, layer.process_group, \
         layer.sequence_parallel
     kept = parse_kept(rows)

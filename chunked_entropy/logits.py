@@ -12,7 +12,7 @@ import torch
 
 from ._autograd import once_differentiable
 from ._blocks import logits_row_stats, logits_source
-from ._call import agree_objects, settings
+from ._call import agree_objects, group_of, refused_together, settings
 from ._checks import check_flag, check_float
 from ._inputs import Tokens, compute_dtype, dtype_code, prepare_tokens
 from ._kernels import Kernels, use_compiled
@@ -221,7 +221,8 @@ def log_probs_and_entropy(
     the logits' gradient summed over repeats and zero on the other rows; one
     ``[M, V_local]`` gather of the selected logit rows.
     """
-    layer, chunking = settings(layer, chunking, logits=True)
+    with refused_together(group_of(layer)):
+        layer, chunking = settings(layer, chunking, logits=True)
     process_group = layer.process_group
     if rows is not None:
         logits = select_logit_rows(rows, logits, process_group, labels=labels, label_mask=label_mask,

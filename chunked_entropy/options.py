@@ -38,7 +38,7 @@ from ._checks import FLOAT_DTYPES, check_flag, check_float, check_positive, chec
 from ._divergence import DivergenceSpec
 from ._keep import ENTROPY_OF
 from ._stats import Transform
-from .config import ChunkedEntropyConfig, _check_field, auto_chunk_size
+from .config import ChunkedEntropyConfig, auto_chunk_size, check_field
 from .losses.aggregation import Aggregation
 from .losses.kl import KL_KINDS
 from .losses.options import PolicyOptions
@@ -186,15 +186,21 @@ class OutputLayer:
         """A copy with ``changes`` (checked again)."""
         return dataclasses.replace(self, **changes)
 
-    def fingerprint(self) -> int:
-        """What the ranks of the tensor-parallel group must agree on: every field but the tensors' values
-        (the weight's and bias's shapes and dtype instead), and the group's size."""
+    def fingerprint(self) -> dict:
+        """What the ranks of the tensor-parallel group must agree on, an int per field: every field but the
+        tensors' values (the weight's shape and dtype, whether there is a bias), the group (its size), and
+        ``gradient_accumulation_fusion``, each rank's own by contract (where its weight gradient goes, through
+        no collective)."""
         w = self.weight
-        return _crc((
-            None if w is None else (tuple(w.shape), str(w.dtype)), self.bias is not None,
-            float_bits(self.softcap), float_bits(self.logit_scale), str(self.logits_dtype), self.world_size,
-            self.sequence_parallel, self.gradient_accumulation_fusion,
-        ))
+        return {
+            "weight (shape, dtype)": -1 if w is None else _crc((tuple(w.shape), str(w.dtype))),
+            "bias (given)": int(self.bias is not None),
+            "softcap": float_bits(self.softcap),
+            "logit_scale": float_bits(self.logit_scale),
+            "logits_dtype": _crc(str(self.logits_dtype)),
+            "process_group (size)": self.world_size,
+            "sequence_parallel": int(self.sequence_parallel),
+        }
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, **changes) -> "OutputLayer":
@@ -265,14 +271,14 @@ def as_layer(value, name: str = "layer", *, logits: bool = False) -> OutputLayer
     if value is None and logits:
         return OutputLayer()
     if isinstance(value, torch.Tensor) and not logits:
-        with _naming(name):
+        with errors_named(name):
             return OutputLayer(weight=value)
     what = "an OutputLayer or None" if logits else "an OutputLayer or a [V_local, H] weight tensor"
     raise TypeError(f"{name} must be {what}, got {type(value).__name__}")
 
 
 @contextlib.contextmanager
-def _naming(name: str):
+def errors_named(name: str):
     token = _PREFIX.set(f"{name}.")
     try:
         yield
@@ -313,7 +319,7 @@ class Chunking:
     def __post_init__(self):
         # the same rules as ChunkedEntropyConfig's fields, each error naming Chunking.<field>
         for f in dataclasses.fields(self):
-            object.__setattr__(self, f.name, _check_field(f.name, f"Chunking.{f.name}", getattr(self, f.name)))
+            object.__setattr__(self, f.name, check_field(f.name, f"Chunking.{f.name}", getattr(self, f.name)))
 
     def resolve(self, width: int, *, buffers: int = 2) -> int:
         """The chunk size for ``width`` columns a block (the vocabulary block or shard): ``chunk_size``, or
@@ -326,9 +332,14 @@ class Chunking:
         """A copy with ``changes`` (checked again)."""
         return dataclasses.replace(self, **changes)
 
-    def fingerprint(self) -> int:
-        """What the ranks of a tensor-parallel group must agree on: every field."""
-        return _crc(dataclasses.astuple(self))
+    def fingerprint(self) -> dict:
+        """What the ranks of a tensor-parallel group must agree on: every field, as an int."""
+        return {
+            "chunk_size": -1 if self.chunk_size == "auto" else self.chunk_size,
+            "vocab_chunk_size": -1 if self.vocab_chunk_size is None else self.vocab_chunk_size,
+            "backend": _crc(self.backend),
+            "max_chunk_bytes": self.max_chunk_bytes,
+        }
 
     @classmethod
     def from_config(cls, cfg) -> "Chunking":
@@ -437,11 +448,18 @@ class PolicyLoss:
         return self.replace(aggregation=Aggregation(a.mode, a.loss_scale_factor, dp_size, batch_num_tokens,
                                                     global_batch_size))
 
-    def fingerprint(self) -> tuple:
-        """What the ranks of a tensor-parallel group must agree on: every field, the counts' values too."""
-        scalars = (self.mode, self.options.fingerprint(), float_bits(self.entropy_coeff), float_bits(self.kl_coef),
-                   self.kl_kind, self.entropy_of)
-        return (_crc(scalars), *self.aggregation.fingerprint())
+    def fingerprint(self) -> dict:
+        """What the ranks of a tensor-parallel group must agree on: every field (the options and the
+        aggregation whole, the counts' values too)."""
+        return {
+            "mode": _crc(self.mode),
+            "options": self.options.fingerprint(),
+            "entropy_coeff": float_bits(self.entropy_coeff),
+            "kl_coef": float_bits(self.kl_coef),
+            "kl_kind": _crc(self.kl_kind),
+            "aggregation": self.aggregation.fingerprint(),
+            "entropy_of": _crc(self.entropy_of),
+        }
 
     @classmethod
     def from_actor_config(cls, config, **changes) -> "PolicyLoss":
@@ -521,9 +539,9 @@ class Divergence:
         """The math's description of this divergence (:mod:`chunked_entropy._divergence`)."""
         return DivergenceSpec(self.kind, self.beta)
 
-    def fingerprint(self) -> int:
+    def fingerprint(self) -> dict:
         """What the ranks of a tensor-parallel group must agree on."""
-        return _crc((self.kind, float_bits(self.beta)))
+        return {"kind": _crc(self.kind), "beta": float_bits(self.beta)}
 
     @classmethod
     def from_trl_beta(cls, beta) -> "Divergence":

@@ -54,7 +54,7 @@ from ._blocks import (
     token_major_grad,
     token_shape,
 )
-from ._call import agree_objects, plan_for, settings
+from ._call import agree_objects, group_of, plan_for, refused_together, settings
 from ._checks import check_float, require
 from ._inputs import Rows, Tokens, compute_dtype, dtype_code, prepare_tokens
 from ._kernels import Kernels, use_compiled
@@ -134,7 +134,7 @@ class _Objective:
         if call.world == 1:
             return {}
         out = {
-            "loss (PolicyLoss)": self.opts.fingerprint(),
+            **{f"loss.{k}": v for k, v in self.opts.fingerprint().items()},
             "old_log_probs": fingerprint_floats(self.old),
             "advantages": fingerprint_floats(self.adv),
             "ref_log_probs": fingerprint_floats(self.ref),
@@ -401,7 +401,8 @@ def linear_policy_loss(
         gather of them (the rows' own ``B, T``) and the hidden gradient's
         ``[tokens, H]``.
     """
-    (layer, chunking), opts = settings(layer, chunking), as_loss(loss)
+    with refused_together(group_of(layer)):
+        (layer, chunking), opts = settings(layer, chunking), as_loss(loss)
     weight, bias, process_group, sequence_parallel = layer.weight, layer.bias, layer.process_group, \
         layer.sequence_parallel
     kept = parse_kept(rows)
@@ -582,7 +583,8 @@ def policy_loss_from_logits(
         With ``rows`` (a ``[B, T]`` index into the flattened logit rows, as in
         :func:`linear_policy_loss`), one ``[B*T, V_local]`` gather of them.
     """
-    (layer, chunking), opts = settings(layer, chunking, logits=True), as_loss(loss)
+    with refused_together(group_of(layer)):
+        (layer, chunking), opts = settings(layer, chunking, logits=True), as_loss(loss)
     process_group = layer.process_group
     if rows is not None:
         if isinstance(rows, torch.Tensor) and rows.dim() != 2:

@@ -34,15 +34,22 @@ def _count(name: str, value):
         if value.numel() != 1 or value.dtype.is_complex or value.dtype == torch.bool:
             raise ValueError(f"{name} must be a number > 0 or a 1-element real tensor, got {tuple(value.shape)} "
                              f"{value.dtype}")
-        value = value.detach().reshape(())
-        ok = (value > 0) & torch.isfinite(value) if value.is_floating_point() else value > 0
-        def found():  # read only once the check failed
-            return f"{name} must be a finite number > 0, got {value.item()!r}"
-
-        found.summary = f"{name} must be a finite number > 0"
-        require(ok, found)  # a value check of the call: on an accelerator, part of its one host sync
-        return value
+        return value.detach().reshape(())  # its value is checked where it is used (require_count)
     return check_real(name, value, low=0.0, low_open=True)
+
+
+def require_count(name: str, value) -> None:
+    """A tensor count's value must be finite and > 0: a value check of the call that uses it (on an
+    accelerator part of its one host sync; outside any call, checked at once)."""
+    if not isinstance(value, torch.Tensor):
+        return
+    ok = (value > 0) & torch.isfinite(value) if value.is_floating_point() else value > 0
+
+    def found():  # read only once the check failed
+        return f"{name} must be a finite number > 0, got {value.item()!r}"
+
+    found.summary = f"{name} must be a finite number > 0"
+    require(ok, found)
 
 
 @dataclass(frozen=True, eq=False)
@@ -58,7 +65,8 @@ class Aggregation:
             FSDP form) is the gradient of the loss over the global batch.
         batch_num_tokens: the number of valid tokens in the global batch
             (``"token-mean"``; required when ``dp_size > 1``), a number or a
-            1-element tensor (not synchronized to the host).
+            1-element tensor (not synchronized to the host: a tensor's value
+            is checked by the call that uses it, with its other checks).
         global_batch_size: the number of non-empty sequences in the global
             batch (the ``"seq-mean-*"`` modes; required when ``dp_size > 1``).
     """
@@ -88,7 +96,11 @@ class Aggregation:
                                  f"loss_agg_mode={self.mode!r} and dp_size > 1")
 
     def weights(self, loss_mask: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
-        """Per-token weights ``W`` with ``agg_loss(L) == sum(W * L)`` (every mode is linear in the losses)."""
+        """Per-token weights ``W`` with ``agg_loss(L) == sum(W * L)`` (every mode is linear in the losses).
+
+        The counts given as tensors are value-checked here, as part of the checks of the call that uses them
+        (built once per step, e.g. in a :class:`~chunked_entropy.PolicyLoss`, they cost no host sync then)."""
+        self.check_counts()
         m = loss_mask.to(dtype)
         dp = self.dp_size
         if self.mode == "token-mean":
@@ -105,6 +117,14 @@ class Aggregation:
             scale = loss_mask.shape[-1] if self.loss_scale_factor is None else self.loss_scale_factor
             w = w / scale if scale else w  # T == 0: no tokens, no weights
         return w
+
+    def check_counts(self) -> None:
+        """Value-check the counts given as tensors (finite, > 0) as part of the open call's checks (outside
+        any call: at once), the first time only."""
+        if not getattr(self, "_counts_checked", False):
+            require_count("batch_num_tokens", self.batch_num_tokens)
+            require_count("global_batch_size", self.global_batch_size)
+            object.__setattr__(self, "_counts_checked", True)
 
     def with_mode(self, mode: str) -> "Aggregation":
         """The same normalizers under another mode (an objective that imposes its own, as SAPO does)."""
@@ -190,6 +210,7 @@ def agg_loss(
         check_tensor("loss_mat", loss_mat)
         check_mask(loss_mask, loss_mat)
         agg = Aggregation(mode, loss_scale_factor, dp_size, batch_num_tokens, global_batch_size)
+        agg.check_counts()
     return aggregate(loss_mat, loss_mask, agg)
 
 
@@ -239,6 +260,7 @@ def agg_weights(
         check_tensor("loss_mask", loss_mask, floating=False)
         check_mask(loss_mask, loss_mask)
         agg = Aggregation(mode, loss_scale_factor, dp_size, batch_num_tokens, global_batch_size)
+        agg.check_counts()
     return agg.weights(loss_mask, dtype)
 
 
@@ -276,4 +298,5 @@ def entropy_bonus(
         check_tensor("entropy", entropy)
         check_mask(loss_mask, entropy, "entropy")
         agg = Aggregation(mode, loss_scale_factor, dp_size, batch_num_tokens, global_batch_size)
+        agg.check_counts()
     return aggregate(entropy, loss_mask, agg)

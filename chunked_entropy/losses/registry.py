@@ -274,6 +274,7 @@ def policy_loss(
         obj = objective(loss_mode, o)
         weights = check_weights(rollout_is_weights, log_probs)
         agg = Aggregation(loss_agg_mode, loss_scale_factor, dp_size, batch_num_tokens, global_batch_size)
+        agg.check_counts()
         if generator is not None and not isinstance(generator, torch.Generator):
             raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
         if obj.name == "bypass_mode":
