@@ -92,16 +92,16 @@ def _block_at(at, at_ids, target, a, b, v0, z, tf):
     overwritten); Nones without distillation. Static shapes: no host sync."""
     if at_ids is None:
         return None, None
-    ent = at.block_entries(at_ids[a:b], target, v0, z.shape[1])
+    entries = at.block_entries(at_ids[a:b], target, v0, z.shape[1])
     if tf.softcap is None:
-        return ent, None
+        return entries, None
     wide = lambda t: t if t.dtype in (torch.float32, torch.float64) else t.float()  # noqa: E731
-    return ent, (wide(z.gather(1, ent[0])), wide(z.gather(1, ent[2].unsqueeze(1)).squeeze(1)))
+    return entries, (wide(z.gather(1, entries[0])), wide(z.gather(1, entries[2].unsqueeze(1)).squeeze(1)))
 
 
-def _block_kept(kept, ent, z, v0, tf, k, dtype):
+def _block_kept(kept, entries, z, v0, tf, k, dtype):
     """The kept entries of a block (gathered before the block is overwritten), or None without replay."""
-    return None if kept is None else _keep.gather(z, ent, v0, tf, dtype)
+    return None if kept is None else _keep.gather(z, entries, v0, tf, dtype)
 
 
 def row_stats(
@@ -122,12 +122,12 @@ def row_stats(
         at.start(n, dtype, device)
     for a, b in chunks(n, chunk_size):
         k, target = tok.k_rows(a, b), tok.target[a:b]
-        ent = None if kept is None else kept.chunk(a, b, n, chunk_size)
+        entries = None if kept is None else kept.chunk(a, b, n, chunk_size)
         st = kst = count = cand = None
         for v0, v1 in chunks(width, block):
             x, scratch, _ = bufs.get(b - a, v1 - v0)
             z = _read(fill, view, x, a, b, v0, v1)
-            g = _block_kept(kept, ent, z, v0, tok.transform, k, dtype)
+            g = _block_kept(kept, entries, z, v0, tok.transform, k, dtype)
             if at is not None:  # distillation's ids and top-k, read before the block is overwritten
                 cand = at.block(z, a, b, v0, cand)
             if compiled:
@@ -138,7 +138,7 @@ def row_stats(
                 )
             st = _stats.merge_stats(st, blk, k)
             if g is not None:
-                kb, kc = _keep.block_stats(g, ent, b - a, k, dtype)
+                kb, kc = _keep.block_stats(g, entries, b - a, k, dtype)
                 kst = _stats.merge_stats(kst, kb, k)
                 count = kc if count is None else count + kc
         _store(out, _rows_of_chunk(st, kst, count, group, k, kept)[0], a, b)
@@ -186,9 +186,9 @@ def grad_blocks(
         """What the gradient of rows ``[a, b)`` reads: ``_refilled_grad``'s keywords."""
         co = tok.coefficients(a, b, *(None if g is None else g[a:b] for g in (g_lp, g_h, g_q)))
         rows = stats.rows(a, b)
-        ent = co_k = sparse = None
+        entries = co_k = sparse = None
         if kept is not None:
-            ent = kept.chunk(a, b, n, chunk_size)
+            entries = kept.chunk(a, b, n, chunk_size)
             co, co_k = _keep.split(co, rows.truncated, kept.of_kept)
         if at_ids is not None:  # the dense part of the ids' gradient rides on the log-prob's coefficient
             kz = tok.transform.kz(tok.inv_t_rows(a, b))
@@ -196,11 +196,12 @@ def grad_blocks(
             total = coef.sum(dim=1)
             co = co._replace(c=total if co.c is None else co.c + total)
             sparse = (at_ids, coef, total)
-        return dict(rows=rows, co=co, ent=ent, co_k=co_k, at=sparse)
+        return dict(rows=rows, co=co, entries=entries, co_k=co_k, at=sparse)
 
     def block_grad(a, b, v0, v1, parts):
         return _refilled_grad(tok, fill, view, bufs, a, b, v0, v1, parts["rows"], parts["co"], dtype,
-                              compiled=compiled, into=into, ent=parts["ent"], co_k=parts["co_k"], at=parts["at"])
+                              compiled=compiled, into=into, entries=parts["entries"], co_k=parts["co_k"],
+                              at=parts["at"])
 
     yield from _gradient_walk(n, width, block, chunk_size, vocab_outer, chunk, block_grad)
 
@@ -221,7 +222,7 @@ def _gradient_walk(n: int, width: int, block: int, chunk_size: int, vocab_outer:
 
 
 def _refilled_grad(tok: Tokens, fill: Fill, view: View, bufs: Buffers, a, b, v0, v1, rows, co, dtype, *,
-                   compiled: Kernels, into, ent=None, co_k=None, at=None) -> torch.Tensor:
+                   compiled: Kernels, into, entries=None, co_k=None, at=None) -> torch.Tensor:
     """The gradient w.r.t. the raw logits of rows ``[a, b)``, columns ``[v0, v1)``, the block filled again,
     from the rows' finished statistics and coefficients; with replay's and distillation's sparse terms
     (``at``: ``(ids, coefficients, their sums)``)."""
@@ -230,7 +231,7 @@ def _refilled_grad(tok: Tokens, fill: Fill, view: View, bufs: Buffers, a, b, v0,
     x, scratch, aux = bufs.get(b - a, v1 - v0)
     if compiled:
         z = _read(fill, view, x, a, b, v0, v1)
-        gk = _block_kept(kept, ent, z, v0, tok.transform, k, dtype)
+        gk = _block_kept(kept, entries, z, v0, tok.transform, k, dtype)
         ea, ra = _block_at(tok.at, at_ids, target, a, b, v0, z, tok.transform)
         out = x if into is None else into(a, b)
         g = compiled.grad(z, out, tok.transform, k, rows, target, v0, co, dtype)
@@ -238,11 +239,11 @@ def _refilled_grad(tok: Tokens, fill: Fill, view: View, bufs: Buffers, a, b, v0,
         if into is not None:
             x = into(a, b)
         fill(x, a, b, v0, v1)
-        gk = _block_kept(kept, ent, x, v0, tok.transform, k, dtype)
+        gk = _block_kept(kept, entries, x, v0, tok.transform, k, dtype)
         ea, ra = _block_at(tok.at, at_ids, target, a, b, v0, x, tok.transform)
         g = _stats.block_grad(x, tok.transform, k, rows, target, v0, co, scratch, aux)
     if gk is not None:
-        _keep.add_grad_(g, gk, ent, rows.kept, rows.truncated, co_k, tok.transform, k)
+        _keep.add_grad_(g, gk, entries, rows.kept, rows.truncated, co_k, tok.transform, k)
     if ea is not None:
         _at.add_grad_(g, ra, ea, at[1], at[2], tok.transform)
     return g
@@ -329,20 +330,20 @@ def loss_grad_blocks(
         for a, b in chunks(g1 - g0, chunk_size):  # statistics, chunk by chunk; the last chunk's block is kept
             a, b = g0 + a, g0 + b
             k, target = tok.k_rows(a, b), tok.target[a:b]
-            ent = None if kept is None else kept.chunk(a, b, n, chunk_size)
+            entries = None if kept is None else kept.chunk(a, b, n, chunk_size)
             x, scratch, aux = bufs.get(b - a, width)
             if compiled:  # the kernels only read the block: statistics, then the gradient, from the same one
                 z = _read(fill, view, x, a, b, 0, width)
-                gk = _block_kept(kept, ent, z, 0, tok.transform, k, dtype)
+                gk = _block_kept(kept, entries, z, 0, tok.transform, k, dtype)
                 local = compiled.stats(z, tok.transform, k, target, 0, want.entropy, want.sum_pi_squared, dtype)
             else:
                 if into is not None:
                     x = into(a, b)
                 fill(x, a, b, 0, width)
-                gk = _block_kept(kept, ent, x, 0, tok.transform, k, dtype)
+                gk = _block_kept(kept, entries, x, 0, tok.transform, k, dtype)
                 local = _stats.block_stats(x, tok.transform, k, target, 0, scratch, want_w=want.entropy,
                                            want_q=want.sum_pi_squared, aux=aux)
-            kb, kc = (None, None) if gk is None else _keep.block_stats(gk, ent, b - a, k, dtype)
+            kb, kc = (None, None) if gk is None else _keep.block_stats(gk, entries, b - a, k, dtype)
             rows, merged = _rows_of_chunk(local, kb, kc, group, k, kept)
             _store(stats, rows, a, b)
         ups = token_grads(g0, g1, stats.rows(g0, g1).log_probs())
@@ -354,15 +355,15 @@ def loss_grad_blocks(
             y = _stats.shift_offsets_(x, local.m, merged.m, k) if merged is not local else x
             g = _stats.grad_from_offsets_(y, tok.transform, rows, target, 0, co, scratch, aux)
         if gk is not None:
-            _keep.add_grad_(g, gk, ent, rows.kept, rows.truncated, co_k, tok.transform, k)
+            _keep.add_grad_(g, gk, entries, rows.kept, rows.truncated, co_k, tok.transform, k)
         yield a, b, 0, width, g
         for a, b in reversed(list(chunks(g1 - g0, chunk_size))[:-1]):  # the others, filled again
             a, b = g0 + a, g0 + b
             rows = stats.rows(a, b)
             co, co_k = coefficients(a, b, g0, ups, rows)
-            ent = None if kept is None else kept.chunk(a, b, n, chunk_size)
+            entries = None if kept is None else kept.chunk(a, b, n, chunk_size)
             yield a, b, 0, width, _refilled_grad(tok, fill, view, bufs, a, b, 0, width, rows, co, dtype,
-                                                 compiled=compiled, into=into, ent=ent, co_k=co_k)
+                                                 compiled=compiled, into=into, entries=entries, co_k=co_k)
 
 
 # ----------------------------------------------------------------------------- two heads: a divergence

@@ -172,7 +172,7 @@ def _one_group(student: OutputLayer, teacher: OutputLayer) -> tuple:
     return student.process_group, student.sequence_parallel
 
 
-def _check_pair(student, teacher, what: str) -> None:
+def _check_same_tokens(student, teacher, what: str) -> None:
     """The two models' inputs must describe the same tokens and the same vocabulary shard."""
     if teacher.shape[:-1] != student.shape[:-1]:
         raise ValueError(
@@ -208,7 +208,7 @@ def _prepare(call, lead, labels, *, v_local, label_mask, ignore_index, temperatu
     return tok, valid, no_labels
 
 
-def _outputs(tok: Tokens, stats: RowStats, pair: PairRows, valid, want: Want):
+def _pair_results(tok: Tokens, stats: RowStats, pair: PairRows, valid, want: Want):
     div = torch.where(valid, pair.div, 0.0)
     lp = torch.where(tok.valid, stats.log_probs(), 0.0)
     ent = stats.entropy() if want.entropy else torch.zeros_like(div)
@@ -252,7 +252,7 @@ class _LinearDivergenceFunction(torch.autograd.Function):
         ctx.main_grad = main_grad
         ctx.weight_param = weight if main_grad is not None else None
         ctx.set_materialize_grads(False)
-        return _outputs(tok, stats, pair, valid, plan.want)
+        return _pair_results(tok, stats, pair, valid, plan.want)
 
     @staticmethod
     @once_differentiable
@@ -370,7 +370,7 @@ def _linear_call(student_hidden, student: OutputLayer, teacher_hidden, teacher: 
         compute_entropy = check_flag("compute_entropy", compute_entropy)
         float32 = check_head(student_hidden, student_weight, student_bias, "student_", student.logits_dtype)
         float32_t = check_head(teacher_hidden, teacher_weight, teacher_bias, "teacher_", teacher.logits_dtype)
-        _check_pair(student_hidden, teacher_hidden, "hidden")
+        _check_same_tokens(student_hidden, teacher_hidden, "hidden")
         if teacher_weight.shape[0] != student_weight.shape[0]:
             raise ValueError(
                 f"teacher_weight has {teacher_weight.shape[0]} vocabulary rows but student_weight has "
@@ -657,7 +657,7 @@ class _LogitsDivergenceFunction(torch.autograd.Function):
         ctx.teacher, ctx.tok, ctx.spec = teacher, tok, spec
         ctx.plan = replace(plan, group=None)
         ctx.set_materialize_grads(False)
-        return _outputs(tok, stats, pair, valid, plan.want)
+        return _pair_results(tok, stats, pair, valid, plan.want)
 
     @staticmethod
     @once_differentiable
@@ -733,7 +733,7 @@ def divergence_from_logits(
                 f"teacher_logits has {teacher_logits.shape[-1]} vocabulary columns but student_logits has "
                 f"{student_logits.shape[-1]}: the divergence needs one vocabulary, sharded the same way"
             )
-        _check_pair(student_logits, teacher_logits, "logits")
+        _check_same_tokens(student_logits, teacher_logits, "logits")
         lead = student_logits.shape[:-1]
         v_local = student_logits.shape[-1]
         check_layer_width(student_layer, v_local, "student_layer")

@@ -40,7 +40,7 @@ class TopKForwardKL(NamedTuple):
     per_id: torch.Tensor
 
 
-def _check_pair(student_log_probs, teacher_log_probs):
+def _check_log_prob_pair(student_log_probs, teacher_log_probs):
     check_tensor("student_log_probs", student_log_probs)
     check_same_shape("student_log_probs", student_log_probs, teacher_log_probs=teacher_log_probs)
     if student_log_probs.dim() < 1 or student_log_probs.shape[-1] < 1:
@@ -66,7 +66,7 @@ def topk_forward_kl(student_log_probs: torch.Tensor, teacher_log_probs: torch.Te
     Returns:
         :class:`TopKForwardKL` of ``[...]`` tensors (``per_id``: ``[..., K]``), in float32 or wider.
     """
-    _check_pair(student_log_probs, teacher_log_probs)
+    _check_log_prob_pair(student_log_probs, teacher_log_probs)
     if log_prob_min_clamp is not None:
         log_prob_min_clamp = check_real("log_prob_min_clamp", log_prob_min_clamp)
     dt = torch.promote_types(student_log_probs.dtype, torch.float32)
@@ -118,7 +118,7 @@ def sparse_divergence(student_log_probs: torch.Tensor, teacher_log_probs: torch.
     Returns:
         ``[...]`` divergences, differentiable in ``student_log_probs``.
     """
-    _check_pair(student_log_probs, teacher_log_probs)
+    _check_log_prob_pair(student_log_probs, teacher_log_probs)
     beta = check_real("beta", beta, low=0.0, high=1.0)
     if not isinstance(tail, bool) or not isinstance(renormalize, bool):
         raise TypeError(f"tail and renormalize must be bools, got {tail!r} and {renormalize!r}")
