@@ -12,7 +12,6 @@ and the bias (:func:`linear_grads`). Both hand the chunk loop
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -21,7 +20,7 @@ from einops import rearrange
 from ._checks import check_chunk, check_device, check_float
 from ._inputs import Rows, Tokens, compute_dtype, dtype_code
 from ._kernels import Kernels
-from ._loop import row_stats
+from ._loop import Plan, row_stats
 from ._stats import Want
 from .config import grad_vocab_block_for, vocab_block_for
 from .parallel import all_gather_dim0, all_reduce_sum_, reduce_scatter_dim0
@@ -36,30 +35,20 @@ def logits_source(logits: torch.Tensor):
     return (lambda x, a, b, v0, v1: x.copy_(rows(a, b))), (lambda a, b, v0, v1: rows(a, b))
 
 
-def logits_row_stats(logits, tok: Tokens, chunk_size: int, group, want: Want, compiled: Kernels = None):
+def logits_row_stats(logits, tok: Tokens, plan: Plan):
     """Per-token :class:`~chunked_entropy._stats.RowStats` of given logits, one chunk of rows at a time."""
     fill, view = logits_source(logits)
-    v = logits.shape[-1]
-    return row_stats(
-        tok, fill, width=v, block=v, chunk_size=chunk_size, group=group, want=want,
-        dtype=compute_dtype(logits.dtype), device=logits.device, compiled=compiled, view=view,
-    )
+    return row_stats(tok, fill, plan, width=logits.shape[-1], dtype=compute_dtype(logits.dtype),
+                     device=logits.device, view=view)
+
+
+def logits_plan(chunk_size: int, v_local: int, group, want: Want, compiled: Kernels = None) -> Plan:
+    """The :class:`~chunked_entropy._loop.Plan` of an op over given logits: the whole shard a block."""
+    return Plan(chunk_size=chunk_size, vocab_chunk_size=v_local, group=group, sequence_parallel=False, want=want,
+                compiled=compiled)
 
 
 # ----------------------------------------------------------------------------- hidden @ weight.T + bias
-
-
-@dataclass(frozen=True)
-class Plan:
-    """How an op over hidden states walks the tokens and the vocabulary shard."""
-
-    chunk_size: int
-    vocab_chunk_size: int  # == V_local when the vocabulary is not blocked
-    group: object
-    sequence_parallel: bool
-    want: Want
-    compiled: Kernels = None  # the per-block kernels (None: eager); see _kernels.use_compiled
-    float32_logits: bool = False  # half-precision weights: each block's matmul in float32 (logits_dtype=float32)
 
 
 def resolve_vocab_chunk(vocab_chunk_size: Optional[int], chunk_size: int, n: int, v_local: int) -> int:
@@ -203,12 +192,8 @@ def linear_filler(rows: Rows, weight, bias, float32: bool = False):
 
 def linear_row_stats(h_full, weight, bias, tok: Tokens, plan: Plan):
     """Per-token :class:`~chunked_entropy._stats.RowStats` of ``h_full @ weight.T + bias``, never formed whole."""
-    return row_stats(
-        tok, linear_filler(Rows(h_full), weight, bias, plan.float32_logits), width=weight.shape[0],
-        block=plan.vocab_chunk_size,
-        chunk_size=plan.chunk_size, group=plan.group, want=plan.want,
-        dtype=compute_dtype(weight.dtype), device=weight.device, compiled=plan.compiled,
-    )
+    return row_stats(tok, linear_filler(Rows(h_full), weight, bias, plan.float32_logits), plan,
+                     width=weight.shape[0], dtype=compute_dtype(weight.dtype), device=weight.device)
 
 
 def grad_vocab_block(n: int, weight: torch.Tensor, plan: Plan, need_w: bool) -> Optional[int]:

@@ -16,6 +16,7 @@ copied.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
 import torch
@@ -27,6 +28,19 @@ from .parallel import all_reduce_sum_, reduce_stats, reduce_stats_pair
 
 Fill = Callable[[torch.Tensor, int, int, int, int], object]
 View = Optional[Callable[[int, int, int, int], torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How an op over hidden states walks the tokens and the vocabulary shard."""
+
+    chunk_size: int
+    vocab_chunk_size: int  # == V_local when the vocabulary is not blocked
+    group: object
+    sequence_parallel: bool
+    want: _stats.Want
+    compiled: Kernels = None  # the per-block kernels (None: eager); see _kernels.use_compiled
+    float32_logits: bool = False  # half-precision weights: each block's matmul in float32 (logits_dtype=float32)
 
 
 def _read(fill: Fill, view: View, x, a: int, b: int, v0: int, v1: int) -> torch.Tensor:
@@ -104,14 +118,13 @@ def _block_kept(kept, entries, z, v0, tf, k, dtype):
     return None if kept is None else _keep.gather(z, entries, v0, tf, dtype)
 
 
-def row_stats(
-    tok: Tokens, fill: Fill, *, width: int, block: int, chunk_size: int, group,
-    want: _stats.Want, dtype, device, compiled: Kernels = None, view: View = None,
-) -> _stats.RowStats:
-    """Forward: the per-token statistics of every row, merged over blocks and over ``group``.
+def row_stats(tok: Tokens, fill: Fill, plan: Plan, *, width: int, dtype, device, view: View = None) -> _stats.RowStats:
+    """Forward: the per-token statistics of every row, merged over the plan's blocks and over its group.
 
     With sampling replay (``tok.keep``) also those of each row's kept set.
     """
+    block, chunk_size, group, want, compiled = (plan.vocab_chunk_size, plan.chunk_size, plan.group, plan.want,
+                                                plan.compiled)
     n, kept = tok.n, tok.keep
     view = view if compiled else None
     bufs = Buffers(min(chunk_size, n), block, dtype, device, work=view is None,
@@ -150,10 +163,9 @@ def row_stats(
 
 
 def grad_blocks(
-    tok: Tokens, fill: Fill, *, width: int, block: int, chunk_size: int,
-    stats: _stats.RowStats, grads, dtype, device,
-    into: Optional[Callable[[int, int], torch.Tensor]] = None, compiled: Kernels = None, view: View = None,
-    at_grads: Optional[torch.Tensor] = None, vocab_outer: bool = False,
+    tok: Tokens, fill: Fill, plan: Plan, *, width: int, stats: _stats.RowStats, grads, dtype, device,
+    into: Optional[Callable[[int, int], torch.Tensor]] = None, view: View = None,
+    at_grads: Optional[torch.Tensor] = None, block: Optional[int] = None, vocab_outer: bool = False,
 ) -> Iterator[tuple]:
     """Backward: yield ``(a, b, v0, v1, g)``, the gradient w.r.t. each block's raw logits.
 
@@ -172,6 +184,8 @@ def grad_blocks(
     :func:`chunked_entropy._blocks.linear_grads`); the per-token coefficients
     are then formed once per block and chunk (a few vectors of the chunk).
     """
+    block = plan.vocab_chunk_size if block is None else block  # a backward's own block (vocab_outer)
+    chunk_size, compiled = plan.chunk_size, plan.compiled
     n, kept, at = tok.n, tok.keep, tok.at
     at_ids = None if at_grads is None else at.all_ids()
     g_lp, g_h, g_q = (None if g is None else g.reshape(-1).to(dtype) for g in grads)
@@ -268,9 +282,8 @@ def _grouping(n: int, span: Optional[int], chunk_size: int) -> tuple:
 
 
 def loss_grad_blocks(
-    tok: Tokens, fill: Fill, *, width: int, block: int, chunk_size: int, group, want: _stats.Want,
-    token_grads: TokenGrads, stats: _stats.RowStats, dtype, device,
-    into: Optional[Callable[[int, int], torch.Tensor]] = None, compiled: Kernels = None, view: View = None,
+    tok: Tokens, fill: Fill, plan: Plan, *, width: int, token_grads: TokenGrads, stats: _stats.RowStats, dtype,
+    device, into: Optional[Callable[[int, int], torch.Tensor]] = None, view: View = None,
     span: Optional[int] = 1, grad_block: Optional[int] = None,
 ) -> Iterator[tuple]:
     """Forward of a loss whose per-token upstream gradients follow from the tokens' outputs.
@@ -300,10 +313,11 @@ def loss_grad_blocks(
     :func:`grad_blocks`: a half-precision weight's gradient, one matmul per
     block).
     """
+    block, chunk_size, group, want, compiled = (plan.vocab_chunk_size, plan.chunk_size, plan.group, plan.want,
+                                                plan.compiled)
     n, kept = tok.n, tok.keep
     if block < width or grad_block is not None:
-        full = row_stats(tok, fill, width=width, block=block, chunk_size=chunk_size, group=group,
-                         want=want, dtype=dtype, device=device, compiled=compiled, view=view)
+        full = row_stats(tok, fill, plan, width=width, dtype=dtype, device=device, view=view)
         _store(stats, full, 0, n)
         if span == 1:
             parts = [token_grads(a, b, stats.rows(a, b).log_probs()) for a, b in chunks(n, chunk_size)]
@@ -311,9 +325,8 @@ def loss_grad_blocks(
             parts = [token_grads(0, n, stats.rows(0, n).log_probs())]
         # None: that output has no term
         ups = [None if p[0] is None else torch.cat(p) for p in zip(*parts, strict=True)]
-        yield from grad_blocks(tok, fill, width=width, block=block if grad_block is None else grad_block,
-                               chunk_size=chunk_size, stats=stats, grads=(ups[0], ups[1], None), dtype=dtype,
-                               device=device, into=into, compiled=compiled, view=view,
+        yield from grad_blocks(tok, fill, plan, width=width, block=grad_block, stats=stats,
+                               grads=(ups[0], ups[1], None), dtype=dtype, device=device, into=into, view=view,
                                vocab_outer=grad_block is not None)
         return
     chunk_size, group_size = _grouping(n, span, chunk_size)
@@ -581,10 +594,8 @@ def new_pair_rows(n: int, spec, dtype, device) -> "_divergence.PairRows":
     return _divergence.PairRows(new(), new(), new(), new() if spec.needs_aux else None)
 
 
-def pair_row_stats(
-    tok: Tokens, tf_t, spec, fill: Fill, fill_t: Fill, *, width: int, block: int, chunk_size: int, group,
-    want_entropy: bool, dtype, device, compiled: Kernels = None,
-) -> tuple:
+def pair_row_stats(tok: Tokens, tf_t, spec, fill: Fill, fill_t: Fill, plan: Plan, *, width: int, dtype,
+                   device) -> tuple:
     """Forward of a divergence between two heads: ``(stats, pair)``, the student's
     :class:`~chunked_entropy._stats.RowStats` and the :class:`~chunked_entropy._divergence.PairRows` of every row.
 
@@ -594,6 +605,8 @@ def pair_row_stats(
     from the blocks still held when the vocabulary is one block, else from each block filled again. Three
     collectives per chunk under a group. ``compiled``: the blocks through those kernels (see :class:`_PairWalk`).
     """
+    block, chunk_size, group, want_entropy, compiled = (plan.vocab_chunk_size, plan.chunk_size, plan.group,
+                                                       plan.want.entropy, plan.compiled)
     walk = _PairWalk(tok, tf_t, spec, fill, fill_t, width=width, block=block, chunk_size=chunk_size, dtype=dtype,
                      device=device, compiled=compiled, grad=False)
     stats = new_row_stats(tok.n, _stats.Want(want_entropy, False), dtype, device)
@@ -606,9 +619,8 @@ def pair_row_stats(
 
 
 def pair_loss_grad_blocks(
-    tok: Tokens, tf_t, spec, fill: Fill, fill_t: Fill, *, width: int, block: int, chunk_size: int, group,
-    want_entropy: bool, weights: torch.Tensor, stats: _stats.RowStats, pair: "_divergence.PairRows", dtype, device,
-    compiled: Kernels = None,
+    tok: Tokens, tf_t, spec, fill: Fill, fill_t: Fill, plan: Plan, *, width: int, weights: torch.Tensor,
+    stats: _stats.RowStats, pair: "_divergence.PairRows", dtype, device,
 ) -> Iterator[tuple]:
     """Forward of a loss that is a weighted sum of the rows' divergences, ``sum_i weights_i D_i`` (the
     weights, ``[N]``, known before the walk): :func:`pair_row_stats`'s walk that also yields ``(a, b, v0, v1,
@@ -618,6 +630,8 @@ def pair_loss_grad_blocks(
     One vocabulary block: each chunk's blocks are filled once (statistics, sums and gradient from the blocks
     held); with vocabulary blocks, three times (statistics, sums, gradient). Three collectives per chunk.
     """
+    block, chunk_size, group, want_entropy, compiled = (plan.vocab_chunk_size, plan.chunk_size, plan.group,
+                                                       plan.want.entropy, plan.compiled)
     walk = _PairWalk(tok, tf_t, spec, fill, fill_t, width=width, block=block, chunk_size=chunk_size, dtype=dtype,
                      device=device, compiled=compiled, grad=True)
     single = block >= width
@@ -644,14 +658,15 @@ def _scaled(g: torch.Tensor, tok: Tokens, a: int, b: int) -> torch.Tensor:
 
 
 def pair_grad_blocks(
-    tok: Tokens, tf_t, spec, fill: Fill, fill_t: Fill, *, width: int, block: int, chunk_size: int,
-    stats: _stats.RowStats, pair: "_divergence.PairRows", grads, dtype, device, vocab_outer: bool = False,
-    compiled: Kernels = None,
+    tok: Tokens, tf_t, spec, fill: Fill, fill_t: Fill, plan: Plan, *, width: int, stats: _stats.RowStats,
+    pair: "_divergence.PairRows", grads, dtype, device, block: Optional[int] = None, vocab_outer: bool = False,
 ) -> Iterator[tuple]:
     """Backward of :func:`pair_row_stats`: yield ``(a, b, v0, v1, g)``, the gradient w.r.t. the student's raw
     logits of each block, both blocks filled again (two projections). ``grads``: the upstream gradients of
     ``(divergence, log_probs, entropy)`` (None: no term). ``vocab_outer``: vocabulary blocks outermost, as in
     :func:`grad_blocks`. No collective."""
+    block = plan.vocab_chunk_size if block is None else block
+    chunk_size, compiled = plan.chunk_size, plan.compiled
     n = tok.n
     g_div, g_lp, g_h = (None if g is None else g.reshape(-1).to(dtype) for g in grads)
     walk = _PairWalk(tok, tf_t, spec, fill, fill_t, width=width, block=block, chunk_size=chunk_size, dtype=dtype,

@@ -38,13 +38,13 @@ import torch
 
 from ._autograd import hand_over, once_differentiable
 from ._blocks import (
-    Plan,
     check_head,
     full_hidden,
     grad_vocab_block,
     linear_filler,
     linear_grads,
     live_group,
+    logits_plan,
     logits_source,
     main_grad_of,
     main_grad_result,
@@ -57,7 +57,7 @@ from ._checks import check_device, check_flag, check_float, float_bits, is_real
 from ._divergence import PairRows
 from ._inputs import Rows, Tokens, check_transform_scale, compute_dtype, dtype_code, prepare_tokens
 from ._kernels import use_compiled
-from ._loop import new_pair_rows, new_row_stats, pair_grad_blocks, pair_loss_grad_blocks, pair_row_stats
+from ._loop import Plan, new_pair_rows, new_row_stats, pair_grad_blocks, pair_loss_grad_blocks, pair_row_stats
 from ._migrate import accepts_01_keywords
 from ._rows import kept_rows, parse_kept, put_rows, select_logit_rows, select_rows, take_rows
 from ._stats import RowStats, Transform, Want
@@ -217,9 +217,8 @@ def _pair_results(tok: Tokens, stats: RowStats, pair: PairRows, valid, want: Wan
 
 def _walk(tok, teacher_fill, spec, fill, *, width, plan: Plan, teacher: _Teacher, dtype, device) -> tuple:
     """The statistics walk, :func:`~chunked_entropy._loop.pair_row_stats`: ``(stats, pair)``."""
-    return pair_row_stats(tok, teacher.transform, spec, fill, teacher_fill, width=width, block=plan.vocab_chunk_size,
-                          chunk_size=plan.chunk_size, group=plan.group, want_entropy=plan.want.entropy, dtype=dtype,
-                          device=device, compiled=plan.compiled)
+    return pair_row_stats(tok, teacher.transform, spec, fill, teacher_fill, plan, width=width, dtype=dtype,
+                          device=device)
 
 
 def _teacher_fill(teacher: _Teacher, plan: Plan):
@@ -273,10 +272,9 @@ class _LinearDivergenceFunction(torch.autograd.Function):
         vocab_block = grad_vocab_block(tok.n, weight, plan, need[1])
         blocks = pair_grad_blocks(
             tok, ctx.teacher.transform, ctx.spec, linear_filler(rows, weight, bias, plan.float32_logits),
-            _teacher_fill(ctx.teacher, plan), width=weight.shape[0],
-            block=plan.vocab_chunk_size if vocab_block is None else vocab_block, vocab_outer=vocab_block is not None,
-            chunk_size=plan.chunk_size, stats=stats, pair=pair, grads=(g_div, g_lp, g_h), dtype=cdt,
-            device=weight.device, compiled=plan.compiled,
+            _teacher_fill(ctx.teacher, plan), plan, width=weight.shape[0], block=vocab_block,
+            vocab_outer=vocab_block is not None, stats=stats, pair=pair, grads=(g_div, g_lp, g_h), dtype=cdt,
+            device=weight.device,
         )
         main_grad = ctx.main_grad if need[1] else None
         grad_h, gw, gb = linear_grads(blocks, rows, weight, n=tok.n, hidden_dtype=hidden.dtype,
@@ -310,17 +308,14 @@ class _LinearDivergenceLossFunction(torch.autograd.Function):
         width, tf_t = weight.shape[0], teacher.transform
         if any(need) and vocab_block is None:
             stats, pair = new_row_stats(tok.n, plan.want, cdt, dev), new_pair_rows(tok.n, spec, cdt, dev)
-            blocks = pair_loss_grad_blocks(
-                tok, tf_t, spec, fill, teacher_fill, width=width, block=plan.vocab_chunk_size,
-                chunk_size=plan.chunk_size, group=plan.group, want_entropy=plan.want.entropy, weights=weights,
-                stats=stats, pair=pair, dtype=cdt, device=dev, compiled=plan.compiled)
+            blocks = pair_loss_grad_blocks(tok, tf_t, spec, fill, teacher_fill, plan, width=width, weights=weights,
+                                           stats=stats, pair=pair, dtype=cdt, device=dev)
         else:
             stats, pair = _walk(tok, teacher_fill, spec, fill, width=width, plan=plan, teacher=teacher, dtype=cdt,
                                 device=dev)
             blocks = () if vocab_block is None else pair_grad_blocks(
-                tok, tf_t, spec, fill, teacher_fill, width=width, block=vocab_block, chunk_size=plan.chunk_size,
-                stats=stats, pair=pair, grads=(weights, None, None), dtype=cdt, device=dev, vocab_outer=True,
-                compiled=plan.compiled)
+                tok, tf_t, spec, fill, teacher_fill, plan, width=width, block=vocab_block, stats=stats, pair=pair,
+                grads=(weights, None, None), dtype=cdt, device=dev, vocab_outer=True)
         # With main_grad (Megatron's float32 accumulator) the weight gradient is kept in float32 until the
         # upstream gradient scales it in backward; else in the weight's dtype.
         grad_h, gw, gb = linear_grads(blocks, rows, weight, n=tok.n, hidden_dtype=hidden.dtype,
@@ -675,9 +670,8 @@ class _LogitsDivergenceFunction(torch.autograd.Function):
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         gflat = grad.view(tok.n, v)
         blocks = pair_grad_blocks(tok, ctx.teacher.transform, ctx.spec, logits_source(logits)[0],
-                                  logits_source(ctx.teacher.source)[0], width=v, block=plan.vocab_chunk_size,
-                                  chunk_size=plan.chunk_size, stats=stats, pair=pair, grads=(g_div, g_lp, g_h),
-                                  dtype=stats.ls.dtype, device=logits.device, compiled=plan.compiled)
+                                  logits_source(ctx.teacher.source)[0], plan, width=v, stats=stats, pair=pair,
+                                  grads=(g_div, g_lp, g_h), dtype=stats.ls.dtype, device=logits.device)
         for a, b, v0, v1, g in blocks:
             gflat[a:b, v0:v1].copy_(g)
         return grad, None, None, None, None, None
@@ -750,8 +744,8 @@ def divergence_from_logits(
         call.agree_all({"compute_entropy": compute_entropy, "whether gradients are computed": grads})
         agree_objects(call, student_layer=student_layer, teacher_layer=teacher_layer, chunking=chunking,
                       divergence=divergence)
-    plan = Plan(chunk_size=chunk_size, vocab_chunk_size=v_local, group=process_group, sequence_parallel=False,
-                want=Want(compute_entropy, False), compiled=use_compiled(chunking.backend, student_logits.device))
+    plan = logits_plan(chunk_size, v_local, process_group, Want(compute_entropy, False),
+                       use_compiled(chunking.backend, student_logits.device))
     teacher = _Teacher(teacher_logits.detach(), None, None, tf_t)
     shape = tuple(lead)
     if tok.n == 0:

@@ -18,7 +18,6 @@ import torch
 
 from ._autograd import once_differentiable
 from ._blocks import (
-    Plan,
     check_linear_args,
     full_hidden,
     grad_vocab_block,
@@ -35,7 +34,7 @@ from ._blocks import (
 from ._call import agree_objects, group_of, plan_for, refused_together, settings
 from ._checks import check_flag
 from ._inputs import Rows, Tokens, compute_dtype, prepare_tokens
-from ._loop import grad_blocks
+from ._loop import Plan, grad_blocks
 from ._migrate import accepts_01_keywords
 from ._outputs import LogProbsEntropy, empty_outputs, pack_outputs, run_outputs, split_grads, without_labels
 from ._rows import check_full_shape, kept_rows, parse_kept, put_rows, select_rows, take_keep, take_rows
@@ -81,10 +80,8 @@ class _HeadFunction(torch.autograd.Function):
         dev = weight.device
         vocab_block = grad_vocab_block(n, weight, plan, need_w)
         blocks = grad_blocks(
-            tok, linear_filler(rows, weight, bias, plan.float32_logits), width=v,
-            block=plan.vocab_chunk_size if vocab_block is None else vocab_block, vocab_outer=vocab_block is not None,
-            chunk_size=plan.chunk_size, stats=stats, grads=grads, dtype=cdt, device=dev,
-            compiled=plan.compiled, at_grads=at_grads,
+            tok, linear_filler(rows, weight, bias, plan.float32_logits), plan, width=v, block=vocab_block,
+            vocab_outer=vocab_block is not None, stats=stats, grads=grads, dtype=cdt, device=dev, at_grads=at_grads,
         )
         grad_h, grad_weight, gb = linear_grads(
             blocks, rows, weight, n=n, hidden_dtype=hidden.dtype, chunk_size=plan.chunk_size,

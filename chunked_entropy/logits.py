@@ -6,17 +6,18 @@ walks the rows of the caller's logits with the chunk loop.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Optional, Union
 
 import torch
 
 from ._autograd import once_differentiable
-from ._blocks import logits_row_stats, logits_source
+from ._blocks import logits_plan, logits_row_stats, logits_source
 from ._call import agree_objects, group_of, refused_together, settings
 from ._checks import check_flag, check_float
 from ._inputs import Tokens, compute_dtype, dtype_code, prepare_tokens
-from ._kernels import Kernels, use_compiled
-from ._loop import grad_blocks
+from ._kernels import use_compiled
+from ._loop import Plan, grad_blocks
 from ._migrate import accepts_01_keywords
 from ._outputs import LogProbsEntropy, empty_outputs, pack_outputs, run_outputs, split_grads, without_labels
 from ._rows import select_logit_rows
@@ -27,12 +28,13 @@ from .parallel import agreed_call
 
 class _LogitsFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, tok: Tokens, chunk_size: int, group, want: Want, compiled: Kernels):
-        r = logits_row_stats(logits, tok, chunk_size, group, want, compiled)
+    def forward(ctx, logits, tok: Tokens, plan: Plan):
+        r = logits_row_stats(logits, tok, plan)
         # Saved: the input reference (no copy) and two to four float32 per token (twice that and a
         # flag with kept sets, whose entries the Tokens hold; distillation's ids and top-k the Tokens hold too).
         ctx.save_for_backward(logits, *r.saved())
-        ctx.tok, ctx.chunk_size, ctx.want, ctx.compiled = tok, chunk_size, want, compiled
+        ctx.tok, ctx.plan = tok, replace(plan, group=None)
+        want = plan.want
         ctx.set_materialize_grads(False)
         at_outs = tok.at_outputs(r)
         if at_outs[1] is not None:
@@ -44,9 +46,9 @@ class _LogitsFunction(torch.autograd.Function):
     def backward(ctx, *grads):
         logits, *saved = ctx.saved_tensors
         stats = RowStats.from_saved(saved)
-        grads, at_grads = split_grads(grads, ctx.want, ctx.tok, stats.ls)
+        grads, at_grads = split_grads(grads, ctx.plan.want, ctx.tok, stats.ls)
         if all(g is None for g in grads) and at_grads is None:
-            return None, None, None, None, None, None
+            return None, None, None
         n, v = ctx.tok.n, logits.shape[-1]
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         gflat = grad.view(n, v)
@@ -58,16 +60,15 @@ class _LogitsFunction(torch.autograd.Function):
         # be rounded).
         cdt = stats.ls.dtype
         sparse = at_grads is not None or ctx.tok.keep is not None
-        direct = logits.dtype == cdt or (ctx.compiled and not sparse)
+        direct = logits.dtype == cdt or (ctx.plan.compiled and not sparse)
         blocks = grad_blocks(
-            ctx.tok, fill, width=v, block=v, chunk_size=ctx.chunk_size, stats=stats, grads=grads, dtype=cdt,
-            device=logits.device, into=(lambda a, b: gflat[a:b]) if direct else None, compiled=ctx.compiled,
-            view=view, at_grads=at_grads,
+            ctx.tok, fill, ctx.plan, width=v, stats=stats, grads=grads, dtype=cdt, device=logits.device,
+            into=(lambda a, b: gflat[a:b]) if direct else None, view=view, at_grads=at_grads,
         )
         for a, b, _, _, g in blocks:
             if not direct:
                 gflat[a:b].copy_(g)
-        return grad, None, None, None, None, None
+        return grad, None, None
 
 
 @accepts_01_keywords("log_probs_and_entropy")
@@ -235,7 +236,8 @@ def log_probs_and_entropy(
         want = Want(check_flag("compute_entropy", compute_entropy),
                     check_flag("compute_sum_pi_squared", compute_sum_pi_squared))
         chunk_size = chunking.resolve(logits.shape[-1], buffers=1 + want.scratch)
-        compiled = use_compiled(chunking.backend, logits.device)
+        plan = logits_plan(chunk_size, logits.shape[-1], process_group, want,
+                           use_compiled(chunking.backend, logits.device))
         cdt = compute_dtype(logits.dtype)
         grads = torch.is_grad_enabled() and logits.requires_grad
         no_labels = labels is None and (log_probs_at is not None or top_k is not None)
@@ -254,7 +256,7 @@ def log_probs_and_entropy(
     if tok.n == 0:
         return without_labels(empty_outputs(labels.shape, want, cdt, logits.device, [logits], tok.at), no_labels)
     return without_labels(run_outputs(
-        lambda: _LogitsFunction.apply(logits, tok, chunk_size, process_group, want, compiled),
-        lambda: logits_row_stats(logits, tok, chunk_size, process_group, want, compiled),
+        lambda: _LogitsFunction.apply(logits, tok, plan),
+        lambda: logits_row_stats(logits, tok, plan),
         tok, want, labels.shape, grads,
     ), no_labels)

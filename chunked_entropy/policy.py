@@ -37,7 +37,6 @@ import torch
 
 from ._autograd import connected, hand_over, once_differentiable
 from ._blocks import (
-    Plan,
     check_linear_args,
     full_hidden,
     grad_vocab_block,
@@ -45,6 +44,7 @@ from ._blocks import (
     linear_grads,
     linear_row_stats,
     linear_settings,
+    logits_plan,
     logits_row_stats,
     logits_source,
     main_grad_of,
@@ -57,8 +57,8 @@ from ._blocks import (
 from ._call import agree_objects, group_of, plan_for, refused_together, settings
 from ._checks import check_float, require
 from ._inputs import Rows, Tokens, compute_dtype, dtype_code, prepare_tokens
-from ._kernels import Kernels, use_compiled
-from ._loop import loss_grad_blocks, new_row_stats
+from ._kernels import use_compiled
+from ._loop import Plan, loss_grad_blocks, new_row_stats
 from ._migrate import accepts_01_keywords
 from ._rows import check_full_shape, parse_kept, select_logit_rows, select_rows, take_keep, take_rows
 from ._stats import RowStats, Want
@@ -227,11 +227,9 @@ class _HeadLossFunction(torch.autograd.Function):
         stats = new_row_stats(n, Want(), cdt, weight.device, tok.keep)
         vocab_block = grad_vocab_block(n, weight, plan, need[1])
         blocks = loss_grad_blocks(
-            tok, linear_filler(rows, weight, bias, plan.float32_logits), width=weight.shape[0],
-            block=plan.vocab_chunk_size,
-            chunk_size=plan.chunk_size, group=plan.group, want=plan.want, token_grads=objective.token_grads,
-            span=objective.span, grad_block=vocab_block,
-            stats=stats, dtype=cdt, device=weight.device, compiled=plan.compiled,
+            tok, linear_filler(rows, weight, bias, plan.float32_logits), plan, width=weight.shape[0],
+            token_grads=objective.token_grads, span=objective.span, grad_block=vocab_block, stats=stats, dtype=cdt,
+            device=weight.device,
         )
         # With main_grad (Megatron's float32 accumulator) the weight gradient is kept in float32 until the
         # upstream gradient scales it in backward; else in the weight's dtype.
@@ -508,7 +506,7 @@ def _kept_loss(hidden, layer: OutputLayer, labels, old_log_probs, advantages, lo
 
 class _LogitsLossFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, tok: Tokens, chunk_size: int, group, objective: _Objective, compiled: Kernels):
+    def forward(ctx, logits, tok: Tokens, plan: Plan, objective: _Objective):
         n, v = tok.n, logits.shape[-1]
         cdt = compute_dtype(logits.dtype)
         fill, view = logits_source(logits)
@@ -516,13 +514,11 @@ class _LogitsLossFunction(torch.autograd.Function):
         gflat = grad.view(n, v)
         # the gradient's own rows are the working buffer, unless kept sets' sparse term is added to a
         # half-precision block: then it is formed in the compute dtype and rounded once (see logits.py)
-        direct = logits.dtype == cdt or (compiled and tok.keep is None)
+        direct = logits.dtype == cdt or (plan.compiled and tok.keep is None)
         stats = new_row_stats(n, Want(), cdt, logits.device, tok.keep)
         blocks = loss_grad_blocks(
-            tok, fill, width=v, block=v, chunk_size=chunk_size, group=group, want=Want(),
-            token_grads=objective.token_grads, span=objective.span, stats=stats, dtype=cdt,
-            device=logits.device,
-            into=(lambda a, b: gflat[a:b]) if direct else None, compiled=compiled, view=view,
+            tok, fill, plan, width=v, token_grads=objective.token_grads, span=objective.span, stats=stats,
+            dtype=cdt, device=logits.device, into=(lambda a, b: gflat[a:b]) if direct else None, view=view,
         )
         for a, b, _, _, g in blocks:
             if not direct:
@@ -536,7 +532,7 @@ class _LogitsLossFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, g):
         (grad,) = ctx.saved_tensors
-        return hand_over(grad, g), None, None, None, None, None
+        return hand_over(grad, g), None, None, None
 
 
 @accepts_01_keywords("policy_loss_from_logits", policy_fields=True)
@@ -603,7 +599,8 @@ def policy_loss_from_logits(
         cdt = compute_dtype(logits.dtype)
         objective = _Objective(opts, labels, old_log_probs, advantages, loss_mask, ref_log_probs, rollout_is_weights,
                                rollout_log_probs, generator, cdt)
-        compiled = use_compiled(chunking.backend, logits.device)
+        plan = logits_plan(chunk_size, logits.shape[-1], process_group, Want(),
+                           use_compiled(chunking.backend, logits.device))
         grads = torch.is_grad_enabled() and logits.requires_grad
         tok = prepare_tokens(
             labels, logits.shape[:-1], logits.shape[-1], call=call, label_mask=objective.keep, ignore_index=-100,
@@ -617,8 +614,8 @@ def policy_loss_from_logits(
     if tok.n == 0 or not grads:
         lp = ent = torch.zeros(0, dtype=cdt, device=logits.device)
         if tok.n:
-            lp, ent = _token_results(tok, logits_row_stats(logits, tok, chunk_size, process_group, Want(), compiled))
+            lp, ent = _token_results(tok, logits_row_stats(logits, tok, plan))
         loss, metrics = objective.value(lp, ent)
         return (connected(loss, logits) if grads else loss), metrics
-    loss = _LogitsLossFunction.apply(logits, tok, chunk_size, process_group, objective, compiled)
+    loss = _LogitsLossFunction.apply(logits, tok, plan, objective)
     return loss, objective.result[1]
