@@ -452,7 +452,12 @@ def cp_runs(world, tied, hidden_full, totals, resps, ups, coef, call, setup=lamb
     cp_compare(results, totals, resps, world, cp_rank, tied)
 
 
-def _cp_worker(rank, world, tied):
+def _cp_worker(rank, world):
+    for tied in (False, True):
+        _cp_worker_at(world, tied)
+
+
+def _cp_worker_at(world, tied):
     from tests import verl_engine
     from tests.packed import samples
 
@@ -476,8 +481,7 @@ def _cp_worker(rank, world, tied):
         ce_slime.uninstall()
 
 
-@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-def test_hidden_route_context_parallel_2_matches_no_cp(tied):
+def test_hidden_route_context_parallel_2_matches_no_cp():
     """Context parallelism 2 over gloo (megatron-core's real CP groups), zigzag and ``--allgather-cp``, with and
     without top-p replay, the entropy's gradient on and off: on each CP rank the hidden-state route gets this rank's
     rows of the decoder output, laid out as slime shards them; its per-sample log-probs and entropy equal this rank's
@@ -487,4 +491,4 @@ def test_hidden_route_context_parallel_2_matches_no_cp(tied):
 
     The decoder's own CP attention is Transformer Engine's (CUDA only), so the hidden states are given: the same
     ``[T, H]`` on both runs, this rank's rows taken with ``tests/packed.py``'s layout (differentiable)."""
-    run_distributed(_cp_worker, 2, tied, timeout_s=180)
+    run_distributed(_cp_worker, 2, timeout_s=180)
