@@ -205,20 +205,23 @@ def test_bench_replays_kept_sets_beside_the_dense_route(capsys, tmp_path):
 
 def test_bench_reads_only_the_rows_read(capsys, tmp_path):
     """The rows preset's cases; then a small run: rows='kept' against all rows, TRL's compacted call and torch's
-    linear_cross_entropy on the same rows."""
+    linear_cross_entropy on the same rows; and the log-prob-only cases (the fused head on all rows and with
+    rows='kept', torch's linear_cross_entropy and plain torch on all rows)."""
     from chunked_entropy.cli import bench
 
     args = build_parser().parse_args(["bench", "--preset", "rows"])
     cases = [c for g in bench.build_cases(bench._settings(args), "cpu") for c in g]
     assert {(c.tokens, c.vocab, c.hidden, c.dtype) for c in cases} == {(16384, 32768, 512, "float32")}
     assert sorted((c.method, c.read) for c in cases) == sorted(
-        (m, r) for m in ("head", "headrows", "trlrows", "torchlce") for r in (25, 50))
+        (m, r) for m in ("head", "headrows", "trlrows", "torchlce", "headlp", "headrowslp", "torchlceall", "plainlp")
+        for r in (25, 50))
+    methods = ("head", "headrows", "trlrows", "torchlce", "headlp", "headrowslp", "torchlceall", "plainlp")
     code, out, err = _run(capsys, "bench", "--path", "head", "--tokens", "256", "--vocab", "512", "--hidden", "16",
-                          "--methods", "head,headrows,trlrows,torchlce", "--read", "25", "--chunk-sizes", "64",
+                          "--methods", ",".join(methods), "--read", "25", "--chunk-sizes", "64",
                           "--repeats", "1", "--no-progress", "--out", str(tmp_path))
     assert code == 0, err
     rows = {r["method"]: r for r in csv.DictReader(open(tmp_path / "results.csv"))}
-    assert set(rows) == {"head", "headrows", "trlrows", "torchlce"}
+    assert set(rows) == set(methods)
     assert {r["status"] for r in rows.values()} == {"ok"}, rows
     assert all(r["label"].endswith("25% of rows read") for r in rows.values())
 

@@ -131,3 +131,41 @@ def test_true_on_policy_mode_gets_the_logits_route():
     finally:
         ce_miles.uninstall()
     assert ce_miles.route() is None
+
+
+def _cp_worker(rank, world):
+    from tests import verl_engine
+    from tests.packed import samples
+    from tests.test_integrations_miles import _import_miles
+    from tests.test_slime_hidden_route import cp_runs
+
+    _, processors, _, loss_mod = _import_miles()
+    tokens, totals, resps, _, _, _, ups = samples(seed=23, v=verl_engine.V)
+    hidden_full = torch.randn(sum(totals), verl_engine.HID, generator=torch.Generator().manual_seed(6))
+    ce_miles.install(argparse.Namespace(), route="hidden")
+    try:
+        assert loss_mod.get_log_probs_and_entropy is ce_miles.get_log_probs_and_entropy
+        for coef in (0.01, 0.0):
+            def call(states, allgather, coef=coef):
+                args = argparse.Namespace(rollout_temperature=0.7, log_probs_chunk_size=4, allgather_cp=allgather,
+                                          qkv_format="thd", true_on_policy_mode=False, entropy_coef=coef)
+                res = loss_mod.get_log_probs_and_entropy(
+                    states, args=args, unconcat_tokens=tokens, total_lengths=totals, response_lengths=resps,
+                    with_entropy=True, entropy_requires_grad=coef != 0, max_seq_lens=None)
+                # (Miles's allgather_cp_redistribute all-reduces a cat that may hold its own requires_grad zeros)
+                assert allgather or res["entropy"][0].requires_grad == (coef != 0)
+                return res
+
+            cp_runs(world, False, hidden_full, totals, resps, ups, coef, call, setup=_miles_parallel_state)
+    finally:
+        ce_miles.uninstall()
+
+
+@needs_miles
+def test_hidden_route_context_parallel_2_matches_no_cp():
+    """Context parallelism 2 over gloo, Miles's packed ``thd`` layout, zigzag and ``--allgather-cp`` (Miles's own
+    ``get_responses`` and ``allgather_cp_redistribute``), the entropy's gradient on and off: each CP rank's
+    per-sample outputs equal its part of the run without CP; the gradients of the hidden states and of every
+    parameter, summed over the CP group, equal the run without CP's. The hidden states are given, as in
+    tests/test_slime_hidden_route.py's CP test (the decoder's CP attention is Transformer Engine's, CUDA only)."""
+    run_distributed(_cp_worker, 2, timeout_s=180)

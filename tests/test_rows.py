@@ -11,7 +11,8 @@ cross-product of the options, the twelve objectives and the three
 divergences. The policy loss with ``[B, T]`` rows (sequence-level objectives).
 Bad input. TP 2 with sequence parallelism over gloo (rows of the gathered
 sequence, ranks that differ refused on every rank). Tree packing: a tree of
-rollouts packed once against each root-to-leaf rollout on its own.
+rollouts packed once against each root-to-leaf rollout on its own. bf16 with
+rows repeated many times against float64, no worse than plain bf16 autograd.
 """
 
 from __future__ import annotations
@@ -468,3 +469,48 @@ def test_no_row_selected():
     zeros = torch.zeros(B, T, dtype=F64)
     loss, _ = linear_policy_loss(h, d["w"], d["labels"], zeros, zeros, mask, rows="kept")
     assert loss == 0 and torch.autograd.grad(loss, h)[0].eq(0).all()
+
+
+def test_bf16_index_with_repeats_against_float64_no_worse_than_plain_bf16_autograd():
+    """bf16 hidden states and weight, an index whose rows repeat many times (one row 64 times): log-probs,
+    entropy and the hidden/weight/bias gradients against float64 from the same (rounded) bf16 inputs, each no
+    worse than plain bf16 autograd of the same selection (``h[rows] @ w.T + b`` in bf16, then float32
+    statistics), and within bf16 rounding of float64. A repeated row's gradient is its uses' sum; a row never
+    selected gets exactly 0."""
+    bf16 = torch.bfloat16
+    g = torch.Generator().manual_seed(90)
+    n, hid, vocab = 24, 64, 512
+    h0 = torch.randn(n, hid, generator=g).to(bf16)
+    w0 = (torch.randn(vocab, hid, generator=g) * 0.2).to(bf16)
+    b0 = (torch.randn(vocab, generator=g) * 0.3).to(bf16)
+    rows = torch.cat([torch.full((64,), 5), torch.full((16,), 2), torch.randint(0, n, (40,), generator=g)])
+    rows = rows[torch.randperm(rows.numel(), generator=g)]
+    assert (torch.bincount(rows, minlength=n) == 0).any()  # some rows never selected
+    lab = torch.randint(0, vocab, (rows.numel(),), generator=g)
+    temp = torch.rand(rows.numel(), generator=g) + 0.5
+    ups = [torch.randn(rows.numel(), generator=g, dtype=F64) for _ in range(2)]
+
+    h, w, b = _leaves(h0.double(), w0.double(), b0.double())
+    ref = reference(h[rows] @ w.t() + b, lab, temperature=temp.double())
+    want = _grads(ref, ups, [h, w, b])
+
+    h, w, b = _leaves(h0, w0, b0)
+    out = linear_log_probs_and_entropy(h, w, lab, bias=b, rows=rows, temperature=temp, chunk_size=16)
+    ours = [out.log_probs, out.entropy, *_grads([out.log_probs, out.entropy], ups, [h, w, b])]
+    assert out.log_probs.dtype == torch.float32 and ours[2].dtype == bf16
+
+    h, w, b = _leaves(h0, w0, b0)
+    logp = torch.log_softmax((h[rows] @ w.t() + b).float() / temp[:, None], dim=-1)
+    plain_lp, plain_ent = logp.gather(-1, lab[:, None])[:, 0], -(logp.exp() * logp).sum(-1)
+    plain = [plain_lp, plain_ent, *_grads([plain_lp, plain_ent], ups, [h, w, b])]
+
+    def err(a, e):
+        return float((a.detach().double() - e.detach()).abs().max() / e.detach().abs().max())
+
+    for name, a, p, e in zip(("log_probs", "entropy", "hidden grad", "weight grad", "bias grad"), ours, plain,
+                             [*ref, *want], strict=True):
+        assert err(a, e) <= 1.25 * err(p, e) and err(a, e) < 2e-2, (name, err(a, e), err(p, e))
+    selected = torch.bincount(rows, minlength=n) > 0
+    assert (ours[2][~selected] == 0).all()
+    for row in (5, 2):  # the rows used 64+ and 16+ times
+        assert err(ours[2][row], want[0][row]) <= 1.25 * err(plain[2][row], want[0][row]) + 1e-3, row

@@ -17,6 +17,9 @@ names); skips without it. The same for megatron-core 0.16.1's ``MambaModel`` (at
 layers only, tests/verl_engine.py), whose post-processing is inline in its ``forward``, and for
 0.19's ``HybridModel`` (its forward reproduced from the upstream source, lines cited there).
 
+Context parallelism (CP 2 over gloo, zigzag and ``--allgather-cp``) on the hidden-state route, against the run
+without CP, in CI; the hidden states are given (the decoder's CP attention is Transformer Engine's, CUDA only).
+
 Combined-1F1B: megatron-core's ``PostProcessNode`` calls the same ``_postprocess``; the route falls back
 to the logits there. Tested in CI through megatron-core's own schedule plan (``build_schedule_plan``,
 ``TransformerModelChunkSchedulePlan.run``), with only CUDA events, streams and NVTX replaced.
@@ -365,3 +368,127 @@ def test_custom_loss_gets_the_logits_route_with_one_warning(caplog):
     finally:
         ce_slime.uninstall()
     assert ce_slime.route() is None
+
+
+# ----------------------------------------------------------------------------- context parallelism
+
+
+def cp_run(model, hidden_full, totals, resps, ups, mode, coef, call):
+    """``call(states, allgather)`` (the plugin's function on the hidden-state route, as the framework calls it)
+    with this rank's rows of ``hidden_full`` in slime's and Miles's CP layouts (zigzag halves, or
+    ``--allgather-cp``'s contiguous split), the loss the framework would form from its outputs (this rank's part,
+    ``ups`` in the same layout), backward. Returns the outputs and the gradients of the full hidden states and of
+    every parameter, summed over the CP group (as megatron's DDP reduces them over DP x CP)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mpu
+
+    from tests.packed import local_logits, zigzag_of
+
+    cp, cp_rank = mpu.get_context_parallel_world_size(), mpu.get_context_parallel_rank()
+    model.zero_grad(set_to_none=True)
+    full = hidden_full.clone().requires_grad_()
+    local = local_logits(list(full.split(totals)), totals, cp, cp_rank, mode)  # [T_local, H], differentiable
+    res = call(_hidden_route.HiddenStates(local.unsqueeze(1), model), mode == "allgather")
+    loss = 0
+    for s, (up_lp, up_h) in enumerate(ups):
+        loss = loss + (res["log_probs"][s] * zigzag_of(up_lp, totals[s], resps[s], cp, cp_rank).float()).sum()
+        if coef:
+            loss = loss + (res["entropy"][s] * zigzag_of(up_h, totals[s], resps[s], cp, cp_rank).float()).sum()
+    loss.backward()
+    grads = {"hidden": full.grad, **{n: p.grad for n, p in model.named_parameters() if p.grad is not None}}
+    if cp > 1:
+        for g in grads.values():
+            dist.all_reduce(g, group=mpu.get_context_parallel_group())
+    return {k: [t.detach() for t in v] for k, v in res.items()}, grads
+
+
+def cp_compare(results, totals, resps, cp, cp_rank, tied):
+    """Each CP mode's outputs against this rank's part of the run without CP; the summed gradients against its."""
+    from tests.packed import zigzag_of
+
+    ref, ref_grads = results["cp1"]
+    for mode in ("zigzag", "allgather"):
+        got, grads = results[mode]
+        assert set(got) == set(ref) == {"log_probs", "entropy"}
+        for key in got:
+            for s, (a, b) in enumerate(zip(got[key], ref[key], strict=True)):
+                want = zigzag_of(b, totals[s], resps[s], cp, cp_rank)  # this rank's part, in slime's/Miles's layout
+                assert a.shape == want.shape, (mode, key, s, a.shape, want.shape)
+                torch.testing.assert_close(a, want, rtol=2e-5, atol=2e-6)
+        assert grads.keys() == ref_grads.keys()
+        assert tied or "output_layer.weight" in grads
+        assert grads["hidden"].abs().max() > 0
+        for name, g in ref_grads.items():
+            torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-6, msg=f"{mode}: grad of {name}")
+        # the rows no response token reads (prompts, each sample's last row) get exactly zero
+        read = torch.zeros(sum(totals), dtype=torch.bool)
+        start = 0
+        for total, resp in zip(totals, resps, strict=True):
+            read[start + total - resp - 1:start + total - 1] = True
+            start += total
+        assert (grads["hidden"][~read] == 0).all()
+
+
+def cp_runs(world, tied, hidden_full, totals, resps, ups, coef, call, setup=lambda: None):
+    """The run without CP (each rank alone) and the CP runs (zigzag, ``--allgather-cp``) over ``world`` ranks,
+    on megatron-core's real CP groups; compared by :func:`cp_compare`."""
+    from megatron.core import parallel_state
+
+    from tests import verl_engine
+
+    results = {}
+    for cp, modes in ((1, ("cp1",)), (world, ("zigzag", "allgather"))):
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_size=cp)
+        try:
+            setup()
+            assert parallel_state.get_context_parallel_world_size() == cp
+            cp_rank = parallel_state.get_context_parallel_rank()
+            with verl_engine.cpu_only_replacements():
+                model = verl_engine.gpt_model(1, tied=tied, seed=3)
+                for mode in modes:
+                    results[mode] = cp_run(model, hidden_full, totals, resps, ups, mode, coef, call)
+        finally:
+            parallel_state.destroy_model_parallel()
+    cp_compare(results, totals, resps, world, cp_rank, tied)
+
+
+def _cp_worker(rank, world):
+    for tied in (False, True):
+        _cp_worker_at(world, tied)
+
+
+def _cp_worker_at(world, tied):
+    from tests import verl_engine
+    from tests.packed import samples
+
+    tokens, totals, resps, ids, offsets, _, ups = samples(seed=21, v=verl_engine.V)
+    hidden_full = torch.randn(sum(totals), verl_engine.HID, generator=torch.Generator().manual_seed(5))
+    ce_slime.install(_args(), route="hidden")
+    try:
+        for topp, coef in ((True, 0.01), (False, 0.0)):
+            def call(states, allgather, coef=coef, topp=topp):
+                args = _args(rollout_temperature=0.7, log_probs_chunk_size=4, entropy_coef=coef,
+                             allgather_cp=allgather)
+                kw = dict(top_p_token_ids=ids, top_p_token_offsets=offsets) if topp else {}
+                _, res = ce_slime.get_log_probs_and_entropy(
+                    states, args=args, unconcat_tokens=tokens, total_lengths=totals, response_lengths=resps,
+                    with_entropy=True, **kw)
+                assert res["entropy"][0].requires_grad == (coef != 0)
+                return res
+
+            cp_runs(world, tied, hidden_full, totals, resps, ups, coef, call)
+    finally:
+        ce_slime.uninstall()
+
+
+def test_hidden_route_context_parallel_2_matches_no_cp():
+    """Context parallelism 2 over gloo (megatron-core's real CP groups), zigzag and ``--allgather-cp``, with and
+    without top-p replay, the entropy's gradient on and off: on each CP rank the hidden-state route gets this rank's
+    rows of the decoder output, laid out as slime shards them; its per-sample log-probs and entropy equal this rank's
+    part of the run without CP, and the gradients of the hidden states and of the output weight (tied: the
+    embedding), summed over the CP group as megatron's DDP sums them, equal the run without CP's; rows no response
+    token reads get exactly zero.
+
+    The decoder's own CP attention is Transformer Engine's (CUDA only), so the hidden states are given: the same
+    ``[T, H]`` on both runs, this rank's rows taken with ``tests/packed.py``'s layout (differentiable)."""
+    run_distributed(_cp_worker, 2, timeout_s=180)

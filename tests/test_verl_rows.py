@@ -193,3 +193,90 @@ def test_rows_switch(monkeypatch):
     monkeypatch.setenv(megatron_fused.ROWS_ENV, "maybe")
     with pytest.raises(ValueError, match="CHUNKED_ENTROPY_VERL_ROWS"):
         megatron_fused.rows_enabled()
+
+
+def _train(rank, world):
+    for hook in (False, True):
+        _train_mode(rank, world, hook)
+
+
+def _train_mode(rank, world, hook):
+    """verl's ``train_batch`` (three micro-batches, two steps) with the rows on and off: the same losses,
+    metrics, grad norms, outputs and updated weights."""
+    import contextlib
+    import io
+    import os
+
+    from megatron.core import parallel_state
+    from verl.workers.config import ActorConfig
+    from verl.workers.utils.losses import ppo_loss
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    from chunked_entropy.integrations.verl import megatron_fused
+
+    cfg = ActorConfig(strategy="megatron", ppo_micro_batch_size_per_gpu=1, rollout_n=1, entropy_coeff=0.01)
+    flags = dict(calculate_entropy=True, use_dynamic_bsz=False, micro_batch_size_per_gpu=1)
+    parallel_state.initialize_model_parallel(world)
+    runs = {}
+    try:
+        with ve.cpu_only_replacements(), ve.megatron_training_on_cpu():
+            ce_verl.install()
+            for on in (False, True):
+                os.environ[megatron_fused.ROWS_ENV] = "1" if on else "0"
+                model = ve.gpt_model(world, tied=hook, seed=13)
+                if hook:
+                    model = ve.with_output_processor_hook(model)
+                with contextlib.redirect_stdout(io.StringIO()):  # verl prints its optimizer config
+                    eng = ve.trained_engine(model, fused=True, chunk_size=4)
+                src = eng.is_mp_src_rank_with_outputs()  # verl returns losses and metrics on this rank only
+                steps = []
+                for seed in (3, 4):
+                    out = eng.train_batch(rl_batch(seed, flags), lambda **kw: ppo_loss(cfg, **kw))
+                    if not src:
+                        steps.append(([0.0] * 3, {}, {}, {n: p.detach().clone() for n, p in model.named_parameters()}))
+                        continue
+                    metrics = {k: list(getattr(v, "values", [v])) for k, v in out["metrics"].items()}
+                    # the values verl reads: the response positions (its own no_padding_2_padding)
+                    outputs = {k: no_padding_2_padding(v, rl_batch(seed, flags)).detach().clone()
+                               for k, v in out["model_output"].items() if k in KEYS}
+                    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+                    steps.append((list(out["loss"]), metrics, outputs, weights))
+                runs[on] = steps
+            start = {n: p.detach() for n, p in ve.gpt_model(world, tied=hook, seed=13).named_parameters()}
+    finally:
+        os.environ.pop(megatron_fused.ROWS_ENV, None)
+        ce_verl.uninstall()
+        parallel_state.destroy_model_parallel()
+    what = f"rank {rank} tp {world} hook={hook}"
+    for step, (off, on) in enumerate(zip(runs[False], runs[True], strict=True)):
+        (l_off, m_off, o_off, w_off), (l_on, m_on, o_on, w_on) = off, on
+        assert len(l_off) == 3 and l_on == pytest.approx(l_off, rel=1e-6, abs=1e-7), (what, step)
+        assert m_on.keys() == m_off.keys() and (not src or {"grad_norm", "actor/pg_loss"} <= set(m_on)), what
+        for k in m_off:
+            assert m_on[k] == pytest.approx(m_off[k], rel=1e-6, abs=1e-7), (what, step, k)
+        assert not src or m_off["grad_norm"][0] > 0, what
+        assert o_on.keys() == o_off.keys() and (not src or {"log_probs", "entropy"} <= set(o_on)), what
+        for k in o_off:
+            torch.testing.assert_close(o_on[k], o_off[k], **VALUES,
+                                       msg=lambda m, k=k, s=step: f"{what} step {s} {k}: {m}")
+        assert w_on.keys() == w_off.keys(), what
+        for n in w_off:
+            # Adam divides each entry's gradient by its running RMS: an entry whose true gradient is 0 (the
+            # attention's key bias: softmax ignores a shift) carries float32 rounding noise, which Adam scales up
+            # to a step of up to lr; 1e-5 is 0.1% of lr (the weights move by about lr = 1e-2 a step)
+            torch.testing.assert_close(w_on[n], w_off[n], rtol=1e-6, atol=1e-5,
+                                       msg=lambda m, n=n, s=step: f"{what} step {s} weight {n}: {m}")
+    # the optimizer stepped: the output layer moved (by about the learning rate), the same way on both
+    name = "output_layer.weight" if not hook else "embedding.word_embeddings.weight"
+    moved = (runs[True][0][3][name] - start[name]).abs().max()
+    assert 1e-3 < moved < 0.1, (what, float(moved))
+
+
+def test_megatron_train_batch_rows_on_equals_rows_off():
+    """verl's real ``MegatronEngineWithLMHead.train_batch`` (megatron-core's DDP, its no-pipelining schedule over
+    three micro-batches, verl's Megatron optimizer: Adam with its grad norm) on the fused route, legacy (untied)
+    and hook mode (tied), TP 2 over gloo, two steps: with the rows on and off the per-micro-batch losses,
+    every metric, the grad norm, the outputs verl keeps and every updated weight agree within float32 rounding.
+    Only CUDA allocations are moved to the CPU (tests/verl_engine.py, ``megatron_training_on_cpu``; gradient
+    clipping asserts CUDA tensors, so ``clip_grad=0``)."""
+    run_distributed(_train, 2, timeout_s=180)

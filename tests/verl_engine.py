@@ -483,6 +483,69 @@ def sequence_parallel_on_cpu():
         del tracker.fork
 
 
+class _CudaAllocationsOnCpu(torch.overrides.TorchFunctionMode):
+    """Tensor factories called with ``device="cuda"`` allocate on the CPU instead (nothing else is touched)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if kwargs.get("device") == "cuda":
+            kwargs = {**kwargs, "device": "cpu"}
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def megatron_training_on_cpu():
+    """verl's Megatron ``train_batch`` on the CPU: megatron-core's DDP, schedule and optimizer (replaced: where
+    they allocate).
+
+    megatron-core 0.16.1 and verl 0.9.1 allocate a few tensors on a hard-coded
+    CUDA device, which a CPU build of torch refuses; here they are made on the
+    CPU, and nothing else changes:
+
+    - ``DistributedDataParallel``'s grad buffer (``param_and_grad_buffer.py``,
+      ``device=torch.cuda.current_device()``): ``torch.cuda.current_device()``
+      answers ``"cpu"``;
+    - ``device="cuda"`` scalars: the token count of ``forward_backward_no_pipelining``
+      (``schedules.py``), the optimizer's ``found_inf`` / grad-norm scalars
+      (``optimizer/__init__.py``, ``optimizer.py``) and the grad-norm
+      reduction's (``utils.py``): a torch function mode turns ``device="cuda"``
+      into ``"cpu"`` in factory calls.
+
+    Gradient clipping is not reachable on a CPU: megatron-core's
+    ``clip_grad_by_total_norm_fp32`` asserts ``param.grad.type() ==
+    'torch.cuda.FloatTensor'``; callers set ``clip_grad=0`` (the grad norm is
+    still computed and returned).
+    """
+    own = torch.cuda.current_device
+    torch.cuda.current_device = lambda: "cpu"
+    try:
+        with _CudaAllocationsOnCpu():
+            yield
+    finally:
+        torch.cuda.current_device = own
+
+
+def trained_engine(model, *, fused: bool, chunk_size: int = 5, lr: float = 1e-2):
+    """:func:`engine` with what verl's ``initialize()`` adds for training: the model wrapped in megatron-core's
+    ``DistributedDataParallel`` (no distributed optimizer, verl's ``use_distributed_optimizer=False``), verl's
+    own ``get_megatron_optimizer`` (Adam, no gradient clipping: see :func:`megatron_training_on_cpu`) and
+    ``register_megatron_training_hooks``. Call under :func:`megatron_training_on_cpu`."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from verl.utils.megatron.optimizer import get_megatron_optimizer, init_megatron_optim_config
+    from verl.utils.megatron_utils import register_megatron_training_hooks
+    from verl.workers.config.optimizer import McoreOptimizerConfig
+
+    ddp = DistributedDataParallel(config=model.config, module=model,
+                                  ddp_config=DistributedDataParallelConfig(use_distributed_optimizer=False))
+    eng = engine(model, fused=fused, chunk_size=chunk_size)
+    eng.module = [ddp]
+    cfg = init_megatron_optim_config(McoreOptimizerConfig(lr=lr, clip_grad=0.0, weight_decay=0.01),
+                                     use_distributed_optimizer=False, fp16=False, bf16=False)
+    eng.optimizer = get_megatron_optimizer(model=[ddp], config=cfg)
+    register_megatron_training_hooks([ddp], eng.optimizer)
+    return eng
+
+
 def mamba_model(tp: int, *, tied: bool, seed: int = 0, sequence_parallel: bool = False):
     """megatron-core 0.16.1's MambaModel of one attention and one MLP layer (pattern ``"*-"``), no Mamba mixer.
 

@@ -34,16 +34,20 @@ import torch.distributed as dist
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PATHS = ("logits", "head")
+#: Log-probs only (no entropy): the fused head on all rows and with ``rows="kept"`` (``compute_entropy=False``),
+#: torch's own ``F.linear_cross_entropy(reduction="none")`` on all rows (chunked options) and plain torch on all rows
+#: (a matmul and ``F.cross_entropy(reduction="none")``); rows not read labelled -100 (zero) in each.
+LOG_PROB_ONLY_METHODS = ("headlp", "headrowslp", "torchlceall", "plainlp")
 METHODS = {
     "logits": ("plain", "clone", "chunked", "chunkedloss", "fusedloss", "densekeep", "distill", "verldistill"),
     "head": ("plain", "clone", "chunked", "head", "headloss", "fusedloss", "liger", "densekeep", "verlfsdp",
              "fsdpplugin", "verlfused", "fusedplugin",
              *("divergence", "divergenceloss", "trldivergence", "plaindivergence"),
-             *("headrows", "trlrows", "torchlce")),
+             *("headrows", "trlrows", "torchlce"), *LOG_PROB_ONLY_METHODS),
 }
 #: Only the rows that are read (``Case.read`` percent of them): this library's ``rows="kept"``, TRL 1.16's compacted
 #: call (``hidden[mask]`` into its ChunkedLogProbFunction) and torch's ``F.linear_cross_entropy`` on the same rows.
-ROWS_METHODS = ("headrows", "trlrows", "torchlce")
+ROWS_METHODS = ("headrows", "trlrows", "torchlce", "headrowslp")
 #: verl's FSDP engine, its own routes and the plugin's, on hidden states and an lm_head weight (verl installed).
 VERL_FSDP_METHODS = ("verlfsdp", "fsdpplugin", "verlfused", "fusedplugin")
 #: Methods measured with the vocabulary over ``tp`` ranks (gloo on CPU): this library's paths with the process
@@ -115,6 +119,10 @@ class Case:
             "headrows": f"fused head, rows='kept', chunk {self.chunk}",
             "trlrows": "TRL 1.16 compacted: hidden[mask] into ChunkedLogProbFunction",
             "torchlce": "torch F.linear_cross_entropy (chunked options) on hidden[mask], log-probs only",
+            "headlp": f"fused head, log-probs only, chunk {self.chunk}",
+            "headrowslp": f"fused head, rows='kept', log-probs only, chunk {self.chunk}",
+            "torchlceall": "torch F.linear_cross_entropy (chunked options), all rows, log-probs only",
+            "plainlp": "plain torch, F.cross_entropy on all rows, log-probs only",
         }[self.method]
         if self.read:
             name += f", {self.read}% of rows read"
@@ -211,11 +219,22 @@ def outputs(case: Case, inp: Inputs, group):
 
     from . import baselines
 
-    if case.method in ("head", "headrows"):
-        return linear_log_probs_and_entropy(
+    if case.method in ("head", "headrows", "headlp", "headrowslp"):
+        out = linear_log_probs_and_entropy(
             inp.hidden, inp.weight, inp.labels, chunk_size=case.chunk, process_group=group, backend=case.backend,
-            keep=inp.keep, rows="kept" if case.method == "headrows" else None,
+            keep=inp.keep, rows="kept" if case.method in ("headrows", "headrowslp") else None,
+            compute_entropy=case.method in ("head", "headrows"),
         )
+        return out if case.method in ("head", "headrows") else (out.log_probs, None)
+    if case.method in ("torchlceall", "plainlp"):  # log-probs only, every row (-100 rows: zero, no gradient)
+        import torch.nn.functional as F
+
+        if group is not None:
+            raise ValueError(f"{case.method} has no vocabulary parallelism; use tp=1")
+        if case.method == "torchlceall":
+            return -F.linear_cross_entropy(inp.hidden, inp.weight, inp.labels, reduction="none",
+                                           options=torch.nn.LinearCrossEntropyOptions()), None
+        return -F.cross_entropy(inp.hidden @ inp.weight.t(), inp.labels, reduction="none"), None
     if case.method in ("trlrows", "torchlce"):
         if group is not None:
             raise ValueError(f"{case.method} has no vocabulary parallelism; use tp=1")

@@ -26,6 +26,7 @@ import time
 from . import plan
 from ._measure import (
     DEFAULT_METHODS,
+    LOG_PROB_ONLY_METHODS,
     LOSS_METHODS,
     METHODS,
     ROWS_METHODS,
@@ -97,10 +98,13 @@ PRESETS = {
         methods=["divergence", "divergenceloss", "trldivergence", "plaindivergence"],
     ),
     # only the rows that are read (25% and 50% of them labelled): this library's rows="kept" against the same call
-    # on all rows, TRL 1.16's compacted call and torch's F.linear_cross_entropy (log-probs only) on the same rows
+    # on all rows, TRL 1.16's compacted call and torch's F.linear_cross_entropy (log-probs only) on the same rows;
+    # and log-probs only: the fused head on all rows and with rows="kept" against torch's F.linear_cross_entropy
+    # (reduction="none") and plain torch, both on all rows
     "rows": dict(
         path="head", tokens=[16384], vocab=[32768], hidden=[512], dtype="float32", chunk_sizes=[512],
-        methods=["head", "headrows", "trlrows", "torchlce"], read=[25, 50],
+        methods=["head", "headrows", "trlrows", "torchlce", "headlp", "headrowslp", "torchlceall", "plainlp"],
+        read=[25, 50],
     ),
     # sampling replay: 64 kept ids per token against none, and the dense-mask route (slime's) on the same input
     "replay": dict(
@@ -177,7 +181,8 @@ def add_arguments(p, positive_int, int_list, name_list) -> None:
                         "between two heads: linear_divergence, its loss form, TRL's function, plain torch)")
     g.add_argument("--read", type=_counts, metavar="P1,...",
                    help="only the rows that are read: the percent of rows whose label is kept (the others -100), "
-                        "for head (all rows) and headrows, trlrows, torchlce (the rows read); default 0 (every row)")
+                        "for head (all rows) and headrows, trlrows, torchlce (the rows read), and the log-prob-only "
+                        "headlp, torchlceall, plainlp (all rows) and headrowslp (the rows read); default 0 (every row)")
     g.add_argument("--keep", type=_counts, metavar="K1,...",
                    help="sampling replay: kept ids per token, in vLLM's CSR layout, for this library's methods "
                         "and the dense-mask route densekeep (0: no replay; default 0)")
@@ -261,8 +266,9 @@ def build_cases(s: dict, device: str) -> list:
                         if m in ("verlfsdp", "fsdpplugin"):  # verl's top-k distillation: on where --topk asks
                             topk = max(s.get("topk") or [0])
                         seq_len = (s.get("seq_len") or 0) if m in LOSS_METHODS else 0
-                        ours = ours or m == "headrows"
-                        reads = (s.get("read") or [0]) if m in ("head",) + ROWS_METHODS else [0]
+                        ours = ours or m in ("headrows", "headlp", "headrowslp")
+                        reads = (s.get("read") or [0]) if m in ("head",) + ROWS_METHODS + LOG_PROB_ONLY_METHODS \
+                            else [0]
                         for c in (s["chunk_sizes"] if ours else [0]):
                             for be in (s["backends"] if ours else ["eager"]):
                                 for kk in keeps:
@@ -284,7 +290,8 @@ def plan_bytes(case: Case) -> int:
               "distill": "chunked", "verldistill": "plain", "verlfsdp": "plain", "fsdpplugin": "chunked",
               "verlfused": "head", "fusedplugin": "head", "divergence": "head", "divergenceloss": "head",
               "trldivergence": "plain", "plaindivergence": "plain", "headrows": "head", "trlrows": "head",
-              "torchlce": "head"}.get(case.method, case.method)
+              "torchlce": "head", "headlp": "head", "headrowslp": "head", "torchlceall": "head",
+              "plainlp": "plain"}.get(case.method, case.method)
     if method == "fusedloss":
         method = "head" if case.path == "head" else "chunked"
     if case.method in ROWS_METHODS and case.read:  # the head's on the rows read, the [M, H] gather, the full grad
