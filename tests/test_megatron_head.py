@@ -19,10 +19,7 @@ import torch.distributed as dist
 
 pytest.importorskip("megatron.core")
 
-from chunked_entropy import (
-    ChunkedVocabParallelHead,  # noqa: E402
-    Chunking,
-)
+from chunked_entropy import ChunkedVocabParallelHead, Chunking  # noqa: E402
 from tests.helpers import reference, run_distributed  # noqa: E402
 
 F32 = dict(rtol=1e-5, atol=1e-5)

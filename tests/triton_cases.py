@@ -35,12 +35,7 @@ from tests.helpers import reference
 if os.environ.get("TRITON_INTERPRET") != "1":  # pragma: no cover - guarded by tests/test_triton.py
     pytest.skip("run by tests/test_triton.py with TRITON_INTERPRET=1", allow_module_level=True)
 
-from chunked_entropy import (
-    Chunking,
-    OutputLayer,
-    PolicyLoss,
-    _triton,  # noqa: E402 - after the interpreter check
-)
+from chunked_entropy import Chunking, OutputLayer, PolicyLoss, _triton  # noqa: E402 - after the interpreter check
 
 W = 37  # columns of a block: three tiles of 16
 HALF = (torch.bfloat16, torch.float16)
