@@ -255,6 +255,10 @@ def _scenarios(op, d, rank, wrong_type_objects=False):
             if wrong_type_objects:
                 if isinstance(value, OPTIONS):
                     yield f"base {i}: {p.name} = object", "bad", p.name, p.name, dict(base, **{p.name: object()})
+                if p.name == "student_layer":  # the two heads' layouts disagree, on one rank
+                    alone = value.replace(sequence_parallel=not value.sequence_parallel)
+                    yield (f"base {i}: student_layer.sequence_parallel alone different", "bad", "sequence_parallel",
+                           p.name, dict(base, student_layer=alone))
                 continue
             if isinstance(value, OPTIONS):  # each field of the object, then the object of the wrong type
                 for path, field in _fields(value):
@@ -263,6 +267,13 @@ def _scenarios(op, d, rank, wrong_type_objects=False):
                         continue
                     other = _different(field)
                     if other is None and not isinstance(field, torch.dtype):
+                        continue
+                    if path == ("sequence_parallel",) and p.name in ("student_layer", "teacher_layer"):
+                        if p.name == "teacher_layer":
+                            continue  # the two heads' hidden states share one layout: changed together below
+                        both = {k: base[k].replace(sequence_parallel=other) for k in ("student_layer", "teacher_layer")}
+                        yield f"base {i}: both layers' sequence_parallel different", "different", path[-1], p.name, \
+                            dict(base, **both)
                         continue
                     try:
                         changed = _replace(value, path, other)
@@ -332,9 +343,10 @@ ALL_OPS = (log_probs_and_entropy, linear_log_probs_and_entropy, policy_loss_from
 
 @pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
     "at 826ad15 the ops turn layer= / chunking= / loss= / divergence= into their objects (and refuse a wrong "
-    "type) before the agreed call: a rank-local TypeError leaves the other ranks in the collective, which "
-    "gloo aborts; strict: this test passes, and must lose the mark, once that refusal is agreed"))
-def test_an_option_object_of_the_wrong_type_on_one_rank_fails_fast_on_every_rank():
+    "type), and the divergences check that the two layers share one layout, before the agreed call: a "
+    "rank-local error leaves the other ranks in the collective, which gloo aborts; strict: this test passes, "
+    "and must lose the mark, once those refusals are agreed"))
+def test_an_option_object_of_the_wrong_type_or_a_head_alone_sequence_parallel_on_one_rank_fails_on_every_rank():
     run_distributed(_check_ops, WORLD, ALL_OPS, True, timeout_s=20)
 
 
