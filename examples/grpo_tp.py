@@ -45,7 +45,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from chunked_entropy import ChunkedVocabParallelHead
+from chunked_entropy import ChunkedVocabParallelHead, Chunking, OutputLayer
 from chunked_entropy.losses import agg_loss, entropy_bonus, kl_penalty, policy_loss
 
 
@@ -153,7 +153,7 @@ class TinyCausalLM(nn.Module):
         v_local = cfg.vocab_size // world
         shard = nn.Parameter(full[rank * v_local:(rank + 1) * v_local].clone())
         self.lm_head = ChunkedVocabParallelHead(
-            shard, chunk_size=cfg.chunk_size, process_group=tp_group, vocab_chunk_size=cfg.vocab_chunk_size
+            OutputLayer(shard, process_group=tp_group), Chunking(cfg.chunk_size, cfg.vocab_chunk_size)
         )
 
     def hidden(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -72,8 +72,10 @@ def require(*modules: str) -> None:
             )
 
 
-def _worker(rank, world_size, store_file, fn, args, errfile, timeout_s=None):
+def _worker(rank, world_size, store_file, fn, args, errfile, timeout_s=None, error_filters=()):
     torch.set_num_threads(1)
+    for _, message, category, module, lineno in error_filters:  # the parent's warnings-as-errors, here too
+        warnings.filterwarnings("error", message=message, category=category, module=module, lineno=lineno)
     kw = {} if timeout_s is None else {"timeout": datetime.timedelta(seconds=timeout_s)}
     # A file rendezvous: no port to pick, release and bind again, so two runs can never race for one.
     dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank, world_size=world_size, **kw)
@@ -99,16 +101,35 @@ def run_distributed(fn, world_size: int, *args, timeout_s=None) -> None:
     ``fn`` must be a module-level function (it is pickled). A failure on any
     rank fails the caller with that rank's traceback. ``timeout_s`` bounds
     every collective (gloo's default is 30 minutes): a test of "no hang"
-    then fails in seconds instead of waiting.
+    then fails in seconds instead of waiting. The caller's "error" warning
+    filters (pytest's ``-W error:...`` / ``filterwarnings``) apply on every rank.
     """
+    error_filters = [(a, m.pattern if m else "", c, mod.pattern if mod else "", ln)
+                     for a, m, c, mod, ln in warnings.filters if a == "error"]
     with tempfile.TemporaryDirectory() as d:
         errfile = os.path.join(d, "err")
         try:
             store = os.path.join(d, "rendezvous")  # a fresh file per run: the group's store
-            mp.spawn(_worker, args=(world_size, store, fn, args, errfile, timeout_s), nprocs=world_size)
+            mp.spawn(_worker, args=(world_size, store, fn, args, errfile, timeout_s, error_filters),
+                     nprocs=world_size)
         except Exception as e:
             msgs = []
             for r in range(world_size):
                 if os.path.exists(f"{errfile}.{r}"):
                     msgs.append(f"--- rank {r} ---\n" + open(f"{errfile}.{r}").read())
             raise AssertionError("distributed test failed:\n" + "\n".join(msgs or [str(e)])) from None
+
+
+def policy_loss_of(**settings):
+    """The :class:`~chunked_entropy.PolicyLoss` of a test table written in verl's names (``loss_mode``,
+    ``loss_agg_mode``, ``loss_scale_factor``, ``entropy_coeff``, ``kl_coef``, ``kl_kind``, ``entropy_of`` and
+    the :class:`~chunked_entropy.losses.PolicyOptions` fields): the tables stay in the names that the
+    float64 compositions (``losses.policy_loss``, verl's ``core_algos``) read."""
+    from chunked_entropy import PolicyLoss
+    from chunked_entropy.losses import Aggregation
+
+    s = dict(settings)
+    aggregation = Aggregation(s.pop("loss_agg_mode", "token-mean"), s.pop("loss_scale_factor", None),
+                              s.pop("dp_size", 1), s.pop("batch_num_tokens", None), s.pop("global_batch_size", None))
+    top = {k: s.pop(k) for k in ("entropy_coeff", "kl_coef", "kl_kind", "entropy_of") if k in s}
+    return PolicyLoss(s.pop("loss_mode", "vanilla"), s, aggregation=aggregation, **top)

@@ -16,6 +16,9 @@ import torch.distributed as dist
 
 from chunked_entropy import (
     ChunkedVocabParallelHead,
+    Chunking,
+    OutputLayer,
+    PolicyLoss,
     _kernels,
     linear_log_probs_and_entropy,
     linear_policy_loss,
@@ -53,7 +56,10 @@ def test_logits_path_matches_eager_and_float64(dtype, extra):
     labels[0, 0] = -100
     t = torch.rand(3, 11, generator=g) + 0.4
     ups = [torch.randn(3, 11, generator=g) for _ in range(3)]
-    fn = lambda x, backend: log_probs_and_entropy(x, labels, temperature=t, chunk_size=8, backend=backend, **extra)  # noqa: E731
+    layer = OutputLayer(softcap=extra.get("softcap"), logit_scale=extra.get("logit_scale"))
+    fn = lambda x, backend: log_probs_and_entropy(  # noqa: E731
+        x, labels, temperature=t, layer=layer, chunking=Chunking(8, backend=backend),
+        compute_sum_pi_squared=extra.get("compute_sum_pi_squared", False))
     tol = dict(rtol=1e-5, atol=1e-6)
     outs = _both(fn, [z], ups, tol)
     ref = reference(z.double(), labels, temperature=t.double(), sum_pi_squared=True,
@@ -69,7 +75,7 @@ def test_fused_head_matches_eager(vocab_chunk_size):
     labels = torch.randint(0, V, (2, 13), generator=g)
     ups = [torch.randn(2, 13, generator=g) for _ in range(2)]
     fn = lambda h, w, b, backend: linear_log_probs_and_entropy(  # noqa: E731
-        h, w, labels, bias=b, chunk_size=5, vocab_chunk_size=vocab_chunk_size, temperature=0.8, backend=backend)
+        h, OutputLayer(w, b), labels, chunking=Chunking(5, vocab_chunk_size, backend), temperature=0.8)
     _both(fn, leaves, ups, dict(rtol=1e-5, atol=1e-5))
 
 
@@ -86,11 +92,13 @@ def test_fused_policy_loss_matches_eager(path, mode, chunk):
     for backend in ("eager", "compile"):
         h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
         if path == "head":
-            loss, _ = linear_policy_loss(h, w, labels, old, adv, mask, chunk_size=chunk, entropy_coeff=0.01,
-                                         clip_ratio_c=3.0, backend=backend, loss_mode=mode)
+            loss, _ = linear_policy_loss(h, w, labels, old, adv, mask,
+                                         loss=PolicyLoss(mode, {"clip_ratio_c": 3.0}, entropy_coeff=0.01),
+                                         chunking=Chunking(chunk, backend=backend))
         else:
-            loss, _ = policy_loss_from_logits(h @ w.T, labels, old, adv, mask, chunk_size=chunk, entropy_coeff=0.01,
-                                              clip_ratio_c=3.0, backend=backend, loss_mode=mode)
+            loss, _ = policy_loss_from_logits(h @ w.T, labels, old, adv, mask,
+                                              loss=PolicyLoss(mode, {"clip_ratio_c": 3.0}, entropy_coeff=0.01),
+                                              chunking=Chunking(chunk, backend=backend))
         loss.backward()
         results.append((loss.detach(), h.grad, w.grad))
     for a, b in zip(*results, strict=True):
@@ -102,14 +110,14 @@ def test_no_recompiles_across_chunks_tokens_temperatures_and_blocks():
 
     def logits_call(n, chunk, t):
         z = torch.randn(n, V, generator=g).requires_grad_()
-        lp, ent = log_probs_and_entropy(z, torch.randint(0, V, (n,), generator=g), chunk_size=chunk,
-                                        temperature=t, backend="compile")
+        lp, ent = log_probs_and_entropy(z, torch.randint(0, V, (n,), generator=g),
+                                        chunking=Chunking(chunk, backend="compile"), temperature=t)
         (lp.sum() + ent.sum()).backward()
 
     def head_call(n, chunk, block):
         h, w = torch.randn(n, 8, generator=g).requires_grad_(), torch.randn(V, 8, generator=g).requires_grad_()
-        lp, ent = linear_log_probs_and_entropy(h, w, torch.randint(0, V, (n,), generator=g), chunk_size=chunk,
-                                               vocab_chunk_size=block, backend="compile")
+        lp, ent = linear_log_probs_and_entropy(h, w, torch.randint(0, V, (n,), generator=g),
+                                               chunking=Chunking(chunk, vocab_chunk_size=block, backend="compile"))
         (lp.sum() + ent.sum()).backward()
 
     logits_call(8, 8, 1.0)  # compiles (or finds) the variants once; tokens == chunk_size: no "duck" guard
@@ -123,7 +131,7 @@ def test_no_recompiles_across_chunks_tokens_temperatures_and_blocks():
 
 def test_no_grad_and_a_users_compiled_model():
     g = torch.Generator().manual_seed(4)
-    head = ChunkedVocabParallelHead(torch.randn(V, 8, generator=g), chunk_size=6, backend="compile")
+    head = ChunkedVocabParallelHead(torch.randn(V, 8, generator=g), Chunking(6, backend="compile"))
     labels = torch.randint(0, V, (2, 7), generator=g)
 
     class Model(torch.nn.Module):
@@ -157,15 +165,15 @@ def test_auto_falls_back_to_eager_once_with_one_warning(monkeypatch):
     z = torch.randn(4, V)
     labels = torch.randint(0, V, (4,))
     with pytest.warns(RuntimeWarning, match="could not run its compiled kernels") as record:
-        a = log_probs_and_entropy(z, labels, backend="auto")
+        a = log_probs_and_entropy(z, labels, chunking=Chunking(backend="auto"))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no second warning
-        b = log_probs_and_entropy(z, labels, backend="auto")
+        b = log_probs_and_entropy(z, labels, chunking=Chunking(backend="auto"))
     assert len(record) == 1
     torch.testing.assert_close(a.log_probs, log_probs_and_entropy(z, labels).log_probs)
     torch.testing.assert_close(b.entropy, a.entropy)
     with pytest.raises(ValueError, match="backend"):
-        log_probs_and_entropy(z, labels, backend="fast")
+        log_probs_and_entropy(z, labels, chunking=Chunking(backend="fast"))
 
 
 def _tp(rank, world):
@@ -175,7 +183,8 @@ def _tp(rank, world):
     full = torch.randn(6, 2 * 30, generator=g) * 3
     labels = torch.randint(0, 60, (6,), generator=g)
     shard = full[:, rank * 30:(rank + 1) * 30].clone().requires_grad_()
-    lp, ent = log_probs_and_entropy(shard, labels, process_group=group, chunk_size=4, backend="compile")
+    lp, ent = log_probs_and_entropy(shard, labels, layer=OutputLayer(process_group=group),
+                                    chunking=Chunking(4, backend="compile"))
     (lp.sum() + 0.5 * ent.sum()).backward()
     x = full.double().requires_grad_()
     lp_r, ent_r = reference(x, labels)

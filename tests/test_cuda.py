@@ -37,7 +37,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import chunked_entropy as ce
-from chunked_entropy import losses
+from chunked_entropy import Chunking, losses
 from chunked_entropy._checks import CHECKS_ENV
 from chunked_entropy._kernels import BACKENDS
 
@@ -121,12 +121,11 @@ def _outputs_case(d, dtype, backend, up, *, head, module=False, at=False):
         w, h = _leaf(w, torch.float64), _leaf(h, torch.float64)
     leaves = [h, w]
     if up is None:
-        kw = dict(temperature=TEMPERATURE, chunk_size=CHUNK, backend=backend)
+        kw = dict(temperature=TEMPERATURE, chunking=Chunking(CHUNK, backend=backend))
         if at:
             kw["log_probs_at"] = d["teacher_ids"]
         if module:
-            kw.pop("chunk_size"), kw.pop("backend")
-            out = ce.ChunkedVocabParallelHead(w, chunk_size=CHUNK, backend=backend)(h, d["labels"], **kw)
+            out = ce.ChunkedVocabParallelHead(w, kw.pop("chunking"))(h, d["labels"], **kw)
         elif head:
             out = ce.linear_log_probs_and_entropy(h, w, d["labels"], **kw)
         else:
@@ -148,8 +147,8 @@ def _loss_case(d, dtype, backend, up, *, head):
     old, adv = d["old"].to(dtype if up is None else up), d["adv"].to(dtype if up is None else up)
     if up is None:
         fn = ce.linear_policy_loss if head else partial(_from_logits, ce.policy_loss_from_logits)
-        loss, _ = fn(h, w, d["labels"], old, adv, d["mask"], entropy_coeff=0.01, temperature=TEMPERATURE,
-                     chunk_size=CHUNK, backend=backend)
+        loss, _ = fn(h, w, d["labels"], old, adv, d["mask"], loss=ce.PolicyLoss(entropy_coeff=0.01),
+                     temperature=TEMPERATURE, chunking=Chunking(CHUNK, backend=backend))
     else:
         _, lp, ent = _softmax_stats(h @ w.t(), d["labels"], up)
         loss = _vanilla_loss(lp, ent, old, adv, d["mask"])
@@ -167,14 +166,13 @@ def _divergence_case(d, dtype, backend, up, *, form):
         h, w, th, tw = _leaf(h, torch.float64), _leaf(w, torch.float64), th.double(), tw.double()
     if up is None:
         if form == "loss":
-            r = ce.linear_divergence_loss(h, w, th, tw, temperature=TEMPERATURE, chunk_size=CHUNK,
-                                          label_mask=d["mask"])
+            r = ce.linear_divergence_loss(h, w, th, tw, temperature=TEMPERATURE, chunking=CHUNK, label_mask=d["mask"])
             return [r.loss], [h, w], [d["g_loss"]]
         if form == "logits":
             r = ce.divergence_from_logits(h @ w.t(), th @ tw.t(), labels=d["labels"], temperature=TEMPERATURE,
-                                          chunk_size=CHUNK)
+                                          chunking=CHUNK)
         else:
-            r = ce.linear_divergence(h, w, th, tw, labels=d["labels"], temperature=TEMPERATURE, chunk_size=CHUNK)
+            r = ce.linear_divergence(h, w, th, tw, labels=d["labels"], temperature=TEMPERATURE, chunking=CHUNK)
         return [r.divergence, r.log_probs], [h, w], [d["g_div"], d["g_lp"]]
     div, ls = _forward_kl(h @ w.t(), th @ tw.t(), up)
     if form == "loss":

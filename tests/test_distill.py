@@ -18,7 +18,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from chunked_entropy import ChunkedVocabParallelHead, linear_log_probs_and_entropy, log_probs_and_entropy
+from chunked_entropy import (
+    ChunkedVocabParallelHead,
+    Chunking,
+    OutputLayer,
+    linear_log_probs_and_entropy,
+    log_probs_and_entropy,
+)
 from tests.helpers import run_distributed
 
 
@@ -106,8 +112,9 @@ def test_logits_path_matches_float64(backend, opts, K, k, labels_too):
     mask = (torch.rand(labels.shape, generator=g) < 0.7) if o.pop("label_mask", False) else None
     x = z.clone().requires_grad_()
     snap = ids.clone()
-    out = log_probs_and_entropy(x, labels if labels_too else None, log_probs_at=ids, top_k=k or None, chunk_size=4,
-                                temperature=t, label_mask=mask, backend=backend, **o)
+    out = log_probs_and_entropy(x, labels if labels_too else None, log_probs_at=ids, top_k=k or None,
+                                layer=OutputLayer(**o), chunking=Chunking(4, backend=backend), temperature=t,
+                                label_mask=mask)
     assert torch.equal(ids, snap) and torch.equal(x.detach(), z)
     zr = z.clone().requires_grad_()
     ref = _reference(zr, labels if labels_too else None, ids, k, temperature=t, label_mask=mask, **o)
@@ -125,13 +132,14 @@ def test_fused_head_and_module_match_float64(backend, vocab_chunk_size):
     labels = torch.randint(0, v, lead, generator=g)
     ids = torch.randint(0, v, (*lead, K), generator=g)
     leaves = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
-    out = linear_log_probs_and_entropy(leaves[0], leaves[1], labels, bias=leaves[2], log_probs_at=ids, top_k=k,
-                                       chunk_size=5, vocab_chunk_size=vocab_chunk_size, softcap=9.0, backend=backend)
+    out = linear_log_probs_and_entropy(leaves[0], OutputLayer(leaves[1], leaves[2], softcap=9.0), labels,
+                                       chunking=Chunking(5, vocab_chunk_size=vocab_chunk_size, backend=backend),
+                                       log_probs_at=ids, top_k=k)
     refs = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
     ref = _reference(refs[0] @ refs[1].t() + refs[2], labels, ids, k, softcap=9.0)
     _check(out, ref, _ups(lead, K, k, g), leaves, refs, dict(rtol=1e-9, atol=1e-9))
-    head = ChunkedVocabParallelHead(weight, bias, chunk_size=5, vocab_chunk_size=vocab_chunk_size, backend=backend,
-                                    softcap=9.0)
+    head = ChunkedVocabParallelHead(OutputLayer(weight, bias, softcap=9.0),
+                                    Chunking(5, vocab_chunk_size=vocab_chunk_size, backend=backend))
     got = head(hidden, None, log_probs_at=ids, top_k=k)
     assert got.log_probs is None
     torch.testing.assert_close(got.log_probs_at, ref[2].detach(), rtol=1e-9, atol=1e-9)
@@ -144,11 +152,11 @@ def test_no_grad_zero_tokens_and_nothing_of_tokens_by_vocab():
     z, labels, ids, _ = _case(lead=(40,), v=301, K=8)
     z32 = z.float()
     with torch.no_grad():
-        out = log_probs_and_entropy(z32, labels, log_probs_at=ids, top_k=5, chunk_size=8)
+        out = log_probs_and_entropy(z32, labels, log_probs_at=ids, top_k=5, chunking=8)
     assert out.log_probs_at.grad_fn is None and out.top_k_ids.dtype == torch.int64
     x = z32.clone().requires_grad_()
     with _Allocations() as fwd:
-        out = log_probs_and_entropy(x, labels, log_probs_at=ids, top_k=5, chunk_size=8)
+        out = log_probs_and_entropy(x, labels, log_probs_at=ids, top_k=5, chunking=8)
     assert max(fwd.sizes) <= 8 * 301 < 40 * 301
     empty = log_probs_and_entropy(torch.zeros(0, 7, requires_grad=True), torch.zeros(0, dtype=torch.long),
                                   log_probs_at=torch.zeros(0, 3, dtype=torch.long), top_k=2)
@@ -186,8 +194,8 @@ def _tp_worker(rank, world):
     shard = slice(rank * v_local, (rank + 1) * v_local)
     for backend in ("eager",):
         x = z[..., shard].clone().requires_grad_()
-        out = log_probs_and_entropy(x, labels, log_probs_at=ids, top_k=6, chunk_size=5, process_group=group,
-                                    temperature=0.6, backend=backend)
+        out = log_probs_and_entropy(x, labels, log_probs_at=ids, top_k=6, layer=OutputLayer(process_group=group),
+                                    chunking=Chunking(5, backend=backend), temperature=0.6)
         zr = z.clone().requires_grad_()
         ref = _reference(zr, labels, ids, 6, temperature=0.6)
         ups = _ups(labels.shape, 5, 6, g)
@@ -207,8 +215,8 @@ def _tp_worker(rank, world):
     rows = slice(rank * 2, rank * 2 + 2)
     h = hidden[rows].clone().requires_grad_()
     w = weight[shard].clone().requires_grad_()
-    out = linear_log_probs_and_entropy(h, w, None, log_probs_at=hids, top_k=4, chunk_size=4, process_group=group,
-                                       sequence_parallel=True, vocab_chunk_size=3)
+    out = linear_log_probs_and_entropy(h, OutputLayer(w, process_group=group, sequence_parallel=True), None,
+                                       log_probs_at=hids, top_k=4, chunking=Chunking(4, vocab_chunk_size=3))
     hr, wr = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     ref = _reference(hr @ wr.t(), None, hids, 4)
     torch.testing.assert_close(out.log_probs_at, ref[2].detach(), rtol=1e-9, atol=1e-9)
@@ -223,9 +231,9 @@ def _tp_worker(rank, world):
     other = ids.clone()
     other.view(-1)[0] = (other.view(-1)[0] + rank) % v
     with pytest.raises(ValueError, match="log_probs_at .the ids. differs across"):
-        log_probs_and_entropy(z[..., shard], labels, log_probs_at=other, process_group=group)
+        log_probs_and_entropy(z[..., shard], labels, log_probs_at=other, layer=OutputLayer(process_group=group))
     with pytest.raises(ValueError, match="top_k"):
-        log_probs_and_entropy(z[..., shard], labels, top_k=2 + rank, process_group=group)
+        log_probs_and_entropy(z[..., shard], labels, top_k=2 + rank, layer=OutputLayer(process_group=group))
 
 
 @pytest.mark.parametrize("world", [2, 3])

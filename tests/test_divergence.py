@@ -10,7 +10,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from chunked_entropy import divergence_from_logits, linear_divergence, linear_divergence_loss
+from chunked_entropy import (
+    Chunking,
+    Divergence,
+    OutputLayer,
+    divergence_from_logits,
+    linear_divergence,
+    linear_divergence_loss,
+)
 from tests.helpers import run_distributed
 
 KINDS = [("forward_kl", None), ("reverse_kl", None), ("jsd", 0.3)]
@@ -98,10 +105,9 @@ def test_from_logits_matches_float64_definitions(kind, beta, case):
 
     x = zs.clone().requires_grad_()
     zs_before, zt_before = zs.clone(), zt.clone()
-    kw = dict(student_softcap=(student or {}).get("softcap"), student_logit_scale=(student or {}).get("logit_scale"),
-              teacher_softcap=(teacher or {}).get("softcap"), teacher_logit_scale=(teacher or {}).get("logit_scale"))
-    out = divergence_from_logits(x, zt, divergence=kind, beta=beta, labels=labels, label_mask=mask, temperature=t,
-                                 compute_entropy=True, chunk_size=5, **kw)
+    kw = dict(student_layer=OutputLayer(**(student or {})), teacher_layer=OutputLayer(**(teacher or {})))
+    out = divergence_from_logits(x, zt, labels=labels, divergence=Divergence(kind, beta=beta), chunking=5,
+                                 label_mask=mask, temperature=t, compute_entropy=True, **kw)
     (g,) = torch.autograd.grad((out.divergence * g_d + out.log_probs * g_lp + out.entropy * g_h).sum(), x)
     _close(out.divergence, d_ref, "divergence")
     _close(out.log_probs, lp_ref, "log_probs")
@@ -117,12 +123,12 @@ def test_teacher_equal_to_student_gives_zero_and_no_gradient(kind, beta):
     h = torch.randn(11, 8)
     w = torch.randn(40, 8) * 4
     hs, ws = h.clone().requires_grad_(), w.clone().requires_grad_()
-    out = linear_divergence(hs, ws, h, w, divergence=kind, beta=beta, temperature=0.3, chunk_size=4)
+    out = linear_divergence(hs, ws, h, w, temperature=0.3, divergence=Divergence(kind, beta=beta), chunking=4)
     gh, gw = torch.autograd.grad((out.divergence * torch.randn(11)).sum(), (hs, ws))
     assert out.divergence.abs().max().item() < 1e-6
     assert gh.abs().max().item() < 1e-6 and gw.abs().max().item() < 1e-6
     zs = (h @ w.t()).requires_grad_()
-    d = divergence_from_logits(zs, zs.detach().clone(), divergence=kind, beta=beta).divergence
+    d = divergence_from_logits(zs, zs.detach().clone(), divergence=Divergence(kind, beta=beta)).divergence
     assert d.abs().max().item() < 1e-6
 
 
@@ -156,10 +162,11 @@ def test_linear_matches_float64_definitions(kind, beta, vocab_chunk_size):
 
     ours = [p[k].clone().requires_grad_() for k in ("hs", "ws", "bs")]
     teacher = [p[k].clone().requires_grad_() for k in ("ht", "wt", "bt")]  # must get no gradient
-    out = linear_divergence(ours[0], ours[1], teacher[0], teacher[1], student_bias=ours[2], teacher_bias=teacher[2],
-                            divergence=kind, beta=beta, labels=labels, label_mask=mask, temperature=t,
-                            student_softcap=6.0, teacher_logit_scale=0.8, compute_entropy=True, chunk_size=5,
-                            vocab_chunk_size=vocab_chunk_size)
+    out = linear_divergence(ours[0], OutputLayer(ours[1], ours[2], softcap=6.0), teacher[0],
+                            OutputLayer(teacher[1], teacher[2], logit_scale=0.8),
+                            divergence=Divergence(kind, beta=beta),
+                            chunking=Chunking(5, vocab_chunk_size=vocab_chunk_size), labels=labels, label_mask=mask,
+                            temperature=t, compute_entropy=True)
     (out.divergence * ups[0] + out.log_probs * ups[1] + out.entropy * ups[2]).sum().backward()
     _close(out.divergence, d_ref, "divergence")
     _close(out.log_probs, lp_ref, "log_probs")
@@ -176,18 +183,19 @@ def test_loss_form_matches_the_per_token_form(kind, beta, vocab_chunk_size):
     n = p["hs"].shape[:-1]
     mask = torch.rand(*n, generator=g) > 0.3
     w = torch.rand(*n, generator=g, dtype=torch.float64)
-    kw = dict(divergence=kind, beta=beta, temperature=0.6, student_softcap=5.0, teacher_softcap=7.0, chunk_size=4,
-              vocab_chunk_size=vocab_chunk_size, label_mask=mask)
+    kw = dict(divergence=Divergence(kind, beta), temperature=0.6, chunking=Chunking(4, vocab_chunk_size),
+              label_mask=mask)
+    teacher = OutputLayer(p["wt"], p["bt"], softcap=7.0)
     for reduction, normalizer, weights in [("mean", None, None), ("sum", None, w), ("mean", 13.0, None)]:
         a = [p[k].clone().requires_grad_() for k in ("hs", "ws", "bs")]
         b = [p[k].clone().requires_grad_() for k in ("hs", "ws", "bs")]
-        out = linear_divergence(a[0], a[1], p["ht"], p["wt"], student_bias=a[2], teacher_bias=p["bt"], **kw)
+        out = linear_divergence(a[0], OutputLayer(a[1], a[2], softcap=5.0), p["ht"], teacher, **kw)
         d = out.divergence * (1 if weights is None else weights)
         expected = d.sum() / (normalizer or (mask.sum() if reduction == "mean" else 1))
         expected.backward()
-        res = linear_divergence_loss(b[0], b[1], p["ht"], p["wt"], student_bias=b[2], teacher_bias=p["bt"],
-                                     reduction=reduction, normalizer=normalizer, weights=weights,
-                                     compute_entropy=True, **kw)
+        res = linear_divergence_loss(b[0], OutputLayer(b[1], b[2], softcap=5.0), p["ht"], teacher,
+                                     reduction=reduction, normalizer=normalizer, weights=weights, compute_entropy=True,
+                                     **kw)
         (res.loss * 2.5).backward()
         _close(res.loss, expected, f"loss {reduction} {normalizer}")
         _close(res.divergence, out.divergence, "per-token divergence")
@@ -212,14 +220,14 @@ def test_float32_and_bf16_no_worse_than_plain_torch(kind, beta):
                 cast = (lambda z: z.float()) if dtype != torch.float32 else (lambda z: z)  # noqa: E731
                 d = reference(cast(hs @ ws.t()), cast(ht @ wt.t()), kind, beta, temperature=0.5)
             elif who == "ours":
-                d = linear_divergence(hs, ws, ht, wt, divergence=kind, beta=beta, temperature=0.5,
-                                      chunk_size=16).divergence
+                d = linear_divergence(hs, ws, ht, wt, temperature=0.5, divergence=Divergence(kind, beta=beta),
+                                      chunking=16).divergence
             elif who == "ours from logits":  # the logits twin on the half-precision logits plain autograd forms
-                d = divergence_from_logits(hs @ ws.t(), ht @ wt.t(), divergence=kind, beta=beta, temperature=0.5,
-                                           chunk_size=16).divergence
+                d = divergence_from_logits(hs @ ws.t(), ht @ wt.t(), temperature=0.5,
+                                           divergence=Divergence(kind, beta=beta), chunking=16).divergence
             else:  # the loss form: the gradient formed in forward (half precision: vocabulary blocks outermost)
-                res = linear_divergence_loss(hs, ws, ht, wt, divergence=kind, beta=beta, temperature=0.5,
-                                             chunk_size=16, weights=up.float(), reduction="sum")
+                res = linear_divergence_loss(hs, ws, ht, wt, temperature=0.5, divergence=Divergence(kind, beta=beta),
+                                             chunking=16, weights=up.float(), reduction="sum")
                 d = res.divergence
                 errs[who] = [(a.double() - b).abs().max().item() for a, b in
                              zip((d, *torch.autograd.grad(res.loss, (hs, ws))), (d_ref, *grads_ref), strict=True)]
@@ -263,16 +271,18 @@ def _tp_case(rank, group, *, kind, beta, sequence_parallel, vocab_chunk_size, se
     rows = slice(r * vl, (r + 1) * vl)
     cut = (lambda x: x[r * sl:(r + 1) * sl]) if sequence_parallel else (lambda x: x)
     mine = [cut(h_s).clone().requires_grad_(), w_s[rows].clone().requires_grad_(), b_s[rows].clone().requires_grad_()]
-    kw = dict(divergence=kind, beta=beta, student_bias=mine[2], temperature=t, student_softcap=5.0, label_mask=mask,
-              chunk_size=5, vocab_chunk_size=vocab_chunk_size, process_group=group,
-              sequence_parallel=sequence_parallel)
+    kw = dict(divergence=Divergence(kind, beta), temperature=t, label_mask=mask,
+              chunking=Chunking(5, vocab_chunk_size))
+    tp = dict(process_group=group, sequence_parallel=sequence_parallel)
+    student = OutputLayer(mine[1], mine[2], softcap=5.0, **tp)
+    teacher = OutputLayer(w_t[rows], **tp)
     what = f"rank {r} {kind} sp={sequence_parallel} vcs={vocab_chunk_size} loss={loss}"
     if loss:
-        res = linear_divergence_loss(mine[0], mine[1], cut(h_t), w_t[rows], **kw)
+        res = linear_divergence_loss(mine[0], student, cut(h_t), teacher, **kw)
         res.loss.backward()
         _close(res.loss, total, f"{what}: loss")
     else:
-        out = linear_divergence(mine[0], mine[1], cut(h_t), w_t[rows], labels=labels, compute_entropy=True, **kw)
+        out = linear_divergence(mine[0], student, cut(h_t), teacher, labels=labels, compute_entropy=True, **kw)
         (out.divergence * ups[0] + out.log_probs * ups[1] + out.entropy * ups[2]).sum().backward()
         _close(out.divergence, d_ref, f"{what}: divergence")
         _close(out.log_probs, lp_ref, f"{what}: log_probs")
@@ -282,9 +292,10 @@ def _tp_case(rank, group, *, kind, beta, sequence_parallel, vocab_chunk_size, se
     _close(mine[2].grad, grads_ref[2][rows], f"{what}: grad bias")
     # the logits twin over the same shards
     x = zs.detach()[..., rows].clone().requires_grad_()
-    out = divergence_from_logits(x, zt[..., rows], divergence=kind, beta=beta, labels=labels, label_mask=mask,
-                                 temperature=t, student_softcap=5.0, compute_entropy=True, chunk_size=4,
-                                 process_group=group)
+    out = divergence_from_logits(x, zt[..., rows], labels=labels, divergence=Divergence(kind, beta=beta),
+                                 student_layer=OutputLayer(softcap=5.0, process_group=group),
+                                 teacher_layer=OutputLayer(process_group=group), chunking=4, label_mask=mask,
+                                 temperature=t, compute_entropy=True)
     _close(out.divergence, d_ref, f"{what}: divergence from logits")
     if not loss:
         zs_ref = zs.detach().clone().requires_grad_()
@@ -304,22 +315,25 @@ def _tp2(rank, world):
     # bad input under TP: weights sharded differently are refused on every rank, naming the rank
     w = torch.randn(5 + rank, 4)
     with pytest.raises(ValueError, match="differs across"):
-        linear_divergence(torch.randn(3, 4), w, torch.randn(3, 4), w.clone(), process_group=group)
+        linear_divergence(torch.randn(3, 4), OutputLayer(w, process_group=group), torch.randn(3, 4),
+                          OutputLayer(w.clone(), process_group=group))
     # the new options are agreed too: a beta or a teacher soft-cap that differs is named
-    args = (torch.randn(3, 4), torch.randn(6, 4), torch.randn(3, 5), torch.randn(6, 5))
+    hs, ws, ht, wt = torch.randn(3, 4), torch.randn(6, 4), torch.randn(3, 5), torch.randn(6, 5)
+    student, teacher = OutputLayer(ws, process_group=group), OutputLayer(wt, process_group=group)
     with pytest.raises(ValueError, match="beta differs across"):
-        linear_divergence(*args, divergence="jsd", beta=0.2 + 0.1 * rank, process_group=group)
+        linear_divergence(hs, student, ht, teacher, divergence=Divergence("jsd", 0.2 + 0.1 * rank))
     with pytest.raises(ValueError, match="teacher_softcap differs across"):
-        linear_divergence(*args, teacher_softcap=10.0 + rank, process_group=group)
+        linear_divergence(hs, student, ht, teacher.replace(softcap=10.0 + rank))
     # a NaN teacher on one rank: every rank raises, naming it
     ht = torch.randn(3, 4)
     if rank == 1:
         ht[1, 2] = math.nan
     with pytest.raises(ValueError, match="teacher_hidden must be finite.*rank 1"):
-        linear_divergence(torch.randn(3, 4), torch.randn(6, 4), ht, torch.randn(6, 4), process_group=group)
+        linear_divergence(torch.randn(3, 4), OutputLayer(torch.randn(6, 4), process_group=group), ht,
+                          OutputLayer(torch.randn(6, 4), process_group=group))
     # and the group still works
-    out = linear_divergence(torch.ones(3, 4), torch.ones(6, 4), torch.ones(3, 4), torch.ones(6, 4),
-                            process_group=group)
+    out = linear_divergence(torch.ones(3, 4), OutputLayer(torch.ones(6, 4), process_group=group), torch.ones(3, 4),
+                            OutputLayer(torch.ones(6, 4), process_group=group))
     assert out.divergence.abs().max() == 0
 
 
@@ -356,20 +370,21 @@ def test_bad_tensors_are_named(change, match):
         linear_divergence(*change(_args()))
 
 
-@pytest.mark.parametrize("kw,match", [
-    (dict(divergence="jsd", beta=0.0), r"beta must be in \(0.0, 1.0\)"),
-    (dict(divergence="jsd", beta=1.0), r"beta must be in \(0.0, 1.0\)"),
-    (dict(divergence="jsd"), "needs beta"),
-    (dict(divergence="forward_kl", beta=0.5), "takes none"),
-    (dict(divergence="kl"), "divergence must be one of"),
-    (dict(temperature=0.0), "temperature must be finite and > 0"),
-    (dict(temperature=torch.tensor([1.0, -1.0, 1.0, 1.0])), "temperature must be finite and > 0"),
-    (dict(teacher_softcap=-1.0), "teacher_layer.softcap must be"),
-    (dict(chunk_size=0), "chunk_size must be"),
+@pytest.mark.parametrize("call,match", [
+    (lambda a: linear_divergence(*a, divergence=Divergence("jsd", 0.0)), r"beta must be in \(0.0, 1.0\)"),
+    (lambda a: linear_divergence(*a, divergence=Divergence("jsd", 1.0)), r"beta must be in \(0.0, 1.0\)"),
+    (lambda a: linear_divergence(*a, divergence="jsd"), "needs beta"),
+    (lambda a: linear_divergence(*a, divergence=Divergence("forward_kl", 0.5)), "takes none"),
+    (lambda a: linear_divergence(*a, divergence="kl"), "divergence must be one of"),
+    (lambda a: linear_divergence(*a, temperature=0.0), "temperature must be finite and > 0"),
+    (lambda a: linear_divergence(*a, temperature=torch.tensor([1.0, -1.0, 1.0, 1.0])),
+     "temperature must be finite and > 0"),
+    (lambda a: linear_divergence(*a[:3], OutputLayer(a[3], softcap=-1.0)), "OutputLayer.softcap must be"),
+    (lambda a: linear_divergence(*a, chunking=0), "chunk_size must be"),
 ])
-def test_bad_options_are_named(kw, match):
+def test_bad_options_are_named(call, match):
     with pytest.raises(ValueError, match=match):
-        linear_divergence(*_args(), **kw)
+        call(_args())
 
 
 def test_nan_teacher_is_refused_before_any_work_and_nothing_is_written():
@@ -407,15 +422,18 @@ def test_host_syncs_do_not_grow_with_the_chunks(form, kind, beta):
     counts = {}
     for chunk, vcs in ((n, None), (n // 2, None), (n // 8, v // 3)):
         a, w = hs.clone().requires_grad_(), ws.clone().requires_grad_()
-        kw = dict(divergence=kind, beta=beta, label_mask=mask, temperature=t, student_softcap=5.0, chunk_size=chunk)
+        kw = dict(divergence=Divergence(kind, beta), label_mask=mask, temperature=t)
         with _HostSyncs() as s:
             if form == "per token":
-                out = linear_divergence(a, w, ht, wt, vocab_chunk_size=vcs, compute_entropy=True, **kw)
+                out = linear_divergence(a, OutputLayer(w, softcap=5.0), ht, wt, chunking=Chunking(chunk, vcs),
+                                        compute_entropy=True, **kw)
                 (out.divergence.sum() + out.entropy.sum()).backward()
             elif form == "loss":
-                linear_divergence_loss(a, w, ht, wt, vocab_chunk_size=vcs, **kw).loss.backward()
+                linear_divergence_loss(a, OutputLayer(w, softcap=5.0), ht, wt, chunking=Chunking(chunk, vcs),
+                                       **kw).loss.backward()
             else:
-                divergence_from_logits(a @ w.t(), ht @ wt.t(), **kw).divergence.sum().backward()
+                divergence_from_logits(a @ w.t(), ht @ wt.t(), student_layer=OutputLayer(softcap=5.0), chunking=chunk,
+                                       **kw).divergence.sum().backward()
         counts[chunk] = s.ops
     assert counts[n] == counts[n // 2] == counts[n // 8], counts
     assert sum(counts[n].values()) <= 8, counts[n]

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 pytest.importorskip("megatron.core")
 
-from chunked_entropy import linear_divergence_loss  # noqa: E402
+from chunked_entropy import OutputLayer, linear_divergence_loss  # noqa: E402
 from tests.helpers import run_distributed  # noqa: E402
 
 B, S, V, HID = 2, 8, 32, 16
@@ -89,8 +89,9 @@ def mtp_soft_cross_entropy(model, input_ids, position_ids, labels, loss_mask, *,
     teacher = h_main[depth:].detach()  # position i + depth: its next token is the same one
     weight = model.output_layer.weight  # [V / tp, H], vocab-parallel; the same for both sides
     mask = loss_mask.t()[depth:].bool() if loss_mask is not None else None  # [S - depth, B], the target's mask
-    loss = linear_divergence_loss(student, weight, teacher, weight.detach(), divergence="forward_kl",
-                                  temperature=temperature, label_mask=mask, process_group=group, chunk_size=5)
+    loss = linear_divergence_loss(student, OutputLayer(weight, process_group=group), teacher,
+                                  OutputLayer(weight.detach(), process_group=group), divergence="forward_kl",
+                                  temperature=temperature, label_mask=mask, chunking=5)
     return loss, student, teacher, mask
 
 

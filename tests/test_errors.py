@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import chunked_entropy
-from chunked_entropy import log_probs_and_entropy
+from chunked_entropy import Chunking, OutputLayer, PolicyLoss, log_probs_and_entropy
+from chunked_entropy.losses import Aggregation
 
 N, V = 6, 10
 
@@ -104,6 +105,9 @@ def test_bad_input_raises_naming_the_argument_before_any_work(desc, over, exc, n
         assert not torch.distributed.is_initialized()  # tests spawn their groups in subprocesses
     args = {**_good(), **over}
     logits, labels = args.pop("logits"), args.pop("labels")
+    # the settings travel in the option objects, built (and checked) in the call
+    layer = {k: args.pop(k) for k in ("softcap", "logit_scale", "process_group") if k in args}
+    chunking = {k: args.pop(k) for k in ("chunk_size",) if k in args}
     tensors = [t for t in [logits, labels, *args.values()]
                if isinstance(t, torch.Tensor) and t.device.type != "meta" and t.layout == torch.strided]
     snaps = [(t, t.detach().clone(), t._version) for t in tensors]
@@ -113,7 +117,7 @@ def test_bad_input_raises_naming_the_argument_before_any_work(desc, over, exc, n
     monkeypatch.setattr(chunked_entropy._stats, "block_stats", lambda *a, **k: work.append(1) or real(*a, **k))
 
     with pytest.raises(exc, match=name) as info:
-        log_probs_and_entropy(logits, labels, **args)
+        log_probs_and_entropy(logits, labels, layer=OutputLayer(**layer), chunking=Chunking(**chunking), **args)
     assert len(str(info.value)) > len(name) + 10  # says what was expected, not just the name
     assert work == []  # no chunk was touched
     for t, snap, version in snaps:
@@ -150,9 +154,11 @@ def test_an_overflowing_transform_is_refused_by_both_backends(backend):
     x = torch.randn(4, V)
     labels = torch.tensor([1, 2, 3, 4])
     with pytest.raises(ValueError, match="overflows"):
-        log_probs_and_entropy(x, labels, softcap=1e30, temperature=1e-10, backend=backend)
+        log_probs_and_entropy(x, labels, layer=OutputLayer(softcap=1e30), chunking=Chunking(backend=backend),
+                              temperature=1e-10)
     # the largest ratio that fits is computed, and finite
-    lp, h = log_probs_and_entropy(x, labels, softcap=1e30, temperature=1e-7, backend=backend)
+    lp, h = log_probs_and_entropy(x, labels, layer=OutputLayer(softcap=1e30), chunking=Chunking(backend=backend),
+                                  temperature=1e-7)
     assert torch.isfinite(lp).all() and torch.isfinite(h).all()
 
 
@@ -162,19 +168,20 @@ def test_numpy_scalars_are_numbers_everywhere():
 
     g = torch.Generator().manual_seed(9)
     x, labels = torch.randn(4, V, generator=g), torch.tensor([1, 2, 3, 4])
-    want = log_probs_and_entropy(x, labels, softcap=3.0, logit_scale=0.5, temperature=0.7)
+    want = log_probs_and_entropy(x, labels, layer=OutputLayer(softcap=3.0, logit_scale=0.5), temperature=0.7)
     for cast in (np.float32, np.float64):
-        got = log_probs_and_entropy(x, labels, softcap=cast(3.0), logit_scale=cast(0.5), temperature=cast(0.7))
+        got = log_probs_and_entropy(x, labels, layer=OutputLayer(softcap=cast(3.0), logit_scale=cast(0.5)),
+                                    temperature=cast(0.7))
         torch.testing.assert_close(got.log_probs, want.log_probs, rtol=1e-6, atol=1e-7)
     hidden, weight = torch.randn(2, 3, 5, generator=g), torch.randn(V, 5, generator=g)
     old, adv, mask = torch.randn(2, 3, generator=g) - 2, torch.randn(2, 3, generator=g), torch.ones(2, 3, dtype=bool)
     loss_ref, _ = linear_policy_loss(hidden, weight, torch.ones(2, 3, dtype=torch.long), old, adv, mask,
-                                     clip_ratio_c=3.0, entropy_coeff=0.01)
+                                     loss=PolicyLoss(options={"clip_ratio_c": 3.0}, entropy_coeff=0.01))
     for cast in (np.float32, np.float64):
         loss, _ = linear_policy_loss(hidden, weight, torch.ones(2, 3, dtype=torch.long), old, adv, mask,
-                                     clip_ratio_c=cast(3.0), entropy_coeff=cast(0.01))
+                                     loss=PolicyLoss(options={"clip_ratio_c": cast(3.0)}, entropy_coeff=cast(0.01)))
         torch.testing.assert_close(loss, loss_ref)
-        head = ChunkedVocabParallelHead(weight, softcap=cast(30.0), logit_scale=cast(0.5))
+        head = ChunkedVocabParallelHead(OutputLayer(weight, softcap=cast(30.0), logit_scale=cast(0.5)))
         assert head.softcap == 30.0 and head.logit_scale == 0.5
 
 
@@ -184,7 +191,7 @@ def test_head_flags_are_bools_as_in_the_functions():
     weight = torch.randn(V, 4)
     for bad in ("no", 1, None):
         with pytest.raises(TypeError, match="sequence_parallel"):
-            ChunkedVocabParallelHead(weight, sequence_parallel=bad)
+            ChunkedVocabParallelHead(OutputLayer(weight, sequence_parallel=bad))
 
 
 def test_the_losses_name_list_labels_and_a_non_finite_count():
@@ -200,6 +207,7 @@ def test_the_losses_name_list_labels_and_a_non_finite_count():
         with pytest.raises(ValueError, match="batch_num_tokens must be a finite number"):
             losses.agg_loss(torch.randn(2, 3), mask, batch_num_tokens=count)
         with pytest.raises(ValueError, match="batch_num_tokens must be a finite number"):
-            policy_loss_from_logits(z, lab, old, adv, mask, batch_num_tokens=count)
+            policy_loss_from_logits(z, lab, old, adv, mask,
+                                    loss=PolicyLoss(aggregation=Aggregation(batch_num_tokens=count)))
     with pytest.raises(ValueError, match="global_batch_size must be a finite number > 0"):
         losses.agg_loss(torch.randn(2, 3), mask, "seq-mean-token-mean", global_batch_size=torch.tensor(math.inf))

@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from chunked_entropy import linear_log_probs_and_entropy, log_probs_and_entropy
+from chunked_entropy import Chunking, OutputLayer, linear_log_probs_and_entropy, log_probs_and_entropy
 from tests.helpers import reference
 
 
@@ -37,7 +37,7 @@ def _rel_err(x, ref):
 def test_confident_rows_entropy_no_worse_than_float32_torch(offset, t):
     z, labels = _confident(offset=offset, t=t)
     lp_ref, h_ref = reference(z.double(), labels, temperature=t)
-    lp, h = log_probs_and_entropy(z, labels, temperature=t, chunk_size=77)
+    lp, h = log_probs_and_entropy(z, labels, temperature=t, chunking=77)
     logp = torch.log_softmax(z / t, -1)  # plain float32 torch, the bar to clear
     h_torch = -(logp.exp() * logp).sum(-1)
     assert (h > 0).all(), "a confident row's entropy was returned as 0"
@@ -55,7 +55,7 @@ def test_log_prob_and_gradient_error_do_not_depend_on_the_offset(offset):
     labels = torch.randint(0, 300, (40,), generator=g)
     g_lp, g_h = torch.randn(40, generator=g), torch.randn(40, generator=g)
     x = z.clone().requires_grad_()
-    lp, h = log_probs_and_entropy(x, labels, temperature=0.7, chunk_size=16)
+    lp, h = log_probs_and_entropy(x, labels, temperature=0.7, chunking=16)
     ((lp * g_lp).sum() + (h * g_h).sum()).backward()
     xr = z.double().requires_grad_()
     lp_r, h_r = reference(xr, labels, temperature=0.7)
@@ -80,9 +80,8 @@ def test_fused_head_confident_rows_at_a_large_bias():
     labels = torch.randint(0, 200, (64,), generator=g)
     g_lp, g_h = torch.randn(64, generator=g), torch.randn(64, generator=g)
     leaves = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
-    lp, h = linear_log_probs_and_entropy(
-        leaves[0], leaves[1], labels, bias=leaves[2], chunk_size=24, vocab_chunk_size=64, temperature=0.5
-    )
+    lp, h = linear_log_probs_and_entropy(leaves[0], OutputLayer(leaves[1], leaves[2]), labels,
+                                         chunking=Chunking(24, vocab_chunk_size=64), temperature=0.5)
     ((lp * g_lp).sum() + (h * g_h).sum()).backward()
     z = (hidden @ weight.T + bias).double().requires_grad_()
     lp_r, h_r = reference(z, labels, temperature=0.5)
@@ -128,7 +127,8 @@ def test_transforms_values_and_gradients_logits_path(tf, temperature):
     labels = torch.randint(0, 70, (5, 9), generator=g)
     t = torch.rand(5, 9, generator=g) + 0.3 if temperature == "per_token" else temperature
     ups = [torch.randn(5, 9, generator=g) for _ in range(3)]
-    (lp, h, s2), grad = _run_logits(z, labels, ups, chunk_size=8, temperature=t, compute_sum_pi_squared=True, **tf)
+    (lp, h, s2), grad = _run_logits(z, labels, ups, layer=OutputLayer(**tf), chunking=8, temperature=t,
+                                    compute_sum_pi_squared=True)
     (lp_r, h_r, s2_r), grad_r = _run_ref(z, labels, ups, temperature=t, **tf)
     for ours, ref in ((lp, lp_r), (h, h_r), (s2, s2_r)):
         torch.testing.assert_close(ours.double(), ref, rtol=1e-5, atol=1e-5)
@@ -146,10 +146,9 @@ def test_transforms_values_and_gradients_fused_head(tf, vocab_chunk_size):
     t = torch.rand(2, 1, generator=g) + 0.5
     ups = [torch.randn(2, 11, generator=g) for _ in range(3)]
     leaves = [x.clone().requires_grad_() for x in (hidden, weight, bias)]
-    out = linear_log_probs_and_entropy(
-        leaves[0], leaves[1], labels, bias=leaves[2], chunk_size=5, vocab_chunk_size=vocab_chunk_size,
-        temperature=t, compute_sum_pi_squared=True, **tf,
-    )
+    out = linear_log_probs_and_entropy(leaves[0], OutputLayer(leaves[1], leaves[2], **tf), labels,
+                                       chunking=Chunking(5, vocab_chunk_size=vocab_chunk_size), temperature=t,
+                                       compute_sum_pi_squared=True)
     outs = (out.log_probs, out.entropy, out.sum_pi_squared)
     sum((o * u).sum() for o, u in zip(outs, ups, strict=True)).backward()
     refs = [x.double().requires_grad_() for x in (hidden, weight, bias)]
@@ -167,9 +166,8 @@ def test_softcap_gradcheck_float64():
     labels = torch.randint(0, 13, (3, 4), generator=g)
 
     def f(x):
-        out = log_probs_and_entropy(
-            x, labels, chunk_size=5, softcap=7.0, logit_scale=0.5, temperature=0.8, compute_sum_pi_squared=True
-        )
+        out = log_probs_and_entropy(x, labels, layer=OutputLayer(softcap=7.0, logit_scale=0.5), chunking=5,
+                                    temperature=0.8, compute_sum_pi_squared=True)
         return out.log_probs, out.entropy, out.sum_pi_squared
 
     assert torch.autograd.gradcheck(f, (z,))
@@ -179,7 +177,7 @@ def test_softcap_gradcheck_float64():
 @pytest.mark.parametrize("name", ["softcap", "logit_scale"])
 def test_transform_arguments_are_checked(name, bad):
     with pytest.raises(ValueError, match=name):
-        log_probs_and_entropy(torch.randn(2, 5), torch.zeros(2, dtype=torch.long), **{name: bad})
+        log_probs_and_entropy(torch.randn(2, 5), torch.zeros(2, dtype=torch.long), layer=OutputLayer(**{name: bad}))
 
 
 # --------------------------------------------------------------- sum_pi_squared
@@ -230,9 +228,8 @@ def test_label_on_a_neg_inf_entry_has_log_prob_neg_inf(path):
     if path == "logits":
         lp, h = log_probs_and_entropy(z, labels)
     else:  # the -inf comes from the bias, as vocabulary padding does
-        lp, h = linear_log_probs_and_entropy(
-            torch.eye(3)[:2], torch.eye(3), labels, bias=torch.tensor([0.0, -math.inf, 0.0])
-        )
+        lp, h = linear_log_probs_and_entropy(torch.eye(3)[:2],
+                                             OutputLayer(torch.eye(3), torch.tensor([0.0, -math.inf, 0.0])), labels)
     assert lp[0] == -math.inf
     assert torch.isfinite(lp[1]) and torch.isfinite(h).all()
 
@@ -278,7 +275,7 @@ def test_entropy_at_real_vocabularies_no_worse_than_float32_torch(v, n, offset, 
     labels = torch.randint(0, v, (n,), generator=g)
     lp_ref, h_ref = reference(z.double(), labels)
     x = z.clone().requires_grad_()
-    lp, h = log_probs_and_entropy(x, labels, chunk_size=16, backend=backend)
+    lp, h = log_probs_and_entropy(x, labels, chunking=Chunking(16, backend=backend))
     assert _rel_err(h, h_ref) <= _rel_err(_torch_float32_entropy(z), h_ref)
     if backend == "eager":  # torch's pairwise sum: the float32 rounding of the entropy itself
         assert _rel_err(h, h_ref) < 2e-7
@@ -308,6 +305,7 @@ def test_fused_head_entropy_at_a_152k_vocabulary(offset, backend):
     labels = torch.randint(0, v, (n,), generator=g)
     z = torch.addmm(bias, hidden, weight.t())  # the float32 logits torch computes; the reference starts there
     lp_ref, h_ref = reference(z.double(), labels)
-    lp, h = linear_log_probs_and_entropy(hidden, weight, labels, bias=bias, chunk_size=16, backend=backend)
+    lp, h = linear_log_probs_and_entropy(hidden, OutputLayer(weight, bias), labels,
+                                         chunking=Chunking(16, backend=backend))
     assert _rel_err(h, h_ref) <= _rel_err(_torch_float32_entropy(z), h_ref)
     torch.testing.assert_close(lp.double(), lp_ref, rtol=1e-6, atol=2e-5)

@@ -22,12 +22,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from chunked_entropy import (
+    Chunking,
+    OutputLayer,
+    PolicyLoss,
     linear_log_probs_and_entropy,
     linear_policy_loss,
     log_probs_and_entropy,
     losses,
     policy_loss_from_logits,
 )
+from chunked_entropy.losses import Aggregation
 from tests.helpers import reference
 
 FUZZ = settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
@@ -110,11 +114,9 @@ def test_logits_path(c):
     labels, mask, t = _tokens(c, g)
     z = (torch.randn(*c["lead"], c["v"], generator=g, dtype=torch.float64) * c["scale"] + c["offset"]).to(dtype)
     x = z.clone().requires_grad_()
-    out = log_probs_and_entropy(
-        x, labels, chunk_size=c["chunk"], temperature=t, label_mask=mask, softcap=c["softcap"],
-        logit_scale=c["logit_scale"], compute_entropy=c["entropy"], compute_sum_pi_squared=c["sum_pi_squared"],
-        backend=c["backend"],
-    )
+    out = log_probs_and_entropy(x, labels, layer=OutputLayer(softcap=c["softcap"], logit_scale=c["logit_scale"]),
+                                chunking=Chunking(c["chunk"], backend=c["backend"]), temperature=t, label_mask=mask,
+                                compute_entropy=c["entropy"], compute_sum_pi_squared=c["sum_pi_squared"])
     xr = z.double().requires_grad_()
     t64 = t.double() if isinstance(t, torch.Tensor) else t
     ref = reference(xr, labels, temperature=t64, label_mask=mask, softcap=c["softcap"],
@@ -134,12 +136,11 @@ def test_fused_head(c, h, bias):
     weight = torch.randn(c["v"], h, generator=g, dtype=torch.float64) * c["scale"] / math.sqrt(h)
     b = torch.randn(c["v"], generator=g, dtype=torch.float64) + c["offset"] if bias else None
     leaves = [x.to(dtype).requires_grad_() for x in (hidden, weight, *([b] if bias else []))]
-    out = linear_log_probs_and_entropy(
-        leaves[0], leaves[1], labels, bias=leaves[2] if bias else None, chunk_size=c["chunk"],
-        vocab_chunk_size=c["vocab_chunk"], temperature=t, label_mask=mask, softcap=c["softcap"],
-        logit_scale=c["logit_scale"], compute_entropy=c["entropy"], compute_sum_pi_squared=c["sum_pi_squared"],
-        backend=c["backend"],
-    )
+    layer = OutputLayer(leaves[1], leaves[2] if bias else None, softcap=c["softcap"], logit_scale=c["logit_scale"])
+    out = linear_log_probs_and_entropy(leaves[0], layer, labels,
+                                       chunking=Chunking(c["chunk"], c["vocab_chunk"], c["backend"]),
+                                       temperature=t, label_mask=mask, compute_entropy=c["entropy"],
+                                       compute_sum_pi_squared=c["sum_pi_squared"])
     refs = [x.detach().double().requires_grad_() for x in leaves]
     z = refs[0] @ refs[1].t() + (refs[2] if bias else 0)
     t64 = t.double() if isinstance(t, torch.Tensor) else t
@@ -176,14 +177,17 @@ def test_fused_loss(c, mode, clip, entropy_coeff, kl, dp, path):
     temperature = c["t"] if c["t_kind"] != "one" else 1.0
     hidden = torch.randn(b, t_len, 6, generator=g, dtype=torch.float64)
     weight = torch.randn(c["v"], 6, generator=g, dtype=torch.float64) * c["scale"] / 2.5
-    kw = dict(clip_ratio_low=clip[0], clip_ratio_high=clip[1], clip_ratio_c=clip[2], loss_agg_mode=mode,
-              entropy_coeff=entropy_coeff, kl_coef=kl[0], kl_kind=kl[1], ref_log_probs=ref_lp,
-              temperature=temperature, softcap=c["softcap"], chunk_size=c["chunk"], backend=c["backend"], **norm)
+    options = dict(clip_ratio_low=clip[0], clip_ratio_high=clip[1], clip_ratio_c=clip[2])
+    policy = PolicyLoss(options=options, entropy_coeff=entropy_coeff, kl_coef=kl[0], kl_kind=kl[1],
+                        aggregation=Aggregation(mode)).for_batch(**norm)
+    kw = dict(loss=policy, ref_log_probs=ref_lp, temperature=temperature)
     h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     if path == "head":
-        loss, _ = linear_policy_loss(h, w, labels, old, adv, mask, vocab_chunk_size=c["vocab_chunk"], **kw)
+        loss, _ = linear_policy_loss(h, OutputLayer(w, softcap=c["softcap"]), labels, old, adv, mask,
+                                     chunking=Chunking(c["chunk"], c["vocab_chunk"], c["backend"]), **kw)
     else:
-        loss, _ = policy_loss_from_logits(h @ w.t(), labels, old, adv, mask, **kw)
+        loss, _ = policy_loss_from_logits(h @ w.t(), labels, old, adv, mask, layer=OutputLayer(softcap=c["softcap"]),
+                                          chunking=Chunking(c["chunk"], backend=c["backend"]), **kw)
     loss.backward()
     h64, w64 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     lp, ent = reference(h64 @ w64.t(), labels, temperature=temperature, softcap=c["softcap"])
@@ -239,14 +243,15 @@ def test_dense_kept_masks_with_whole_rows(n, v, seed, chunk, kinds, entropy_of, 
     snapshot = mask.clone()
     if path == "logits":
         x = z.clone().requires_grad_()
-        out = log_probs_and_entropy(x, labels, keep=mask, chunk_size=chunk, temperature=t, entropy_of=entropy_of)
+        out = log_probs_and_entropy(x, labels, keep=mask, chunking=chunk, temperature=t, entropy_of=entropy_of)
         leaves, zr = [x], z.clone().requires_grad_()
         ref_leaves, logits64 = [zr], zr
     else:  # the head: logits z = hidden @ weight.T with hidden = I (each row picks its own logits)
         eye = torch.eye(n, dtype=torch.float64)
         h, w = eye.clone().requires_grad_(), z.t().contiguous().clone().requires_grad_()
-        out = linear_log_probs_and_entropy(h, w, labels, keep=mask, chunk_size=chunk, temperature=t,
-                                           entropy_of=entropy_of, vocab_chunk_size=max(1, v // 3))
+        out = linear_log_probs_and_entropy(h, w, labels, keep=mask,
+                                           chunking=Chunking(chunk, vocab_chunk_size=max(1, v // 3)), temperature=t,
+                                           entropy_of=entropy_of)
         leaves = [h, w]
         hr, wr = eye.clone().requires_grad_(), z.t().contiguous().clone().requires_grad_()
         ref_leaves, logits64 = [hr, wr], hr @ wr.t()

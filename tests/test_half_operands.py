@@ -23,6 +23,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import chunked_entropy._blocks as blocks
 import chunked_entropy.config as config
 from chunked_entropy import (
+    Chunking,
+    OutputLayer,
+    PolicyLoss,
     linear_divergence,
     linear_divergence_loss,
     linear_log_probs_and_entropy,
@@ -71,27 +74,29 @@ def _data(dtype, seed=0, n=24, h=16, v=300):
     return hidden, weight, labels, up
 
 
-def _head(hidden, weight, labels, up, **kw):
-    out = linear_log_probs_and_entropy(hidden, weight, labels, chunk_size=8, **kw)
+def _head(hidden, weight, labels, up, vocab_chunk_size=None, logits_dtype=None):
+    out = linear_log_probs_and_entropy(hidden, OutputLayer(weight, logits_dtype=logits_dtype), labels,
+                                       chunking=Chunking(8, vocab_chunk_size))
     return (out.log_probs * up[0]).sum() + (out.entropy * up[1]).sum()
 
 
-def _loss(hidden, weight, labels, up, **kw):
+def _loss(hidden, weight, labels, up, vocab_chunk_size=None):
     old = torch.full(labels.shape, -5.0)
     loss, _ = linear_policy_loss(hidden, weight, labels, old, up[0], torch.ones(labels.shape, dtype=torch.bool),
-                                 entropy_coeff=0.01, chunk_size=8, **kw)
+                                 loss=PolicyLoss(entropy_coeff=0.01), chunking=Chunking(8, vocab_chunk_size))
     return loss
 
 
-def _divergence(hidden, weight, labels, up, **kw):
+def _divergence(hidden, weight, labels, up, vocab_chunk_size=None):
     teacher_w = (weight.float() * 1.1).to(weight.dtype)
-    out = linear_divergence(hidden, weight, hidden.detach(), teacher_w, chunk_size=8, **kw)
+    out = linear_divergence(hidden, weight, hidden.detach(), teacher_w, chunking=Chunking(8, vocab_chunk_size))
     return (out.divergence * up[0]).sum()
 
 
-def _divergence_loss(hidden, weight, labels, up, **kw):
+def _divergence_loss(hidden, weight, labels, up, vocab_chunk_size=None):
     teacher_w = (weight.float() * 1.1).to(weight.dtype)
-    return linear_divergence_loss(hidden, weight, hidden.detach(), teacher_w, chunk_size=8, **kw).loss * 3.0
+    return linear_divergence_loss(hidden, weight, hidden.detach(), teacher_w,
+                                  chunking=Chunking(8, vocab_chunk_size)).loss * 3.0
 
 
 OPS = {"head": _head, "loss": _loss, "divergence": _divergence, "divergence_loss": _divergence_loss}

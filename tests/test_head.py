@@ -13,7 +13,13 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from chunked_entropy import ChunkedVocabParallelHead, LogProbsEntropy, linear_log_probs_and_entropy
+from chunked_entropy import (
+    ChunkedVocabParallelHead,
+    Chunking,
+    LogProbsEntropy,
+    OutputLayer,
+    linear_log_probs_and_entropy,
+)
 from tests.helpers import reference
 
 F32 = dict(rtol=1e-5, atol=1e-5)
@@ -72,15 +78,14 @@ def _close(actual, expected, **tol):
 
 
 def _check(hidden, weight, bias, labels, *, tol=F32, call_kw=None, ref_kw=None, compute_entropy=True):
-    call_kw = dict(call_kw or {})
+    call_kw = dict(call_kw or {})  # the Chunking's fields
     ref_kw = dict(ref_kw or {})
     lp_ref, ent_ref, grads_ref, upstream = _reference(
         hidden, weight, bias, labels, compute_entropy=compute_entropy, **ref_kw
     )
     out, grads = _run(
-        lambda: linear_log_probs_and_entropy(
-            hidden, weight, labels, bias=bias, compute_entropy=compute_entropy, **ref_kw, **call_kw
-        ),
+        lambda: linear_log_probs_and_entropy(hidden, OutputLayer(weight, bias), labels, chunking=Chunking(**call_kw),
+                                             compute_entropy=compute_entropy, **ref_kw),
         hidden, weight, bias, labels, upstream, compute_entropy=compute_entropy,
     )
     assert out.log_probs.shape == labels.shape
@@ -100,9 +105,9 @@ def _check(hidden, weight, bias, labels, *, tol=F32, call_kw=None, ref_kw=None, 
         if t is not None:
             t.grad = None
     out_c, grads_c = _run(
-        lambda: linear_log_probs_and_entropy(
-            hidden, weight, labels, bias=bias, compute_entropy=compute_entropy, backend="compile", **ref_kw, **call_kw
-        ),
+        lambda: linear_log_probs_and_entropy(hidden, OutputLayer(weight, bias), labels,
+                                             chunking=Chunking(**call_kw, backend="compile"),
+                                             compute_entropy=compute_entropy, **ref_kw),
         hidden, weight, bias, labels, upstream, compute_entropy=compute_entropy,
     )
     _close(out_c.log_probs, lp_ref, **tol)
@@ -185,7 +190,7 @@ def test_only_entropy_receives_gradient():
     _, ent = reference(h64 @ w64.t() + b64, labels, temperature=0.8)
     g = torch.randn(ent.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(9))
     (ent * g).sum().backward()
-    out = linear_log_probs_and_entropy(hidden, weight, labels, bias=b, chunk_size=4, temperature=0.8)
+    out = linear_log_probs_and_entropy(hidden, OutputLayer(weight, b), labels, chunking=4, temperature=0.8)
     (out.entropy * g.float()).sum().backward()
     for got, want in ((hidden.grad, h64.grad), (weight.grad, w64.grad), (b.grad, b64.grad)):
         _close(got, want, **F32)
@@ -202,7 +207,7 @@ def test_megatron_layout_and_non_contiguous_hidden():
     weight = (torch.randn(40, 16, generator=g) / 4).requires_grad_()
     labels = torch.randint(0, 40, (6, 4), generator=g)
     lp_ref, ent_ref, (gh_ref, gw_ref, _), (g_lp, g_h) = _reference(hidden, weight, None, labels)
-    out = linear_log_probs_and_entropy(hidden, weight, labels, chunk_size=5, vocab_chunk_size=11)
+    out = linear_log_probs_and_entropy(hidden, weight, labels, chunking=Chunking(5, vocab_chunk_size=11))
     ((out.log_probs * g_lp.float()).sum() + (out.entropy * g_h.float()).sum()).backward()
     _close(out.log_probs, lp_ref, **F32)
     _close(out.entropy, ent_ref, **F32)
@@ -217,11 +222,12 @@ def test_no_grad_and_inputs_untouched():
     versions = [t._version for t in (hidden, weight, b)]
     lp_ref, ent_ref, _, _ = _reference(hidden, weight, b, labels)
     with torch.no_grad():
-        out = linear_log_probs_and_entropy(hidden, weight, labels, bias=b, chunk_size=4, vocab_chunk_size=13)
+        out = linear_log_probs_and_entropy(hidden, OutputLayer(weight, b), labels,
+                                           chunking=Chunking(4, vocab_chunk_size=13))
     assert not out.log_probs.requires_grad
     _close(out.log_probs, lp_ref, **F32)
     _close(out.entropy, ent_ref, **F32)
-    out = linear_log_probs_and_entropy(hidden, weight, labels, bias=b, chunk_size=4)
+    out = linear_log_probs_and_entropy(hidden, OutputLayer(weight, b), labels, chunking=4)
     (out.log_probs.sum() + out.entropy.sum()).backward()
     for t, s, ver in zip((hidden, weight, b), snapshot, versions, strict=True):
         assert torch.equal(t.detach(), s)
@@ -230,7 +236,7 @@ def test_no_grad_and_inputs_untouched():
 
 def test_zero_tokens():
     hidden, weight, b, _ = _make(lead=(0, 4), seed=22)
-    out = linear_log_probs_and_entropy(hidden, weight, torch.zeros(0, 4, dtype=torch.long), bias=b)
+    out = linear_log_probs_and_entropy(hidden, OutputLayer(weight, b), torch.zeros(0, 4, dtype=torch.long))
     assert out.log_probs.shape == out.entropy.shape == (0, 4)
     (out.log_probs.sum() + out.entropy.sum()).backward()  # the graph stays connected
     assert torch.equal(weight.grad, torch.zeros_like(weight)) and hidden.grad.shape == hidden.shape
@@ -256,9 +262,8 @@ def test_bfloat16(bias, vocab_chunk_size):
     # gradient's largest entry (cancellation makes small entries relatively worse).
     hidden, weight, b, labels = _make(lead=(4, 8), h=32, v=64, bias=bias, dtype=torch.bfloat16, seed=11)
     lp_ref, ent_ref, grads_ref, (g_lp, g_h) = _reference(hidden, weight, b, labels, temperature=0.9, seed=12)
-    out = linear_log_probs_and_entropy(
-        hidden, weight, labels, bias=b, chunk_size=5, vocab_chunk_size=vocab_chunk_size, temperature=0.9
-    )
+    out = linear_log_probs_and_entropy(hidden, OutputLayer(weight, b), labels,
+                                       chunking=Chunking(5, vocab_chunk_size=vocab_chunk_size), temperature=0.9)
     assert out.log_probs.dtype == torch.float32
     ((out.log_probs * g_lp.float()).sum() + (out.entropy * g_h.float()).sum()).backward()
     _close(out.log_probs, lp_ref, **F32)
@@ -275,7 +280,8 @@ def test_float64_gradcheck():
     t = torch.tensor([[0.8], [1.7]], dtype=torch.float64)
     for vcs in (None, 4):
         fn = lambda h, w, bb, vcs=vcs: tuple(  # noqa: E731
-            linear_log_probs_and_entropy(h, w, labels, bias=bb, chunk_size=4, vocab_chunk_size=vcs, temperature=t)
+            linear_log_probs_and_entropy(h, OutputLayer(w, bb), labels, chunking=Chunking(4, vocab_chunk_size=vcs),
+                                         temperature=t)
         )
         assert torch.autograd.gradcheck(fn, (hidden, weight, b))
 
@@ -286,7 +292,7 @@ def test_float64_gradcheck():
 def test_head_module_matches_function_and_per_call_options():
     hidden, weight, b, labels = _make(seed=14)
     w, bb = nn.Parameter(weight.detach().clone()), nn.Parameter(b.detach().clone())
-    head = ChunkedVocabParallelHead(w, bb, chunk_size=4, vocab_chunk_size=16)
+    head = ChunkedVocabParallelHead(OutputLayer(w, bb), Chunking(4, vocab_chunk_size=16))
     assert {id(p) for p in head.parameters()} == {id(w), id(bb)}
     mask = torch.rand(labels.shape, generator=torch.Generator().manual_seed(1)) > 0.3
     lp_ref, ent_ref, (gh, gw, gb), (g_lp, g_h) = _reference(hidden, w, bb, labels, temperature=1.4, label_mask=mask)
@@ -306,7 +312,7 @@ def test_head_module_matches_function_and_per_call_options():
 def test_from_linear_shares_parameters(bias):
     torch.manual_seed(15)
     lin = nn.Linear(16, 50, bias=bias)
-    head = ChunkedVocabParallelHead.from_linear(lin, chunk_size=3)
+    head = ChunkedVocabParallelHead.from_linear(lin, chunking=3)
     assert head.weight is lin.weight
     assert head.bias is lin.bias
     hidden = torch.randn(2, 7, 16, requires_grad=True)
@@ -336,7 +342,7 @@ def test_tied_embedding_gradients_add_up():
     mix = nn.Linear(h, h)
     ids = torch.randint(0, v, (3, 6))
     labels = torch.randint(0, v, (3, 6))
-    head = ChunkedVocabParallelHead(emb.weight, chunk_size=5, vocab_chunk_size=16)
+    head = ChunkedVocabParallelHead(emb.weight, Chunking(5, vocab_chunk_size=16))
     assert head.weight is emb.weight
 
     e64 = emb.weight.detach().double().requires_grad_()
@@ -377,7 +383,7 @@ def test_main_grad_accumulates_over_micro_batches(dtype):
         h = (hidden.detach() * (1 + step)).requires_grad_()
         _, _, (_, gw_ref, _), (g_lp, g_h) = _reference(h, w, None, labels)
         expected = expected + gw_ref
-        out = linear_log_probs_and_entropy(h, w, labels, chunk_size=4)
+        out = linear_log_probs_and_entropy(h, w, labels, chunking=4)
         ((out.log_probs * g_lp.float()).sum() + (out.entropy * g_h.float()).sum()).backward()
         assert w.grad_added_to_main_grad is True
         w.grad_added_to_main_grad = False  # Megatron's DDP resets the flag after each reduction
@@ -406,7 +412,7 @@ def test_main_grad_in_bfloat16():
     w.main_grad = w.main_grad.to(torch.bfloat16)
     start = w.main_grad.clone()
     _, _, (_, gw_ref, _), (g_lp, g_h) = _reference(hidden, w, None, labels)
-    out = linear_log_probs_and_entropy(hidden, w, labels, chunk_size=4)
+    out = linear_log_probs_and_entropy(hidden, w, labels, chunking=4)
     ((out.log_probs * g_lp.float()).sum() + (out.entropy * g_h.float()).sum()).backward()
     assert w.main_grad.dtype == torch.bfloat16 and w.grad_added_to_main_grad is True
     expected = start.double() + gw_ref
@@ -415,7 +421,7 @@ def test_main_grad_in_bfloat16():
 
 def test_main_grad_zero_out_wgrad_and_without_flag():
     hidden, w, labels = _main_grad_weight(torch.float32, flag=False, zero_out=True)
-    out = linear_log_probs_and_entropy(hidden, w, labels, chunk_size=4)
+    out = linear_log_probs_and_entropy(hidden, w, labels, chunking=4)
     (out.log_probs.sum() + out.entropy.sum()).backward()
     assert torch.equal(w.grad, torch.zeros_like(w))  # zero_out_wgrad: a zero dummy gradient
     assert w.grad_added_to_main_grad is True
@@ -423,7 +429,7 @@ def test_main_grad_zero_out_wgrad_and_without_flag():
     hidden, w, labels = _main_grad_weight(torch.float32)  # no grad_added_to_main_grad attribute
     start = w.main_grad.clone()
     _, _, (_, gw_ref, _), (g_lp, g_h) = _reference(hidden, w, None, labels)
-    out = linear_log_probs_and_entropy(hidden, w, labels, chunk_size=4)
+    out = linear_log_probs_and_entropy(hidden, w, labels, chunking=4)
     ((out.log_probs * g_lp.float()).sum() + (out.entropy * g_h.float()).sum()).backward()
     assert w.grad is None  # Megatron returns None for the weight: main_grad holds it
     _close(w.main_grad, start.double() + gw_ref, **F32)
@@ -433,14 +439,14 @@ def test_main_grad_fusion_off_and_errors():
     hidden, w, labels = _main_grad_weight(torch.float32, flag=False)
     start = w.main_grad.clone()
     _, _, (_, gw_ref, _), (g_lp, g_h) = _reference(hidden, w, None, labels)
-    out = linear_log_probs_and_entropy(hidden, w, labels, chunk_size=4, gradient_accumulation_fusion=False)
+    out = linear_log_probs_and_entropy(hidden, OutputLayer(w, gradient_accumulation_fusion=False), labels, chunking=4)
     ((out.log_probs * g_lp.float()).sum() + (out.entropy * g_h.float()).sum()).backward()
     assert torch.equal(w.main_grad, start)
     _close(w.grad, gw_ref, **F32)
 
     plain = nn.Parameter(torch.randn(50, 16))
     with pytest.raises(ValueError, match="main_grad"):
-        linear_log_probs_and_entropy(hidden, plain, labels, gradient_accumulation_fusion=True)
+        linear_log_probs_and_entropy(hidden, OutputLayer(plain, gradient_accumulation_fusion=True), labels)
 
 
 # --------------------------------------------------------------------------- memory structure
@@ -467,7 +473,7 @@ def test_saved_for_backward_is_references_and_per_token(bias):
     hidden, weight, b, labels = _make(lead=(4, 16), h=8, v=96, bias=bias, seed=19)
     n = labels.numel()
     out, saved = _saved_tensors(
-        lambda: linear_log_probs_and_entropy(hidden, weight, labels, bias=b, chunk_size=8)
+        lambda: linear_log_probs_and_entropy(hidden, OutputLayer(weight, b), labels, chunking=8)
     )
     inputs = [t for t in (hidden, weight, b) if t is not None]
     assert saved, "the head saved nothing: the hook saw no save_for_backward"
@@ -515,9 +521,8 @@ def test_no_tokens_by_vocab_tensor_is_ever_allocated(vocab_chunk_size):
     mode = _LargestAllocation()
     with mode:
         _fwd_bwd(
-            lambda: linear_log_probs_and_entropy(
-                hidden, weight, labels, bias=b, chunk_size=chunk, vocab_chunk_size=vocab_chunk_size
-            ),
+            lambda: linear_log_probs_and_entropy(hidden, OutputLayer(weight, b), labels,
+                                                 chunking=Chunking(chunk, vocab_chunk_size=vocab_chunk_size)),
             upstream,
         )
     assert {"mm", "addmm_"} <= mode.ops  # the backward ran under the mode too
@@ -549,9 +554,9 @@ def test_bad_input_names_the_argument():
     with pytest.raises(TypeError, match="weight"):
         call(hidden, weight.detach().numpy(), labels)
     with pytest.raises(ValueError, match="bias"):
-        call(hidden, weight, labels, bias=b[:-1])
+        call(hidden, OutputLayer(weight, b[:-1]), labels)
     with pytest.raises(ValueError, match="bias"):
-        call(hidden, weight, labels, bias=b.detach().unsqueeze(0))
+        call(hidden, OutputLayer(weight, b.detach().unsqueeze(0)), labels)
     with pytest.raises(TypeError, match="hidden"):
         call(hidden.detach().double(), weight, labels)
     with pytest.raises(ValueError, match="labels"):
@@ -566,25 +571,25 @@ def test_bad_input_names_the_argument():
     with pytest.raises(TypeError, match="labels"):
         call(hidden, weight, labels.float())
     with pytest.raises(ValueError, match="chunk_size"):
-        call(hidden, weight, labels, chunk_size=0)
+        call(hidden, weight, labels, chunking=0)
     with pytest.raises(ValueError, match="vocab_chunk_size"):
-        call(hidden, weight, labels, vocab_chunk_size=0)
+        call(hidden, weight, labels, chunking=Chunking(vocab_chunk_size=0))
     with pytest.raises(ValueError, match="temperature"):
         call(hidden, weight, labels, temperature=0.0)
     with pytest.raises(ValueError, match="label_mask"):
         call(hidden, weight, labels, label_mask=torch.ones(3, dtype=torch.bool))
     # sequence parallelism: hidden [S/P, B, H] must match labels for the full [S, B]
     with pytest.raises(ValueError, match="sequence_parallel"):
-        call(hidden, weight, labels[:2], sequence_parallel=True)
+        call(hidden, OutputLayer(weight, sequence_parallel=True), labels[:2])
     with pytest.raises(ValueError, match="sequence_parallel"):
-        call(hidden[0, 0], weight, labels[0, 0], sequence_parallel=True)
+        call(hidden[0, 0], OutputLayer(weight, sequence_parallel=True), labels[0, 0])
     # the module checks at construction
     with pytest.raises(ValueError, match="weight must be 2-D"):
         ChunkedVocabParallelHead(weight[0])
     with pytest.raises(ValueError, match="bias"):
-        ChunkedVocabParallelHead(weight, b[:3])
+        ChunkedVocabParallelHead(OutputLayer(weight, b[:3]))
     with pytest.raises(ValueError, match="chunk_size"):
-        ChunkedVocabParallelHead(weight, chunk_size=-1)
+        ChunkedVocabParallelHead(weight, -1)
     # nothing was computed, nothing was written
     assert hidden.grad is None and weight.grad is None
 
@@ -593,14 +598,17 @@ def test_integer_main_grad_is_refused_before_any_work():
     hidden, weight, _, labels = _make(lead=(3,), h=4, v=9, bias=False, seed=3)
     weight.main_grad = torch.zeros(weight.shape, dtype=torch.int32)
     with pytest.raises(TypeError, match="main_grad"):
-        linear_log_probs_and_entropy(hidden, weight, labels, gradient_accumulation_fusion=True)
+        linear_log_probs_and_entropy(hidden, OutputLayer(weight, gradient_accumulation_fusion=True), labels)
 
 
 @pytest.mark.parametrize("name,value", [("compute_entropy", "no"), ("sequence_parallel", 1)])
 def test_flags_must_be_bools(name, value):
     hidden, weight, _, labels = _make(lead=(3,), h=4, v=9, bias=False, seed=3)
     with pytest.raises(TypeError, match=name):
-        linear_log_probs_and_entropy(hidden, weight, labels, **{name: value})
+        if name == "sequence_parallel":  # a field of the output layer
+            linear_log_probs_and_entropy(hidden, OutputLayer(weight, **{name: value}), labels)
+        else:
+            linear_log_probs_and_entropy(hidden, weight, labels, **{name: value})
 
 
 # ------------------------------------------------------------ bf16 heads: logits_dtype=torch.float32
@@ -629,15 +637,16 @@ def test_bf16_head_with_float32_logits_is_as_exact_as_plain_float32_torch(logit_
     hidden, weight, labels, ups = _bf16_case()
     scale = 1.0 if logit_scale is None else logit_scale
 
-    def run(dt, **kw):
+    def run(dt, logits_dtype=None, vocab_chunk_size=None, **kw):
         h, w = hidden.to(dt).clone().requires_grad_(), weight.to(dt).clone().requires_grad_()
         if kw.pop("plain", False):
             logp = torch.log_softmax(h @ w.t() * scale / temperature, -1)
             lp = logp.gather(1, labels[:, None]).squeeze(1)
             ent = -(logp.exp() * logp).sum(-1)
         else:
-            lp, ent = linear_log_probs_and_entropy(h, w, labels, chunk_size=16, logit_scale=logit_scale,
-                                                   temperature=temperature, backend=backend, **kw)
+            layer = OutputLayer(w, logit_scale=logit_scale, logits_dtype=logits_dtype)
+            lp, ent = linear_log_probs_and_entropy(h, layer, labels, chunking=Chunking(16, vocab_chunk_size, backend),
+                                                   temperature=temperature)
         ((lp.double() * ups[0]).sum() + (ent.double() * ups[1]).sum()).backward()
         return lp.detach(), ent.detach(), h.grad, w.grad
 
@@ -659,7 +668,7 @@ def test_fused_loss_and_module_take_logits_dtype():
     hidden, weight, labels, _ = _bf16_case(n=24, v=120, seed=1)
     old, adv = torch.full((1, 24), -5.0), torch.randn(1, 24, generator=torch.Generator().manual_seed(2))
     mask = torch.ones(1, 24, dtype=torch.bool)
-    head = ChunkedVocabParallelHead(weight, chunk_size=8, logits_dtype=torch.float32)
+    head = ChunkedVocabParallelHead(OutputLayer(weight, logits_dtype=torch.float32), 8)
     assert "logits_dtype=torch.float32" in repr(head)
     lp, _ = head(hidden, labels)
     want = torch.log_softmax(hidden.double() @ weight.double().t(), -1).gather(1, labels[:, None]).squeeze(1)
@@ -676,6 +685,6 @@ def test_fused_loss_and_module_take_logits_dtype():
     torch.testing.assert_close(h.grad.float(), h2.grad.float(), rtol=1e-2, atol=1e-3)  # both bf16 gradients
     for bad in (torch.float16, torch.float64, "float32"):
         with pytest.raises(ValueError, match="logits_dtype must be None"):
-            linear_log_probs_and_entropy(hidden, weight, labels, logits_dtype=bad)
+            linear_log_probs_and_entropy(hidden, OutputLayer(weight, logits_dtype=bad), labels)
     with pytest.raises(ValueError, match="logits_dtype"):
-        ChunkedVocabParallelHead(weight.float(), logits_dtype=torch.bfloat16)
+        ChunkedVocabParallelHead(OutputLayer(weight.float(), logits_dtype=torch.bfloat16))

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from chunked_entropy import ChunkedVocabParallelHead, linear_log_probs_and_entropy
+from chunked_entropy import ChunkedVocabParallelHead, Chunking, OutputLayer, linear_log_probs_and_entropy
 from tests.helpers import reference, run_distributed
 
 F32 = dict(rtol=1e-5, atol=1e-5)
@@ -65,19 +65,14 @@ def _case(rank, group, *, seq, batch, h, v, bias, sequence_parallel, temperature
     b = bias_full[rows].clone().requires_grad_() if bias else None
 
     kw = dict(temperature=temperature, compute_entropy=compute_entropy, label_mask=label_mask)
-    if tf or pi2:
-        kw.update(tf, compute_sum_pi_squared=pi2)
+    if pi2:
+        kw.update(compute_sum_pi_squared=pi2)
+    layer = OutputLayer(weight, b, process_group=group, sequence_parallel=sequence_parallel, **tf)
     if use_module:
-        head = ChunkedVocabParallelHead(
-            weight, b, chunk_size=chunk_size, process_group=group,
-            sequence_parallel=sequence_parallel, vocab_chunk_size=vocab_chunk_size,
-        )
+        head = ChunkedVocabParallelHead(layer, Chunking(chunk_size, vocab_chunk_size))
         out = head(hidden, labels, **kw)
     else:
-        out = linear_log_probs_and_entropy(
-            hidden, weight, labels, bias=b, chunk_size=chunk_size, process_group=group,
-            sequence_parallel=sequence_parallel, vocab_chunk_size=vocab_chunk_size, **kw,
-        )
+        out = linear_log_probs_and_entropy(hidden, layer, labels, chunking=Chunking(chunk_size, vocab_chunk_size), **kw)
     loss = (out.log_probs * g_lp.float()).sum()
     if compute_entropy:
         loss = loss + (out.entropy * g_h.float()).sum()
@@ -124,18 +119,21 @@ def _tp2(rank, world):
     # With sequence parallelism the labels cover the full sequence: this rank's slice is an error.
     hidden, weight = torch.randn(4, 2, 6), torch.randn(10, 6)
     try:
-        linear_log_probs_and_entropy(hidden, weight, torch.zeros(4, 2, dtype=torch.long),
-                                     process_group=dist.group.WORLD, sequence_parallel=True)
+        linear_log_probs_and_entropy(hidden,
+                                     OutputLayer(weight, process_group=dist.group.WORLD, sequence_parallel=True),
+                                     torch.zeros(4, 2, dtype=torch.long))
     except ValueError as e:
         assert "sequence_parallel" in str(e) and "(8, 2)" in str(e), str(e)
     else:
         raise AssertionError("a sequence-parallel slice that does not match the labels was accepted")
     # A global id beyond this rank's shard is fine; beyond the global vocabulary (2 x 10) it is an error.
     world_group = dist.group.WORLD
-    ok = linear_log_probs_and_entropy(torch.randn(3, 6), weight, torch.tensor([0, 15, 19]), process_group=world_group)
+    ok = linear_log_probs_and_entropy(torch.randn(3, 6), OutputLayer(weight, process_group=world_group),
+                                      torch.tensor([0, 15, 19]))
     assert ok.log_probs.shape == (3,)
     try:
-        linear_log_probs_and_entropy(torch.randn(3, 6), weight, torch.tensor([0, 20, 1]), process_group=world_group)
+        linear_log_probs_and_entropy(torch.randn(3, 6), OutputLayer(weight, process_group=world_group),
+                                     torch.tensor([0, 20, 1]))
     except ValueError as e:
         assert "labels" in str(e) and "[0, 20)" in str(e), str(e)
     else:
@@ -150,7 +148,8 @@ def _graph_does_not_keep_the_group(rank, world):
 
     sub = dist.new_group([0, 1])
     weight = torch.randn(10, 6, requires_grad=True)
-    out = linear_log_probs_and_entropy(torch.randn(3, 6), weight, torch.tensor([0, 15, 19]), process_group=sub)
+    out = linear_log_probs_and_entropy(torch.randn(3, 6), OutputLayer(weight, process_group=sub),
+                                       torch.tensor([0, 15, 19]))
     ref = weakref.ref(sub)
     dist.destroy_process_group(sub)
     del sub
@@ -194,8 +193,8 @@ def _sp_without_deprecation_warnings(rank, world):
     hidden, weight = torch.randn(2, 1, 6, requires_grad=True), torch.randn(5, 6, requires_grad=True)
     with warnings.catch_warnings():
         warnings.simplefilter("error", FutureWarning)  # torch 2.13 deprecates all_gather_into_tensor
-        lp, ent = linear_log_probs_and_entropy(hidden, weight, torch.zeros(4, 1, dtype=torch.long),
-                                               process_group=dist.group.WORLD, sequence_parallel=True)
+        layer = OutputLayer(weight, process_group=dist.group.WORLD, sequence_parallel=True)
+        lp, ent = linear_log_probs_and_entropy(hidden, layer, torch.zeros(4, 1, dtype=torch.long))
         (lp.sum() + ent.sum()).backward()
 
 

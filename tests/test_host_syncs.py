@@ -35,6 +35,9 @@ from torch.utils._pytree import tree_leaves
 
 from chunked_entropy import (
     ChunkedVocabParallelHead,
+    Chunking,
+    OutputLayer,
+    PolicyLoss,
     divergence_from_logits,
     linear_divergence,
     linear_divergence_loss,
@@ -114,19 +117,20 @@ def _outputs_step(d, chunk, *, head, **kw):
     h = d["hidden"].clone().requires_grad_()
     w = d["weight"].clone().requires_grad_()
     if head:
-        out = linear_log_probs_and_entropy(h, w, d["labels"], chunk_size=chunk, **kw)
+        out = linear_log_probs_and_entropy(h, w, d["labels"], **{"chunking": chunk, **kw})
     else:
-        out = log_probs_and_entropy(h @ w.t(), d["labels"], chunk_size=chunk, **kw)
+        out = log_probs_and_entropy(h @ w.t(), d["labels"], **{"chunking": chunk, **kw})
     total = sum(t.sum() for t in (out.log_probs, out.entropy, out.log_probs_at, out.top_k_log_probs)
                 if t is not None)
     total.backward()
 
 
-def _loss_step(d, chunk, *, head, mode, **kw):
+def _loss_step(d, chunk, *, head, mode, options=(), batch=(), **kw):
     h = d["hidden"].clone().requires_grad_()
     w = d["weight"].clone().requires_grad_()
     args = (d["labels"], d["old"], d["adv"], d["mask"])
-    common = dict(chunk_size=chunk, loss_mode=mode, entropy_coeff=0.01, dro_beta=0.2 if mode == "dro" else None, **kw)
+    options = dict(options, dro_beta=0.2 if mode == "dro" else None)
+    common = dict(chunking=chunk, loss=PolicyLoss(mode, options, entropy_coeff=0.01).for_batch(**dict(batch)), **kw)
     if head:
         loss, _ = linear_policy_loss(h, w, *args, **common)
     else:
@@ -147,18 +151,18 @@ def _divergence_step(d, chunk, *, form, **kw):
     w = d["weight"].clone().requires_grad_()
     th, tw = d["hidden"].flip(0), d["weight"] * 0.5
     if form == "head":
-        out = linear_divergence(h, w, th, tw, labels=d["labels"], compute_entropy=True, chunk_size=chunk, **kw)
+        out = linear_divergence(h, w, th, tw, labels=d["labels"], compute_entropy=True, chunking=chunk, **kw)
         (out.divergence.sum() + out.log_probs.sum() + out.entropy.sum()).backward()
     elif form == "loss":
-        linear_divergence_loss(h, w, th, tw, chunk_size=chunk, label_mask=d["mask"], **kw).loss.backward()
+        linear_divergence_loss(h, w, th, tw, chunking=chunk, label_mask=d["mask"], **kw).loss.backward()
     else:
         z = h @ w.t()
-        out = divergence_from_logits(z, th @ tw.t(), labels=d["labels"], chunk_size=chunk, **kw)
+        out = divergence_from_logits(z, th @ tw.t(), labels=d["labels"], chunking=chunk, **kw)
         (out.divergence.sum() + out.log_probs.sum()).backward()
 
 
 def _module_step(d, chunk):
-    head = ChunkedVocabParallelHead(d["weight"].clone().requires_grad_(), chunk_size=chunk)
+    head = ChunkedVocabParallelHead(d["weight"].clone().requires_grad_(), chunk)
     out = head(d["hidden"].clone().requires_grad_(), d["labels"])
     (out.log_probs.sum() + out.entropy.sum()).backward()
 
@@ -166,11 +170,11 @@ def _module_step(d, chunk):
 CASES = {
     "logits": lambda d, c: _outputs_step(d, c, head=False),
     "logits, temperatures, softcap": lambda d, c: _outputs_step(d, c, head=False, temperature=d["temperature"],
-                                                                softcap=5.0),
+                                                                layer=OutputLayer(softcap=5.0)),
     "logits, keep": lambda d, c: _outputs_step(d, c, head=False, keep=d["keep"]),
     "logits, log_probs_at, top_k": lambda d, c: _outputs_step(d, c, head=False, log_probs_at=d["teacher"], top_k=4),
     "head": lambda d, c: _outputs_step(d, c, head=True),
-    "head, vocabulary blocks": lambda d, c: _outputs_step(d, c, head=True, vocab_chunk_size=max(c // 2, 1)),
+    "head, vocabulary blocks": lambda d, c: _outputs_step(d, c, head=True, chunking=Chunking(c, max(c // 2, 1))),
     "head, keep": lambda d, c: _outputs_step(d, c, head=True, keep=d["keep"]),
     "head, log_probs_at, top_k": lambda d, c: _outputs_step(d, c, head=True, log_probs_at=d["teacher"], top_k=4),
     "the module": _module_step,
@@ -178,9 +182,10 @@ CASES = {
     "fused loss from logits, gspo": lambda d, c: _loss_step(d, c, head=False, mode="gspo"),
     "fused loss, keep": lambda d, c: _loss_step(d, c, head=True, mode="vanilla", keep=d["keep"]),
     "fused loss, rollout log-probs": lambda d, c: _loss_step(d, c, head=True, mode="vanilla",
-                                                             rollout_log_probs=d["old"] - 0.1, rollout_is="token"),
-    "fused loss, global token count": lambda d, c: _loss_step(d, c, head=True, mode="vanilla", dp_size=2,
-                                                              batch_num_tokens=torch.tensor(100.0)),
+                                                             rollout_log_probs=d["old"] - 0.1,
+                                                             options={"rollout_is": "token"}),
+    "fused loss, global token count": lambda d, c: _loss_step(d, c, head=True, mode="vanilla", batch=dict(
+        dp_size=2, batch_num_tokens=torch.tensor(100.0))),
     "policy_loss, bypass_mode": lambda d, c: _plain_loss_step(d, "bypass_mode"),
     "policy_loss, vanilla, weights": lambda d, c: _plain_loss_step(d, "vanilla", weighted=True),
     "divergence": lambda d, c: _divergence_step(d, c, form="head"),
@@ -306,13 +311,13 @@ def _bad_teacher(d):
 
 def _run_outputs(op, d, kw):
     h, w = d["hidden"].clone().requires_grad_(), d["weight"].clone().requires_grad_()
-    args = dict(labels=d["labels"], chunk_size=N // 2)
+    args = dict(labels=d["labels"], chunking=N // 2)
     args.update(kw)
     if op == "head":
         return linear_log_probs_and_entropy(h, w, args.pop("labels"), **args)
     if op == "module":
-        return ChunkedVocabParallelHead(w, chunk_size=N // 2)(h, args.pop("labels"), **{
-            k: v for k, v in args.items() if k != "chunk_size"})
+        return ChunkedVocabParallelHead(w, N // 2)(h, args.pop("labels"), **{
+            k: v for k, v in args.items() if k != "chunking"})
     return log_probs_and_entropy(h @ w.t(), args.pop("labels"), **args)
 
 
@@ -321,10 +326,12 @@ def _run_loss(op, d, kw):
     args = dict(labels=d["labels"], old_log_probs=d["old"], advantages=d["adv"], loss_mask=d["mask"])
     args.update(kw)
     pos = [args.pop(k) for k in ("labels", "old_log_probs", "advantages", "loss_mask")]
+    if op in ("linear_policy_loss", "policy_loss_from_logits"):  # the global counts ride in the PolicyLoss
+        args["loss"] = PolicyLoss().for_batch(**{k: args.pop(k) for k in ("dp_size", "batch_num_tokens") if k in args})
     if op == "linear_policy_loss":
-        return linear_policy_loss(h, w, *pos, chunk_size=N // 2, **args)
+        return linear_policy_loss(h, w, *pos, chunking=N // 2, **args)
     if op == "policy_loss_from_logits":
-        return policy_loss_from_logits(h @ w.t(), *pos, chunk_size=N // 2, **args)
+        return policy_loss_from_logits(h @ w.t(), *pos, chunking=N // 2, **args)
     lp = torch.randn(B, T).sub(3).requires_grad_()  # losses.policy_loss: no labels
     return losses.policy_loss(lp, *pos[1:], **args)
 
@@ -332,7 +339,7 @@ def _run_loss(op, d, kw):
 def _run_divergence(op, d, kw):
     h, w = d["hidden"].clone().requires_grad_(), d["weight"].clone().requires_grad_()
     th = kw.pop("teacher_hidden", d["hidden"].flip(0))
-    args = dict(labels=d["labels"], chunk_size=N // 2)
+    args = dict(labels=d["labels"], chunking=N // 2)
     args.update(kw)
     if op == "linear_divergence":
         return linear_divergence(h, w, th, d["weight"] * 0.5, **args)

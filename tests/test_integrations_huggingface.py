@@ -15,7 +15,7 @@ import warnings
 import pytest
 import torch
 
-from chunked_entropy import ChunkedVocabParallelHead
+from chunked_entropy import ChunkedVocabParallelHead, Chunking
 from tests.helpers import require
 
 require("transformers")
@@ -94,7 +94,7 @@ def test_head_equals_the_models_own_logits_values_and_every_gradient(name, tempe
     h_ref = -(logp.exp() * logp).sum(-1)
     ((lp_ref * up_lp).sum() + (h_ref * up_h).sum()).backward()
 
-    head = ChunkedVocabParallelHead.from_hf_model(twin, chunk_size=5, vocab_chunk_size=17)
+    head = ChunkedVocabParallelHead.from_hf_model(twin, chunking=Chunking(5, vocab_chunk_size=17))
     assert (head.softcap, head.logit_scale) == tuple(MODELS[name][3].values())
     assert head.weight is twin.get_output_embeddings().weight  # shared, tied or not
     hidden = twin.base_model(input_ids=ids).last_hidden_state[:, :-1]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import chunked_entropy
-from chunked_entropy import LogProbsEntropy, log_probs_and_entropy
+from chunked_entropy import Chunking, LogProbsEntropy, log_probs_and_entropy
 from tests.helpers import reference
 
 # float32: the library computes in float32 from the exact input values, so
@@ -66,14 +66,14 @@ def _ref(base, view, labels, g_lp, g_h, temperature=1.0, **kw):
     return lp.detach(), h.detach(), leaf.grad
 
 
-def check(base, labels, *, view=lambda t: t, val=VAL, grad=GRAD, use=("lp", "h"), seed=2, **kw):
+def check(base, labels, *, view=lambda t: t, val=VAL, grad=GRAD, use=("lp", "h"), seed=2, chunk_size=None, **kw):
     """Compare values and gradients of ``view(base)`` with the float64 reference."""
     g_lp, g_h = _upstream(labels.shape, seed)
     g_lp = g_lp if "lp" in use else None
     g_h = g_h if "h" in use else None
-    kw_call = dict(kw)
-    out, gx = _ours(base, view, labels, g_lp, g_h, **kw)
-    kw.pop("chunk_size", None)
+    size = {} if chunk_size is None else dict(chunk_size=chunk_size)
+    kw_call = dict(kw, chunking=Chunking(**size, backend="compile"))
+    out, gx = _ours(base, view, labels, g_lp, g_h, chunking=Chunking(**size), **kw)
     kw.pop("compute_entropy", None)
     lp, h, gref = _ref(base, view, labels, g_lp, g_h, **kw)
     assert isinstance(out, LogProbsEntropy)
@@ -86,7 +86,7 @@ def check(base, labels, *, view=lambda t: t, val=VAL, grad=GRAD, use=("lp", "h")
     assert torch.isfinite(gx).all()
     torch.testing.assert_close(gx.double(), gref, **grad)
     # the compiled kernels: float32 rounding of the eager results, and the same float64 tolerances
-    out_c, gx_c = _ours(base, view, labels, g_lp, g_h, backend="compile", **kw_call)
+    out_c, gx_c = _ours(base, view, labels, g_lp, g_h, **kw_call)
     pairs = ((out_c.log_probs, out.log_probs, lp), (out_c.entropy, out.entropy, h), (gx_c, gx, gref))
     for ours_c, ours_e, ref in pairs:
         if ours_e is None:
@@ -271,11 +271,11 @@ def test_integer_mask_is_a_mask():
     x = _logits((6, 12))
     labels = _labels((6,), 12)
     mask = torch.tensor([1, 0, 1, 1, 0, 1])
-    ours = log_probs_and_entropy(x, labels, label_mask=mask, chunk_size=4)
+    ours = log_probs_and_entropy(x, labels, label_mask=mask, chunking=4)
     check(x, labels, chunk_size=4, label_mask=mask.bool())
     assert (ours.log_probs[mask == 0] == 0).all()
     torch.testing.assert_close(
-        ours.log_probs, log_probs_and_entropy(x, labels, label_mask=mask.bool(), chunk_size=4).log_probs, rtol=0, atol=0
+        ours.log_probs, log_probs_and_entropy(x, labels, label_mask=mask.bool(), chunking=4).log_probs, rtol=0, atol=0
     )
 
 
@@ -289,7 +289,7 @@ def test_compute_entropy_false():
     assert out.entropy is None
     lp, ent = out  # unpacks as a pair
     assert ent is None
-    full = log_probs_and_entropy(x, labels, chunk_size=3)
+    full = log_probs_and_entropy(x, labels, chunking=3)
     torch.testing.assert_close(lp, full.log_probs, rtol=0, atol=0)
 
 
@@ -313,7 +313,7 @@ def test_only_one_output_in_the_loss(use, monkeypatch):
 
 def test_no_gradient_reaches_unused_outputs():
     x = _logits((5, 9)).requires_grad_(True)
-    out = log_probs_and_entropy(x, _labels((5,), 9), chunk_size=2)
+    out = log_probs_and_entropy(x, _labels((5,), 9), chunking=2)
     (out.entropy * 0).sum().backward()
     assert (x.grad == 0).all()
 
@@ -337,9 +337,8 @@ def test_seed_scenario_shared_logits_one_backward():
 
     x = base.clone().requires_grad_(True)
     v0 = x._version
-    lp = log_probs_and_entropy(x, labels, chunk_size=4, compute_entropy=False, label_mask=mask,
-                               temperature=0.8).log_probs
-    h = log_probs_and_entropy(x, labels, chunk_size=5, temperature=0.8).entropy
+    lp = log_probs_and_entropy(x, labels, chunking=4, compute_entropy=False, label_mask=mask, temperature=0.8).log_probs
+    h = log_probs_and_entropy(x, labels, chunking=5, temperature=0.8).entropy
     loss_of(x, lp, h).backward()
     assert x._version == v0
 
@@ -357,7 +356,7 @@ def test_seed_scenario_in_place_user_op_after_our_call_is_detected():
     # autograd must refuse (not silently use the new values).
     x = _logits((4, 9)).requires_grad_(True)
     y = x * 1.0
-    lp, h = log_probs_and_entropy(y, _labels((4,), 9), chunk_size=2)
+    lp, h = log_probs_and_entropy(y, _labels((4,), 9), chunking=2)
     y.mul_(2)
     with pytest.raises(RuntimeError, match="inplace"):
         (lp.sum() + h.sum()).backward()
@@ -378,19 +377,19 @@ def test_inputs_bitwise_unchanged_and_version_unchanged(dtype):
     temp = torch.rand(shape[:-1], generator=_gen(7), dtype=torch.float32) + 0.5  # float32: same as compute dtype
     snap = [t.detach().clone() for t in (x, labels, mask, temp)]
     vers = [t._version for t in (x, labels, mask, temp)]
-    lp, h = log_probs_and_entropy(x, labels, chunk_size=4, temperature=temp, label_mask=mask)
+    lp, h = log_probs_and_entropy(x, labels, chunking=4, temperature=temp, label_mask=mask)
     g_lp, g_h = _upstream(shape[:-1])
     (lp * g_lp.float()).sum().backward(retain_graph=True)
     (h * g_h.float()).sum().backward()
     with torch.no_grad():
-        log_probs_and_entropy(x, labels, chunk_size=4, temperature=temp, label_mask=mask)
+        log_probs_and_entropy(x, labels, chunking=4, temperature=temp, label_mask=mask)
     for t, s, v in zip((x, labels, mask, temp), snap, vers, strict=True):
         assert t._version == v
         assert torch.equal(t.detach(), s)  # bitwise (equal -inf counts as equal)
     # and the same with a per-row temperature that broadcasts (a view of the caller's tensor)
     temp2 = temp[:, :1].clone()
     snap2, ver2 = temp2.clone(), temp2._version
-    lp, h = log_probs_and_entropy(x, labels, chunk_size=4, temperature=temp2)
+    lp, h = log_probs_and_entropy(x, labels, chunking=4, temperature=temp2)
     (lp.sum() + h.sum()).backward()
     assert temp2._version == ver2 and torch.equal(temp2, snap2)
     assert x._version == vers[0] and torch.equal(x.detach(), snap[0])
@@ -409,10 +408,8 @@ def test_gradcheck_float64(compute_entropy):
     temp = torch.rand(2, 1, dtype=torch.float64, generator=g) + 0.5
 
     def fn(b):
-        out = log_probs_and_entropy(
-            b[:, :-1, :6], labels, chunk_size=3, temperature=temp, label_mask=mask,
-            compute_entropy=compute_entropy,
-        )
+        out = log_probs_and_entropy(b[:, :-1, :6], labels, chunking=3, temperature=temp, label_mask=mask,
+                                    compute_entropy=compute_entropy)
         return tuple(o for o in out if o is not None)
 
     assert torch.autograd.gradcheck(fn, (base,), eps=1e-6, atol=1e-8, rtol=1e-6)
@@ -428,11 +425,11 @@ def test_no_grad_same_values_nothing_saved(ctx):
     x = _logits((3, 5, 19)).requires_grad_(True)
     labels = _labels((3, 5), 19)
     temp = torch.rand(3, 1, generator=_gen(1)) + 0.5
-    ref = log_probs_and_entropy(x, labels, chunk_size=4, temperature=temp)
+    ref = log_probs_and_entropy(x, labels, chunking=4, temperature=temp)
     packed = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
         with ctx():
-            out = log_probs_and_entropy(x, labels, chunk_size=4, temperature=temp)
+            out = log_probs_and_entropy(x, labels, chunking=4, temperature=temp)
     assert packed == []
     assert out.log_probs.grad_fn is None and out.entropy.grad_fn is None
     assert not out.log_probs.requires_grad and not out.entropy.requires_grad
@@ -442,7 +439,7 @@ def test_no_grad_same_values_nothing_saved(ctx):
 
 def test_logits_without_requires_grad_build_no_graph():
     x = _logits((4, 9))
-    out = log_probs_and_entropy(x, _labels((4,), 9), chunk_size=2)
+    out = log_probs_and_entropy(x, _labels((4,), 9), chunking=2)
     assert out.log_probs.grad_fn is None and not out.entropy.requires_grad
 
 
@@ -468,7 +465,7 @@ def test_saved_for_backward_is_logits_reference_plus_per_token_stats(dtype, view
     temp = torch.rand(logits.shape[:-1], generator=_gen(3)) + 0.5
     packed = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
-        out = log_probs_and_entropy(logits, labels, chunk_size=5, temperature=temp, compute_entropy=compute_entropy)
+        out = log_probs_and_entropy(logits, labels, chunking=5, temperature=temp, compute_entropy=compute_entropy)
     big = [t for t in packed if t.numel() > 3 * n]
     small = [t for t in packed if t.numel() <= 3 * n]
     # the logits themselves, by reference: same storage, same strides, same dtype, no copy
@@ -493,7 +490,7 @@ def test_saved_for_backward_is_logits_reference_plus_per_token_stats(dtype, view
 def test_empty_inputs_give_empty_outputs(shape, compute_entropy):
     x = torch.randn(shape, requires_grad=True)
     labels = torch.zeros(shape[:-1], dtype=torch.long)
-    out = log_probs_and_entropy(x, labels, chunk_size=4, compute_entropy=compute_entropy)
+    out = log_probs_and_entropy(x, labels, chunking=4, compute_entropy=compute_entropy)
     assert out.log_probs.shape == labels.shape and out.log_probs.dtype == torch.float32
     if compute_entropy:
         assert out.entropy.shape == labels.shape
@@ -517,7 +514,7 @@ def test_create_graph_first_order_exact_second_order_refused():
     second-order term (e.g. in a gradient penalty) would be wrong."""
     x = _logits((4, 7), dtype=torch.float64).requires_grad_(True)
     labels = _labels((4,), 7)
-    lp, h = log_probs_and_entropy(x, labels, chunk_size=3)
+    lp, h = log_probs_and_entropy(x, labels, chunking=3)
     loss = lp.sum() + h.sum() + x.pow(3).sum()
     (g,) = torch.autograd.grad(loss, x, create_graph=True)
     xr = x.detach().clone().requires_grad_(True)
@@ -574,7 +571,7 @@ def test_only_chunk_sized_buffers_are_allocated(dtype, view):
     labels = _labels(logits.shape[:-1], v)
     g_lp, g_h = _upstream(labels.shape)
     with _Allocations() as fwd:
-        lp, h = log_probs_and_entropy(logits, labels, chunk_size=chunk, temperature=0.9)
+        lp, h = log_probs_and_entropy(logits, labels, chunking=chunk, temperature=0.9)
     assert max(fwd.sizes) <= chunk * v < n * v
     loss = (lp * g_lp.float()).sum() + (h * g_h.float()).sum()
     grad_out = torch.autograd.grad(loss, [lp, h], retain_graph=True)  # upstream grads, outside the probe

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from chunked_entropy import log_probs_and_entropy
+from chunked_entropy import OutputLayer, log_probs_and_entropy
 from tests.helpers import reference, run_distributed
 
 VAL = dict(rtol=1e-5, atol=1e-5)
@@ -107,10 +107,9 @@ def _check_case(rank, world, group, case, g):
     version = leaf._version
 
     with _Counting() as counter:
-        out = log_probs_and_entropy(
-            logits, labels, chunk_size=chunk, temperature=temperature, process_group=group,
-            compute_entropy=compute_entropy, label_mask=mask, compute_sum_pi_squared=pi2, **tf,
-        )
+        out = log_probs_and_entropy(logits, labels, layer=OutputLayer(process_group=group, **tf), chunking=chunk,
+                                    temperature=temperature, compute_entropy=compute_entropy, label_mask=mask,
+                                    compute_sum_pi_squared=pi2)
         n = math.prod(shape)
         # two per chunk, and one small all-gather per call: every rank makes the same call
         assert counter.calls <= 2 * math.ceil(n / chunk) + 1, (counter.calls, n, chunk)

@@ -18,7 +18,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from chunked_entropy import linear_policy_loss, losses, policy_loss_from_logits
+from chunked_entropy import PolicyLoss, linear_policy_loss, losses, policy_loss_from_logits
+from chunked_entropy.losses import Aggregation
 from tests.helpers import reference, require, run_distributed
 
 require("verl")
@@ -179,8 +180,11 @@ def _loss_inputs(seed, b=4, t=6, h=8, v=40):
 def test_fused_losses_are_the_composition_of_verls_functions(mode, path):
     hidden, weight, labels, old, adv, ref, mask = _loss_inputs(7)
     norm = dict(dp_size=2, batch_num_tokens=int(mask.sum()) + 5, global_batch_size=7, loss_scale_factor=9.0)
-    kw = dict(entropy_coeff=0.03, kl_coef=0.2, clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0,
-              loss_agg_mode=mode, ref_log_probs=ref, chunk_size=5, **norm)
+    options = dict(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0)
+    aggregation = Aggregation(mode, norm["loss_scale_factor"], norm["dp_size"], norm["batch_num_tokens"],
+                              norm["global_batch_size"])
+    policy = PolicyLoss(options=options, entropy_coeff=0.03, kl_coef=0.2, aggregation=aggregation)
+    kw = dict(loss=policy, ref_log_probs=ref, chunking=5)
     h = hidden.clone().requires_grad_()
     w = weight.clone().requires_grad_()
     if path == "head":
@@ -205,8 +209,8 @@ def _dp_worker(rank, world):
 
 def _dp_mode(rank, world, mode):
     hidden, weight, labels, old, adv, ref, mask = _loss_inputs(11, b=6)
-    kw = dict(entropy_coeff=0.05, kl_coef=0.1, clip_ratio_c=3.0, loss_agg_mode=mode, ref_log_probs=ref,
-              chunk_size=4)
+    policy = PolicyLoss(options={"clip_ratio_c": 3.0}, entropy_coeff=0.05, kl_coef=0.1, aggregation=mode)
+    kw = dict(loss=policy, ref_log_probs=ref, chunking=4)
     # the single-process loss of the whole batch
     h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     full, _ = linear_policy_loss(h, w, labels, old, adv, mask, **kw)
@@ -218,7 +222,7 @@ def _dp_mode(rank, world, mode):
     for path in ("head", "logits"):
         hr, wr = hidden[rows].clone().requires_grad_(), weight.clone().requires_grad_()
         args = (labels[rows], old[rows], adv[rows], mask[rows])
-        rkw = dict(kw, ref_log_probs=ref[rows], **norm)
+        rkw = dict(kw, ref_log_probs=ref[rows], loss=policy.for_batch(**norm))
         if path == "head":
             part, _ = linear_policy_loss(hr, wr, *args, **rkw)
         else:

@@ -24,6 +24,7 @@ import torch
 if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
     pytest.skip("megatron-core is not installed (pip install '.[megatron]')", allow_module_level=True)
 
+from chunked_entropy import OutputLayer
 from tests.helpers import reference, run_distributed  # noqa: E402
 
 VAL = dict(rtol=1e-5, atol=1e-5)
@@ -70,7 +71,7 @@ def _worker(rank, world):
             (lp_m * g_up.float()).sum().backward()
 
             x_o = shard.clone().requires_grad_(True)
-            lp_o, _ = log_probs_and_entropy(x_o, target, chunk_size=chunk, process_group=tp)
+            lp_o, _ = log_probs_and_entropy(x_o, target, layer=OutputLayer(process_group=tp), chunking=chunk)
             (lp_o * g_up.float()).sum().backward()
 
             torch.testing.assert_close(lp_o, lp_m, **VAL)
@@ -85,7 +86,7 @@ def _worker(rank, world):
         lp_m = -vocab_parallel_cross_entropy(x_m, target)
         (lp_m * g_up.float()).sum().backward()
         x_o = shard.bfloat16().requires_grad_(True)
-        lp_o, _ = log_probs_and_entropy(x_o, target, chunk_size=5, process_group=tp)
+        lp_o, _ = log_probs_and_entropy(x_o, target, layer=OutputLayer(process_group=tp), chunking=5)
         (lp_o * g_up.float()).sum().backward()
         torch.testing.assert_close(lp_o, lp_m, **VAL)
         assert x_o.grad.dtype == torch.bfloat16
@@ -107,7 +108,7 @@ def _worker(rank, world):
         logits = x * 1.0
         entropy = _torch_entropy(logits)
         version = logits._version
-        lp_o, ent_o = log_probs_and_entropy(logits, target, chunk_size=4, process_group=tp)
+        lp_o, ent_o = log_probs_and_entropy(logits, target, layer=OutputLayer(process_group=tp), chunking=4)
         assert logits._version == version and torch.equal(logits.detach(), shard)
         (
             (lp_o * g_up.float()).sum() + (entropy * g_h.float()).sum() + (ent_o * g_h.float()).sum()

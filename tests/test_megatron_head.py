@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 pytest.importorskip("megatron.core")
 
-from chunked_entropy import ChunkedVocabParallelHead  # noqa: E402
+from chunked_entropy import ChunkedVocabParallelHead, Chunking  # noqa: E402
 from tests.helpers import reference, run_distributed  # noqa: E402
 
 F32 = dict(rtol=1e-5, atol=1e-5)
@@ -66,7 +66,7 @@ def _output_layer_matches(rank, group, cfg):
     )
     with torch.no_grad():
         layer.bias.normal_(generator=torch.Generator().manual_seed(2 + rank))
-    head = ChunkedVocabParallelHead.from_megatron(layer, chunk_size=4, vocab_chunk_size=3)
+    head = ChunkedVocabParallelHead.from_megatron(layer, chunking=Chunking(4, vocab_chunk_size=3))
     assert head.weight is layer.weight and head.bias is layer.bias
     assert head.process_group is layer.tp_group and head.sequence_parallel is False
     hidden, labels, g_lp, g_h = _inputs(3)
@@ -108,7 +108,7 @@ def _tied_embedding_matches(rank, group, cfg):
     )
     with pytest.raises(ValueError, match="weight="):
         ChunkedVocabParallelHead.from_megatron(layer)
-    head = ChunkedVocabParallelHead.from_megatron(layer, weight=emb.weight, chunk_size=5)
+    head = ChunkedVocabParallelHead.from_megatron(layer, weight=emb.weight, chunking=5)
     assert head.weight is emb.weight and head.bias is None
     _, labels, g_lp, g_h = _inputs(5)
     ids = torch.randint(0, V, (S, B), generator=torch.Generator().manual_seed(6))
@@ -146,7 +146,7 @@ def _main_grad_and_groups(rank, group, cfg):
     layer.gradient_accumulation_fusion = True
     layer.weight.main_grad = torch.ones_like(layer.weight)
     layer.weight.grad_added_to_main_grad = False
-    head = ChunkedVocabParallelHead.from_megatron(layer, chunk_size=4)
+    head = ChunkedVocabParallelHead.from_megatron(layer, chunking=4)
     for _ in range(2):
         out = head(hidden.clone().requires_grad_(), labels)
         ((out.log_probs * g_lp.float()).sum() + (out.entropy * g_h.float()).sum()).backward()

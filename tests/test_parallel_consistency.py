@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 
 from chunked_entropy import (
+    Chunking,
+    OutputLayer,
     linear_log_probs_and_entropy,
     linear_policy_loss,
     log_probs_and_entropy,
@@ -37,7 +39,7 @@ def _healthy(rank, group):
     """A correct call after a refused one: the group is not left half-way through a collective."""
     full = torch.randn(6, 10, generator=torch.Generator().manual_seed(0))
     labels = torch.arange(6)
-    lp, _ = log_probs_and_entropy(full[:, rank * 5 : rank * 5 + 5], labels, process_group=group)
+    lp, _ = log_probs_and_entropy(full[:, rank * 5 : rank * 5 + 5], labels, layer=OutputLayer(process_group=group))
     ref, _ = reference(full.double(), labels)
     torch.testing.assert_close(lp.double(), ref)
 
@@ -49,10 +51,11 @@ def _cases(rank, world):
     labels = torch.randint(0, 12, (4, 3), generator=g)
     other = rank  # differs between the two ranks
 
-    def lp(**kw):
-        args = dict(logits=z, labels=labels, process_group=group)
+    def lp(layer=(), **kw):
+        args = dict(logits=z, labels=labels)
         args.update(kw)
-        return log_probs_and_entropy(args.pop("logits"), args.pop("labels"), **args)
+        return log_probs_and_entropy(args.pop("logits"), args.pop("labels"),
+                                     layer=OutputLayer(process_group=group, **dict(layer)), **args)
 
     cases = [
         ("vocabulary shard width", lambda: lp(logits=z[..., : 5 + other], labels=labels % 10)),
@@ -60,10 +63,10 @@ def _cases(rank, world):
                                                                 torch.tensor(other)))),
         ("temperature", lambda: lp(temperature=0.5 + other)),
         ("temperature", lambda: lp(temperature=torch.full((4, 1), 1.0 + 0.25 * other))),
-        ("chunk_size", lambda: lp(chunk_size=2 + other)),
+        ("chunking (Chunking)", lambda: lp(chunking=2 + other)),
         ("compute_entropy", lambda: lp(compute_entropy=bool(other))),
         ("compute_sum_pi_squared", lambda: lp(compute_sum_pi_squared=bool(other))),
-        ("softcap", lambda: lp(softcap=30.0 + other)),
+        ("softcap", lambda: lp(layer=dict(softcap=30.0 + other))),
         ("token count", lambda: lp(logits=z[: 3 + other], labels=labels[: 3 + other])),
         ("labels", lambda: lp(label_mask=torch.arange(12).reshape(4, 3) != other)),
     ]
@@ -72,14 +75,14 @@ def _cases(rank, world):
     h = torch.randn(5, 3, 5, generator=g)
 
     def head(**kw):
-        args = dict(hidden=h[:4], labels=torch.randint(0, 12, (8, 3), generator=torch.Generator().manual_seed(2)),
-                    process_group=group, sequence_parallel=True)
+        args = dict(hidden=h[:4], labels=torch.randint(0, 12, (8, 3), generator=torch.Generator().manual_seed(2)))
         args.update(kw)
-        return linear_log_probs_and_entropy(args.pop("hidden"), w, args.pop("labels"), **args)
+        layer = OutputLayer(w, process_group=group, sequence_parallel=True)
+        return linear_log_probs_and_entropy(args.pop("hidden"), layer, args.pop("labels"), **args)
 
     cases += [
         ("token count", lambda: head(hidden=h[: 4 + other], labels=torch.zeros(2 * (4 + other), 3, dtype=torch.long))),
-        ("vocab_chunk_size", lambda: head(vocab_chunk_size=3 + other)),
+        ("vocab_chunk_size", lambda: head(chunking=Chunking(vocab_chunk_size=3 + other))),
         ("whether gradients are computed", lambda: head(hidden=h[:4].clone().requires_grad_(bool(other)))),
     ]
     for what, call in cases:
@@ -127,22 +130,23 @@ def _refused_on_one_rank(rank, world):
         lab = labels.clone()
         if bad:
             lab[1, 2] = v_local * world + 3
-        return log_probs_and_entropy(z, lab, process_group=group)
+        return log_probs_and_entropy(z, lab, layer=OutputLayer(process_group=group))
 
     cases = [
         ("labels must be vocabulary ids", out_of_range),
-        ("temperature", lambda: log_probs_and_entropy(z, labels, process_group=group, temperature=0.0 if bad else 1.0)),
+        ("temperature", lambda: log_probs_and_entropy(z, labels, layer=OutputLayer(process_group=group),
+                                                      temperature=0.0 if bad else 1.0)),
         ("labels must have the leading shape",
-         lambda: log_probs_and_entropy(z, labels[:3] if bad else labels, process_group=group)),
-        ("old_log_probs", lambda: linear_policy_loss(hidden, weight, labels, old[:2] if bad else old, adv, mask,
-                                                     process_group=group)),
+         lambda: log_probs_and_entropy(z, labels[:3] if bad else labels, layer=OutputLayer(process_group=group))),
+        ("old_log_probs", lambda: linear_policy_loss(hidden, OutputLayer(weight, process_group=group), labels,
+                                                     old[:2] if bad else old, adv, mask)),
         ("old_log_probs", lambda: policy_loss_from_logits(z, labels, old[:, :1] if bad else old, adv, mask,
-                                                          process_group=group)),
+                                                          layer=OutputLayer(process_group=group))),
         ("logits must be a torch.Tensor",
-         lambda: log_probs_and_entropy(z.tolist() if bad else z, labels, process_group=group)),
-        ("chunk_size", lambda: linear_log_probs_and_entropy(hidden, weight, labels, process_group=group,
-                                                            chunk_size=0 if bad else 4)),
-        ("ignore_index", lambda: log_probs_and_entropy(z, labels, process_group=group,
+         lambda: log_probs_and_entropy(z.tolist() if bad else z, labels, layer=OutputLayer(process_group=group))),
+        ("chunk_size", lambda: linear_log_probs_and_entropy(hidden, OutputLayer(weight, process_group=group), labels,
+                                                            chunking=0 if bad else 4)),
+        ("ignore_index", lambda: log_probs_and_entropy(z, labels, layer=OutputLayer(process_group=group),
                                                        ignore_index=None if bad else -100)),
     ]
     for what, call in cases:
@@ -153,7 +157,7 @@ def _refused_on_one_rank(rank, world):
 def _healthy_any(rank, world, group):
     full = torch.randn(6, 5 * world, generator=torch.Generator().manual_seed(0))
     labels = torch.arange(6) * (world - 1)
-    lp, _ = log_probs_and_entropy(full[:, rank * 5: rank * 5 + 5], labels, process_group=group)
+    lp, _ = log_probs_and_entropy(full[:, rank * 5: rank * 5 + 5], labels, layer=OutputLayer(process_group=group))
     ref, _ = reference(full.double(), labels)
     torch.testing.assert_close(lp.double(), ref)
 
@@ -168,11 +172,13 @@ def _dtype_and_hidden_size(rank, world):
     g = torch.Generator().manual_seed(4)
     z = torch.randn(4, 6, generator=g)
     labels = torch.randint(0, 6 * world, (4,), generator=g)
-    _expect_error(rank, "dtype", lambda: log_probs_and_entropy(z.double() if rank else z, labels, process_group=group))
+    _expect_error(rank, "dtype", lambda: log_probs_and_entropy(z.double() if rank else z, labels,
+                                                               layer=OutputLayer(process_group=group)))
     h = 5 + rank  # a different hidden size on each rank
     hidden, weight = torch.randn(4, h, generator=g), torch.randn(6, h, generator=g)
-    _expect_error(rank, "hidden size", lambda: linear_log_probs_and_entropy(hidden, weight, labels,
-                                                                           process_group=group))
+    _expect_error(rank, "hidden size", lambda: linear_log_probs_and_entropy(hidden,
+                                                                            OutputLayer(weight, process_group=group),
+                                                                            labels))
     _healthy(rank, group)
 
 
@@ -184,7 +190,7 @@ def _cancelling_labels(rank, world):
     if rank == 1:
         # the previous fingerprint was sum(id_i * (i + 1)): +2 at position 0 and -1 at position 1 cancel
         labels = torch.tensor([5, 4, 7, 9])
-    _expect_error(rank, "labels", lambda: log_probs_and_entropy(z, labels, process_group=group))
+    _expect_error(rank, "labels", lambda: log_probs_and_entropy(z, labels, layer=OutputLayer(process_group=group)))
     _healthy(rank, group)
 
 
@@ -194,11 +200,11 @@ def _not_a_member(rank, world):
     z = torch.randn(3, 4)
     labels = torch.tensor([0, 1, 2])
     if rank == 0:
-        lp, _ = log_probs_and_entropy(z, labels, process_group=only_rank_0)  # a group of one: plain
+        lp, _ = log_probs_and_entropy(z, labels, layer=OutputLayer(process_group=only_rank_0))  # a group of one: plain
         torch.testing.assert_close(lp.double(), reference(z.double(), labels)[0])
     else:
         with pytest.raises(ValueError, match=r"this process \(global rank 1\) is not a member of process_group"):
-            log_probs_and_entropy(z, labels, process_group=only_rank_0)
+            log_probs_and_entropy(z, labels, layer=OutputLayer(process_group=only_rank_0))
 
 
 def _requires_grad_differs(rank, world):
@@ -212,10 +218,10 @@ def _requires_grad_differs(rank, world):
     old, adv, mask = torch.full((4, 3), -2.0), torch.ones(4, 3), torch.ones(4, 3, dtype=torch.bool)
     what = "hidden.requires_grad (under grad mode) differs across the 2 ranks of process_group (rank 0: 0, rank 1: 1"
     calls = [
-        lambda: linear_log_probs_and_entropy(hidden, weight, labels, process_group=group),
-        lambda: linear_log_probs_and_entropy(hidden[:2], weight, labels, process_group=group,  # sequence parallel
-                                             sequence_parallel=True),
-        lambda: linear_policy_loss(hidden, weight, labels, old, adv, mask, process_group=group),
+        lambda: linear_log_probs_and_entropy(hidden, OutputLayer(weight, process_group=group), labels),
+        lambda: linear_log_probs_and_entropy(hidden[:2], OutputLayer(weight, process_group=group,
+                                                                     sequence_parallel=True), labels),  # SP
+        lambda: linear_policy_loss(hidden, OutputLayer(weight, process_group=group), labels, old, adv, mask),
     ]
     for call in calls:
         _expect_error(rank, what, call)
@@ -252,13 +258,12 @@ def _requires_grad_fuzz(rank, world):
         h = (src[rank * 2: rank * 2 + 2] if sp else src).clone().requires_grad_(mine[0])
         w, bb = weight[shard].clone().requires_grad_(mine[1]), bias[shard].clone().requires_grad_(mine[2])
         old = lp_ref.detach().t().contiguous()  # ratio 1: inside the clip range, the plain PPO gradient
+        layer = OutputLayer(w, bb, process_group=group, sequence_parallel=sp)
         if loss_path:
-            call = functools.partial(linear_policy_loss, h, w, labels.t().contiguous(), old, ups.t().contiguous(),
-                                     torch.ones(b, s_len, dtype=torch.bool), bias=bb, process_group=group,
-                                     sequence_parallel=sp, chunk_size=3)
+            call = functools.partial(linear_policy_loss, h, layer, labels.t().contiguous(), old, ups.t().contiguous(),
+                                     torch.ones(b, s_len, dtype=torch.bool), chunking=3)
         else:
-            call = functools.partial(linear_log_probs_and_entropy, h, w, labels, bias=bb, process_group=group,
-                                     sequence_parallel=sp, chunk_size=3, vocab_chunk_size=3)
+            call = functools.partial(linear_log_probs_and_entropy, h, layer, labels, chunking=Chunking(3, 3))
         with torch.set_grad_enabled(on):
             if len(any_grad) > 1:
                 _expect_error(rank, "whether gradients are computed", call)

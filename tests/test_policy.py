@@ -15,13 +15,16 @@ import torch.distributed as dist
 
 from chunked_entropy import (
     ChunkedVocabParallelHead,
+    Chunking,
+    OutputLayer,
+    PolicyLoss,
     linear_log_probs_and_entropy,
     linear_policy_loss,
     log_probs_and_entropy,
     losses,
     policy_loss_from_logits,
 )
-from tests.helpers import run_distributed
+from tests.helpers import policy_loss_of, run_distributed
 
 B, T, H, V = 3, 9, 8, 37
 
@@ -41,7 +44,7 @@ def _data(seed=0, dtype=torch.float32, ties=False):
     labels[1, 0] = 10**6  # masked: never range-checked
     adv[0, ~mask[0]] = float("nan")  # padding: must not reach any gradient
     if ties:  # the first PPO iteration: old == current, ratio exactly 1
-        lp, _ = linear_log_probs_and_entropy(hidden, weight, labels.clamp(max=V - 1), bias=bias)
+        lp, _ = linear_log_probs_and_entropy(hidden, OutputLayer(weight, bias), labels.clamp(max=V - 1))
         old = lp.detach()
     up = float(torch.rand((), generator=g)) + 0.5
     return dict(hidden=hidden, weight=weight, bias=bias, labels=labels, mask=mask, old=old, adv=adv, ref=ref, up=up)
@@ -52,11 +55,12 @@ def _composition(d, *, path, temperature, opts, softcap=None):
     leaves = {k: d[k].clone().requires_grad_() for k in ("hidden", "weight", "bias")}
     labels = d["labels"].clamp(max=V - 1)
     if path == "head":
-        lp, ent = linear_log_probs_and_entropy(leaves["hidden"], leaves["weight"], labels, bias=leaves["bias"],
-                                               temperature=temperature, softcap=softcap)
+        lp, ent = linear_log_probs_and_entropy(leaves["hidden"],
+                                               OutputLayer(leaves["weight"], leaves["bias"], softcap=softcap), labels,
+                                               temperature=temperature)
     else:
         logits = leaves["hidden"] @ leaves["weight"].T + leaves["bias"]
-        lp, ent = log_probs_and_entropy(logits, labels, temperature=temperature, softcap=softcap)
+        lp, ent = log_probs_and_entropy(logits, labels, temperature=temperature, layer=OutputLayer(softcap=softcap))
     mode = opts.get("loss_agg_mode", "token-mean")
     lsf = opts.get("loss_scale_factor")
     pg, metrics = losses.policy_loss(lp, d["old"], d["adv"], d["mask"], loss_agg_mode=mode, loss_scale_factor=lsf,
@@ -71,16 +75,18 @@ def _composition(d, *, path, temperature, opts, softcap=None):
     return loss.detach(), metrics, {k: t.grad for k, t in leaves.items()}
 
 
-def _fused(d, *, path, temperature, opts, dtype, softcap=None, **kw):
+def _fused(d, *, path, temperature, opts, dtype, softcap=None, chunking=None):
     leaves = {k: d[k].to(dtype).clone().requires_grad_() for k in ("hidden", "weight", "bias")}
-    common = dict(ref_log_probs=d["ref"] if opts.get("kl_coef") else None, temperature=temperature, softcap=softcap,
-                  **opts, **kw)
+    common = dict(ref_log_probs=d["ref"] if opts.get("kl_coef") else None, temperature=temperature,
+                  loss=policy_loss_of(**opts), chunking=chunking)
     if path == "head":
-        loss, metrics = linear_policy_loss(leaves["hidden"], leaves["weight"], d["labels"], d["old"], d["adv"],
-                                           d["mask"], bias=leaves["bias"], **common)
+        layer = OutputLayer(leaves["weight"], leaves["bias"], softcap=softcap)
+        loss, metrics = linear_policy_loss(leaves["hidden"], layer, d["labels"], d["old"], d["adv"], d["mask"],
+                                           **common)
     else:
         logits = leaves["hidden"] @ leaves["weight"].T + leaves["bias"]
-        loss, metrics = policy_loss_from_logits(logits, d["labels"], d["old"], d["adv"], d["mask"], **common)
+        loss, metrics = policy_loss_from_logits(logits, d["labels"], d["old"], d["adv"], d["mask"],
+                                                layer=OutputLayer(softcap=softcap), **common)
     (loss * d["up"]).backward()
     return loss.detach(), metrics, {k: t.grad for k, t in leaves.items()}
 
@@ -103,7 +109,8 @@ def test_matches_the_composition_float32(opts, path, kw, temperature):
     d = _data(seed=len(opts))
     t = torch.tensor([[0.7], [1.0], [1.3]], dtype=torch.float64) if temperature == "per_sample" else temperature
     ref_loss, ref_metrics, ref_grads = _composition(d, path=path, temperature=t, opts=opts)
-    loss, metrics, grads = _fused(d, path=path, temperature=t, opts=opts, dtype=torch.float32, chunk_size=5, **kw)
+    loss, metrics, grads = _fused(d, path=path, temperature=t, opts=opts, dtype=torch.float32,
+                                  chunking=Chunking(5, **kw))
     assert loss.dtype == torch.float32 and loss.dim() == 0
     torch.testing.assert_close(loss.double(), ref_loss, rtol=1e-5, atol=1e-6)
     for k in ("actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl", "actor/entropy_loss") + (
@@ -122,7 +129,7 @@ def test_float64_equals_the_composition_to_rounding(path, ties):
     d = _data(seed=7, ties=ties)
     opts = CASES[1]
     ref_loss, _, ref_grads = _composition(d, path=path, temperature=0.8, opts=opts, softcap=3.0)
-    loss, _, grads = _fused(d, path=path, temperature=0.8, opts=opts, dtype=torch.float64, softcap=3.0, chunk_size=4)
+    loss, _, grads = _fused(d, path=path, temperature=0.8, opts=opts, dtype=torch.float64, softcap=3.0, chunking=4)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-10, atol=1e-12)
     for k, ref in ref_grads.items():
         torch.testing.assert_close(grads[k], ref, rtol=1e-8, atol=1e-10, msg=lambda m, k=k: f"{k}: {m}")
@@ -130,10 +137,12 @@ def test_float64_equals_the_composition_to_rounding(path, ties):
 
 def test_head_method_is_the_function():
     d = _data(seed=3)
-    head = ChunkedVocabParallelHead(d["weight"].float(), d["bias"].float(), chunk_size=4, softcap=20.0)
-    a, _ = head.policy_loss(d["hidden"].float(), d["labels"], d["old"], d["adv"], d["mask"], entropy_coeff=0.01)
-    b, _ = linear_policy_loss(d["hidden"].float(), d["weight"].float(), d["labels"], d["old"], d["adv"], d["mask"],
-                              bias=d["bias"].float(), chunk_size=4, softcap=20.0, entropy_coeff=0.01)
+    head = ChunkedVocabParallelHead(OutputLayer(d["weight"].float(), d["bias"].float(), softcap=20.0), 4)
+    a, _ = head.policy_loss(d["hidden"].float(), d["labels"], d["old"], d["adv"], d["mask"],
+                            loss=PolicyLoss(entropy_coeff=0.01))
+    b, _ = linear_policy_loss(d["hidden"].float(), OutputLayer(d["weight"].float(), d["bias"].float(), softcap=20.0),
+                              d["labels"], d["old"], d["adv"], d["mask"], loss=PolicyLoss(entropy_coeff=0.01),
+                              chunking=4)
     assert torch.equal(a, b)
 
 
@@ -141,12 +150,14 @@ def test_backward_semantics_like_autograd(monkeypatch):
     d = _data(seed=4)
     hidden = d["hidden"].float().requires_grad_()
     weight = d["weight"].float().requires_grad_()
-    loss, _ = linear_policy_loss(hidden, weight, d["labels"], d["old"], d["adv"], d["mask"], entropy_coeff=0.01)
+    loss, _ = linear_policy_loss(hidden, weight, d["labels"], d["old"], d["adv"], d["mask"],
+                                 loss=PolicyLoss(entropy_coeff=0.01))
     (loss / 4).backward()  # gradient accumulation over 4 micro-batches
     g1 = hidden.grad.clone()
     with pytest.raises(RuntimeError, match="backward through the graph a second time"):
         loss.backward()
-    loss2, _ = linear_policy_loss(hidden, weight, d["labels"], d["old"], d["adv"], d["mask"], entropy_coeff=0.01)
+    loss2, _ = linear_policy_loss(hidden, weight, d["labels"], d["old"], d["adv"], d["mask"],
+                                  loss=PolicyLoss(entropy_coeff=0.01))
     loss2.backward(retain_graph=True)
     torch.testing.assert_close(hidden.grad, g1 * 5)  # 1/4 + 1
     loss2.backward()
@@ -159,7 +170,7 @@ def test_backward_semantics_like_autograd(monkeypatch):
     monkeypatch.setattr(policy, "loss_grad_blocks", lambda *a, **k: called.append(1))
     with torch.no_grad():
         nograd, metrics = linear_policy_loss(hidden, weight, d["labels"], d["old"], d["adv"], d["mask"],
-                                             entropy_coeff=0.01)
+                                             loss=PolicyLoss(entropy_coeff=0.01))
     assert called == [] and not nograd.requires_grad
     torch.testing.assert_close(nograd, loss.detach())
 
@@ -179,15 +190,15 @@ def test_bad_input_names_the_argument():
     d = _data()
     args = (d["hidden"].float(), d["weight"].float(), d["labels"], d["old"], d["adv"], d["mask"])
     with pytest.raises(ValueError, match="kl_coef != 0 needs ref_log_probs"):
-        linear_policy_loss(*args, kl_coef=0.1)
+        linear_policy_loss(*args, loss=PolicyLoss(kl_coef=0.1))
     with pytest.raises(ValueError, match="loss_agg_mode"):
-        linear_policy_loss(*args, loss_agg_mode="mean")
+        linear_policy_loss(*args, loss=PolicyLoss(aggregation="mean"))
     with pytest.raises(ValueError, match="advantages"):
         linear_policy_loss(*args[:4], d["adv"][:, :3], d["mask"])
     with pytest.raises(ValueError, match="clip_ratio_c"):
-        linear_policy_loss(*args, clip_ratio_c=0.5)
+        linear_policy_loss(*args, loss=PolicyLoss(options={"clip_ratio_c": 0.5}))
     with pytest.raises(ValueError, match="kl_kind"):
-        policy_loss_from_logits(torch.zeros(B, T, V), *args[2:], kl_kind="k4")
+        policy_loss_from_logits(torch.zeros(B, T, V), *args[2:], loss=PolicyLoss(kl_kind="k4"))
 
 
 def _parallel(rank, world):
@@ -209,9 +220,9 @@ def _parallel(rank, world):
         hidden = hidden.clone().requires_grad_()
         weight = d["weight"][rank * vl:(rank + 1) * vl].float().requires_grad_()
         bias = d["bias"][rank * vl:(rank + 1) * vl].float().requires_grad_()
-        loss, _ = linear_policy_loss(hidden, weight, d["labels"], d["old"], d["adv"], d["mask"], bias=bias,
-                                     ref_log_probs=d["ref"], process_group=group, sequence_parallel=sp,
-                                     chunk_size=4, temperature=0.9, **opts)
+        loss, _ = linear_policy_loss(hidden, OutputLayer(weight, bias, process_group=group, sequence_parallel=sp),
+                                     d["labels"], d["old"], d["adv"], d["mask"], chunking=4, ref_log_probs=d["ref"],
+                                     temperature=0.9, loss=policy_loss_of(**opts))
         (loss * d["up"]).backward()
         torch.testing.assert_close(loss.double(), ref_loss, rtol=1e-5, atol=1e-6)
         g_hidden = ref["hidden"].transpose(0, 1)[rank * T // world: (rank + 1) * T // world] if sp else ref["hidden"]
@@ -221,7 +232,8 @@ def _parallel(rank, world):
     # the logits twin on a vocabulary shard
     logits = (d["hidden"] @ d["weight"].T + d["bias"])[..., rank * vl:(rank + 1) * vl].float().requires_grad_()
     loss, _ = policy_loss_from_logits(logits, d["labels"], d["old"], d["adv"], d["mask"], ref_log_probs=d["ref"],
-                                      process_group=group, chunk_size=4, temperature=0.9, **opts)
+                                      layer=OutputLayer(process_group=group), chunking=4, temperature=0.9,
+                                      loss=policy_loss_of(**opts))
     (loss * d["up"]).backward()
     torch.testing.assert_close(loss.double(), ref_loss, rtol=1e-5, atol=1e-6)
     g_logits = ref["logits"][..., rank * vl:(rank + 1) * vl]
@@ -251,10 +263,12 @@ def test_gradients_handed_out_are_the_callers_own(path):
     d = _data(seed=8)
     hidden, weight = d["hidden"].float().requires_grad_(), d["weight"].float()
     if path == "head":
-        loss, _ = linear_policy_loss(hidden, weight, d["labels"], d["old"], d["adv"], d["mask"], entropy_coeff=0.01)
+        loss, _ = linear_policy_loss(hidden, weight, d["labels"], d["old"], d["adv"], d["mask"],
+                                     loss=PolicyLoss(entropy_coeff=0.01))
     else:  # the gradient of the logits themselves is the one the loss stores
         hidden = (d["hidden"].float() @ weight.t()).requires_grad_()
-        loss, _ = policy_loss_from_logits(hidden, d["labels"], d["old"], d["adv"], d["mask"], entropy_coeff=0.01)
+        loss, _ = policy_loss_from_logits(hidden, d["labels"], d["old"], d["adv"], d["mask"],
+                                          loss=PolicyLoss(entropy_coeff=0.01))
     first = torch.autograd.grad(loss, hidden, retain_graph=True)[0]  # upstream 1: the stored tensor, if shared
     want = first.clone()
     first.mul_(0).add_(7)  # the caller owns it

@@ -22,13 +22,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from chunked_entropy import (
     ChunkedVocabParallelHead,
+    Chunking,
+    OutputLayer,
+    PolicyLoss,
     linear_log_probs_and_entropy,
     linear_policy_loss,
     log_probs_and_entropy,
     losses,
     policy_loss_from_logits,
 )
-from tests.helpers import run_distributed
+from tests.helpers import policy_loss_of, run_distributed
 
 aten = torch.ops.aten
 
@@ -47,7 +50,7 @@ def _data(seed):
              ref=-torch.rand(B, T, generator=g, dtype=torch.float64) * 3 - 1,
              w=torch.rand(B, T, generator=g, dtype=torch.float64) + 0.5,
              mask=torch.rand(B, T, generator=g) < 0.8)
-    lp, _ = linear_log_probs_and_entropy(d["hidden"], d["weight"], d["labels"], bias=d["bias"])
+    lp, _ = linear_log_probs_and_entropy(d["hidden"], OutputLayer(d["weight"], d["bias"]), d["labels"])
     d["old"] = lp + torch.randn(B, T, generator=g, dtype=torch.float64) * 0.7  # ratios inside and outside the clip
     d["mask"][1] = False  # an empty sequence
     return d
@@ -64,8 +67,8 @@ def _composition(d, mode, *, path, agg, weights, kl, keep=None, up=1.7, temperat
         z = leaves["hidden"] @ leaves["weight"].t() + leaves["bias"]
         lp, ent = log_probs_and_entropy(z, d["labels"], keep=keep, temperature=temperature)
     else:
-        lp, ent = linear_log_probs_and_entropy(leaves["hidden"], leaves["weight"], d["labels"], bias=leaves["bias"],
-                                               keep=keep, temperature=temperature)
+        lp, ent = linear_log_probs_and_entropy(leaves["hidden"], OutputLayer(leaves["weight"], leaves["bias"]),
+                                               d["labels"], keep=keep, temperature=temperature)
     torch.manual_seed(11)
     pg, metrics = losses.policy_loss(lp, d["old"], d["adv"], d["mask"], loss_mode=mode, loss_agg_mode=agg,
                                      rollout_is_weights=d["w"] if weights else None, **opts)
@@ -80,17 +83,21 @@ def _composition(d, mode, *, path, agg, weights, kl, keep=None, up=1.7, temperat
     return loss.detach(), metrics, {k: t.grad for k, t in leaves.items()}
 
 
-def _fused(d, mode, *, path, agg, weights, kl, keep=None, up=1.7, temperature=0.8, chunk_size=4, opts=OPTS, **kw):
+def _fused(d, mode, *, path, agg, weights, kl, keep=None, up=1.7, temperature=0.8, chunk_size=4, opts=OPTS,
+           vocab_chunk_size=None):
     leaves = {k: d[k].clone().requires_grad_() for k in ("hidden", "weight", "bias")}
-    common = dict(loss_mode=mode, loss_agg_mode=agg, rollout_is_weights=d["w"] if weights else None, keep=keep,
-                  temperature=temperature, chunk_size=chunk_size, **_terms(d, kl), **opts, **kw)
+    terms = _terms(d, kl)
+    ref_log_probs = terms.pop("ref_log_probs")
+    common = dict(loss=policy_loss_of(loss_mode=mode, loss_agg_mode=agg, **terms, **opts),
+                  rollout_is_weights=d["w"] if weights else None, keep=keep, temperature=temperature,
+                  chunking=Chunking(chunk_size, vocab_chunk_size), ref_log_probs=ref_log_probs)
     torch.manual_seed(11)
     if path == "logits":
         z = leaves["hidden"] @ leaves["weight"].t() + leaves["bias"]
         loss, metrics = policy_loss_from_logits(z, d["labels"], d["old"], d["adv"], d["mask"], **common)
     else:
-        loss, metrics = linear_policy_loss(leaves["hidden"], leaves["weight"], d["labels"], d["old"], d["adv"],
-                                           d["mask"], bias=leaves["bias"], **common)
+        loss, metrics = linear_policy_loss(leaves["hidden"], OutputLayer(leaves["weight"], leaves["bias"]), d["labels"],
+                                           d["old"], d["adv"], d["mask"], **common)
     (loss * up).backward()
     return loss.detach(), metrics, {k: t.grad for k, t in leaves.items()}
 
@@ -124,12 +131,12 @@ def test_modes_with_sampling_replay_and_the_module(mode):
     offsets = torch.tensor([0, 2, 2, 4] + [4] * (B * T - 5) + [7, 9])
     _same(_fused(d, mode, path="head", agg="token-mean", weights=True, kl=False, keep=(ids, offsets)),
           _composition(d, mode, path="head", agg="token-mean", weights=True, kl=False, keep=(ids, offsets)))
-    head = ChunkedVocabParallelHead(d["weight"].clone().requires_grad_(), d["bias"].clone(), chunk_size=4)
+    head = ChunkedVocabParallelHead(OutputLayer(d["weight"].clone().requires_grad_(), d["bias"].clone()), 4)
     h = d["hidden"].clone().requires_grad_()
     torch.manual_seed(11)
-    loss, _ = head.policy_loss(h, d["labels"], d["old"], d["adv"], d["mask"], loss_mode=mode, **OPTS)
+    loss, _ = head.policy_loss(h, d["labels"], d["old"], d["adv"], d["mask"], loss=PolicyLoss(mode, OPTS))
     h2 = d["hidden"].clone().requires_grad_()
-    lp, _ = linear_log_probs_and_entropy(h2, d["weight"], d["labels"], bias=d["bias"])
+    lp, _ = linear_log_probs_and_entropy(h2, OutputLayer(d["weight"], d["bias"]), d["labels"])
     torch.manual_seed(11)
     ref, _ = losses.policy_loss(lp, d["old"], d["adv"], d["mask"], loss_mode=mode, **OPTS)
     loss.backward()
@@ -193,10 +200,10 @@ def test_rollout_log_probs_give_the_weights_and_the_rejection_mask():
     w, mask, _ = losses.rollout_correction(d["old"], rollout, d["mask"], **corr)
     assert (mask != d["mask"]).any()  # some tokens rejected
     h = d["hidden"].clone().requires_grad_()
-    loss, _ = linear_policy_loss(h, d["weight"], d["labels"], d["old"], d["adv"], d["mask"], bias=d["bias"],
-                                 rollout_log_probs=rollout, loss_mode="vanilla", entropy_coeff=0.02, **corr)
+    loss, _ = linear_policy_loss(h, OutputLayer(d["weight"], d["bias"]), d["labels"], d["old"], d["adv"], d["mask"],
+                                 loss=PolicyLoss("vanilla", corr, entropy_coeff=0.02), rollout_log_probs=rollout)
     h2 = d["hidden"].clone().requires_grad_()
-    lp, ent = linear_log_probs_and_entropy(h2, d["weight"], d["labels"], bias=d["bias"])
+    lp, ent = linear_log_probs_and_entropy(h2, OutputLayer(d["weight"], d["bias"]), d["labels"])
     pg, _ = losses.policy_loss(lp, d["old"], d["adv"], mask, rollout_is_weights=w)
     ref = pg - 0.02 * losses.entropy_bonus(ent, mask)
     loss.backward()
@@ -212,16 +219,18 @@ def test_bad_options_are_named_before_any_work():
     d = _data(5)
     h = d["hidden"].clone().requires_grad_()
     args = (h, d["weight"], d["labels"], d["old"], d["adv"], d["mask"])
-    for kw, exc, name in ((dict(loss_mode="grpo"), ValueError, "loss_mode"), (dict(loss_mode="dro"), ValueError,
-                          "dro_beta"), (dict(tau_pos=-1.0), ValueError, "tau_pos"),
-                          (dict(rollout_is_weights=d["w"][:2]), ValueError, "rollout_is_weights"),
-                          (dict(clip_ratoi=0.3), TypeError, "clip_ratoi")):
+    # each call's keywords, built in the call (the PolicyLoss checks its fields on construction)
+    for kw, exc, name in ((lambda: dict(loss=PolicyLoss("grpo")), ValueError, "loss_mode"),
+                          (lambda: dict(loss=PolicyLoss("dro")), ValueError, "dro_beta"),
+                          (lambda: dict(loss=PolicyLoss(options={"tau_pos": -1.0})), ValueError, "tau_pos"),
+                          (lambda: dict(rollout_is_weights=d["w"][:2]), ValueError, "rollout_is_weights"),
+                          (lambda: dict(loss=PolicyLoss(options={"clip_ratoi": 0.3})), TypeError, "clip_ratoi")):
         with pytest.raises(exc, match=name):
-            linear_policy_loss(*args, **kw)
+            linear_policy_loss(*args, **kw())
         with pytest.raises(exc, match=name):
-            policy_loss_from_logits(h @ d["weight"].t(), *args[2:], **kw)
+            policy_loss_from_logits(h @ d["weight"].t(), *args[2:], **kw())
     with pytest.raises(ValueError, match="bypass_mode' needs at least one valid token"):
-        linear_policy_loss(*args[:5], torch.zeros_like(d["mask"]), loss_mode="bypass_mode")
+        linear_policy_loss(*args[:5], torch.zeros_like(d["mask"]), loss=PolicyLoss("bypass_mode"))
     assert h.grad is None
 
 
@@ -237,13 +246,12 @@ def _tp_worker(rank, world):
     for mode, chunk_size in (("sapo", 4), ("gspo", 4), ("gspo", 12), ("kl_cov", 4)):
         h = d["hidden"].clone().requires_grad_()
         w = weight[shard].clone().requires_grad_()
-        loss, metrics = linear_policy_loss(h, w, d["labels"], d["old"], d["adv"], d["mask"], bias=bias[shard],
-                                           loss_mode=mode, process_group=group, chunk_size=chunk_size,
-                                           entropy_coeff=0.03,
-                                           rollout_is_weights=d["w"], **OPTS)
+        loss, metrics = linear_policy_loss(h, OutputLayer(w, bias[shard], process_group=group), d["labels"], d["old"],
+                                           d["adv"], d["mask"], loss=PolicyLoss(mode, OPTS, entropy_coeff=0.03),
+                                           chunking=chunk_size, rollout_is_weights=d["w"])
         (loss * 1.7).backward()
         h2, w2 = d["hidden"].clone().requires_grad_(), weight.clone().requires_grad_()
-        lp, ent = linear_log_probs_and_entropy(h2, w2, d["labels"], bias=bias)
+        lp, ent = linear_log_probs_and_entropy(h2, OutputLayer(w2, bias), d["labels"])
         pg, ref_metrics = losses.policy_loss(lp, d["old"], d["adv"], d["mask"], loss_mode=mode,
                                              rollout_is_weights=d["w"], **OPTS)
         ref = pg - 0.03 * losses.entropy_bonus(ent, d["mask"])
@@ -257,11 +265,12 @@ def _tp_worker(rank, world):
     rows = slice(rank * T // world, (rank + 1) * T // world)
     h = d["hidden"].transpose(0, 1)[rows].clone().requires_grad_()
     w = weight[shard].clone().requires_grad_()
-    loss, _ = linear_policy_loss(h, w, d["labels"], d["old"], d["adv"], d["mask"], bias=bias[shard], loss_mode="gspo",
-                                 process_group=group, sequence_parallel=True, chunk_size=6, entropy_coeff=0.03, **OPTS)
+    loss, _ = linear_policy_loss(h, OutputLayer(w, bias[shard], process_group=group, sequence_parallel=True),
+                                 d["labels"], d["old"], d["adv"], d["mask"],
+                                 loss=PolicyLoss("gspo", OPTS, entropy_coeff=0.03), chunking=6)
     (loss * 1.7).backward()
     h2, w2 = d["hidden"].clone().requires_grad_(), weight.clone().requires_grad_()
-    lp, ent = linear_log_probs_and_entropy(h2, w2, d["labels"], bias=bias)
+    lp, ent = linear_log_probs_and_entropy(h2, OutputLayer(w2, bias), d["labels"])
     pg, _ = losses.policy_loss(lp, d["old"], d["adv"], d["mask"], loss_mode="gspo", **OPTS)
     ((pg - 0.03 * losses.entropy_bonus(ent, d["mask"])) * 1.7).backward()
     torch.testing.assert_close(h.grad, h2.grad.transpose(0, 1)[rows], rtol=1e-9, atol=1e-11)
@@ -269,8 +278,8 @@ def _tp_worker(rank, world):
     # clip_cov draws its tokens at random: ranks whose generators differ are named
     torch.manual_seed(rank)
     with pytest.raises(ValueError, match="random generator's state"):
-        linear_policy_loss(d["hidden"], weight[shard], d["labels"], d["old"], d["adv"], d["mask"], loss_mode="clip_cov",
-                           process_group=group)
+        linear_policy_loss(d["hidden"], OutputLayer(weight[shard], process_group=group), d["labels"], d["old"],
+                           d["adv"], d["mask"], loss=PolicyLoss("clip_cov"))
 
 
 def test_tensor_parallel():
@@ -305,8 +314,8 @@ def test_rows_longer_than_a_chunk(mode, t, chunk_size):
         lp, _ = linear_log_probs_and_entropy(hidden, weight, labels)
     old = lp + torch.randn(2, t, generator=g, dtype=torch.float64) * 0.5
     h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    loss, metrics = linear_policy_loss(h, w, labels, old, adv, mask, loss_mode=mode, chunk_size=chunk_size,
-                                       entropy_coeff=0.03, **OPTS)
+    loss, metrics = linear_policy_loss(h, w, labels, old, adv, mask, loss=PolicyLoss(mode, OPTS, entropy_coeff=0.03),
+                                       chunking=chunk_size)
     (loss * 1.3).backward()
     h2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     lp, ent = linear_log_probs_and_entropy(h2, w2, labels)

@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from chunked_entropy import _stats, linear_log_probs_and_entropy, log_probs_and_entropy
+from chunked_entropy import Chunking, _stats, linear_log_probs_and_entropy, log_probs_and_entropy
 from tests.helpers import reference
 
 SETTINGS = settings(max_examples=25, deadline=None, derandomize=True)
@@ -53,8 +53,8 @@ def _run(x, labels, g_lp, g_h, **kw):
 )
 def test_chunk_size_does_not_matter(seed, n, v, c1, c2, temperature):
     x, labels, g_lp, g_h = _case(seed, n, v)
-    a = _run(x, labels, g_lp, g_h, chunk_size=c1, temperature=temperature)
-    b = _run(x, labels, g_lp, g_h, chunk_size=c2, temperature=temperature)
+    a = _run(x, labels, g_lp, g_h, chunking=c1, temperature=temperature)
+    b = _run(x, labels, g_lp, g_h, chunking=c2, temperature=temperature)
     for u, w, tol in zip(a, b, (SAME, SAME, SAME_GRAD), strict=True):
         torch.testing.assert_close(u, w, **tol)
 
@@ -74,8 +74,8 @@ def test_adding_a_constant_to_a_row_changes_nothing(seed, n, v, shift, per_row_t
     x = torch.round(x * 1024) / 1024
     c = torch.tensor(shift[:n], dtype=torch.float32).unsqueeze(1)
     t = (torch.rand(n, generator=torch.Generator().manual_seed(seed)) + 0.5) if per_row_t else 0.8
-    a = _run(x, labels, g_lp, g_h, chunk_size=5, temperature=t)
-    b = _run(x + c, labels, g_lp, g_h, chunk_size=5, temperature=t)
+    a = _run(x, labels, g_lp, g_h, chunking=5, temperature=t)
+    b = _run(x + c, labels, g_lp, g_h, chunking=5, temperature=t)
     # lse and mu now sit near |c|/t <= 128 where a float32 ulp is 7.6e-6: allow a few.
     torch.testing.assert_close(a[0], b[0], rtol=1e-5, atol=4e-5)
     torch.testing.assert_close(a[1], b[1], rtol=1e-5, atol=4e-5)
@@ -172,9 +172,8 @@ def test_fused_head_vocab_blocks_do_not_matter(seed, n, v, vb):
 
     def run(vocab_chunk_size):
         h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
-        lp, ent = linear_log_probs_and_entropy(
-            h, w, labels, chunk_size=3, vocab_chunk_size=vocab_chunk_size, temperature=0.9
-        )
+        lp, ent = linear_log_probs_and_entropy(h, w, labels, chunking=Chunking(3, vocab_chunk_size=vocab_chunk_size),
+                                               temperature=0.9)
         ((lp * g_lp).sum() + (ent * g_h).sum()).backward()
         return lp.detach(), ent.detach(), h.grad, w.grad
 
@@ -218,7 +217,7 @@ def test_strides_do_not_matter(seed, b, s, v, chunk, view, masked):
     def run(make):
         leaf = base.clone().requires_grad_(True)
         x = make(leaf)
-        lp, h = log_probs_and_entropy(x, labels, chunk_size=chunk, label_mask=mask, temperature=0.8)
+        lp, h = log_probs_and_entropy(x, labels, chunking=chunk, label_mask=mask, temperature=0.8)
         (grad,) = torch.autograd.grad((lp * g_lp).sum() + (h * g_h).sum(), leaf)
         return lp, h, grad
 

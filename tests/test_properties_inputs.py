@@ -29,6 +29,9 @@ import torch
 
 from chunked_entropy import (
     ChunkedVocabParallelHead,
+    Chunking,
+    OutputLayer,
+    PolicyLoss,
     linear_log_probs_and_entropy,
     linear_policy_loss,
     log_probs_and_entropy,
@@ -92,17 +95,17 @@ def _plain_composition(d, mode, up):
 
 def _fused(d, mode, path, up):
     leaves = {k: d[k].clone().requires_grad_() for k in ("hidden", "weight", "bias")}
-    kw = dict(loss_mode=mode, temperature=0.8, entropy_coeff=0.03, kl_coef=0.1, ref_log_probs=d["ref"], **OPTS)
+    kw = dict(loss=PolicyLoss(mode, OPTS, entropy_coeff=0.03, kl_coef=0.1), temperature=0.8, ref_log_probs=d["ref"])
     args = (d["labels"], d["old"], d["adv"], d["mask"])
     torch.manual_seed(11)
     if path == "logits":
         z = leaves["hidden"] @ leaves["weight"].t() + leaves["bias"]
-        loss, metrics = policy_loss_from_logits(z, *args, chunk_size=4, **kw)
+        loss, metrics = policy_loss_from_logits(z, *args, chunking=4, **kw)
     elif path == "head":
-        loss, metrics = linear_policy_loss(leaves["hidden"], leaves["weight"], *args, bias=leaves["bias"],
-                                           chunk_size=4, vocab_chunk_size=5, **kw)
+        loss, metrics = linear_policy_loss(leaves["hidden"], OutputLayer(leaves["weight"], leaves["bias"]), *args,
+                                           chunking=Chunking(4, vocab_chunk_size=5), **kw)
     else:  # the Module users wrap
-        head = ChunkedVocabParallelHead(leaves["weight"], leaves["bias"], chunk_size=T)
+        head = ChunkedVocabParallelHead(OutputLayer(leaves["weight"], leaves["bias"]), T)
         loss, metrics = head.policy_loss(leaves["hidden"], *args, **kw)
     (loss * up).backward()
     return loss.detach(), metrics, {k: t.grad for k, t in leaves.items()}
@@ -158,9 +161,11 @@ def _tp_int_mask(rank, world):
     shard = dict(full, weight=weight[rank * v_local:(rank + 1) * v_local].clone(),
                  bias=bias[rank * v_local:(rank + 1) * v_local].clone())
     leaves = {k: shard[k].clone().requires_grad_() for k in ("hidden", "weight", "bias")}
-    loss, metrics = linear_policy_loss(leaves["hidden"], leaves["weight"], d["labels"], d["old"], d["adv"], d["mask"],
-                                       bias=leaves["bias"], temperature=0.8, entropy_coeff=0.03, kl_coef=0.1,
-                                       ref_log_probs=d["ref"], chunk_size=4, process_group=dist.group.WORLD, **OPTS)
+    loss, metrics = linear_policy_loss(leaves["hidden"],
+                                       OutputLayer(leaves["weight"], leaves["bias"], process_group=dist.group.WORLD),
+                                       d["labels"], d["old"], d["adv"], d["mask"],
+                                       loss=PolicyLoss(options=OPTS, entropy_coeff=0.03, kl_coef=0.1), chunking=4,
+                                       temperature=0.8, ref_log_probs=d["ref"])
     loss.backward()
     torch.testing.assert_close(loss.detach(), ref_loss, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(leaves["hidden"].grad, ref_grads["hidden"], rtol=1e-9, atol=1e-11)
@@ -209,7 +214,7 @@ def test_half_precision_heads_train_as_plain_autograd(dtype, vocab_chunk_size, o
     hidden, weight, labels, ups = _half_case(dtype, offset, scale)
 
     def ours(h, w, y):
-        return linear_log_probs_and_entropy(h, w, y, chunk_size=8, vocab_chunk_size=vocab_chunk_size)
+        return linear_log_probs_and_entropy(h, w, y, chunking=Chunking(8, vocab_chunk_size=vocab_chunk_size))
 
     exact = _grads_of(_plain, hidden.double(), weight.double(), labels, ups, torch.float64)
     theirs = _grads_of(_plain, hidden, weight, labels, ups, dtype)
@@ -239,8 +244,8 @@ def test_half_precision_fused_loss_trains_as_plain_autograd(dtype, vocab_chunk_s
         return pg - 0.01 * (ent * mask).sum() / mask.sum()
 
     def fused_loss(h, w):
-        return linear_policy_loss(h, w, labels, old, adv, mask, entropy_coeff=0.01, chunk_size=8,
-                                  vocab_chunk_size=vocab_chunk_size)[0]
+        return linear_policy_loss(h, w, labels, old, adv, mask, loss=PolicyLoss(entropy_coeff=0.01),
+                                  chunking=Chunking(8, vocab_chunk_size=vocab_chunk_size))[0]
 
     def grads(fn, dt):
         h, w = (t.detach().to(dt).clone().requires_grad_() for t in (hidden, weight))
@@ -263,17 +268,17 @@ def test_top_k_from_one_to_the_vocabulary_is_sorted(vocab_chunk_size):
     g = torch.Generator().manual_seed(2)
     hidden, weight = torch.randn(7, H, generator=g), torch.randn(V, H, generator=g)
     ref = torch.log_softmax((hidden.double() @ weight.double().t()), -1)
-    head = ChunkedVocabParallelHead(weight, chunk_size=3, vocab_chunk_size=vocab_chunk_size)
+    head = ChunkedVocabParallelHead(weight, Chunking(3, vocab_chunk_size=vocab_chunk_size))
     for k in range(1, V + 1):
         want = ref.topk(k, dim=-1)
-        for out in (linear_log_probs_and_entropy(hidden, weight, None, top_k=k, chunk_size=3,
-                                                 vocab_chunk_size=vocab_chunk_size),
+        for out in (linear_log_probs_and_entropy(hidden, weight, None, top_k=k,
+                                                 chunking=Chunking(3, vocab_chunk_size=vocab_chunk_size)),
                     head(hidden, None, top_k=k)):
             vals = out.top_k_log_probs
             assert (vals[:, 1:] <= vals[:, :-1]).all(), (k, vals)
             assert torch.equal(out.top_k_ids, want.indices), k
             torch.testing.assert_close(vals.double(), want.values, rtol=1e-5, atol=1e-5)
-        out = log_probs_and_entropy(hidden @ weight.t(), None, top_k=k, chunk_size=3)
+        out = log_probs_and_entropy(hidden @ weight.t(), None, top_k=k, chunking=3)
         assert torch.equal(out.top_k_ids, want.indices), k
 
 
@@ -295,8 +300,8 @@ def _device_cases():
     temperature = torch.full((B, T), 0.9)
     keep = torch.rand(B, T, V, generator=g) < 0.5
     at = torch.randint(0, V, (B, T, 2), generator=g)
-    policy = dict(labels=labels, old_log_probs=old, advantages=adv, loss_mask=mask, ref_log_probs=ref, kl_coef=0.1,
-                  rollout_is_weights=torch.ones(B, T), temperature=temperature, keep=keep)
+    policy = dict(labels=labels, old_log_probs=old, advantages=adv, loss_mask=mask, ref_log_probs=ref,
+                  loss=PolicyLoss(kl_coef=0.1), rollout_is_weights=torch.ones(B, T), temperature=temperature, keep=keep)
     cases = [
         (log_probs_and_entropy, dict(logits=logits, labels=labels, temperature=temperature, label_mask=mask.bool(),
                                      keep=keep)),
@@ -332,6 +337,8 @@ def test_another_device_is_named_before_any_work(fn, kw, name):
     before = {k: v.detach().clone() for k, v in kw.items() if isinstance(v, torch.Tensor)}
     moved = dict(kw, **{name: _meta(kw[name])})
     with pytest.raises(ValueError, match=name) as info:
+        if "weight" in moved:  # the output layer's tensors travel in the OutputLayer, built in the call
+            moved["layer"] = OutputLayer(moved.pop("weight"), moved.pop("bias", None))
         fn(**moved)
     assert "meta" in str(info.value)
     for k, v in before.items():
@@ -340,7 +347,7 @@ def test_another_device_is_named_before_any_work(fn, kw, name):
 
 
 def test_the_module_names_another_device():
-    head = ChunkedVocabParallelHead(torch.randn(V, H), chunk_size=4)
+    head = ChunkedVocabParallelHead(torch.randn(V, H), 4)
     hidden, labels = torch.randn(B, T, H), torch.randint(0, V, (B, T))
     for kw, name in ((dict(temperature=_meta(torch.ones(B, T))), "temperature"),
                      (dict(label_mask=_meta(torch.ones(B, T, dtype=torch.bool))), "label_mask"),
@@ -375,6 +382,6 @@ def test_an_icepop_window_that_zeroes_every_weight():
     weight = torch.randn(V, H, generator=g, dtype=torch.float64)
     labels = torch.randint(0, V, (B, T), generator=g)
     loss, m = linear_policy_loss(hidden, weight, labels, lp, torch.randn(B, T, generator=g, dtype=torch.float64),
-                                 mask, rollout_log_probs=rollout, **settings)
+                                 mask, rollout_log_probs=rollout, loss=PolicyLoss(options=settings))
     loss.backward()
     assert m["actor/pg_loss"].item() == 0.0 and torch.equal(hidden.grad, torch.zeros_like(hidden))

@@ -24,6 +24,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from chunked_entropy import (
+    Chunking,
+    Divergence,
+    OutputLayer,
+    PolicyLoss,
     divergence_from_logits,
     linear_divergence,
     linear_divergence_loss,
@@ -80,9 +84,10 @@ def test_each_model_gets_the_logits_dtype_it_asked_for(s_dtype, t_dtype, logits_
     zs, zt = _own_layer(h_s, w_s, f32), _own_layer(h_t, w_t, f32)
     for kind, beta in (("forward_kl", None), ("reverse_kl", None), ("jsd", 0.3)):
         want = _divergence64(zs, zt, kind, beta)
-        kw = dict(divergence=kind, beta=beta, chunk_size=5, logits_dtype=logits_dtype)
-        got = linear_divergence(h_s, w_s, h_t, w_t, **kw).divergence
-        loss = linear_divergence_loss(h_s, w_s, h_t, w_t, reduction="sum", **kw).loss
+        kw = dict(divergence=Divergence(kind, beta), chunking=5)
+        student, teacher = OutputLayer(w_s, logits_dtype=logits_dtype), OutputLayer(w_t, logits_dtype=logits_dtype)
+        got = linear_divergence(h_s, student, h_t, teacher, **kw).divergence
+        loss = linear_divergence_loss(h_s, student, h_t, teacher, reduction="sum", **kw).loss
         # float32 statistics of logits near 300: a few ulps of 300 (3e-5) per token
         torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=2e-4, msg=kind)
         torch.testing.assert_close(loss.double(), want.sum(), rtol=1e-4, atol=2e-3, msg=kind)
@@ -109,11 +114,11 @@ def test_one_head_ops_get_the_logits_dtype_they_asked_for(dtype, logits_dtype):
     labels = torch.arange(h.shape[0]) % w.shape[0]
     z = _own_layer(h, w, logits_dtype is not None)
     lp64 = torch.log_softmax(z, -1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-    out = linear_log_probs_and_entropy(h, w, labels, chunk_size=5, logits_dtype=logits_dtype)
+    out = linear_log_probs_and_entropy(h, OutputLayer(w, logits_dtype=logits_dtype), labels, chunking=5)
     torch.testing.assert_close(out.log_probs.double(), lp64, rtol=1e-4, atol=2e-4)
-    loss, _ = linear_policy_loss(h.unsqueeze(0), w, labels.unsqueeze(0), lp64.float().unsqueeze(0),
-                                 torch.ones(1, h.shape[0]), torch.ones(1, h.shape[0]), loss_agg_mode="token-sum",
-                                 chunk_size=5, logits_dtype=logits_dtype)
+    loss, _ = linear_policy_loss(h.unsqueeze(0), OutputLayer(w, logits_dtype=logits_dtype), labels.unsqueeze(0),
+                                 lp64.float().unsqueeze(0), torch.ones(1, h.shape[0]), torch.ones(1, h.shape[0]),
+                                 loss=PolicyLoss(aggregation="token-sum"), chunking=5)
     assert abs(loss.item() + h.shape[0]) < 1e-3  # ratio 1 everywhere: -sum(advantage * 1)
 
 
@@ -124,22 +129,23 @@ def _same_model_calls(h, w, t, *, labels=None, group=None, sp=None, kinds=KINDS)
     """Every entry point with the teacher equal to the student: ``(name, divergence, loss, grads)``."""
     out = []
     for kind, beta in kinds:
-        kw = dict(divergence=kind, beta=beta, temperature=t, process_group=group)
+        kw = dict(divergence=Divergence(kind, beta), temperature=t)
+        tf = dict(softcap=sp, process_group=group)
         hs, ws = h.clone().requires_grad_(), w.clone().requires_grad_()
         ht, wt = h.clone().requires_grad_(), w.clone().requires_grad_()  # a teacher that requires grad
-        r = linear_divergence(hs, ws, ht, wt, labels=labels, student_softcap=sp, teacher_softcap=sp,
-                              vocab_chunk_size=7, chunk_size=4, **kw)
+        r = linear_divergence(hs, OutputLayer(ws, **tf), ht, OutputLayer(wt, **tf), labels=labels,
+                              chunking=Chunking(4, vocab_chunk_size=7), **kw)
         grads = torch.autograd.grad((r.divergence * torch.linspace(-1, 2, r.divergence.numel()).view_as(
             r.divergence)).sum(), (hs, ws))
         out.append((f"linear_divergence {kind} {beta}", r.divergence, None, grads))
         hs, ws = h.clone().requires_grad_(), w.clone().requires_grad_()
-        r = linear_divergence_loss(hs, ws, ht, wt, student_softcap=sp, teacher_softcap=sp, chunk_size=4,
+        r = linear_divergence_loss(hs, OutputLayer(ws, **tf), ht, OutputLayer(wt, **tf), chunking=4,
                                    compute_entropy=True, **kw)
         grads = torch.autograd.grad(r.loss, (hs, ws))
         out.append((f"linear_divergence_loss {kind} {beta}", r.divergence, r.loss, grads))
         z = (h.float() @ w.float().t()).to(h.dtype).requires_grad_()
-        r = divergence_from_logits(z, z.detach().clone(), labels=labels, student_softcap=sp, teacher_softcap=sp,
-                                   chunk_size=4, **kw)
+        r = divergence_from_logits(z, z.detach().clone(), labels=labels, student_layer=OutputLayer(**tf),
+                                   teacher_layer=OutputLayer(**tf), chunking=4, **kw)
         grads = torch.autograd.grad((r.divergence * 1.5).sum(), (z,))
         out.append((f"divergence_from_logits {kind} {beta}", r.divergence, None, grads))
     return out
@@ -168,7 +174,7 @@ def test_the_jsd_keeps_float32_accuracy_at_every_beta(scale):
     g = torch.Generator().manual_seed(8)
     zs, zt = torch.randn(64, 500, generator=g) * scale, torch.randn(64, 500, generator=g) * scale
     for kind, beta in KINDS + [("jsd", 1e-3), ("jsd", 1 - 1e-3)]:
-        d = divergence_from_logits(zs, zt, divergence=kind, beta=beta).divergence.double()
+        d = divergence_from_logits(zs, zt, divergence=Divergence(kind, beta=beta)).divergence.double()
         want = _divergence64(zs, zt, kind, beta)
         assert ((d - want).abs() / want.abs()).max().item() < 1e-6, (kind, beta)
 
@@ -200,15 +206,15 @@ def _zero_token_calls(dtype, scale):
     z = torch.zeros(1, 0, 300, dtype=dtype)
     e = torch.zeros(1, 0)
     leaves = lambda *ts: [t.clone().requires_grad_() for t in ts]  # noqa: E731
-    yield "log_probs_and_entropy", leaves(z), lambda x: log_probs_and_entropy(x, labels, chunk_size=4).log_probs
-    yield "linear_log_probs_and_entropy", leaves(h, w), lambda a, b: linear_log_probs_and_entropy(
-        a, b, labels, chunk_size=4).log_probs
+    yield "log_probs_and_entropy", leaves(z), lambda x: log_probs_and_entropy(x, labels, chunking=4).log_probs
+    yield "linear_log_probs_and_entropy", leaves(h, w), lambda a, b: linear_log_probs_and_entropy(a, b, labels,
+                                                                                                  chunking=4).log_probs
     yield "policy_loss_from_logits", leaves(z), lambda x: policy_loss_from_logits(x, labels, e, e, e)[0]
-    yield "linear_policy_loss", leaves(h, w, w[:, 0]), lambda a, b, c: linear_policy_loss(a, b, labels, e, e, e,
-                                                                                        bias=c)[0]
+    yield "linear_policy_loss", leaves(h, w, w[:, 0]), lambda a, b, c: linear_policy_loss(a, OutputLayer(b, c), labels,
+                                                                                          e, e, e)[0]
     yield "linear_divergence", leaves(h, w), lambda a, b: linear_divergence(a, b, h, w).divergence
     yield "linear_divergence_loss", leaves(h, w, w[:, 0]), lambda a, b, c: linear_divergence_loss(
-        a, b, h, w, student_bias=c, weights=torch.ones(1, 0), normalizer=torch.tensor(3.0)).loss
+        a, OutputLayer(b, c), h, w, weights=torch.ones(1, 0), normalizer=torch.tensor(3.0)).loss
     yield "divergence_from_logits", leaves(z), lambda x: divergence_from_logits(x, z).divergence
     # TRL's micro-batch whose completion mask is all zero: TRL's own path returns 0
     hidden = torch.ones(1, 3, 4, dtype=dtype)
@@ -276,13 +282,13 @@ def test_the_forward_of_each_op_over_logits_holds_chunk_buffers_and_at_most_one_
     e = torch.zeros(1, n)
     block, row = chunk * v * 4, 256  # a float32 [chunk, V] block; per token: a few float32 and ids
     ops = {
-        "log_probs_and_entropy": (lambda x: log_probs_and_entropy(x, labels, chunk_size=chunk,
+        "log_probs_and_entropy": (lambda x: log_probs_and_entropy(x, labels, chunking=chunk,
                                                                   compute_sum_pi_squared=True), False),
-        "divergence_from_logits": (lambda x: divergence_from_logits(x, t, divergence="jsd", beta=0.3,
-                                                                    labels=labels, compute_entropy=True,
-                                                                    chunk_size=chunk), False),
-        "policy_loss_from_logits": (lambda x: policy_loss_from_logits(x.unsqueeze(0), labels.unsqueeze(0), e, e,
-                                                                      e + 1, chunk_size=chunk), True),
+        "divergence_from_logits": (lambda x: divergence_from_logits(x, t, labels=labels,
+                                                                    divergence=Divergence("jsd", beta=0.3),
+                                                                    chunking=chunk, compute_entropy=True), False),
+        "policy_loss_from_logits": (lambda x: policy_loss_from_logits(x.unsqueeze(0), labels.unsqueeze(0), e, e, e + 1,
+                                                                      chunking=chunk), True),
     }
     for name, (fn, grad_in_forward) in ops.items():
         x = s.clone().requires_grad_()
@@ -310,14 +316,14 @@ OPTIONS = {
     "log_probs_at": lambda c: dict(log_probs_at=c[2]),
     "top_k": lambda c: dict(top_k=3),
     "keep": lambda c: dict(keep=c[3], entropy_of="kept"),
-    "softcap_temperature": lambda c: dict(softcap=4.0, logit_scale=1.3, temperature=c[5],
+    "softcap_temperature": lambda c: dict(layer=OutputLayer(softcap=4.0, logit_scale=1.3), temperature=c[5],
                                           compute_sum_pi_squared=True),
 }
 
 
 def _grad_of(z, labels, ups, backend, dtype, **kw):
     x = z.detach().to(dtype).clone().requires_grad_()
-    out = log_probs_and_entropy(x, labels, chunk_size=5, backend=backend, **kw)
+    out = log_probs_and_entropy(x, labels, chunking=Chunking(5, backend=backend), **kw)
     terms = [(out.log_probs * ups[0]).sum(), (out.entropy * ups[1]).sum()]
     if out.sum_pi_squared is not None:
         terms.append((out.sum_pi_squared * ups[2]).sum())
@@ -345,7 +351,8 @@ def test_the_compiled_kernels_are_as_exact_as_eager_in_half_precision():
     def loss_grad(backend, kind):
         x = z.detach().to(kind).clone().requires_grad_()
         loss, _ = policy_loss_from_logits(x.unsqueeze(0), labels.unsqueeze(0), old, adv, torch.ones(1, z.shape[0]),
-                                          keep=keep.unsqueeze(0), entropy_coeff=0.1, chunk_size=5, backend=backend)
+                                          keep=keep.unsqueeze(0), loss=PolicyLoss(entropy_coeff=0.1),
+                                          chunking=Chunking(5, backend=backend))
         loss.backward()
         return x.grad.double()
 

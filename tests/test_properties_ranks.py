@@ -1,9 +1,13 @@
 """Property: any argument of any op, changed on one rank of a process group, fails fast on every rank.
 
-The arguments are enumerated from each op's signature (``inspect.signature``), so a parameter added
-later is covered without a new line here: its value in the base call is changed by its type (a tensor
-gets one element changed, a number is scaled, a flag flipped, an option string swapped for another;
-a bad value is a tensor of the wrong shape, a NaN, an object of the wrong type). On rank 1 only:
+The arguments are enumerated from each op's signature (``inspect.signature``), and the fields of the
+option objects it takes (``OutputLayer``, ``Chunking``, ``PolicyLoss`` with its ``Aggregation`` and
+``PolicyOptions``, ``Divergence``) from their dataclass fields, so a parameter or field added later is
+covered without a new line here: its value in the base call is changed by its type (a tensor gets one
+element changed, a number is scaled, a flag flipped, an option string swapped for another; a bad value
+is a tensor of the wrong shape, a NaN, an object of the wrong type). A field's bad value cannot reach
+an op (the object refuses it where it is built); the object itself is replaced by one of the wrong
+type instead. On rank 1 only:
 
 - a bad value: every rank raises the same ``ValueError`` / ``TypeError``, naming rank 1;
 - a different valid value: every rank raises the same error, naming rank 1, except for the arguments
@@ -17,6 +21,7 @@ all-reduce that must give the right sum: the group stays usable. One spawn per o
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
 import re
@@ -27,6 +32,10 @@ import torch
 import torch.distributed as dist
 
 from chunked_entropy import (
+    Chunking,
+    Divergence,
+    OutputLayer,
+    PolicyLoss,
     divergence_from_logits,
     linear_divergence,
     linear_divergence_loss,
@@ -35,6 +44,7 @@ from chunked_entropy import (
     log_probs_and_entropy,
     policy_loss_from_logits,
 )
+from chunked_entropy.losses import Aggregation, PolicyOptions
 from tests.helpers import run_distributed
 
 B, T, H, V_LOCAL, WORLD = 2, 3, 4, 6, 2
@@ -59,12 +69,15 @@ PER_RANK = {
     "teacher_hidden": "replicated by contract, not fingerprinted (a pass over [T, H] per call)",
 }
 
-#: Arguments whose different value is not tried, with the reason.
+#: Arguments (and option fields) whose different value is not tried, with the reason.
 NOT_VARIED = {
     "backend": "a kernel choice per rank (same collectives, outputs equal to rounding); compiling costs a minute",
     "generator": "an object without a value to change (clip_cov's draw is fingerprinted: test_policy_modes)",
-    "options": "None in the base call (its fields are the keyword arguments varied here)",
+    "process_group": "the group itself",
 }
+
+#: The option objects whose fields are varied one by one (nested: a PolicyLoss's aggregation and options).
+OPTIONS = (OutputLayer, Chunking, PolicyLoss, Divergence, Aggregation, PolicyOptions)
 
 #: Another valid value of an option string (keyed by the value).
 OTHER = {"forward_kl": "reverse_kl", "reverse_kl": "jsd", "mean": "sum", "sum": "mean", "full": "kept",
@@ -90,53 +103,74 @@ def _data(rank):
 
 
 def _bases(op, d):
-    """Base calls of ``op``: every argument set (to a non-default value where that makes sense)."""
+    """Base calls of ``op``: every argument and option field set (to a non-default value where that makes
+    sense)."""
     bf = lambda t: t.to(torch.bfloat16)  # noqa: E731 - half weights, so that logits_dtype changes something
-    common = dict(chunk_size=4, temperature=d["temperature"], process_group=dist.group.WORLD)
+    group = dist.group.WORLD
+    common = dict(temperature=d["temperature"])
     if op is log_probs_and_entropy:
         base = dict(logits=d["logits"], labels=d["labels"], compute_entropy=True, label_mask=d["mask"],
-                    ignore_index=int(d["labels"][1, 2]), softcap=30.0, logit_scale=1.3,
-                    compute_sum_pi_squared=True, backend="eager", **common)
+                    ignore_index=int(d["labels"][1, 2]), compute_sum_pi_squared=True,
+                    layer=OutputLayer(softcap=30.0, logit_scale=1.3, process_group=group),
+                    chunking=Chunking(4, backend="eager"), **common)
         return [dict(base, log_probs_at=d["ids"], top_k=3, entropy_of="full"),
                 dict(base, keep=d["keep"], entropy_of="kept")]
+    layer = OutputLayer(bf(d["weight"]), bf(d["bias"]), softcap=30.0, logit_scale=1.3, logits_dtype=torch.float32,
+                        process_group=group, sequence_parallel=False, gradient_accumulation_fusion=False)
     if op is linear_log_probs_and_entropy:
-        base = dict(hidden=bf(d["hidden"]), weight=bf(d["weight"]), labels=d["labels"], bias=bf(d["bias"]),
-                    sequence_parallel=False, compute_entropy=True, label_mask=d["mask"],
-                    ignore_index=int(d["labels"][1, 2]), vocab_chunk_size=4, gradient_accumulation_fusion=False,
-                    softcap=30.0, logit_scale=1.3, compute_sum_pi_squared=True, backend="eager",
-                    logits_dtype=torch.float32, **common)
+        base = dict(hidden=bf(d["hidden"]), layer=layer, labels=d["labels"], compute_entropy=True,
+                    label_mask=d["mask"], ignore_index=int(d["labels"][1, 2]), compute_sum_pi_squared=True,
+                    chunking=Chunking(4, 4, "eager"), **common)
         return [dict(base, log_probs_at=d["ids"], top_k=3, entropy_of="full"),
                 dict(base, keep=d["keep"], entropy_of="kept")]
+    loss = PolicyLoss("vanilla", entropy_coeff=0.01, kl_coef=0.1, kl_kind="low_var_kl", entropy_of="full",
+                      aggregation=Aggregation("token-mean", 2.0, dp_size=1))
+    norm = loss.replace(aggregation=Aggregation("seq-mean-token-sum-norm", 2.0, 1, batch_num_tokens=8,
+                                                global_batch_size=4))
     policy = dict(labels=d["labels"], old_log_probs=d["old"], advantages=d["adv"], loss_mask=d["mask"].float(),
-                  ref_log_probs=d["ref"], kl_coef=0.1, kl_kind="low_var_kl", entropy_coeff=0.01,
-                  loss_mode="vanilla", rollout_is_weights=d["weights"], loss_agg_mode="token-mean",
-                  loss_scale_factor=2.0, dp_size=1, softcap=30.0, logit_scale=1.3, backend="eager",
-                  keep=d["keep"], entropy_of="full", **common)
+                  ref_log_probs=d["ref"], rollout_is_weights=d["weights"], keep=d["keep"], loss=loss, **common)
     if op is linear_policy_loss:
-        base = dict(hidden=bf(d["hidden"]), weight=bf(d["weight"]), bias=bf(d["bias"]), vocab_chunk_size=4,
-                    sequence_parallel=False, gradient_accumulation_fusion=False, logits_dtype=torch.float32,
-                    **policy)
-        return [base, dict(base, rollout_is_weights=None, rollout_log_probs=d["old"] - 0.1, keep=None,
-                           batch_num_tokens=8, global_batch_size=4, loss_agg_mode="seq-mean-token-sum-norm")]
+        base = dict(hidden=bf(d["hidden"]), layer=layer, chunking=Chunking(4, 4, "eager"), **policy)
+        return [base, dict(base, rollout_is_weights=None, rollout_log_probs=d["old"] - 0.1, keep=None, loss=norm)]
     if op is policy_loss_from_logits:
-        base = dict(logits=d["logits"], **policy)
-        return [base, dict(base, rollout_is_weights=None, rollout_log_probs=d["old"] - 0.1, keep=None,
-                           batch_num_tokens=8, global_batch_size=4, loss_agg_mode="seq-mean-token-sum-norm")]
-    two = dict(student_softcap=30.0, student_logit_scale=1.3, teacher_softcap=20.0, teacher_logit_scale=0.9,
-               label_mask=d["mask"], compute_entropy=True, **common)
-    heads = dict(student_hidden=bf(d["hidden"]), student_weight=bf(d["weight"]), teacher_hidden=d["teacher_hidden"],
-                 teacher_weight=d["teacher_weight"], student_bias=bf(d["bias"]),
-                 teacher_bias=d["bias"] * 0.5, vocab_chunk_size=4, sequence_parallel=False,
-                 logits_dtype=torch.float32, **two)
+        base = dict(logits=d["logits"], layer=OutputLayer(softcap=30.0, logit_scale=1.3, process_group=group),
+                    chunking=Chunking(4, backend="eager"), **policy)
+        return [base, dict(base, rollout_is_weights=None, rollout_log_probs=d["old"] - 0.1, keep=None, loss=norm)]
+    two = dict(label_mask=d["mask"], compute_entropy=True, **common)
+    heads = dict(student_hidden=bf(d["hidden"]), teacher_hidden=d["teacher_hidden"],
+                 student_layer=OutputLayer(bf(d["weight"]), bf(d["bias"]), softcap=30.0, logit_scale=1.3,
+                                           logits_dtype=torch.float32, process_group=group, sequence_parallel=False),
+                 teacher_layer=OutputLayer(d["teacher_weight"], d["bias"] * 0.5, softcap=20.0, logit_scale=0.9,
+                                           logits_dtype=torch.float32, process_group=group, sequence_parallel=False),
+                 chunking=Chunking(4, 4), **two)
     if op is linear_divergence:
-        return [dict(heads, divergence="jsd", beta=0.3, labels=d["labels"], ignore_index=int(d["labels"][1, 2]))]
+        return [dict(heads, divergence=Divergence("jsd", 0.3), labels=d["labels"],
+                     ignore_index=int(d["labels"][1, 2]))]
     if op is linear_divergence_loss:
-        return [dict(heads, divergence="forward_kl", reduction="sum", normalizer=5.0, weights=d["weights"]),
-                dict(heads, divergence="jsd", beta=0.3, reduction="mean", normalizer=torch.tensor(5.0))]
+        return [dict(heads, divergence=Divergence("forward_kl"), reduction="sum", normalizer=5.0, weights=d["weights"]),
+                dict(heads, divergence=Divergence("jsd", 0.3), reduction="mean", normalizer=torch.tensor(5.0))]
     if op is divergence_from_logits:
-        return [dict(student_logits=d["logits"], teacher_logits=d["teacher_logits"], divergence="jsd", beta=0.3,
-                     labels=d["labels"], ignore_index=int(d["labels"][1, 2]), **two)]
+        return [dict(student_logits=d["logits"], teacher_logits=d["teacher_logits"], divergence=Divergence("jsd", 0.3),
+                     labels=d["labels"], ignore_index=int(d["labels"][1, 2]), chunking=Chunking(4),
+                     student_layer=OutputLayer(softcap=30.0, logit_scale=1.3, process_group=group),
+                     teacher_layer=OutputLayer(softcap=20.0, logit_scale=0.9, process_group=group), **two)]
     raise AssertionError(op)
+
+
+def _fields(obj, path=()):
+    """``(path, value)`` of every field of an option object, nested objects' fields included."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if isinstance(value, OPTIONS):
+            yield from _fields(value, path + (f.name,))
+        else:
+            yield path + (f.name,), value
+
+
+def _replace(obj, path, value):
+    """``obj`` with the field at ``path`` set to ``value`` (each object on the way checked again)."""
+    inner = value if len(path) == 1 else _replace(getattr(obj, path[0]), path[1:], value)
+    return dataclasses.replace(obj, **{path[0]: inner})
 
 
 def _different(value):
@@ -201,36 +235,66 @@ def _run(fn, kw):
     return ("ok", [t.double().tolist() for t in flat])
 
 
-def _scenarios(op, d, rank):
-    """``(what, kwargs)`` for rank 1's changed calls (rank 0 makes the base call)."""
+def _scenarios(op, d, rank, wrong_type_objects=False):
+    """``(what, kind, name, argument, kwargs)`` for rank 1's changed calls (rank 0 makes the base call):
+    ``name`` the argument or option field changed, ``argument`` the op's argument that holds it.
+    ``wrong_type_objects``: only the scenarios that replace an option object by one of the wrong type."""
     sig = inspect.signature(op)
     covered = set()
     for i, base in enumerate(_bases(op, d)):
         for p in sig.parameters.values():
-            if p.name == "process_group":
-                continue
             if p.kind == p.VAR_KEYWORD:  # **fields: an unknown keyword
                 covered.add(p.name)
-                yield f"base {i}: **{p.name} with an unknown keyword", "bad", p.name, dict(base, not_an_argument=1)
+                yield (f"base {i}: **{p.name} with an unknown keyword", "bad", p.name, p.name,
+                       dict(base, not_an_argument=1))
                 continue
             if p.name not in base and p.default is inspect.Parameter.empty:
                 raise AssertionError(f"{op.__name__}'s required argument {p.name} is not in base call {i}")
             value = base.get(p.name, p.default)
             covered.add(p.name)
+            if wrong_type_objects:
+                if isinstance(value, OPTIONS):
+                    yield f"base {i}: {p.name} = object", "bad", p.name, p.name, dict(base, **{p.name: object()})
+                if p.name == "student_layer":  # the two heads' layouts disagree, on one rank
+                    alone = value.replace(sequence_parallel=not value.sequence_parallel)
+                    yield (f"base {i}: student_layer.sequence_parallel alone different", "bad", "sequence_parallel",
+                           p.name, dict(base, student_layer=alone))
+                continue
+            if isinstance(value, OPTIONS):  # each field of the object, then the object of the wrong type
+                for path, field in _fields(value):
+                    name = ".".join((p.name,) + path)
+                    if path[-1] in NOT_VARIED:
+                        continue
+                    other = _different(field)
+                    if other is None and not isinstance(field, torch.dtype):
+                        continue
+                    if path == ("sequence_parallel",) and p.name in ("student_layer", "teacher_layer"):
+                        if p.name == "teacher_layer":
+                            continue  # the two heads' hidden states share one layout: changed together below
+                        both = {k: base[k].replace(sequence_parallel=other) for k in ("student_layer", "teacher_layer")}
+                        yield f"base {i}: both layers' sequence_parallel different", "different", path[-1], p.name, \
+                            dict(base, **both)
+                        continue
+                    try:
+                        changed = _replace(value, path, other)
+                    except (ValueError, TypeError):
+                        continue  # not a valid value of the field: refused where the object is built
+                    yield f"base {i}: {name} different", "different", path[-1], p.name, dict(base, **{p.name: changed})
+                continue
             if p.name not in NOT_VARIED:
                 other = _different(value)
                 if other is not None or (isinstance(value, torch.dtype)):
-                    yield f"base {i}: {p.name} different", "different", p.name, dict(base, **{p.name: other})
+                    yield f"base {i}: {p.name} different", "different", p.name, p.name, dict(base, **{p.name: other})
             for bad in _bad(value):
-                yield f"base {i}: {p.name} = {type(bad).__name__} {bad!r:.40}", "bad", p.name, dict(base, **{
-                    p.name: bad})
-    assert covered == {n for n in sig.parameters if n != "process_group"}, covered
+                yield (f"base {i}: {p.name} = {type(bad).__name__} {bad!r:.40}", "bad", p.name, p.name,
+                       dict(base, **{p.name: bad}))
+    assert covered == set(sig.parameters), covered
 
 
-def _check_op(rank, world, op):
+def _check_op(rank, world, op, wrong_type_objects=False):
     d = _data(rank)
     failures, count = [], 0
-    for what, kind, name, changed in _scenarios(op, d, rank):
+    for what, kind, name, _, changed in _scenarios(op, d, rank, wrong_type_objects):
         base = _bases(op, d)[int(what.split(":")[0].split()[1])]
         kw = changed if rank == 1 else base
         t0 = time.monotonic()
@@ -255,12 +319,13 @@ def _check_op(rank, world, op):
         ok = torch.ones(1)
         dist.all_reduce(ok)
         assert ok.item() == world, f"the group is unusable after {what}"
-    assert count >= 20 and not failures, f"{len(failures)} of {count} scenarios failed:\n" + "\n".join(failures)
+    assert count >= (1 if wrong_type_objects else 20) and not failures, (
+        f"{len(failures)} of {count} scenarios failed:\n" + "\n".join(failures))
 
 
-def _check_ops(rank, world, ops):
+def _check_ops(rank, world, ops, wrong_type_objects=False):
     for op in ops:
-        _check_op(rank, world, op)
+        _check_op(rank, world, op, wrong_type_objects)
 
 
 @pytest.mark.parametrize("ops", [
@@ -272,11 +337,24 @@ def test_every_argument_changed_on_one_rank_fails_fast_on_every_rank(ops):
     run_distributed(_check_ops, WORLD, ops, timeout_s=20)
 
 
+ALL_OPS = (log_probs_and_entropy, linear_log_probs_and_entropy, policy_loss_from_logits, linear_policy_loss,
+           divergence_from_logits, linear_divergence, linear_divergence_loss)
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "at 826ad15 the ops turn layer= / chunking= / loss= / divergence= into their objects (and refuse a wrong "
+    "type), and the divergences check that the two layers share one layout, before the agreed call: a "
+    "rank-local error leaves the other ranks in the collective, which gloo aborts; strict: this test passes, "
+    "and must lose the mark, once those refusals are agreed"))
+def test_an_option_object_of_the_wrong_type_or_a_head_alone_sequence_parallel_on_one_rank_fails_on_every_rank():
+    run_distributed(_check_ops, WORLD, ALL_OPS, True, timeout_s=20)
+
+
 def test_the_scenarios_cover_every_argument_of_every_op():
     """Without a group: every argument of every op is enumerated, and each bad value is refused alone too."""
     ops = (log_probs_and_entropy, linear_log_probs_and_entropy, policy_loss_from_logits, linear_policy_loss,
            divergence_from_logits, linear_divergence, linear_divergence_loss)
     for op in ops:
         d = _data(0)
-        names = {name for _, _, name, _ in _scenarios(op, d, 0)}
-        assert names == set(inspect.signature(op).parameters) - {"process_group"}, op.__name__
+        names = {argument for _, _, _, argument, _ in _scenarios(op, d, 0)}
+        assert names == set(inspect.signature(op).parameters), op.__name__

@@ -21,6 +21,9 @@ import torch.distributed as dist
 
 from chunked_entropy import (
     ChunkedVocabParallelHead,
+    Chunking,
+    OutputLayer,
+    PolicyLoss,
     linear_log_probs_and_entropy,
     linear_policy_loss,
     log_probs_and_entropy,
@@ -158,9 +161,10 @@ def test_logits_path_matches_float64(opts, backend, dtype):
     kw = dict(temperature=t, softcap=opts.get("softcap"), logit_scale=opts.get("logit_scale"),
               entropy_of=opts.get("entropy_of", "full"))
     x = z.to(dtype).requires_grad_()
-    out = log_probs_and_entropy(x, labels, keep=_csr(sets), chunk_size=4, compute_sum_pi_squared=True,
-                                label_mask=mask, backend=backend, **{k: (v.to(dtype) if isinstance(v, torch.Tensor)
-                                                                         else v) for k, v in kw.items()})
+    layer = OutputLayer(softcap=kw["softcap"], logit_scale=kw["logit_scale"])
+    out = log_probs_and_entropy(x, labels, keep=_csr(sets), layer=layer, chunking=Chunking(4, backend=backend),
+                                compute_sum_pi_squared=True, label_mask=mask, entropy_of=kw["entropy_of"],
+                                temperature=t.to(dtype) if isinstance(t, torch.Tensor) else t)
     zr = z.to(dtype).double().requires_grad_()
     refs = reference(zr, labels, sets, label_mask=mask, **kw)
     tol = dict(rtol=1e-10, atol=1e-10) if dtype == torch.float64 else dict(rtol=2e-5, atol=2e-5)
@@ -217,7 +221,7 @@ def test_only_chunk_sized_buffers_and_the_entries_are_allocated():
     ids, offsets = _csr(_sets(z, labels, seed=9))
     x = z.float().requires_grad_()
     with _Allocations() as fwd:
-        lp, h = log_probs_and_entropy(x, labels, keep=(ids, offsets), chunk_size=chunk)
+        lp, h = log_probs_and_entropy(x, labels, keep=(ids, offsets), chunking=chunk)
     assert max(fwd.sizes) <= max(chunk * v, 4 * (ids.numel() + n)) < n * v
 
 
@@ -236,17 +240,16 @@ def test_a_dense_mask_row_that_holds_the_whole_vocabulary_is_not_truncated_and_c
     dense[whole] = True
     sets = [[] if w else s for s, w in zip(sets, whole.tolist(), strict=True)]
     x = z.clone().requires_grad_()
-    out = log_probs_and_entropy(x, labels, keep=dense, chunk_size=chunk, compute_sum_pi_squared=True,
-                                entropy_of="kept")
+    out = log_probs_and_entropy(x, labels, keep=dense, chunking=chunk, compute_sum_pi_squared=True, entropy_of="kept")
     zr = z.clone().requires_grad_()
     refs = reference(zr, labels, sets, entropy_of="kept")
     _check([out.log_probs, out.entropy, out.sum_pi_squared], refs, ups, [x], [zr], dict(rtol=1e-10, atol=1e-10))
     # an all-True mask costs what no keep costs: nothing of the mask's size is allocated
     z32, every = z.float(), torch.ones(n, v, dtype=torch.bool)
     with _Allocations() as fwd, torch.no_grad():
-        got = log_probs_and_entropy(z32, labels, keep=every, chunk_size=chunk)
+        got = log_probs_and_entropy(z32, labels, keep=every, chunking=chunk)
     assert max(fwd.sizes) <= chunk * v < n * v
-    plain = log_probs_and_entropy(z32, labels, chunk_size=chunk)
+    plain = log_probs_and_entropy(z32, labels, chunking=chunk)
     assert torch.equal(got.log_probs, plain.log_probs) and torch.equal(got.entropy, plain.entropy)
 
 
@@ -269,12 +272,12 @@ def test_fused_head_and_module_match_float64(vocab_chunk_size, entropy_of, backe
     for module in (False, True):
         leaves = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
         if module:
-            head = ChunkedVocabParallelHead(leaves[1], leaves[2], chunk_size=4, vocab_chunk_size=vocab_chunk_size,
-                                            softcap=30.0, backend=backend)
+            head = ChunkedVocabParallelHead(OutputLayer(leaves[1], leaves[2], softcap=30.0),
+                                            Chunking(4, vocab_chunk_size=vocab_chunk_size, backend=backend))
             out = head(leaves[0], labels, **kw)
         else:
-            out = linear_log_probs_and_entropy(leaves[0], leaves[1], labels, bias=leaves[2], chunk_size=4,
-                                               vocab_chunk_size=vocab_chunk_size, softcap=30.0, backend=backend,
+            out = linear_log_probs_and_entropy(leaves[0], OutputLayer(leaves[1], leaves[2], softcap=30.0), labels,
+                                               chunking=Chunking(4, vocab_chunk_size=vocab_chunk_size, backend=backend),
                                                **kw)
         refs_in = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
         zr = refs_in[0] @ refs_in[1].t() + refs_in[2]
@@ -299,13 +302,15 @@ def test_fused_losses_use_the_kept_log_probs(path, entropy_of, vocab_chunk_size)
     ref_lp = -torch.rand(b, t, generator=g, dtype=torch.float64) * 2 - 0.5
     mask = torch.rand(b, t, generator=g) < 0.8
     sets = _sets(hidden @ weight.t(), labels, seed=13)
-    kw = dict(entropy_coeff=0.05, kl_coef=0.1, clip_ratio_c=3.0, ref_log_probs=ref_lp, temperature=0.8,
-              chunk_size=4, keep=_csr(sets), entropy_of=entropy_of, loss_agg_mode="seq-mean-token-mean")
+    policy = PolicyLoss(options={"clip_ratio_c": 3.0}, entropy_coeff=0.05, kl_coef=0.1, entropy_of=entropy_of,
+                        aggregation="seq-mean-token-mean")
+    kw = dict(loss=policy, ref_log_probs=ref_lp, temperature=0.8, keep=_csr(sets))
     h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     if path == "head":
-        loss, metrics = linear_policy_loss(h, w, labels, old, adv, mask, vocab_chunk_size=vocab_chunk_size, **kw)
+        loss, metrics = linear_policy_loss(h, w, labels, old, adv, mask, chunking=Chunking(4, vocab_chunk_size),
+                                           **kw)
     else:
-        loss, metrics = policy_loss_from_logits(h @ w.t(), labels, old, adv, mask, **kw)
+        loss, metrics = policy_loss_from_logits(h @ w.t(), labels, old, adv, mask, chunking=4, **kw)
     loss.backward()
     h64, w64 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     lp, ent, _ = reference(h64 @ w64.t(), labels, sets, temperature=0.8, entropy_of=entropy_of)
@@ -385,8 +390,9 @@ def test_the_rows_own_filter_matches_float64(opts, dtype):
     entropy_of = opts.get("entropy_of", "full")
     x = z.to(dtype).requires_grad_()
     before = x.detach().clone()
-    out = log_probs_and_entropy(x, labels, keep=keep, chunk_size=4, label_mask=mask, softcap=opts.get("softcap"),
-                                temperature=t.to(dtype) if isinstance(t, torch.Tensor) else t, entropy_of=entropy_of)
+    out = log_probs_and_entropy(x, labels, keep=keep, layer=OutputLayer(softcap=opts.get("softcap")), chunking=4,
+                                label_mask=mask, temperature=t.to(dtype) if isinstance(t, torch.Tensor) else t,
+                                entropy_of=entropy_of)
     zr = z.to(dtype).double().requires_grad_()
     lp, grad_of, ent, inside = own_reference(zr, labels, opts.get("top_k"), opts.get("top_p"), temperature=t,
                                              softcap=opts.get("softcap"), label_mask=mask, entropy_of=entropy_of)
@@ -471,8 +477,9 @@ def _tp_worker(rank, world):
             dense.view(-1, v)[i, s] = True
         for keep in ((ids, offsets), dense[..., shard]):
             x = z[..., shard].clone().requires_grad_()
-            out = log_probs_and_entropy(x, labels, keep=keep, chunk_size=3, process_group=group, backend=backend,
-                                        temperature=0.7, entropy_of=entropy_of, compute_sum_pi_squared=True)
+            out = log_probs_and_entropy(x, labels, keep=keep, layer=OutputLayer(process_group=group),
+                                        chunking=Chunking(3, backend=backend), temperature=0.7, entropy_of=entropy_of,
+                                        compute_sum_pi_squared=True)
             zr = z.clone().requires_grad_()
             refs = reference(zr, labels, sets, temperature=0.7, entropy_of=entropy_of)
             ours = [out.log_probs, out.entropy, out.sum_pi_squared]
@@ -493,7 +500,8 @@ def _tp_worker(rank, world):
     flat[1, v_local::v_local] = True
     wsets = [[] if i == 0 else flat[i].nonzero().squeeze(1).tolist() if i == 1 else s for i, s in enumerate(sets)]
     x = z[..., shard].clone().requires_grad_()
-    out = log_probs_and_entropy(x, labels, keep=dense[..., shard].clone(), chunk_size=3, process_group=group)
+    out = log_probs_and_entropy(x, labels, keep=dense[..., shard].clone(), layer=OutputLayer(process_group=group),
+                                chunking=3)
     zr = z.clone().requires_grad_()
     lp, ent, _ = reference(zr, labels, wsets)
     torch.testing.assert_close(out.log_probs, lp.detach(), rtol=1e-10, atol=1e-10)
@@ -510,8 +518,8 @@ def _tp_worker(rank, world):
     rows = slice(rank * 2, rank * 2 + 2)
     h = hidden[rows].clone().requires_grad_()
     w = weight[shard].clone().requires_grad_()
-    out = linear_log_probs_and_entropy(h, w, lab, keep=_csr(hsets), chunk_size=4, process_group=group,
-                                       sequence_parallel=True, vocab_chunk_size=5)
+    out = linear_log_probs_and_entropy(h, OutputLayer(w, process_group=group, sequence_parallel=True), lab,
+                                       keep=_csr(hsets), chunking=Chunking(4, vocab_chunk_size=5))
     hr, wr = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     lp, ent, _ = reference(hr @ wr.t(), lab, hsets)
     torch.testing.assert_close(out.log_probs, lp.detach(), rtol=1e-10, atol=1e-10)
@@ -525,7 +533,8 @@ def _tp_worker(rank, world):
         lab = labels.clone()
         lab.view(-1)[::2] = z.reshape(-1, v).argmax(-1)[::2]
         x = z[..., shard].clone().requires_grad_()
-        out = log_probs_and_entropy(x, lab, keep=keep, chunk_size=3, process_group=group, temperature=0.7)
+        out = log_probs_and_entropy(x, lab, keep=keep, layer=OutputLayer(process_group=group), chunking=3,
+                                    temperature=0.7)
         zr = z.clone().requires_grad_()
         lp, grad_of, ent, _ = own_reference(zr, lab, keep.get("top_k"), keep.get("top_p"), temperature=0.7)
         torch.testing.assert_close(out.log_probs, lp.detach(), rtol=1e-10, atol=1e-10)
@@ -533,12 +542,13 @@ def _tp_worker(rank, world):
         ((grad_of * ups[0]).sum() + (ent * ups[1]).sum()).backward()
         torch.testing.assert_close(x.grad, zr.grad[..., shard], rtol=1e-10, atol=1e-10)
     with pytest.raises(ValueError, match="keep's top_p .bits. differs across"):
-        log_probs_and_entropy(z[..., shard], labels, keep={"top_p": 0.5 + 0.1 * rank}, process_group=group)
+        log_probs_and_entropy(z[..., shard], labels, keep={"top_p": 0.5 + 0.1 * rank},
+                              layer=OutputLayer(process_group=group))
     # ranks that pass different kept sets get the same clear error
     other = ids.clone()
     other[0] = (other[0] + rank) % v
     with pytest.raises(ValueError, match="keep's token_ids differs across"):
-        log_probs_and_entropy(z[..., shard], labels, keep=(other, offsets), process_group=group)
+        log_probs_and_entropy(z[..., shard], labels, keep=(other, offsets), layer=OutputLayer(process_group=group))
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -23,6 +23,10 @@ import torch.distributed as dist
 
 from chunked_entropy import (
     ChunkedVocabParallelHead,
+    Chunking,
+    Divergence,
+    OutputLayer,
+    PolicyLoss,
     linear_divergence,
     linear_divergence_loss,
     linear_log_probs_and_entropy,
@@ -60,8 +64,8 @@ def test_head_index_against_float64_reference():
     lab = torch.randint(0, V, (ROWS.numel(),), generator=d["g"])
     lab[4] = -100
     temp = torch.rand(ROWS.numel(), generator=d["g"], dtype=F64) + 0.5
-    out = linear_log_probs_and_entropy(h, w, lab, bias=b, rows=ROWS, temperature=temp, chunk_size=3,
-                                       compute_sum_pi_squared=True, softcap=4.0, logit_scale=0.9)
+    out = linear_log_probs_and_entropy(h, OutputLayer(w, b, softcap=4.0, logit_scale=0.9), lab, chunking=3, rows=ROWS,
+                                       temperature=temp, compute_sum_pi_squared=True)
     ups = [torch.randn(ROWS.numel(), generator=d["g"], dtype=F64) for _ in range(3)]
     got = _grads([out.log_probs, out.entropy, out.sum_pi_squared], ups, [h, w, b])
     h2, w2, b2 = _leaves(d["h"], d["w"], d["b"])
@@ -94,9 +98,10 @@ def test_head_kept_equals_all_rows(case):
     mask = torch.rand(B, T, generator=g) < 0.5
     labels = d["labels"].clone()
     labels[0, 0] = -100
-    kw = dict(bias=None, chunk_size=4, temperature=torch.rand(B, T, generator=g, dtype=F64) + 0.5,
-              label_mask=mask, compute_sum_pi_squared=True, softcap=6.0)
-    kw.update({k: case[k] for k in ("vocab_chunk_size", "top_k", "backend", "entropy_of") if k in case})
+    kw = dict(temperature=torch.rand(B, T, generator=g, dtype=F64) + 0.5, label_mask=mask,
+              compute_sum_pi_squared=True)
+    kw.update({k: case[k] for k in ("top_k", "entropy_of") if k in case})
+    kw["chunking"] = Chunking(4, case.get("vocab_chunk_size"), case.get("backend", "auto"))
     if case.get("log_probs_at"):
         kw["log_probs_at"] = torch.randint(0, V, (B, T, 2), generator=g)
     if case.get("keep") == "dense":
@@ -113,7 +118,7 @@ def test_head_kept_equals_all_rows(case):
         h, w = _leaves(d["h"], d["w"])
         if case.get("main_grad"):
             w.main_grad = torch.zeros(V, H, dtype=F64)
-        out = linear_log_probs_and_entropy(h, w, labels, rows=rows, **kw)
+        out = linear_log_probs_and_entropy(h, OutputLayer(w, softcap=6.0), labels, rows=rows, **kw)
         tensors = [out.log_probs, out.entropy, out.sum_pi_squared, out.log_probs_at, out.top_k_log_probs]
         ups = [None if t is None else torch.randn(t.shape, generator=torch.Generator().manual_seed(5), dtype=F64)
                * (valid if t.dim() == 2 else valid[..., None]) for t in tensors]
@@ -136,7 +141,7 @@ def test_head_kept_equals_all_rows(case):
 
 def test_module_forward_takes_rows():
     d = _data(seed=4)
-    head = ChunkedVocabParallelHead(d["w"], d["b"], chunk_size=4)
+    head = ChunkedVocabParallelHead(OutputLayer(d["w"], d["b"]), 4)
     lab = d["labels"].reshape(-1)[ROWS]
     out = head(d["h"], lab, rows=ROWS)
     lp, ent = head(d["h"].reshape(-1, H)[ROWS], lab)
@@ -158,13 +163,15 @@ def test_policy_loss_kept_equals_all_rows(i, mode):
     adv, ref = torch.randn(B, T, generator=g, dtype=F64), old + 0.1 * torch.randn(B, T, generator=g, dtype=F64)
     mask = torch.rand(B, T, generator=g) < 0.6
     mask[0, -1], mask[1] = True, False  # an empty sequence
-    kw = dict(loss_mode=mode, loss_agg_mode=AGGS[i % len(AGGS)], entropy_coeff=0.03, kl_coef=0.1,
-              ref_log_probs=ref, temperature=0.9, chunk_size=4, bias=None, **OPTS)
+    options = dict(OPTS)
+    kw = dict(ref_log_probs=ref, temperature=0.9, chunking=4)
     if i % 3 == 0:
-        kw.update(rollout_log_probs=old + 0.2 * torch.randn(B, T, generator=g, dtype=F64), rollout_is="token",
-                  rollout_rs="seq_mean_k1" if i % 2 else "token_k2", rollout_rs_threshold=2.0)
+        kw.update(rollout_log_probs=old + 0.2 * torch.randn(B, T, generator=g, dtype=F64))
+        options.update(rollout_is="token", rollout_rs="seq_mean_k1" if i % 2 else "token_k2",
+                       rollout_rs_threshold=2.0)
     elif i % 3 == 1:
         kw["rollout_is_weights"] = torch.rand(B, T, generator=g, dtype=F64) + 0.5
+    kw["loss"] = PolicyLoss(mode, options, entropy_coeff=0.03, kl_coef=0.1, aggregation=AGGS[i % len(AGGS)])
     results = []
     for rows in (None, "kept" if i % 2 else ("kept", T)):
         h, w = _leaves(d["h"], d["w"])
@@ -195,8 +202,8 @@ def test_policy_loss_index_is_the_unpacked_layout():
                       ("vanilla", "seq-mean-token-sum-norm"), ("clip_cov", "token-mean")):
         h, w = _leaves(d["h"], d["w"])
         torch.manual_seed(3)
-        loss, _ = linear_policy_loss(h, w, lab, old, adv, mask, rows=rows, loss_mode=mode, loss_agg_mode=agg,
-                                     entropy_coeff=0.02, chunk_size=2, **OPTS)
+        loss, _ = linear_policy_loss(h, w, lab, old, adv, mask, rows=rows,
+                                     loss=PolicyLoss(mode, OPTS, entropy_coeff=0.02, aggregation=agg), chunking=2)
         got = torch.autograd.grad(loss, [h, w])
         h2, w2 = _leaves(d["h"], d["w"])
         lp, ent = reference(h2.reshape(-1, H)[rows] @ w2.t(), lab)
@@ -214,16 +221,16 @@ def test_divergences_kept_and_index(divergence):
     g = d["g"]
     ht, wt = torch.randn(B, T, 5, generator=g, dtype=F64), torch.randn(V, 5, generator=g, dtype=F64)
     mask = torch.rand(B, T, generator=g) < 0.5
-    kw = dict(divergence=divergence, beta=0.3 if divergence == "jsd" else None, chunk_size=4, compute_entropy=True,
-              temperature=torch.rand(B, T, generator=g, dtype=F64) + 0.5, student_softcap=5.0,
-              vocab_chunk_size=16 if divergence == "jsd" else None)
+    beta = 0.3 if divergence == "jsd" else None
+    kw = dict(divergence=Divergence(divergence, beta), chunking=Chunking(4, 16 if divergence == "jsd" else None),
+              compute_entropy=True, temperature=torch.rand(B, T, generator=g, dtype=F64) + 0.5)
     ups = [torch.randn(B, T, generator=g, dtype=F64) * mask for _ in range(3)]
     res = []
     for rows in (None, "kept"):
         h, w, b = _leaves(d["h"], d["w"], d["b"])
-        o = linear_divergence(h, w, ht, wt, labels=d["labels"], label_mask=mask, student_bias=b, rows=rows, **kw)
-        loss = linear_divergence_loss(h, w, ht, wt, label_mask=mask, weights=ups[0].abs(), student_bias=b,
-                                      rows=rows, **kw)
+        student = OutputLayer(w, b, softcap=5.0)
+        o = linear_divergence(h, student, ht, wt, labels=d["labels"], label_mask=mask, rows=rows, **kw)
+        loss = linear_divergence_loss(h, student, ht, wt, label_mask=mask, weights=ups[0].abs(), rows=rows, **kw)
         res.append(([t * mask for t in o], _grads(list(o), ups, [h, w, b]), loss.loss,
                     torch.autograd.grad(loss.loss, [h, w, b])))
         if rows is not None:
@@ -236,11 +243,11 @@ def test_divergences_kept_and_index(divergence):
                 torch.testing.assert_close(x, y)
     # an index: the teacher's rows given per selected row
     h, w = _leaves(d["h"], d["w"])
-    o = linear_divergence(h, w, ht.reshape(-1, 5)[ROWS], wt, rows=ROWS, divergence=divergence,
-                          beta=kw["beta"], chunk_size=3)
+    o = linear_divergence(h, w, ht.reshape(-1, 5)[ROWS], wt, rows=ROWS,
+                          divergence=Divergence(divergence, beta=beta), chunking=3)
     h2, w2 = _leaves(d["h"], d["w"])
-    e = linear_divergence(h2.reshape(-1, H)[ROWS], w2, ht.reshape(-1, 5)[ROWS], wt, divergence=divergence,
-                          beta=kw["beta"], chunk_size=3)
+    e = linear_divergence(h2.reshape(-1, H)[ROWS], w2, ht.reshape(-1, 5)[ROWS], wt,
+                          divergence=Divergence(divergence, beta=beta), chunking=3)
     torch.testing.assert_close(o.divergence, e.divergence, rtol=0, atol=0)
     up = torch.randn(ROWS.numel(), generator=g, dtype=F64)
     for a, x in zip(torch.autograd.grad((o.divergence * up).sum(), [h, w]),
@@ -300,8 +307,8 @@ def _tp_sp(rank, world):
     sl, vl = s // world, v // world
     h = h_full[rank * sl:(rank + 1) * sl].clone().requires_grad_()
     w = w_full[rank * vl:(rank + 1) * vl].clone().requires_grad_()
-    out = linear_log_probs_and_entropy(h, w, lab, rows=rows, process_group=group, sequence_parallel=True,
-                                       chunk_size=2)
+    out = linear_log_probs_and_entropy(h, OutputLayer(w, process_group=group, sequence_parallel=True), lab, rows=rows,
+                                       chunking=2)
     ((out.log_probs + out.entropy) * up).sum().backward()
     torch.testing.assert_close(out.log_probs, lp_ref)
     torch.testing.assert_close(out.entropy, ent_ref)
@@ -310,20 +317,21 @@ def _tp_sp(rank, world):
     # "kept" under SP: the labels of the full gathered sequence
     labels = torch.randint(0, v, (s, b), generator=g)
     mask = torch.rand(s, b, generator=g) < 0.5
-    kept = linear_log_probs_and_entropy(h, w, labels, label_mask=mask, rows="kept", process_group=group,
-                                        sequence_parallel=True)
-    full = linear_log_probs_and_entropy(h, w, labels, label_mask=mask, process_group=group, sequence_parallel=True)
+    kept = linear_log_probs_and_entropy(h, OutputLayer(w, process_group=group, sequence_parallel=True), labels,
+                                        label_mask=mask, rows="kept")
+    full = linear_log_probs_and_entropy(h, OutputLayer(w, process_group=group, sequence_parallel=True), labels,
+                                        label_mask=mask)
     torch.testing.assert_close(kept.entropy, full.entropy * mask)
     torch.testing.assert_close(kept.log_probs, full.log_probs)
     # ranks that differ: refused on every rank, naming rows
     with pytest.raises(ValueError, match="rows"):
-        linear_log_probs_and_entropy(h, w, lab, rows=rows if rank == 0 else rows.flip(0), process_group=group,
-                                     sequence_parallel=True)
+        linear_log_probs_and_entropy(h, OutputLayer(w, process_group=group, sequence_parallel=True), lab,
+                                     rows=rows if rank == 0 else rows.flip(0))
     with pytest.raises(ValueError, match="rows"):
-        linear_log_probs_and_entropy(h, w, lab, rows=rows if rank == 0 else rows + 100, process_group=group,
-                                     sequence_parallel=True)
+        linear_log_probs_and_entropy(h, OutputLayer(w, process_group=group, sequence_parallel=True), lab,
+                                     rows=rows if rank == 0 else rows + 100)
     # the group still works
-    out = linear_log_probs_and_entropy(h, w, lab, rows=rows, process_group=group, sequence_parallel=True)
+    out = linear_log_probs_and_entropy(h, OutputLayer(w, process_group=group, sequence_parallel=True), lab, rows=rows)
     torch.testing.assert_close(out.log_probs, lp_ref)
     # the policy loss: [B', T'] rows of the gathered [S, B] sequence, a sequence-level objective
     rows2 = torch.tensor([[0, 2, 4, 6], [1, 3, 3, 11]])
@@ -331,8 +339,8 @@ def _tp_sp(rank, world):
     old, adv = -torch.rand(rows2.shape, generator=g, dtype=F64) - 1, torch.randn(rows2.shape, generator=g, dtype=F64)
     mask2 = torch.tensor([[1, 1, 1, 0], [0, 1, 1, 1]], dtype=torch.bool)
     h.grad = w.grad = None
-    loss, _ = linear_policy_loss(h, w, lab2, old, adv, mask2, rows=rows2, process_group=group, sequence_parallel=True,
-                                 loss_mode="gspo", loss_agg_mode="seq-mean-token-mean", chunk_size=4)
+    loss, _ = linear_policy_loss(h, OutputLayer(w, process_group=group, sequence_parallel=True), lab2, old, adv, mask2,
+                                 rows=rows2, loss=PolicyLoss("gspo", aggregation="seq-mean-token-mean"), chunking=4)
     loss.backward()
     h64, w64 = _leaves(h_full, w_full)
     lp, _ = reference(h64.reshape(-1, H)[rows2] @ w64.t(), lab2)
@@ -377,7 +385,7 @@ def test_tree_packed_rollouts_equal_each_rollout_on_its_own():
     lengths = [sum(nodes[n][1] - nodes[n][0] for n in p) for p in paths]
     # per token: log-probs and entropy of the packed call against each rollout's own
     h = packed.clone().requires_grad_()
-    out = linear_log_probs_and_entropy(h, w, labels, rows=rows, label_mask=mask, chunk_size=4)
+    out = linear_log_probs_and_entropy(h, w, labels, rows=rows, label_mask=mask, chunking=4)
     up = torch.randn(rows.shape, generator=g, dtype=F64) * mask
     (((out.log_probs + out.entropy) * up).sum()).backward()
     hr = packed.clone().requires_grad_()
@@ -395,8 +403,8 @@ def test_tree_packed_rollouts_equal_each_rollout_on_its_own():
     # the fused loss, every aggregation mode: the packed call against the composition over the rollouts
     for agg in losses.AGG_MODES:
         h = packed.clone().requires_grad_()
-        loss, _ = linear_policy_loss(h, w, labels, old, adv, mask, rows=rows, loss_mode="gspo", loss_agg_mode=agg,
-                                     entropy_coeff=0.01, chunk_size=4)
+        loss, _ = linear_policy_loss(h, w, labels, old, adv, mask, rows=rows,
+                                     loss=PolicyLoss("gspo", entropy_coeff=0.01, aggregation=agg), chunking=4)
         loss.backward()
         h2 = packed.clone().requires_grad_()
         lp, ent = reference(h2[rows] @ w.t(), labels, label_mask=mask)
@@ -432,10 +440,10 @@ def test_logits_twins_take_the_same_index():
     old, adv = -torch.rand(2, 4, generator=g, dtype=F64) - 1, torch.randn(2, 4, generator=g, dtype=F64)
     mask = torch.ones(2, 4, dtype=torch.bool)
     calls = [
-        lambda x, r: (lambda o: (o.log_probs + o.entropy) * up)(log_probs_and_entropy(x, lab, rows=r, chunk_size=3)),
+        lambda x, r: (lambda o: (o.log_probs + o.entropy) * up)(log_probs_and_entropy(x, lab, rows=r, chunking=3)),
         lambda x, r: policy_loss_from_logits(x, lab.view(2, 4), old, adv, mask, rows=None if r is None else rows2,
-                                             loss_mode="gspo", loss_agg_mode="seq-mean-token-mean")[0],
-        lambda x, r: divergence_from_logits(x, zt, divergence="jsd", beta=0.4, rows=r).divergence * up,
+                                             loss=PolicyLoss("gspo", aggregation="seq-mean-token-mean"))[0],
+        lambda x, r: divergence_from_logits(x, zt, rows=r, divergence=Divergence("jsd", beta=0.4)).divergence * up,
     ]
     for call in calls:
         x = z.clone().requires_grad_()

@@ -17,7 +17,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from chunked_entropy import ChunkedEntropyConfig, _kernels, linear_log_probs_and_entropy, log_probs_and_entropy
+from chunked_entropy import (
+    ChunkedEntropyConfig,
+    Chunking,
+    _kernels,
+    linear_log_probs_and_entropy,
+    log_probs_and_entropy,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
@@ -54,10 +60,10 @@ def test_kernels_through_the_interpreter():
 def test_on_the_cpu_without_the_interpreter_a_clear_error_before_any_work():
     z = torch.randn(4, 9, requires_grad=True)
     with pytest.raises(ValueError, match=r"backend='triton' runs on a CPU tensor only through Triton's interpreter"):
-        log_probs_and_entropy(z, torch.tensor([0, 1, 2, 3]), backend="triton")
+        log_probs_and_entropy(z, torch.tensor([0, 1, 2, 3]), chunking=Chunking(backend="triton"))
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
         linear_log_probs_and_entropy(torch.randn(4, 3), torch.randn(9, 3), torch.tensor([0, 1, 2, 3]),
-                                     backend="triton")
+                                     chunking=Chunking(backend="triton"))
     assert z.grad is None
 
 
@@ -67,9 +73,9 @@ def test_auto_is_eager_on_the_cpu_and_the_default():
     z = torch.randn(3, 5, 17, generator=g).requires_grad_()
     labels = torch.randint(0, 17, (3, 5), generator=g)
     outs = []
-    for kw in ({}, {"backend": "eager"}):
+    for chunking in (4, Chunking(4, backend="eager")):
         z.grad = None
-        lp, ent = log_probs_and_entropy(z, labels, chunk_size=4, **kw)
+        lp, ent = log_probs_and_entropy(z, labels, chunking=chunking)
         (lp.sum() + 0.3 * ent.sum()).backward()
         outs.append((lp, ent, z.grad))
     for a, b in zip(*outs, strict=True):
@@ -79,7 +85,7 @@ def test_auto_is_eager_on_the_cpu_and_the_default():
 
 def test_an_unknown_backend_lists_triton():
     with pytest.raises(ValueError, match=r"backend must be one of 'auto', 'eager', 'compile', 'triton', got 'fast'"):
-        log_probs_and_entropy(torch.randn(2, 5), torch.tensor([0, 1]), backend="fast")
+        log_probs_and_entropy(torch.randn(2, 5), torch.tensor([0, 1]), chunking=Chunking(backend="fast"))
     with pytest.raises(ValueError, match=r"backend must be one of 'auto', 'eager', 'compile', 'triton', got 'cuda'"):
         ChunkedEntropyConfig(backend="cuda")
 
@@ -110,7 +116,8 @@ def test_auto_on_a_fast_device_tries_triton_then_compiled_then_eager(monkeypatch
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         b = log_probs_and_entropy(z, labels)
-    torch.testing.assert_close(a.log_probs, log_probs_and_entropy(z, labels, backend="eager").log_probs)
+    eager = log_probs_and_entropy(z, labels, chunking=Chunking(backend="eager"))
+    torch.testing.assert_close(a.log_probs, eager.log_probs)
     torch.testing.assert_close(b.entropy, a.entropy)
 
 
@@ -140,14 +147,14 @@ def test_without_triton_the_library_works_and_refuses_backend_triton():
 import sys
 sys.modules["triton"] = None
 import torch
-from chunked_entropy import log_probs_and_entropy, _kernels
+from chunked_entropy import Chunking, log_probs_and_entropy, _kernels
 z, labels = torch.randn(3, 11), torch.tensor([0, 5, 10])
 lp, ent = log_probs_and_entropy(z, labels)
 ref = torch.log_softmax(z, dim=-1).gather(1, labels[:, None]).squeeze(1)
 torch.testing.assert_close(lp, ref)
 assert _kernels.use_compiled("auto", torch.device("cpu")) is None
 try:
-    log_probs_and_entropy(z, labels, backend="triton")
+    log_probs_and_entropy(z, labels, chunking=Chunking(backend="triton"))
 except RuntimeError as e:
     print("refused:", e)
 """

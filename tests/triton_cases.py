@@ -35,7 +35,7 @@ from tests.helpers import reference
 if os.environ.get("TRITON_INTERPRET") != "1":  # pragma: no cover - guarded by tests/test_triton.py
     pytest.skip("run by tests/test_triton.py with TRITON_INTERPRET=1", allow_module_level=True)
 
-from chunked_entropy import _triton  # noqa: E402 - after the interpreter check
+from chunked_entropy import Chunking, OutputLayer, PolicyLoss, _triton  # noqa: E402 - after the interpreter check
 
 W = 37  # columns of a block: three tiles of 16
 HALF = (torch.bfloat16, torch.float16)
@@ -256,8 +256,8 @@ def test_logits_path_matches_float64(dtype, extra):
     labels[0, 0] = -100
     t = torch.rand(2, 5, generator=g) + 0.4
     ups = [torch.randn(2, 5, generator=g, dtype=torch.float64) for _ in range(3)]
-    fn = lambda x: log_probs_and_entropy(x, labels, temperature=t, chunk_size=4, backend="triton",  # noqa: E731
-                                         compute_sum_pi_squared=True, **extra)
+    fn = lambda x: log_probs_and_entropy(x, labels, temperature=t, chunking=Chunking(4, backend="triton"),  # noqa: E731
+                                         layer=OutputLayer(**extra), compute_sum_pi_squared=True)
     outs, (grad,) = _run(fn, [z], ups)
     assert grad.dtype == dtype
     z64 = z.double().requires_grad_()
@@ -266,8 +266,8 @@ def test_logits_path_matches_float64(dtype, extra):
     for o, r in zip(outs, ref, strict=True):
         torch.testing.assert_close(o.double(), r.detach(), rtol=1e-5, atol=1e-5)
     _check(grad, z64.grad, dtype, 1e-5)
-    eager = lambda x: log_probs_and_entropy(x, labels, temperature=t, chunk_size=4, backend="eager",  # noqa: E731
-                                            compute_sum_pi_squared=True, **extra)
+    eager = lambda x: log_probs_and_entropy(x, labels, temperature=t, chunking=Chunking(4, backend="eager"),  # noqa: E731
+                                            layer=OutputLayer(**extra), compute_sum_pi_squared=True)
     eager_outs, _ = _run(eager, [z], ups)
     for a, b in zip(outs, eager_outs, strict=True):
         torch.testing.assert_close(a, b, rtol=2e-6, atol=2e-6)
@@ -286,13 +286,12 @@ def test_fused_head_matches_float64_and_eager(dtype, vocab_chunk_size):
     t = torch.rand(2, 7, generator=g) + 0.5
     ups = [torch.randn(2, 7, generator=g, dtype=torch.float64) for _ in range(2)]
     fn = lambda h_, w_, b_: linear_log_probs_and_entropy(  # noqa: E731
-        h_, w_, labels, bias=b_, chunk_size=5, vocab_chunk_size=vocab_chunk_size, temperature=t, softcap=6.0,
-        backend="triton")
+        h_, OutputLayer(w_, b_, softcap=6.0), labels, chunking=Chunking(5, vocab_chunk_size, "triton"), temperature=t)
     outs, grads = _run(fn, [h, w, b], ups)
     if dtype in HALF:
         eager = lambda h_, w_, b_: linear_log_probs_and_entropy(  # noqa: E731
-            h_, w_, labels, bias=b_, chunk_size=5, vocab_chunk_size=vocab_chunk_size, temperature=t, softcap=6.0,
-            backend="eager")
+            h_, OutputLayer(w_, b_, softcap=6.0), labels, chunking=Chunking(5, vocab_chunk_size, "eager"),
+            temperature=t)
         eager_outs, eager_grads = _run(eager, [h, w, b], ups)
         for a, e in zip(outs, eager_outs, strict=True):
             torch.testing.assert_close(a, e, rtol=2e-6, atol=2e-6)
@@ -320,11 +319,13 @@ def test_fused_policy_loss_matches_eager(path):
     for backend in ("eager", "triton"):
         h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
         if path == "head":
-            loss, _ = linear_policy_loss(h, w, labels, old, adv, mask, chunk_size=4, entropy_coeff=0.01,
-                                         clip_ratio_c=3.0, backend=backend, softcap=5.0)
+            loss, _ = linear_policy_loss(h, OutputLayer(w, softcap=5.0), labels, old, adv, mask,
+                                         loss=PolicyLoss(options={"clip_ratio_c": 3.0}, entropy_coeff=0.01),
+                                         chunking=Chunking(4, backend=backend))
         else:
-            loss, _ = policy_loss_from_logits(h @ w.T, labels, old, adv, mask, chunk_size=4, entropy_coeff=0.01,
-                                              clip_ratio_c=3.0, backend=backend, softcap=5.0)
+            loss, _ = policy_loss_from_logits(h @ w.T, labels, old, adv, mask, layer=OutputLayer(softcap=5.0),
+                                              loss=PolicyLoss(options={"clip_ratio_c": 3.0}, entropy_coeff=0.01),
+                                              chunking=Chunking(4, backend=backend))
         loss.backward()
         results.append((loss.detach(), h.grad, w.grad))
     for a, b in zip(*results, strict=True):
@@ -347,10 +348,12 @@ def test_replay_and_distillation_ride_on_the_kernels(extra):
         for backend in ("eager", "triton"):
             hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
             if path == "logits":
-                out = log_probs_and_entropy(hh @ ww.T, labels, chunk_size=4, temperature=0.7, backend=backend, **kw)
+                out = log_probs_and_entropy(hh @ ww.T, labels, chunking=Chunking(4, backend=backend), temperature=0.7,
+                                            **kw)
             else:
-                out = linear_log_probs_and_entropy(hh, ww, labels, chunk_size=4, vocab_chunk_size=16,
-                                                   temperature=0.7, backend=backend, **kw)
+                out = linear_log_probs_and_entropy(hh, ww, labels,
+                                                   chunking=Chunking(4, vocab_chunk_size=16, backend=backend),
+                                                   temperature=0.7, **kw)
             loss = sum((o.double() * u).sum() for o, u in zip((out.log_probs, out.entropy), ups, strict=True))
             if extra == "log_probs_at":
                 loss = loss + (out.log_probs_at * up_at).sum()
