@@ -357,7 +357,8 @@ def _linear_call(student_hidden, student: OutputLayer, teacher_hidden, teacher: 
     """Check everything (every rank agreeing) and prepare: ``(tok, plan, spec, teacher, valid, no_labels, grads,
     w)``. ``loss``: the loss form's ``reduction``, ``normalizer`` and ``weights`` (``w``, its per-token weights,
     is None without)."""
-    process_group, sequence_parallel = _one_group(student, teacher)
+    with refused_together(student.process_group):
+        process_group, sequence_parallel = _one_group(student, teacher)
     student_weight, student_bias, teacher_weight, teacher_bias = student.weight, student.bias, teacher.weight, \
         teacher.bias
     with agreed_call(process_group) as call:
