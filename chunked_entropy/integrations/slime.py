@@ -194,10 +194,14 @@ class _Layout:
 # ----------------------------------------------------------------------------- the replacement
 
 
-def _chunking(args) -> Chunking:
-    """``--log-probs-chunk-size`` (-1 or None: :data:`DEFAULT_CHUNK_SIZE`; slime's arguments are read per call)."""
+def _chunk_size(args) -> int:
+    """``--log-probs-chunk-size``; -1 or None: :data:`DEFAULT_CHUNK_SIZE` (slime's arguments are read per call)."""
     size = getattr(args, "log_probs_chunk_size", -1)
-    return Chunking(DEFAULT_CHUNK_SIZE if size is None or int(size) <= 0 else int(size))
+    return DEFAULT_CHUNK_SIZE if size is None or int(size) <= 0 else int(size)
+
+
+def _chunking(args) -> Chunking:
+    return Chunking(_chunk_size(args))
 
 
 def get_log_probs_and_entropy(
