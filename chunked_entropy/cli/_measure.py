@@ -1,8 +1,10 @@
 """One benchmark case, measured in the process that runs it (a fresh one, started by the caller).
 
-A case is one method (plain torch, the clone workaround, this library's logits
-path, the fused head) on one shape. :func:`measure` builds the inputs, then
-runs one forward+backward and reports
+A case is one method on one shape. Each method is one :class:`Method` record of
+:data:`METHODS` (plain torch, the clone workaround, this library's logits path,
+fused head, losses and divergences, the peers): what it runs, how it is
+labelled, swept and estimated. :func:`measure` builds the inputs, then runs one
+forward+backward and reports
 
 * ``peak_bytes``: the peak memory *over the inputs*: on CPU the peak resident
   set size during the run minus the resident size once the inputs exist (the
@@ -101,10 +103,9 @@ class Case:
 
     ``path`` is what the inputs are: ``"logits"`` (a ``[tokens, V/tp]`` leaf
     tensor) or ``"head"`` (hidden ``[tokens, hidden]`` and a weight
-    ``[V/tp, hidden]``; every method but ``"head"`` first computes the
-    logits with a plain matmul). ``method``: ``plain``, ``clone``,
-    ``chunked`` (this library's logits path) or ``head`` (the fused head).
-    ``chunk`` is the ``chunk_size`` of ``chunked`` and ``head``.
+    ``[V/tp, hidden]``). ``method`` names its record in :data:`METHODS`
+    (:attr:`spec`). ``chunk`` is the chunk size of the swept methods (0 for
+    the others).
     """
 
     path: str
