@@ -169,7 +169,11 @@ def enable_fused_log_probs(model, config=None, **head_kwargs) -> ChunkedVocabPar
             :class:`chunked_entropy.ChunkedEntropyConfig`): ``chunk_size``
             (or ``resolve_chunk_size(v_local, fused=True)``),
             ``vocab_chunk_size``, ``temperature``, ``compute_entropy``, each
-            used when present and not None.
+            used when present and not None; a ``ChunkedEntropyConfig`` gives
+            the whole :class:`~chunked_entropy.Chunking`
+            (:meth:`~chunked_entropy.Chunking.from_config`, its ``backend``
+            too). The head's ``Chunking`` and ``OutputLayer`` are built here,
+            once.
         **head_kwargs: override the config: ``chunk_size``,
             ``vocab_chunk_size``, ``process_group`` (default: the output
             layer's TP group, else megatron-core's ``parallel_state``),
