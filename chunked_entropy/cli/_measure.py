@@ -1,8 +1,10 @@
 """One benchmark case, measured in the process that runs it (a fresh one, started by the caller).
 
-A case is one method (plain torch, the clone workaround, this library's logits
-path, the fused head) on one shape. :func:`measure` builds the inputs, then
-runs one forward+backward and reports
+A case is one method on one shape. Each method is one :class:`Method` record of
+:data:`METHODS` (plain torch, the clone workaround, this library's logits path,
+fused head, losses and divergences, the peers): what it runs, how it is
+labelled, swept and estimated. :func:`measure` builds the inputs, then runs one
+forward+backward and reports
 
 * ``peak_bytes``: the peak memory *over the inputs*: on CPU the peak resident
   set size during the run minus the resident size once the inputs exist (the
@@ -28,40 +30,71 @@ import resource
 import sys
 import time
 from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PATHS = ("logits", "head")
-#: Log-probs only (no entropy): the fused head on all rows and with ``rows="kept"`` (``compute_entropy=False``),
-#: torch's own ``F.linear_cross_entropy(reduction="none")`` on all rows (chunked options) and plain torch on all rows
-#: (a matmul and ``F.cross_entropy(reduction="none")``); rows not read labelled -100 (zero) in each.
-LOG_PROB_ONLY_METHODS = ("headlp", "headrowslp", "torchlceall", "plainlp")
-METHODS = {
-    "logits": ("plain", "clone", "chunked", "chunkedloss", "fusedloss", "densekeep", "distill", "verldistill"),
-    "head": ("plain", "clone", "chunked", "head", "headloss", "fusedloss", "liger", "densekeep", "verlfsdp",
-             "fsdpplugin", "verlfused", "fusedplugin",
-             *("divergence", "divergenceloss", "trldivergence", "plaindivergence"),
-             *("headrows", "trlrows", "torchlce"), *LOG_PROB_ONLY_METHODS),
-}
-#: Only the rows that are read (``Case.read`` percent of them): this library's ``rows="kept"``, TRL 1.16's compacted
-#: call (``hidden[mask]`` into its ChunkedLogProbFunction) and torch's ``F.linear_cross_entropy`` on the same rows.
-ROWS_METHODS = ("headrows", "trlrows", "torchlce", "headrowslp")
-#: verl's FSDP engine, its own routes and the plugin's, on hidden states and an lm_head weight (verl installed).
-VERL_FSDP_METHODS = ("verlfsdp", "fsdpplugin", "verlfused", "fusedplugin")
-#: Methods measured with the vocabulary over ``tp`` ranks (gloo on CPU): this library's paths with the process
-#: group, the clone workaround, and verl's unfused FSDP routes on logits that are a vocabulary-sharded DTensor.
-TP_METHODS = ("clone", "chunked", "head", "verlfsdp", "fsdpplugin")
-#: Distillation from the teacher's hidden states (a teacher of the student's width, TRL's default beta 1: the
-#: reverse KL): this library's per-token form and loss form, TRL's ChunkedDivergenceFunction, plain torch.
-DIVERGENCE_METHODS = ("divergence", "divergenceloss", "trldivergence", "plaindivergence")
-#: What a sweep measures when --methods is not given: log-probs and entropy, every way.
-DEFAULT_METHODS = {"logits": ("plain", "clone", "chunked"), "head": ("plain", "clone", "chunked", "head")}
-#: Methods that compute the policy loss (the others: log-probs and entropy, with random upstream gradients).
-LOSS_METHODS = ("chunkedloss", "headloss", "fusedloss")
 #: The objective of the loss methods: PPO clip with dual clip and an entropy bonus, token-mean.
-LOSS_OPTIONS = dict(clip_ratio_c=3.0, entropy_coeff=0.01, loss_agg_mode="token-mean")
+LOSS = dict(clip_ratio_c=3.0, entropy_coeff=0.01, loss_agg_mode="token-mean")
+
+
+@dataclass(frozen=True)
+class Method:
+    """One method of the bench: what it runs, how it is labelled, swept and estimated (see :data:`METHODS`).
+
+    Attributes:
+        name: its ``--methods`` name.
+        label: its label in the tables; ``{chunk}`` is the case's chunk size.
+        paths: the inputs it takes: ``"logits"`` (a ``[tokens, V/tp]`` leaf) and/or ``"head"`` (hidden states
+            and an lm_head weight).
+        run: the function of this module whose scalar's forward+backward is timed, ``run(case, inputs, group)``.
+        plan: the ``chunked-entropy plan`` method whose estimate its peak is compared with (``plain``,
+            ``clone``, ``chunked``, ``head``); None: ``head`` on the head path, ``chunked`` on the logits path.
+        swept: measured at every ``--chunk-sizes`` and ``--backends`` (this library's methods and verl's
+            chunked routes); the others once, chunk 0, eager.
+        default: the paths whose sweep measures it when ``--methods`` is not given.
+        matmul: on the head path it first computes the logits with a plain matmul (labelled ``matmul + ``).
+        tp: the label's suffix when measured with the vocabulary over ``{tp}`` ranks; empty: one rank only.
+        keep: sampling replay: ``"sets"`` (this library's kept sets, at every ``--keep`` value), ``"dense"``
+            (slime's dense ``[N, V]`` mask, at the non-zero ones) or empty (no replay).
+        topk: distillation: the teacher's top-k when ``--topk`` is not given (the largest given otherwise);
+            None: no top-k.
+        loss: a policy loss: swept over ``--loss-modes``, laid out by ``--seq-len``.
+        read: measured at every ``--read`` (the rows whose label is kept).
+        only_read: it projects only the rows read (the others: every row, the rest masked).
+        teacher: the inputs include a teacher's hidden states and weight shard.
+        floor: its physical floor is timed after it (:func:`floor_seconds`).
+        full_vocab: it gathers the full vocabulary on every rank (the plan's shape is one rank's).
+        outputs: ``outputs(case, inputs, group) -> (log_probs, entropy)``, for ``run`` to use (the per-token
+            scalar, or a loss composed from them); None for the methods whose ``run`` computes its own.
+    """
+
+    name: str
+    label: str
+    paths: tuple
+    run: Callable
+    plan: Optional[str]
+    swept: bool = False
+    default: tuple = ()
+    matmul: bool = False
+    tp: str = ""
+    keep: str = ""
+    topk: Optional[int] = None
+    loss: bool = False
+    read: bool = False
+    only_read: bool = False
+    teacher: bool = False
+    floor: bool = False
+    full_vocab: bool = False
+    outputs: Optional[Callable] = None  # (log_probs, entropy) of the per-token and composed-loss methods
+
+
+def methods(path: Optional[str] = None) -> tuple:
+    """The names of the methods (that take ``path``'s inputs), in the table's order."""
+    return tuple(m.name for m in METHODS.values() if path is None or path in m.paths)
 
 
 @dataclass(frozen=True)
@@ -70,10 +103,9 @@ class Case:
 
     ``path`` is what the inputs are: ``"logits"`` (a ``[tokens, V/tp]`` leaf
     tensor) or ``"head"`` (hidden ``[tokens, hidden]`` and a weight
-    ``[V/tp, hidden]``; every method but ``"head"`` first computes the
-    logits with a plain matmul). ``method``: ``plain``, ``clone``,
-    ``chunked`` (this library's logits path) or ``head`` (the fused head).
-    ``chunk`` is the ``chunk_size`` of ``chunked`` and ``head``.
+    ``[V/tp, hidden]``). ``method`` names its record in :data:`METHODS`
+    (:attr:`spec`). ``chunk`` is the chunk size of the swept methods (0 for
+    the others).
     """
 
     path: str
@@ -95,50 +127,31 @@ class Case:
     read: int = 0  # percent of the rows whose label is read (the rest -100, as prompts are); 0: every row
 
     @property
+    def spec(self) -> Method:
+        """The case's :class:`Method` record."""
+        m = METHODS.get(self.method)
+        if m is None or self.path not in m.paths:
+            raise ValueError(f"unknown method {self.method!r}; expected one of {methods(self.path)}")
+        return m
+
+    @property
     def label(self) -> str:
-        name = {
-            "plain": "plain torch",
-            "clone": "clone workaround",
-            "chunked": f"chunked, chunk {self.chunk}",
-            "head": f"fused head, chunk {self.chunk}",
-            "chunkedloss": f"chunked + losses, chunk {self.chunk}",
-            "headloss": f"fused head + losses, chunk {self.chunk}",
-            "fusedloss": f"fused policy loss, chunk {self.chunk}",
-            "liger": "Liger fused linear cross entropy (log-probs only)",
-            "densekeep": "dense keep mask + masked_fill copy + plain torch",
-            "distill": f"chunked + log_probs_at + top_k, chunk {self.chunk}",
-            "verldistill": "plain torch + verl's forward_kl_topk (FSDP route: full log-softmax)",
-            "verlfsdp": "matmul + verl FSDP engine's prepare_model_outputs (verl's own)",
-            "fsdpplugin": f"matmul + verl FSDP engine's prepare_model_outputs (plugin), chunk {self.chunk}",
-            "verlfused": f"verl's FusedLinearForPPO, torch backend (verl's own), chunk {self.chunk}",
-            "fusedplugin": f"verl's FusedLinearForPPO (plugin), chunk {self.chunk}",
-            "divergence": f"linear_divergence (reverse KL, per token), chunk {self.chunk}",
-            "divergenceloss": f"linear_divergence_loss (reverse KL, mean), chunk {self.chunk}",
-            "trldivergence": "TRL 1.16 ChunkedDivergenceFunction (beta 1; torch tiles off Triton)",
-            "plaindivergence": "plain torch: two matmuls, two log_softmax, reverse KL",
-            "headrows": f"fused head, rows='kept', chunk {self.chunk}",
-            "trlrows": "TRL 1.16 compacted: hidden[mask] into ChunkedLogProbFunction",
-            "torchlce": "torch F.linear_cross_entropy (chunked options) on hidden[mask], log-probs only",
-            "headlp": f"fused head, log-probs only, chunk {self.chunk}",
-            "headrowslp": f"fused head, rows='kept', log-probs only, chunk {self.chunk}",
-            "torchlceall": "torch F.linear_cross_entropy (chunked options), all rows, log-probs only",
-            "plainlp": "plain torch, F.cross_entropy on all rows, log-probs only",
-        }[self.method]
+        m = self.spec
+        name = m.label.format(chunk=self.chunk)
         if self.read:
             name += f", {self.read}% of rows read"
-        if self.path == "head" and self.method in ("plain", "clone", "chunked", "densekeep"):
+        if self.path == "head" and m.matmul:
             name = "matmul + " + name
         if self.keep:
             name += f", keep {self.keep}/token"
         if self.topk:
             name += f", teacher top-{self.topk}"
-        if self.method in LOSS_METHODS and self.loss_mode != "vanilla":
+        if m.loss and self.loss_mode != "vanilla":
             name += f", {self.loss_mode}"
-        if self.method in LOSS_METHODS and self.seq_len:
+        if m.loss and self.seq_len:
             name += f", {self.tokens // self.seq_len} x {self.seq_len}"
         if self.tp > 1:
-            name += (f", logits a vocabulary-sharded DTensor over {self.tp} ranks" if self.method in VERL_FSDP_METHODS
-                     else f", TP {self.tp}")
+            name += m.tp.format(tp=self.tp)
         if self.backend != "eager":
             name += f" [{self.backend}]"
         return name
@@ -201,7 +214,7 @@ class Inputs:
             shard = w if world == 1 else w[lo : lo + vl].clone()
             del w
             self.weight = shard.to(dt).requires_grad_(True)
-            if case.method in DIVERGENCE_METHODS:  # the teacher: its hidden states and weight shard, no gradient
+            if case.spec.teacher:  # the teacher: its hidden states and weight shard, no gradient
                 self.teacher_hidden = torch.randn(n, h, generator=g, device=dev).to(dt)
                 tw = torch.randn(v, h, generator=g, device=dev).mul_(2.5 / h**0.5)
                 self.teacher_weight = (tw if world == 1 else tw[lo : lo + vl].clone()).to(dt)
@@ -213,96 +226,166 @@ class Inputs:
                 t.grad = None
 
 
-def outputs(case: Case, inp: Inputs, group):
-    """``(log_probs, entropy)`` of the case's method (the forward pass)."""
-    from chunked_entropy import linear_log_probs_and_entropy, log_probs_and_entropy
+def _chunking(case: Case):
+    """This library's chunking of the case: its chunk size and backend."""
+    from chunked_entropy import Chunking
 
-    from . import baselines
+    return Chunking(case.chunk, backend=case.backend)
 
-    if case.method in ("head", "headrows", "headlp", "headrowslp"):
-        out = linear_log_probs_and_entropy(
-            inp.hidden, inp.weight, inp.labels, chunk_size=case.chunk, process_group=group, backend=case.backend,
-            keep=inp.keep, rows="kept" if case.method in ("headrows", "headrowslp") else None,
-            compute_entropy=case.method in ("head", "headrows"),
-        )
-        return out if case.method in ("head", "headrows") else (out.log_probs, None)
-    if case.method in ("torchlceall", "plainlp"):  # log-probs only, every row (-100 rows: zero, no gradient)
+
+def _layer(inp: Inputs, group):
+    """This library's output layer of the case: the weight shard (head path), the group."""
+    from chunked_entropy import OutputLayer
+
+    return OutputLayer(inp.weight, process_group=group)
+
+
+def _logits_layer(group):
+    from chunked_entropy import OutputLayer
+
+    return None if group is None else OutputLayer(process_group=group)
+
+
+def _one_rank(case: Case, group, what: str) -> None:
+    if group is not None:
+        raise ValueError(f"{what} has no vocabulary parallelism; use tp=1")
+
+
+# ----------------------------------------------------------------------------- log-probs and entropy, per method
+
+
+def _head_outputs(case: Case, inp: Inputs, group):
+    """The fused head (``headrows``: only the rows read, ``rows="kept"``; ``headlp``, ``headrowslp``: the same,
+    log-probs only)."""
+    from chunked_entropy import linear_log_probs_and_entropy
+
+    entropy = case.method in ("head", "headrows")
+    rows = "kept" if case.method in ("headrows", "headrowslp") else None
+    out = linear_log_probs_and_entropy(inp.hidden, _layer(inp, group), inp.labels, chunking=_chunking(case),
+                                       keep=inp.keep, rows=rows, compute_entropy=entropy)
+    return out if entropy else (out.log_probs, None)
+
+
+def _all_rows_log_probs(case: Case, inp: Inputs, group):
+    """Log-probs only, every row (rows not read are labelled -100: zero, no gradient): torch's own
+    ``F.linear_cross_entropy(reduction="none")`` (its chunked options), or plain torch (a matmul and
+    ``F.cross_entropy``)."""
+    import torch.nn.functional as F
+
+    _one_rank(case, group, case.method)
+    if case.method == "torchlceall":
+        return -F.linear_cross_entropy(inp.hidden, inp.weight, inp.labels, reduction="none",
+                                       options=torch.nn.LinearCrossEntropyOptions()), None
+    return -F.cross_entropy(inp.hidden @ inp.weight.t(), inp.labels, reduction="none"), None
+
+
+def _compacted_outputs(case: Case, inp: Inputs, group):
+    """TRL's kernel or torch's ``F.linear_cross_entropy`` on ``hidden[mask]``: the compaction these peers leave
+    to their caller."""
+    _one_rank(case, group, case.method)
+    mask = inp.labels != -100
+    hidden, labels = inp.hidden[mask], inp.labels[mask]
+    if case.method == "trlrows":
+        import trl.trainer.utils as trl_utils
+
+        lp, ent, *_ = trl_utils._ChunkedLogProbFunction.apply(
+            hidden, inp.weight, None, labels, 1.0, trl_utils._CHUNKED_LOGPROB_CHUNK_SIZE, None, 1.0, ("entropy",))
+    else:
         import torch.nn.functional as F
 
-        if group is not None:
-            raise ValueError(f"{case.method} has no vocabulary parallelism; use tp=1")
-        if case.method == "torchlceall":
-            return -F.linear_cross_entropy(inp.hidden, inp.weight, inp.labels, reduction="none",
-                                           options=torch.nn.LinearCrossEntropyOptions()), None
-        return -F.cross_entropy(inp.hidden @ inp.weight.t(), inp.labels, reduction="none"), None
-    if case.method in ("trlrows", "torchlce"):
-        if group is not None:
-            raise ValueError(f"{case.method} has no vocabulary parallelism; use tp=1")
-        mask = inp.labels != -100
-        hidden, labels = inp.hidden[mask], inp.labels[mask]  # the compaction these peers leave to their caller
-        if case.method == "trlrows":
-            import trl.trainer.utils as trl_utils
-
-            lp, ent, *_ = trl_utils._ChunkedLogProbFunction.apply(
-                hidden, inp.weight, None, labels, 1.0, trl_utils._CHUNKED_LOGPROB_CHUNK_SIZE, None, 1.0, ("entropy",))
-        else:
-            import torch.nn.functional as F
-
-            lp = -F.linear_cross_entropy(hidden, inp.weight, labels, reduction="none",
-                                         options=torch.nn.LinearCrossEntropyOptions())
-            ent = None
-        back = lambda x: None if x is None else x.new_zeros(mask.shape).masked_scatter(mask, x)  # noqa: E731
-        return back(lp), back(ent)
-    logits = inp.logits if case.path == "logits" else inp.hidden @ inp.weight.t()
-    if case.method == "densekeep":
-        if group is not None:
-            raise ValueError("the dense-mask route has no vocabulary parallelism here; use tp=1")
-        return baselines.dense_keep_log_probs_and_entropy(logits, inp.labels, *inp.keep)
-    if case.method == "plain":
-        if group is not None:
-            raise ValueError("plain torch has no vocabulary parallelism; use tp=1")
-        return baselines.plain_log_probs_and_entropy(logits, inp.labels)
-    if case.method == "clone":
-        return baselines.clone_workaround(logits, inp.labels, group)
-    if case.method != "chunked":
-        raise ValueError(f"unknown method {case.method!r}; expected one of {METHODS[case.path]}")
-    return log_probs_and_entropy(logits, inp.labels, chunk_size=case.chunk, process_group=group,
-                                 backend=case.backend, keep=inp.keep)
+        lp = -F.linear_cross_entropy(hidden, inp.weight, labels, reduction="none",
+                                     options=torch.nn.LinearCrossEntropyOptions())
+        ent = None
+    back = lambda x: None if x is None else x.new_zeros(mask.shape).masked_scatter(mask, x)  # noqa: E731
+    return back(lp), back(ent)
 
 
-def policy_loss(case: Case, inp: Inputs, group):
-    """The policy loss of a loss method: composed from outputs + :mod:`chunked_entropy.losses`, or fused."""
-    from chunked_entropy import linear_policy_loss, losses, policy_loss_from_logits
+def _logits(case: Case, inp: Inputs):
+    """The logits: the input (logits path), or a plain matmul of the hidden states (head path)."""
+    return inp.logits if case.path == "logits" else inp.hidden @ inp.weight.t()
 
-    labels = inp.labels.view(inp.rows)
-    if case.method == "fusedloss":
-        if case.path == "head":
-            return linear_policy_loss(inp.hidden.view(*inp.rows, -1), inp.weight, labels, inp.old, inp.adv, inp.mask,
-                                      chunk_size=case.chunk, process_group=group, backend=case.backend,
-                                      loss_mode=case.loss_mode, **LOSS_OPTIONS)[0]
-        return policy_loss_from_logits(inp.logits.view(*inp.rows, -1), labels, inp.old, inp.adv, inp.mask,
-                                       chunk_size=case.chunk, process_group=group, backend=case.backend,
-                                       loss_mode=case.loss_mode, **LOSS_OPTIONS)[0]
-    base = dataclasses.replace(case, method="head" if case.method == "headloss" else "chunked")
-    lp, ent = outputs(base, inp, group)
-    o = LOSS_OPTIONS
+
+def _plain_outputs(case: Case, inp: Inputs, group):
+    from . import baselines
+
+    _one_rank(case, group, "plain torch")
+    return baselines.plain_log_probs_and_entropy(_logits(case, inp), inp.labels)
+
+
+def _clone_outputs(case: Case, inp: Inputs, group):
+    from . import baselines
+
+    return baselines.clone_workaround(_logits(case, inp), inp.labels, group)
+
+
+def _dense_keep_outputs(case: Case, inp: Inputs, group):
+    from . import baselines
+
+    _one_rank(case, group, "the dense-mask route")
+    return baselines.dense_keep_log_probs_and_entropy(_logits(case, inp), inp.labels, *inp.keep)
+
+
+def _chunked_outputs(case: Case, inp: Inputs, group):
+    from chunked_entropy import log_probs_and_entropy
+
+    return log_probs_and_entropy(_logits(case, inp), inp.labels, layer=_logits_layer(group), chunking=_chunking(case),
+                                 keep=inp.keep)
+
+
+def outputs(case: Case, inp: Inputs, group):
+    """``(log_probs, entropy)`` of the case's method (the forward pass)."""
+    return case.spec.outputs(case, inp, group)
+
+
+# ----------------------------------------------------------------------------- the scalar each method times
+
+
+def per_token(case: Case, inp: Inputs, group):
+    """``sum(g_lp * log_prob + g_h * entropy)`` over the method's outputs (random upstream gradients)."""
+    lp, ent = outputs(case, inp, group)
+    return (lp * inp.g_lp).sum() + (0 if ent is None else (ent * inp.g_h).sum())
+
+
+def composed_policy_loss(case: Case, inp: Inputs, group):
+    """The policy loss composed from the method's outputs and :mod:`chunked_entropy.losses`."""
+    from chunked_entropy import losses
+
+    lp, ent = outputs(case, inp, group)
+    o = LOSS
     pg, _ = losses.policy_loss(lp.view(inp.rows), inp.old, inp.adv, inp.mask, clip_ratio_c=o["clip_ratio_c"],
                                loss_agg_mode=o["loss_agg_mode"], loss_mode=case.loss_mode)
     return pg - o["entropy_coeff"] * losses.entropy_bonus(ent.view(inp.rows), inp.mask, o["loss_agg_mode"])
+
+
+def fused_policy_loss(case: Case, inp: Inputs, group):
+    """The fused policy loss: over the hidden states (head path) or the logits."""
+    from chunked_entropy import PolicyLoss, linear_policy_loss, policy_loss_from_logits
+
+    o = LOSS
+    loss = PolicyLoss(case.loss_mode, {"clip_ratio_c": o["clip_ratio_c"]}, entropy_coeff=o["entropy_coeff"],
+                      aggregation=o["loss_agg_mode"])
+    labels = inp.labels.view(inp.rows)
+    if case.path == "head":
+        return linear_policy_loss(inp.hidden.view(*inp.rows, -1), _layer(inp, group), labels, inp.old, inp.adv,
+                                  inp.mask, loss=loss, chunking=_chunking(case))[0]
+    return policy_loss_from_logits(inp.logits.view(*inp.rows, -1), labels, inp.old, inp.adv, inp.mask, loss=loss,
+                                   layer=_logits_layer(group), chunking=_chunking(case))[0]
 
 
 def distillation_loss(case: Case, inp: Inputs, group):
     """Log-probs, entropy and the teacher's top-k forward KL (with verl's diagnostics) in one scalar."""
     from chunked_entropy import log_probs_and_entropy, losses
 
-    if case.method == "distill":
-        out = log_probs_and_entropy(inp.logits, inp.labels, chunk_size=case.chunk, process_group=group,
-                                    backend=case.backend, log_probs_at=inp.teacher_ids, top_k=case.topk)
-        kl = losses.topk_forward_kl(out.log_probs_at, inp.teacher_lp, log_prob_min_clamp=-10.0)
-        losses.topk_overlap(inp.teacher_ids, out.top_k_ids, kl.per_id)
-        return (out.log_probs * inp.g_lp).sum() + (out.entropy * inp.g_h).sum() + kl.kl.sum()
-    if group is not None:
-        raise ValueError("verl's FSDP distillation route has no vocabulary parallelism; use tp=1")
+    out = log_probs_and_entropy(inp.logits, inp.labels, layer=_logits_layer(group), chunking=_chunking(case),
+                                log_probs_at=inp.teacher_ids, top_k=case.topk)
+    kl = losses.topk_forward_kl(out.log_probs_at, inp.teacher_lp, log_prob_min_clamp=-10.0)
+    losses.topk_overlap(inp.teacher_ids, out.top_k_ids, kl.per_id)
+    return (out.log_probs * inp.g_lp).sum() + (out.entropy * inp.g_h).sum() + kl.kl.sum()
+
+
+def verl_distillation_loss(case: Case, inp: Inputs, group):
+    """The same with plain torch's log-probs and entropy and verl's ``forward_kl_topk`` (a full log-softmax)."""
+    _one_rank(case, group, "verl's FSDP distillation route")
     import contextlib
     from types import SimpleNamespace
 
@@ -330,7 +413,7 @@ def verl_fsdp_loss(case: Case, inp: Inputs, group):
     as one vocabulary-sharded DTensor (``Shard(-1)`` on a 1-D mesh of the group), as a ``ColwiseParallel`` lm_head
     returns them: verl's own gathers the full vocabulary on every rank (``full_tensor()``), the plugin reads the
     local shard with the mesh's group."""
-    if group is not None and case.method not in ("verlfsdp", "fsdpplugin"):
+    if group is not None and not case.spec.tp:
         raise ValueError("verl's fused FSDP routes are measured on one rank; use tp=1")
     import contextlib
     import functools
@@ -405,51 +488,118 @@ def verl_fsdp_loss(case: Case, inp: Inputs, group):
     return loss + out["distillation_losses"].values().sum() if case.topk else loss
 
 
-def divergence_loss(case: Case, inp: Inputs, group):
-    """The reverse KL between the student's and the teacher's distributions: ``sum(g * D)`` (the loss form: the
-    mean of ``D``), each method on the same hidden states and weights."""
-    hs, ws, ht, wt = inp.hidden, inp.weight, inp.teacher_hidden, inp.teacher_weight
-    if case.method == "divergence":
-        from chunked_entropy import linear_divergence
+def divergence(case: Case, inp: Inputs, group):
+    """The reverse KL between the student's and the teacher's distributions, per token: ``sum(g * D)``."""
+    from chunked_entropy import OutputLayer, linear_divergence
 
-        d = linear_divergence(hs, ws, ht, wt, divergence="reverse_kl", chunk_size=case.chunk, process_group=group)
-        return (d.divergence * inp.g_lp).sum()
-    if case.method == "divergenceloss":
-        from chunked_entropy import linear_divergence_loss
+    d = linear_divergence(inp.hidden, _layer(inp, group), inp.teacher_hidden,
+                          OutputLayer(inp.teacher_weight, process_group=group), divergence="reverse_kl",
+                          chunking=case.chunk)
+    return (d.divergence * inp.g_lp).sum()
 
-        return linear_divergence_loss(hs, ws, ht, wt, divergence="reverse_kl", chunk_size=case.chunk,
-                                      process_group=group).loss
-    if group is not None:
-        raise ValueError(f"{case.method} has no vocabulary parallelism; use tp=1")
-    if case.method == "trldivergence":
-        from trl.kernels.chunked_divergence import ChunkedDivergenceFunction
 
-        d, _ = ChunkedDivergenceFunction.apply(hs, ws, None, ht, wt, None, 1.0)
-        return (d * inp.g_lp).sum()
-    lps = torch.log_softmax((hs @ ws.t()).float(), dim=-1)
+def divergence_mean(case: Case, inp: Inputs, group):
+    """The loss form: the mean of the reverse KL, gradients formed in forward."""
+    from chunked_entropy import OutputLayer, linear_divergence_loss
+
+    return linear_divergence_loss(inp.hidden, _layer(inp, group), inp.teacher_hidden,
+                                  OutputLayer(inp.teacher_weight, process_group=group), divergence="reverse_kl",
+                                  chunking=case.chunk).loss
+
+
+def trl_divergence(case: Case, inp: Inputs, group):
+    """TRL 1.16's ChunkedDivergenceFunction at its beta 1 (the reverse KL)."""
+    _one_rank(case, group, case.method)
+    from trl.kernels.chunked_divergence import ChunkedDivergenceFunction
+
+    d, _ = ChunkedDivergenceFunction.apply(inp.hidden, inp.weight, None, inp.teacher_hidden, inp.teacher_weight,
+                                           None, 1.0)
+    return (d * inp.g_lp).sum()
+
+
+def plain_divergence(case: Case, inp: Inputs, group):
+    """Plain torch: two matmuls, two log-softmaxes, the reverse KL."""
+    _one_rank(case, group, case.method)
+    lps = torch.log_softmax((inp.hidden @ inp.weight.t()).float(), dim=-1)
     with torch.no_grad():
-        lpt = torch.log_softmax((ht @ wt.t()).float(), dim=-1)
+        lpt = torch.log_softmax((inp.teacher_hidden @ inp.teacher_weight.t()).float(), dim=-1)
     return ((lps.exp() * (lps - lpt)).sum(-1) * inp.g_lp).sum()
 
 
+def liger_loss(case: Case, inp: Inputs, group):
+    """Liger's fused linear cross entropy, when installed (log-probs only)."""
+    try:
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+    except ImportError:
+        raise RuntimeError("liger-kernel is not installed") from None
+    return LigerFusedLinearCrossEntropyLoss(reduction="sum")(inp.weight, inp.hidden, inp.labels)
+
+
 def loss_of(case: Case, inp: Inputs, group):
-    """The scalar whose backward we time: ``sum(g_lp * log_prob + g_h * entropy)``, or the policy loss."""
-    if case.method in DIVERGENCE_METHODS:
-        return divergence_loss(case, inp, group)
-    if case.method == "liger":  # a peer, when installed: its fused linear cross entropy (no entropy)
-        try:
-            from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
-        except ImportError:
-            raise RuntimeError("liger-kernel is not installed") from None
-        return LigerFusedLinearCrossEntropyLoss(reduction="sum")(inp.weight, inp.hidden, inp.labels)
-    if case.method in LOSS_METHODS:
-        return policy_loss(case, inp, group)
-    if case.method in ("distill", "verldistill"):
-        return distillation_loss(case, inp, group)
-    if case.method in VERL_FSDP_METHODS:
-        return verl_fsdp_loss(case, inp, group)
-    lp, ent = outputs(case, inp, group)
-    return (lp * inp.g_lp).sum() + (0 if ent is None else (ent * inp.g_h).sum())
+    """The scalar whose backward we time (the method's ``run``)."""
+    return case.spec.run(case, inp, group)
+
+
+_ON = ("logits", "head")
+_HEAD = ("head",)
+_TP = ", TP {tp}"
+#: Every method of the bench, one record each, in the order of ``--methods``' help.
+METHODS = {m.name: m for m in (
+    Method("plain", "plain torch", _ON, per_token, "plain", default=_ON, matmul=True, outputs=_plain_outputs),
+    Method("clone", "clone workaround", _ON, per_token, "clone", default=_ON, matmul=True, tp=_TP,
+           outputs=_clone_outputs),
+    Method("chunked", "chunked, chunk {chunk}", _ON, per_token, "chunked", swept=True, default=_ON, matmul=True,
+           tp=_TP, keep="sets", floor=True, outputs=_chunked_outputs),
+    Method("chunkedloss", "chunked + losses, chunk {chunk}", ("logits",), composed_policy_loss, "chunked",
+           swept=True, loss=True, outputs=_chunked_outputs),
+    Method("head", "fused head, chunk {chunk}", _HEAD, per_token, "head", swept=True, default=_HEAD, tp=_TP,
+           keep="sets", read=True, floor=True, outputs=_head_outputs),
+    Method("headloss", "fused head + losses, chunk {chunk}", _HEAD, composed_policy_loss, "head", swept=True,
+           loss=True, outputs=_head_outputs),
+    Method("fusedloss", "fused policy loss, chunk {chunk}", _ON, fused_policy_loss, None, swept=True, loss=True,
+           floor=True),
+    Method("liger", "Liger fused linear cross entropy (log-probs only)", _HEAD, liger_loss, "head"),
+    Method("densekeep", "dense keep mask + masked_fill copy + plain torch", _ON, per_token, "plain", matmul=True,
+           keep="dense", outputs=_dense_keep_outputs),
+    Method("distill", "chunked + log_probs_at + top_k, chunk {chunk}", ("logits",), distillation_loss, "chunked",
+           swept=True, topk=128, floor=True),
+    Method("verldistill", "plain torch + verl's forward_kl_topk (FSDP route: full log-softmax)", ("logits",),
+           verl_distillation_loss, "plain", topk=128),
+    Method("verlfsdp", "matmul + verl FSDP engine's prepare_model_outputs (verl's own)", _HEAD, verl_fsdp_loss,
+           "plain", swept=True, tp=", logits a vocabulary-sharded DTensor over {tp} ranks", topk=0,
+           full_vocab=True),
+    Method("fsdpplugin", "matmul + verl FSDP engine's prepare_model_outputs (plugin), chunk {chunk}", _HEAD,
+           verl_fsdp_loss, "chunked", swept=True, tp=", logits a vocabulary-sharded DTensor over {tp} ranks",
+           topk=0),
+    Method("verlfused", "verl's FusedLinearForPPO, torch backend (verl's own), chunk {chunk}", _HEAD,
+           verl_fsdp_loss, "head", swept=True),
+    Method("fusedplugin", "verl's FusedLinearForPPO (plugin), chunk {chunk}", _HEAD, verl_fsdp_loss, "head",
+           swept=True),
+    Method("divergence", "linear_divergence (reverse KL, per token), chunk {chunk}", _HEAD, divergence, "head",
+           swept=True, teacher=True),
+    Method("divergenceloss", "linear_divergence_loss (reverse KL, mean), chunk {chunk}", _HEAD, divergence_mean,
+           "head", swept=True, teacher=True),
+    Method("trldivergence", "TRL 1.16 ChunkedDivergenceFunction (beta 1; torch tiles off Triton)", _HEAD,
+           trl_divergence, "plain", teacher=True),
+    Method("plaindivergence", "plain torch: two matmuls, two log_softmax, reverse KL", _HEAD, plain_divergence,
+           "plain", teacher=True),
+    Method("headrows", "fused head, rows='kept', chunk {chunk}", _HEAD, per_token, "head", swept=True, read=True,
+           only_read=True, outputs=_head_outputs),
+    Method("trlrows", "TRL 1.16 compacted: hidden[mask] into ChunkedLogProbFunction", _HEAD, per_token, "head",
+           read=True, only_read=True, outputs=_compacted_outputs),
+    Method("torchlce", "torch F.linear_cross_entropy (chunked options) on hidden[mask], log-probs only", _HEAD,
+           per_token, "head", read=True, only_read=True, outputs=_compacted_outputs),
+    # log-probs only (no entropy): the fused head on all rows and on the rows read, torch's own
+    # F.linear_cross_entropy and plain torch on all rows (issue 35's measurement)
+    Method("headlp", "fused head, log-probs only, chunk {chunk}", _HEAD, per_token, "head", swept=True, read=True,
+           outputs=_head_outputs),
+    Method("headrowslp", "fused head, rows='kept', log-probs only, chunk {chunk}", _HEAD, per_token, "head",
+           swept=True, read=True, only_read=True, outputs=_head_outputs),
+    Method("torchlceall", "torch F.linear_cross_entropy (chunked options), all rows, log-probs only", _HEAD,
+           per_token, "head", read=True, outputs=_all_rows_log_probs),
+    Method("plainlp", "plain torch, F.cross_entropy on all rows, log-probs only", _HEAD, per_token, "plain",
+           read=True, outputs=_all_rows_log_probs),
+)}
 
 
 def _status_kib(key: str) -> int:
@@ -625,7 +775,7 @@ def measure(case: Case, group=None, rank: int = 0, world: int = 1) -> dict:
         with _Clock(device) as clock:
             loss_of(case, inp, group).backward()
         res.update(time_first_s=res["time_s"], time_s=clock.seconds)
-    if case.method in ("chunked", "head", "fusedloss", "distill") and group is None:
+    if case.spec.floor and group is None:
         inp.clear_grads()
         res["floor_s"] = floor_seconds(case, inp)
     return res

@@ -24,17 +24,7 @@ import tempfile
 import time
 
 from . import plan
-from ._measure import (
-    DEFAULT_METHODS,
-    LOG_PROB_ONLY_METHODS,
-    LOSS_METHODS,
-    METHODS,
-    ROWS_METHODS,
-    TP_METHODS,
-    VERL_FSDP_METHODS,
-    Case,
-    run_fresh,
-)
+from ._measure import METHODS, Case, methods, run_fresh
 
 PRESETS = {
     "issue2": dict(
@@ -200,7 +190,8 @@ def add_arguments(p, positive_int, int_list, name_list) -> None:
                         "(default eager)")
     g.add_argument("--tp", type=int_list, metavar="T1,...",
                    help="tensor-parallel sizes: the vocabulary over that many ranks (gloo processes on CPU) for "
-                        f"{', '.join(TP_METHODS)} (verl's unfused FSDP routes: the logits a vocabulary-sharded "
+                        f"{', '.join(m.name for m in METHODS.values() if m.tp)} (verl's unfused FSDP routes: the "
+                        "logits a vocabulary-sharded "
                         "DTensor); the other methods on one rank (default 1); the peak is the largest rank's, "
                         "each rank's beside it")
     g.add_argument("--dtype", choices=sorted(plan.DTYPE_BYTES), help="dtype of the inputs (default float32)")
@@ -242,38 +233,33 @@ def build_cases(s: dict, device: str) -> list:
     paths = ["logits", "head"] if s["path"] == "both" else [s["path"]]
     groups = []
     for path in paths:
-        methods = [m for m in (s["methods"] or DEFAULT_METHODS[path]) if m in METHODS[path]]
-        if s["methods"] and not methods:
+        default = [m for m in methods(path) if path in METHODS[m].default]
+        chosen = [m for m in (s["methods"] or default) if m in methods(path)]
+        if s["methods"] and not chosen:
             continue
         for v in s["vocab"]:
             for h in (s["hidden"] if path == "head" else [0]):
                 for n in s["tokens"]:
                     group, seen = [], set()
-                    # tensor parallelism: the vocabulary over each --tp size's ranks where the method has it (in
-                    # TP_METHODS); the others on one rank, once
-                    for tp, m in [(t if m in TP_METHODS else 1, m) for t in s.get("tp") or [1] for m in methods]:
-                        if (tp, m) in seen:
+                    # tensor parallelism: the vocabulary over each --tp size's ranks where the method has it (its
+                    # record's tp); the others on one rank, once
+                    for tp, name in [(t if METHODS[m].tp else 1, m) for t in s.get("tp") or [1] for m in chosen]:
+                        if (tp, name) in seen:
                             continue
-                        seen.add((tp, m))
-                        ours = m in ("chunked", "head", "distill", "divergence", "divergenceloss") + LOSS_METHODS + \
-                            VERL_FSDP_METHODS
+                        seen.add((tp, name))
+                        m = METHODS[name]
                         # replay: ours at every --keep value, the dense-mask route at the non-zero ones
-                        keeps = s["keep"] if m in ("chunked", "head") else [0]
-                        if m == "densekeep":
-                            keeps = [k for k in s["keep"] if k]
-                        modes = (s.get("loss_modes") or ["vanilla"]) if m in LOSS_METHODS else ["vanilla"]
-                        topk = max(s.get("topk") or [128]) if m in ("distill", "verldistill") else 0
-                        if m in ("verlfsdp", "fsdpplugin"):  # verl's top-k distillation: on where --topk asks
-                            topk = max(s.get("topk") or [0])
-                        seq_len = (s.get("seq_len") or 0) if m in LOSS_METHODS else 0
-                        ours = ours or m in ("headrows", "headlp", "headrowslp")
-                        reads = (s.get("read") or [0]) if m in ("head",) + ROWS_METHODS + LOG_PROB_ONLY_METHODS \
-                            else [0]
-                        for c in (s["chunk_sizes"] if ours else [0]):
-                            for be in (s["backends"] if ours else ["eager"]):
+                        keeps = {"sets": s["keep"], "dense": [k for k in s["keep"] if k]}.get(m.keep, [0])
+                        modes = (s.get("loss_modes") or ["vanilla"]) if m.loss else ["vanilla"]
+                        # distillation's top-k: the largest --topk, else the record's default
+                        topk = 0 if m.topk is None else max(s.get("topk") or [m.topk])
+                        seq_len = (s.get("seq_len") or 0) if m.loss else 0
+                        reads = (s.get("read") or [0]) if m.read else [0]
+                        for c in (s["chunk_sizes"] if m.swept else [0]):
+                            for be in (s["backends"] if m.swept else ["eager"]):
                                 for kk in keeps:
                                     for lm in modes:
-                                        group += [Case(path=path, method=m, tokens=n, vocab=v, hidden=h, chunk=c,
+                                        group += [Case(path=path, method=name, tokens=n, vocab=v, hidden=h, chunk=c,
                                                        dtype=s["dtype"], device=device, backend=be,
                                                        warm=bool(s.get("warm")), keep=kk, loss_mode=lm, topk=topk,
                                                        seq_len=seq_len, tp=tp, read=r) for r in reads]
@@ -284,23 +270,17 @@ def build_cases(s: dict, device: str) -> list:
 def plan_bytes(case: Case) -> int:
     """The plan's estimate of the case's peak over its inputs."""
     # one rank's: its vocabulary shard (verl's own unfused route gathers the full vocabulary on every rank)
-    shape = plan.Shape(case.tokens, case.vocab, case.hidden, 1 if case.method == "verlfsdp" else case.tp, case.dtype)
+    spec = case.spec
+    shape = plan.Shape(case.tokens, case.vocab, case.hidden, 1 if spec.full_vocab else case.tp, case.dtype)
     # a policy loss needs what its log-probs and entropy need (the fused one: no more)
-    method = {"chunkedloss": "chunked", "headloss": "head", "liger": "head", "densekeep": "plain",
-              "distill": "chunked", "verldistill": "plain", "verlfsdp": "plain", "fsdpplugin": "chunked",
-              "verlfused": "head", "fusedplugin": "head", "divergence": "head", "divergenceloss": "head",
-              "trldivergence": "plain", "plaindivergence": "plain", "headrows": "head", "trlrows": "head",
-              "torchlce": "head", "headlp": "head", "headrowslp": "head", "torchlceall": "head",
-              "plainlp": "plain"}.get(case.method, case.method)
-    if method == "fusedloss":
-        method = "head" if case.path == "head" else "chunked"
-    if case.method in ROWS_METHODS and case.read:  # the head's on the rows read, the [M, H] gather, the full grad
+    method = spec.plan or ("head" if case.path == "head" else "chunked")
+    if spec.only_read and case.read:  # the head's on the rows read, the [M, H] gather, the full grad
         return plan.estimate_rows(shape, case.chunk, case.read).total
     e = plan.estimate(method, shape, case.chunk)
     # replay: the kept sets' entries (the ids and one label per token; int64 row and column, two flags, and the
     # sort that orders them); the dense route also holds its [N, V] bool mask and the masked float32 copy
-    extra = case.tokens * (case.keep + 1) * 24 if case.keep and case.method != "densekeep" else 0
-    if case.method == "densekeep":
+    extra = case.tokens * (case.keep + 1) * 24 if case.keep and spec.keep == "sets" else 0
+    if spec.keep == "dense":
         extra = case.tokens * case.vocab * (1 + 4)
     if case.path == "logits":
         return e.over_logits + extra
@@ -593,7 +573,7 @@ def run(args) -> int:
     for be in s["backends"]:
         if be not in ("eager", "compile", "triton", "auto"):
             raise BenchError(f"--backends: unknown backend {be!r}; expected some of eager, compile, triton, auto")
-    known = sorted(set(METHODS["head"]) | set(METHODS["logits"]))
+    known = sorted(METHODS)
     for m in s["methods"] or []:
         if m not in known:
             raise BenchError(f"--methods: unknown method {m!r}; expected some of {', '.join(known)}")

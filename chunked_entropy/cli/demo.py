@@ -123,7 +123,7 @@ def demo_steps(args, rank, world, group, device) -> dict:
     """Steps 1-3 on this rank; prints on rank 0; returns the checks (maxed over ranks)."""
     import torch
 
-    from chunked_entropy import log_probs_and_entropy
+    from chunked_entropy import OutputLayer, log_probs_and_entropy
 
     from .baselines import clone_workaround, seed_failure
 
@@ -184,14 +184,15 @@ def demo_steps(args, rank, world, group, device) -> dict:
     del logits, lp, ent
 
     # 3. this library
-    grp = ", process_group=group" if world > 1 else ""
+    grp = ", layer=OutputLayer(process_group=group)" if world > 1 else ""
     _say(rank, "3) chunked_entropy: statistics per chunk, nothing written into the logits",
-         f"   log_probs, entropy = log_probs_and_entropy(logits, labels, chunk_size={c}{grp})")
+         f"   log_probs, entropy = log_probs_and_entropy(logits, labels, chunking={c}{grp})")
     logits = shard.clone().requires_grad_(True)
     before = logits.detach().clone()
     v0 = logits._version
     t0 = time.perf_counter()
-    lp, ent = log_probs_and_entropy(logits, labels, chunk_size=c, process_group=group)
+    layer = None if group is None else OutputLayer(process_group=group)
+    lp, ent = log_probs_and_entropy(logits, labels, chunking=c, layer=layer)
     loss(lp, ent).backward()
     elapsed = time.perf_counter() - t0
     errs = {

@@ -138,7 +138,9 @@ def load_peers(device: torch.device) -> tuple:
 
 def _backend_kw(backend: Optional[str]) -> tuple:
     """``(keyword arguments, name suffix)`` of one of the library's backends (None: the call that sets nothing)."""
-    return ({}, "") if backend is None else ({"backend": backend}, f", backend={backend!r}")
+    from chunked_entropy import Chunking
+
+    return ({}, "") if backend is None else ({"chunking": Chunking(backend=backend)}, f", backend={backend!r}")
 
 
 def head_methods(peers: dict, backends=(None,)) -> dict:
@@ -159,11 +161,13 @@ def head_methods(peers: dict, backends=(None,)) -> dict:
     def head_lp(kw, h, w, y, g1, g2):
         return (g1 * ce.linear_log_probs_and_entropy(h, w, y, compute_entropy=False, **kw).log_probs).sum()
 
+    bonus = ce.PolicyLoss(entropy_coeff=0.01)
+
     def fused_loss(kw, h, w, y, g1, g2):
         n = y.shape[0]
         old = torch.full((1, n), -3.0, device=h.device)
         mask = torch.ones(1, n, device=h.device)
-        loss, _ = ce.linear_policy_loss(h[None], w, y[None], old, g1[None], mask, entropy_coeff=0.01, **kw)
+        loss, _ = ce.linear_policy_loss(h[None], w, y[None], old, g1[None], mask, loss=bonus, **kw)
         return loss
 
     m = {"plain torch (logits in the input dtype, float32 softmax)": plain}

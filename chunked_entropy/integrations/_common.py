@@ -8,20 +8,31 @@ nothing, now or when the module is imported.
 
 from __future__ import annotations
 
+import functools
+import importlib
 import importlib.abc
 import inspect
 import logging
 import numbers
 import sys
 import threading
+import weakref
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
 from .._checks import require
+from ..head import ChunkedVocabParallelHead
+from ..options import Chunking, OutputLayer
 
 logger = logging.getLogger("chunked_entropy.integrations")
+
+
+def sharded_over(group) -> Optional[OutputLayer]:
+    """The ``layer=`` of a logits op for logits sharded over the tensor-parallel ``group`` (None: not sharded,
+    the op's default layer)."""
+    return None if group is None else OutputLayer(process_group=group)
 
 
 def check_logits(logits) -> None:
@@ -76,6 +87,55 @@ def check_id_range(name: str, ids: torch.Tensor, num_classes: int) -> None:
     require(~bad.any(), found)
 
 
+# ----------------------------------------------------------------------------- one head per model
+
+
+class MegatronHeads:
+    """The fused head of each megatron-core output layer, built once and reused while it still fits.
+
+    ``head(output_layer, weight=..., chunking=...)`` returns the
+    :class:`~chunked_entropy.ChunkedVocabParallelHead` built by
+    :meth:`~chunked_entropy.ChunkedVocabParallelHead.from_megatron` the first
+    time, and the same head on later calls while the weight is the same
+    tensor over the same storage (a weight moved by an offload, or a new
+    tied weight, builds a new head) and ``chunking`` and ``detach`` are the
+    same. ``detach``: the weight and bias are detached (no gradient reaches
+    them; ``gradient_accumulation_fusion`` off), as verl's MTP heads are.
+
+    Held by weak reference to the output layer: a model that is freed frees
+    its head. Memory: a head holds references only (no copy of the weight).
+    """
+
+    def __init__(self):
+        self._held = weakref.WeakKeyDictionary()  # output layer -> (key, head)
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _key(output_layer, weight, chunking, detach):
+        bias = getattr(output_layer, "bias", None)
+        where = lambda t: None if t is None else (id(t), t.data_ptr(), t.device, t.dtype, tuple(t.shape))  # noqa: E731
+        return (where(weight), where(bias), chunking, detach, bool(getattr(output_layer, "sequence_parallel", False)),
+                id(getattr(output_layer, "tp_group", None)))
+
+    def head(self, output_layer, *, weight=None, chunking: Chunking, detach: bool = False) -> ChunkedVocabParallelHead:
+        weight = output_layer.weight if weight is None else weight
+        key = self._key(output_layer, weight, chunking, detach)
+        with self._lock:
+            held = self._held.get(output_layer)
+            if held is not None and held[0] == key:
+                return held[1]
+        fields = {}
+        if detach:
+            layer_bias = getattr(output_layer, "bias", None)
+            use_bias = layer_bias is not None and not getattr(output_layer, "skip_bias_add", False)
+            weight = weight.detach()
+            fields = dict(bias=layer_bias.detach() if use_bias else None, gradient_accumulation_fusion=False)
+        head = ChunkedVocabParallelHead.from_megatron(output_layer, weight=weight, chunking=chunking, **fields)
+        with self._lock:
+            self._held[output_layer] = (key, head)
+        return head
+
+
 # ----------------------------------------------------------------------------- patching another framework's modules
 
 
@@ -118,6 +178,10 @@ class Patch:
     def installed(self) -> bool:
         """Whether any target is currently replaced."""
         return bool(self._originals)
+
+    def active(self) -> bool:
+        """Whether installed, or waiting for a module's import to replace its targets."""
+        return self.installed() or self._hook is not None
 
     def original(self, attr: str):
         """The framework's own function replaced under ``attr`` (the first target of that name; None before it
@@ -182,6 +246,78 @@ class Patch:
         if self._hook is not None and self._hook in sys.meta_path:
             sys.meta_path.remove(self._hook)
         self._hook = None
+
+
+class Adapter:
+    """An adapter's ``install`` / ``uninstall`` / ``installed``, over its :class:`Patch`: the one implementation
+    behind every adapter's module-level trio (each a documented one-line call of these).
+
+    ``install`` checks every target already imported, then replaces them all,
+    and the rest as soon as they are imported (idempotent); on a mismatch it
+    raises RuntimeError and leaves the framework as it was. ``uninstall``
+    puts every original back and drops a pending hook. ``installed`` says
+    whether any target is replaced.
+    """
+
+    def __init__(self, patch: Patch):
+        self.patch = patch
+
+    def install(self) -> None:
+        self.patch.install()
+
+    def uninstall(self) -> None:
+        self.patch.uninstall()
+
+    def installed(self) -> bool:
+        """Whether any of the framework's functions is currently replaced."""
+        return self.patch.installed()
+
+
+# ----------------------------------------------------------------------------- patching one object's method
+
+
+class MethodPatch:
+    """One method of one object (a trainer) wrapped so that, while it runs, a module attribute of the framework
+    is this library's: TRL's trainers, for that trainer only, with nothing changed in TRL's modules after
+    the call. One implementation for every such pair of ``patch_*`` / ``unpatch_*``.
+
+    ``patch(obj, make)`` wraps ``obj.<method>`` (on the instance, not the class) so that each call runs with
+    ``<module>.<attr>`` set to ``make()``'s value, made once; idempotent (the value already in use is
+    returned). ``unpatch(obj)`` undoes it (a no-op on an unpatched object).
+    """
+
+    def __init__(self, method: str, module: str, attr: str):
+        self.method, self.module, self.attr = method, module, attr
+
+    def patched(self, obj):
+        """The value in use on ``obj``, or None when it is not patched."""
+        wrapper = obj.__dict__.get(self.method)
+        return getattr(wrapper, "chunked_entropy_value", None) if wrapper is not None else None
+
+    def patch(self, obj, make: Callable[[], object]):
+        value = self.patched(obj)
+        if value is not None:
+            return value
+        holder = importlib.import_module(self.module)
+        value = make()
+        original = getattr(obj, self.method)
+
+        @functools.wraps(original)
+        def wrapper(*args, **kwargs):
+            previous = getattr(holder, self.attr)
+            setattr(holder, self.attr, value)
+            try:
+                return original(*args, **kwargs)
+            finally:
+                setattr(holder, self.attr, previous)
+
+        wrapper.chunked_entropy_value = value
+        setattr(obj, self.method, wrapper)
+        return value
+
+    def unpatch(self, obj) -> None:
+        if self.patched(obj) is not None:
+            del obj.__dict__[self.method]
 
 
 class _Loader(importlib.abc.Loader):

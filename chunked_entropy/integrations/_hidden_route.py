@@ -39,12 +39,14 @@ import types
 import torch
 
 from ..head import ChunkedVocabParallelHead
-from ._common import Patch, Target, logger
+from ..options import Chunking
+from ._common import Adapter, MegatronHeads, Patch, Target, logger
 
-__all__ = ["HiddenStates", "check_mamba_forward", "check_postprocess", "mamba_route", "postprocess_patch", "route",
-           "warn_once", "why_not"]
+__all__ = ["ROUTES", "HiddenStates", "RoutedAdapter", "check_mamba_forward", "check_postprocess", "mamba_route",
+           "postprocess_patch", "route", "warn_once", "why_not"]
 
 _warned: set = set()
+_HEADS = MegatronHeads()
 _warn_lock = threading.Lock()
 
 
@@ -85,13 +87,14 @@ class HiddenStates:
         shape, model = tuple(self.hidden.shape), type(self.model).__name__
         return f"HiddenStates(hidden={shape}, {self.hidden.dtype}, model={model})"
 
-    def head(self, **kw) -> ChunkedVocabParallelHead:
-        """The fused head on the model's output layer (or its tied embedding weight)."""
+    def head(self, chunking: Chunking) -> ChunkedVocabParallelHead:
+        """The fused head on the model's output layer (or its tied embedding weight), built once per model
+        (:class:`~chunked_entropy.integrations._common.MegatronHeads`)."""
         model = self.model
         weight = None
         if getattr(model, "share_embeddings_and_output_weights", False):
             weight = model.shared_embedding_or_output_weight()
-        return ChunkedVocabParallelHead.from_megatron(model.output_layer, weight=weight, **kw)
+        return _HEADS.head(model.output_layer, weight=weight, chunking=chunking)
 
 
 def _vocab_layer(model) -> bool:
@@ -273,16 +276,54 @@ def postprocess_patch(framework: str) -> Patch:
     return patch
 
 
-def install_route(patch: Patch, hidden: Patch, route: str) -> None:
-    """Install the framework's logits-route ``patch`` and, for ``route == "hidden"``, the post-processing
-    ``hidden`` too: all or nothing (a failed ``hidden`` leaves ``patch`` uninstalled); ``"logits"`` removes a
-    ``hidden`` left from an earlier install."""
-    patch.install()
-    if route != "hidden":
-        hidden.uninstall()
-        return
-    try:
-        hidden.install()
-    except BaseException:
-        patch.uninstall()
-        raise
+#: The routes of the Megatron RL trainers' adapters.
+ROUTES = ("hidden", "logits")
+
+
+class RoutedAdapter(Adapter):
+    """The adapter of a Megatron RL trainer (slime, Miles): its functions' :class:`Patch` and, on the
+    hidden-state route, megatron-core's post-processing (``hidden``), installed all or nothing.
+
+    ``install(args, route=)``: ``route`` (else the environment variable
+    ``route_env``, else ``"hidden"``) is one of :data:`ROUTES`. On the
+    hidden-state route, the first of ``fallbacks`` (``(test(args), reason)``
+    pairs) whose test holds turns it into the logits route, with one logged
+    warning naming the reason. ``"logits"`` removes a post-processing patch
+    left from an earlier install; a failed post-processing patch leaves the
+    functions' patch uninstalled too.
+    """
+
+    def __init__(self, patch: Patch, hidden: Patch, *, route_env: str, fallbacks=()):
+        super().__init__(patch)
+        self.hidden, self.route_env, self.fallbacks = hidden, route_env, tuple(fallbacks)
+
+    def install(self, args=None, *, route=None) -> None:
+        import os
+
+        route = route if route is not None else os.environ.get(self.route_env, "hidden")
+        if route not in ROUTES:
+            raise ValueError(f"route must be one of {ROUTES} (argument or {self.route_env}), got {route!r}")
+        if route == "hidden":
+            reason = next((why for test, why in self.fallbacks if test(args)), None)
+            if reason is not None:
+                warn_once(reason)
+                route = "logits"
+        self.patch.install()
+        if route != "hidden":
+            self.hidden.uninstall()
+            return
+        try:
+            self.hidden.install()
+        except BaseException:
+            self.patch.uninstall()
+            raise
+
+    def uninstall(self) -> None:
+        self.hidden.uninstall()
+        self.patch.uninstall()
+
+    def route(self):
+        """The route installed: ``"hidden"``, ``"logits"``, or None."""
+        if not self.patch.active():
+            return None
+        return "hidden" if self.hidden.active() else "logits"

@@ -47,7 +47,7 @@ import torch.distributed as dist
 
 from ..logits import log_probs_and_entropy
 from ..parallel import agreed_call
-from ._common import Patch, Target, check_ids, check_logits, check_parameters
+from ._common import Adapter, Patch, Target, check_ids, check_logits, check_parameters, sharded_over
 
 __all__ = ["TARGETS", "gather_logprobs", "gather_logprobs_entropy", "install", "installed", "uninstall"]
 
@@ -80,8 +80,8 @@ def _run(logits, labels, temperature, tp_group, chunk_size, compute_entropy: boo
     with agreed_call(group):
         check_logits(logits)
         check_ids("labels", labels, logits)
-    return log_probs_and_entropy(logits, labels, chunk_size=chunk_size, temperature=temperature,
-                                 process_group=group, compute_entropy=compute_entropy)
+    return log_probs_and_entropy(logits, labels, layer=sharded_over(group), chunking=chunk_size,
+                                 temperature=temperature, compute_entropy=compute_entropy)
 
 
 def gather_logprobs(
@@ -148,6 +148,9 @@ _PATCH = Patch(
 )
 
 
+_ADAPTER = Adapter(_PATCH)
+
+
 def install() -> None:
     """Replace AReaL's ``gather_logprobs`` and ``gather_logprobs_entropy`` everywhere it uses them (idempotent).
 
@@ -155,13 +158,14 @@ def install() -> None:
     them all, and the rest as soon as AReaL imports them. On a mismatch it
     raises RuntimeError and leaves AReaL as it was.
     """
-    _PATCH.install()
+    _ADAPTER.install()
 
 
 def uninstall() -> None:
     """Restore AReaL's own functions everywhere (and drop a pending hook)."""
-    _PATCH.uninstall()
+    _ADAPTER.uninstall()
 
 
 def installed() -> bool:
-    return _PATCH.installed()
+    """Whether any of the framework's functions is currently replaced."""
+    return _ADAPTER.installed()

@@ -83,7 +83,8 @@ def _verify(head, model) -> None:
             ours = nn.functional.linear(hidden, head.weight, head.bias).double()
     finally:
         model.train(was_training)
-    ours = _transformed(ours, head.softcap, head.logit_scale)
+    layer = head.layer
+    ours = _transformed(ours, layer.softcap, layer.logit_scale)
     dtype = head.weight.dtype
     tol = 1e-4 if dtype in (torch.float32, torch.float64) else 5e-2
     diff = (logits - ours).abs().max().item()
@@ -91,8 +92,8 @@ def _verify(head, model) -> None:
     if not diff <= tol * scale:
         raise ValueError(
             f"{type(model).__name__} ({model.config.model_type}) transforms its logits in a way chunked_entropy "
-            f"does not know: its logits differ from lm_head(hidden) with softcap={head.softcap}, "
-            f"logit_scale={head.logit_scale} by up to {diff:.3g}. Pass softcap= and logit_scale= yourself if the "
+            f"does not know: its logits differ from lm_head(hidden) with softcap={layer.softcap}, "
+            f"logit_scale={layer.logit_scale} by up to {diff:.3g}. Pass softcap= and logit_scale= yourself if the "
             "transform is one of those, or compute from the model's logits with log_probs_and_entropy"
         )
 
@@ -105,9 +106,11 @@ def head_from_model(model, *, verify: bool = True, **kw):
             (``model.get_output_embeddings()``; tied weights are shared).
         verify: check the head against a two-token forward of the model
             (see the module doc); only disable it for a model you cannot run.
-        **kw: passed to :class:`~chunked_entropy.ChunkedVocabParallelHead`
-            (``chunk_size``, ``vocab_chunk_size``, ...); ``softcap`` and
-            ``logit_scale`` given here override the config's.
+        **kw: passed to :meth:`~chunked_entropy.ChunkedVocabParallelHead.from_linear`:
+            ``chunking=`` (a :class:`~chunked_entropy.Chunking` or a chunk
+            size) and the :class:`~chunked_entropy.OutputLayer`'s fields
+            (``logits_dtype``, ...); ``softcap`` and ``logit_scale`` given
+            here override the config's.
 
     Returns:
         The head; its parameters are the model's (training it trains the model).

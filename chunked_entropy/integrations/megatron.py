@@ -50,7 +50,9 @@ import torch
 from einops import rearrange
 
 from .._outputs import LogProbsEntropy
+from ..config import ChunkedEntropyConfig
 from ..head import ChunkedVocabParallelHead
+from ..options import Chunking, OutputLayer
 from ..parallel import agreed_call, default_tp_group
 
 __all__ = [
@@ -62,7 +64,10 @@ __all__ = [
 
 _STATE = "_chunked_entropy_fused"
 _MISSING = object()
-_HEAD_KEYS = ("chunk_size", "vocab_chunk_size", "process_group", "sequence_parallel", "gradient_accumulation_fusion")
+#: ``enable_fused_log_probs``'s keywords: the head's :class:`~chunked_entropy.Chunking` fields, its
+#: :class:`~chunked_entropy.OutputLayer` fields (overriding the output layer's), the per-call defaults.
+_CHUNKING_KEYS = ("chunk_size", "vocab_chunk_size")
+_LAYER_KEYS = ("process_group", "sequence_parallel", "gradient_accumulation_fusion")
 _CALL_KEYS = ("temperature", "compute_entropy")
 
 
@@ -115,15 +120,16 @@ def _check_temperature(value, name="temperature"):
     return float(value)
 
 
-def _defaults(config, head_kwargs, v_local):
-    """Head keyword arguments and per-call defaults from ``config`` (duck-typed) and ``head_kwargs``."""
-    unknown = sorted(set(head_kwargs) - set(_HEAD_KEYS) - set(_CALL_KEYS))
+def _settings(config, head_kwargs, v_local):
+    """The head's :class:`~chunked_entropy.Chunking`, its layer's fields and the per-call defaults, from
+    ``config`` (duck-typed) and ``head_kwargs``: built once, when fused log-probs are enabled."""
+    unknown = sorted(set(head_kwargs) - set(_CHUNKING_KEYS) - set(_LAYER_KEYS) - set(_CALL_KEYS))
     if unknown:
         raise TypeError(
             f"enable_fused_log_probs got unexpected keyword argument(s) {unknown}; "
-            f"expected some of {list(_HEAD_KEYS + _CALL_KEYS)}"
+            f"expected some of {list(_CHUNKING_KEYS + _LAYER_KEYS + _CALL_KEYS)}"
         )
-    head_kw, call = {}, {"temperature": 1.0, "compute_entropy": True}
+    call = {"temperature": 1.0, "compute_entropy": True}
     for key in _CALL_KEYS:
         if config is not None and getattr(config, key, None) is not None:
             call[key] = getattr(config, key)
@@ -132,19 +138,18 @@ def _defaults(config, head_kwargs, v_local):
     call["temperature"] = _check_temperature(call["temperature"])
     if not isinstance(call["compute_entropy"], bool):
         raise ValueError(f"compute_entropy must be a bool, got {call['compute_entropy']!r}")
-    if config is not None:
-        if getattr(config, "vocab_chunk_size", None) is not None:
-            head_kw["vocab_chunk_size"] = config.vocab_chunk_size
-        resolve = getattr(config, "resolve_chunk_size", None)
-        if callable(resolve):  # chunked_entropy.ChunkedEntropyConfig, incl. chunk_size="auto"
-            kw = {"fused": True}
-            if "compute_entropy" in inspect.signature(resolve).parameters:
-                kw["compute_entropy"] = call["compute_entropy"]
-            head_kw["chunk_size"] = resolve(v_local, **kw)
-        elif getattr(config, "chunk_size", None) is not None:
-            head_kw["chunk_size"] = config.chunk_size
-    head_kw.update((k, v) for k, v in head_kwargs.items() if k in _HEAD_KEYS)
-    return head_kw, call
+    if isinstance(config, ChunkedEntropyConfig):
+        chunking = Chunking.from_config(config)
+    else:  # duck-typed: the fields present and not None
+        chunking = Chunking(**{k: getattr(config, k) for k in _CHUNKING_KEYS if getattr(config, k, None) is not None})
+    resolve = getattr(config, "resolve_chunk_size", None)
+    if callable(resolve):  # chunk_size="auto": resolved once, for this shard and the fused path
+        kw = {"fused": True}
+        if "compute_entropy" in inspect.signature(resolve).parameters:
+            kw["compute_entropy"] = call["compute_entropy"]
+        chunking = chunking.replace(chunk_size=resolve(v_local, **kw))
+    chunking = chunking.replace(**{k: head_kwargs[k] for k in _CHUNKING_KEYS if k in head_kwargs})
+    return chunking, {k: head_kwargs[k] for k in _LAYER_KEYS if k in head_kwargs}, call
 
 
 def enable_fused_log_probs(model, config=None, **head_kwargs) -> ChunkedVocabParallelHead:
@@ -164,7 +169,11 @@ def enable_fused_log_probs(model, config=None, **head_kwargs) -> ChunkedVocabPar
             :class:`chunked_entropy.ChunkedEntropyConfig`): ``chunk_size``
             (or ``resolve_chunk_size(v_local, fused=True)``),
             ``vocab_chunk_size``, ``temperature``, ``compute_entropy``, each
-            used when present and not None.
+            used when present and not None; a ``ChunkedEntropyConfig`` gives
+            the whole :class:`~chunked_entropy.Chunking`
+            (:meth:`~chunked_entropy.Chunking.from_config`, its ``backend``
+            too). The head's ``Chunking`` and ``OutputLayer`` are built here,
+            once.
         **head_kwargs: override the config: ``chunk_size``,
             ``vocab_chunk_size``, ``process_group`` (default: the output
             layer's TP group, else megatron-core's ``parallel_state``),
@@ -210,10 +219,11 @@ def enable_fused_log_probs(model, config=None, **head_kwargs) -> ChunkedVocabPar
             f"(or the model must share its embedding weight), got {type(gpt.output_layer).__name__}"
         )
     v_local = shard.shape[0]
-    head_kw, call = _defaults(config, head_kwargs, v_local)
-    if "process_group" not in head_kw and getattr(gpt.output_layer, "tp_group", None) is None:
-        head_kw["process_group"] = default_tp_group()
-    head = ChunkedVocabParallelHead.from_megatron(gpt.output_layer, weight=weight, **head_kw)
+    chunking, layer_fields, call = _settings(config, head_kwargs, v_local)
+    if "process_group" not in layer_fields and getattr(gpt.output_layer, "tp_group", None) is None:
+        layer_fields["process_group"] = default_tp_group()
+    head = ChunkedVocabParallelHead(OutputLayer.from_megatron(gpt.output_layer, weight=weight, **layer_fields),
+                                    chunking)
 
     previous = gpt.__dict__.get(_STATE)
     hook = _supports_hook(gpt)
@@ -385,20 +395,21 @@ def _to_sb(name, t, b, s, *, per_sample=True):
 def _log_probs(gpt, hidden_states, labels, loss_mask, context) -> LogProbsEntropy:
     state = gpt.__dict__[_STATE]
     head = state.head
+    layer = head.layer
     # The adapter's own checks join an agreed call of the head's group: a rank whose options are refused
     # here raises together with its peers, instead of leaving them in the head's collectives (one more
     # all-gather of CHECK_SLOTS int64 per forward under TP; none without a group).
-    with agreed_call(head.process_group) as call:
+    with agreed_call(layer.process_group) as call:
         opts = _options(state, context)
         if not isinstance(labels, torch.Tensor) or labels.dim() != 2:
             shape = tuple(labels.shape) if isinstance(labels, torch.Tensor) else type(labels).__name__
             raise ValueError(f"labels must be a [B, S] tensor of token ids (Megatron's layout), got {shape}")
         b, s = labels.shape
         world = call.world
-        s_local = s // world if head.sequence_parallel else s
+        s_local = s // world if layer.sequence_parallel else s
         if (hidden_states.dim() != 3 or hidden_states.shape[:2] != (s_local, b)
-                or (head.sequence_parallel and s % world)):
-            where = f" (this rank's 1/{world} of the sequence: sequence_parallel)" if head.sequence_parallel else ""
+                or (layer.sequence_parallel and s % world)):
+            where = f" (this rank's 1/{world} of the sequence: sequence_parallel)" if layer.sequence_parallel else ""
             raise ValueError(
                 f"labels [B, S] = {(b, s)} do not match the decoder's hidden states {tuple(hidden_states.shape)}; "
                 f"expected hidden states [S, B, H] with S = {s_local}{where}"

@@ -43,9 +43,10 @@ from typing import Optional
 import torch
 
 from ..logits import log_probs_and_entropy
+from ..options import Chunking
 from ..parallel import agreed_call
 from . import _hidden_route
-from ._common import Patch, Target, check_parameters
+from ._common import Patch, Target, check_parameters, sharded_over
 from ._hidden_route import HiddenStates
 
 __all__ = ["DEFAULT_CHUNK_SIZE", "ROUTES", "HiddenStates", "calculate_log_probs_and_entropy",
@@ -55,7 +56,7 @@ __all__ = ["DEFAULT_CHUNK_SIZE", "ROUTES", "HiddenStates", "calculate_log_probs_
 DEFAULT_CHUNK_SIZE = 512
 
 #: The routes :func:`install` takes (``route=``, or the environment variable ``CHUNKED_ENTROPY_MILES_ROUTE``).
-ROUTES = ("hidden", "logits")
+ROUTES = _hidden_route.ROUTES
 _ROUTE_ENV = "CHUNKED_ENTROPY_MILES_ROUTE"
 
 _MATH = "miles.backends.training_utils.loss_hub.math_utils"
@@ -74,6 +75,11 @@ _GET_PARAMS = ("logits", "args", "unconcat_tokens", "total_lengths", "response_l
                "entropy_requires_grad", "non_loss_data", "max_seq_lens")
 
 _WRITTEN_FOR = "Miles (written at commit 31f1ca96)"
+
+
+def _chunking(size) -> Chunking:
+    """Miles's ``chunk_size`` / ``--log-probs-chunk-size`` (-1 or None, "no chunking": :data:`DEFAULT_CHUNK_SIZE`)."""
+    return Chunking(DEFAULT_CHUNK_SIZE if size is None or size <= 0 else int(size))
 
 
 def calculate_log_probs_and_entropy(
@@ -115,8 +121,8 @@ def calculate_log_probs_and_entropy(
     if logits.size(0) == 0:
         return logits.new_zeros((0,)), (logits.new_zeros((0,)) if with_entropy else None)
     out = log_probs_and_entropy(
-        logits, tokens, chunk_size=DEFAULT_CHUNK_SIZE if chunk_size is None or chunk_size <= 0 else int(chunk_size),
-        temperature=temperature, process_group=tp_group, compute_entropy=bool(with_entropy),
+        logits, tokens, layer=sharded_over(tp_group), chunking=_chunking(chunk_size), temperature=temperature,
+        compute_entropy=bool(with_entropy),
     )
     entropy = out.entropy
     if entropy is not None and not entropy_requires_grad:
@@ -196,13 +202,12 @@ def _from_hidden(states: HiddenStates, args, unconcat_tokens, total_lengths, res
                  entropy_requires_grad, max_seq_lens) -> dict:
     """The hidden-state route: the response rows Miles's ``get_responses`` picks, through the fused head."""
     miles = sys.modules[_PROCESSORS]
-    size = args.log_probs_chunk_size
-    head = states.head(chunk_size=DEFAULT_CHUNK_SIZE if size is None or size <= 0 else int(size))
+    head = states.head(_chunking(args.log_probs_chunk_size))
     hidden = states.hidden
-    with agreed_call(head.process_group) as call:
+    with agreed_call(head.layer.process_group) as call:
         if hidden.dim() != 3:
             raise ValueError(f"Miles's hidden states must be [S, B, H], got {tuple(hidden.shape)}")
-        s = hidden.shape[0] * (call.world if head.sequence_parallel else 1)
+        s = hidden.shape[0] * (call.world if head.layer.sequence_parallel else 1)
         b = hidden.shape[1]
         # row numbers in the hidden states' [S, B] order, laid out as Miles's logits [B, S, 1]
         # (float32 is exact up to 2**24 rows; Miles's get_responses accepts float32)
@@ -248,6 +253,15 @@ _PATCH = Patch(
 )
 
 
+_ADAPTER = _hidden_route.RoutedAdapter(
+    _PATCH, _HIDDEN, route_env=_ROUTE_ENV,
+    fallbacks=[(lambda args: getattr(args, "true_on_policy_mode", False),
+                "Miles's true_on_policy mode (bit-exact with the rollout engine on the logits)"),
+               (lambda args: getattr(args, "loss_type", None) == "custom_loss",
+                "--loss-type custom_loss (a custom loss may read the logits itself)")],
+)
+
+
 def install(args=None, *, route: Optional[str] = None) -> None:
     """Miles's ``--custom-megatron-init-path`` hook: replace both functions wherever Miles looks them up.
 
@@ -263,32 +277,19 @@ def install(args=None, *, route: Optional[str] = None) -> None:
     raises RuntimeError and leaves Miles as it was. ``args`` are read per
     call, except ``true_on_policy_mode`` and ``loss_type``.
     """
-    import os
-
-    route = route if route is not None else os.environ.get(_ROUTE_ENV, "hidden")
-    if route not in ROUTES:
-        raise ValueError(f"route must be one of {ROUTES} (argument or {_ROUTE_ENV}), got {route!r}")
-    if route == "hidden" and getattr(args, "true_on_policy_mode", False):
-        _hidden_route.warn_once("Miles's true_on_policy mode (bit-exact with the rollout engine on the logits)")
-        route = "logits"
-    if route == "hidden" and getattr(args, "loss_type", None) == "custom_loss":
-        _hidden_route.warn_once("--loss-type custom_loss (a custom loss may read the logits itself)")
-        route = "logits"
-    _hidden_route.install_route(_PATCH, _HIDDEN, route)
+    _ADAPTER.install(args, route=route)
 
 
 def uninstall() -> None:
     """Restore Miles's own functions and megatron-core's post-processing (and drop pending hooks)."""
-    _HIDDEN.uninstall()
-    _PATCH.uninstall()
+    _ADAPTER.uninstall()
 
 
 def installed() -> bool:
-    return _PATCH.installed()
+    """Whether any of the framework's functions is currently replaced."""
+    return _ADAPTER.installed()
 
 
 def route() -> Optional[str]:
     """The route installed: ``"hidden"``, ``"logits"``, or None."""
-    if not (_PATCH.installed() or _PATCH._hook is not None):
-        return None
-    return "hidden" if (_HIDDEN.installed() or _HIDDEN._hook is not None) else "logits"
+    return _ADAPTER.route()

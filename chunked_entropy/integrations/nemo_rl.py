@@ -69,7 +69,8 @@ import torch
 import torch.distributed as dist
 
 from ..logits import log_probs_and_entropy
-from ._common import Patch, Target, check_parameters
+from ..options import OutputLayer
+from ._common import Adapter, Patch, Target, check_parameters, sharded_over
 
 __all__ = [
     "DEFAULT_CHUNK_SIZE", "NEMO_RL_COMMIT", "ChunkedDistributedEntropy", "ChunkedDistributedGatherLogprob",
@@ -112,7 +113,7 @@ def _check_shard(where, logits, vocab_start_index, vocab_end_index, group):
 def _log_probs(logits, target, vocab_start_index, vocab_end_index, group, chunk_size, inference_only, where):
     _check_shard(where, logits, vocab_start_index, vocab_end_index, _group(group))
     with torch.no_grad() if inference_only else torch.enable_grad():
-        return log_probs_and_entropy(logits, target.long(), chunk_size=chunk_size, process_group=_group(group),
+        return log_probs_and_entropy(logits, target.long(), layer=sharded_over(_group(group)), chunking=chunk_size,
                                      compute_entropy=False).log_probs
 
 
@@ -154,7 +155,7 @@ def _filtered(logits, target, group, top_k, top_p, chunk_size, inference_only):
     """NeMo-RL's top-k/top-p filtered log-probs: the library's row's own filter (``keep={"top_k", "top_p"}``)."""
     keep = {"top_k": None if top_k is None else int(top_k), "top_p": 1.0 if top_p is None else float(top_p)}
     with torch.no_grad() if inference_only else torch.enable_grad():
-        return log_probs_and_entropy(logits, target.long(), chunk_size=chunk_size, process_group=_group(group),
+        return log_probs_and_entropy(logits, target.long(), layer=sharded_over(_group(group)), chunking=chunk_size,
                                      compute_entropy=False, keep=keep).log_probs
 
 
@@ -210,8 +211,8 @@ class ChunkedDistributedGatherLogprob:
         _check_shard("ChunkedDistributedGatherLogprob", vocab_parallel_logits, vocab_start_index, vocab_end_index,
                      group)
         with torch.no_grad() if inference_only else torch.enable_grad():
-            out = log_probs_and_entropy(vocab_parallel_logits, None, chunk_size=int(chunk_size),
-                                        process_group=group, compute_entropy=False,
+            out = log_probs_and_entropy(vocab_parallel_logits, None, layer=sharded_over(group),
+                                        chunking=int(chunk_size), compute_entropy=False,
                                         log_probs_at=global_indices.long())
         return out.log_probs_at.contiguous()
 
@@ -231,8 +232,8 @@ class ChunkedDistributedEntropy:
         no_label = torch.full(vocab_parallel_logits.shape[:-1], -100, dtype=torch.int64,
                               device=vocab_parallel_logits.device)
         with torch.no_grad() if inference_only else torch.enable_grad():
-            out = log_probs_and_entropy(vocab_parallel_logits, no_label, chunk_size=int(chunk_size),
-                                        process_group=_group(tp_group))
+            out = log_probs_and_entropy(vocab_parallel_logits, no_label, layer=sharded_over(_group(tp_group)),
+                                        chunking=int(chunk_size))
         return out.entropy.neg().contiguous()
 
 
@@ -290,8 +291,7 @@ def get_next_token_logprobs_from_logits(
     if filtered:
         return _filtered(next_token_logits[:, :-1], labels, None, sampling_params.top_k, sampling_params.top_p, chunk,
                          False)
-    return log_probs_and_entropy(next_token_logits[:, :-1], labels, chunk_size=chunk,
-                                 compute_entropy=False).log_probs
+    return log_probs_and_entropy(next_token_logits[:, :-1], labels, chunking=chunk, compute_entropy=False).log_probs
 
 
 def get_distillation_topk_logprobs_from_logits(
@@ -368,7 +368,7 @@ def get_distillation_topk_logprobs_from_logits(
                 topk = topk[:, :-pad, :]
                 h_all = h_all[:, :-pad] if calculate_entropy else None
     elif zero_outside_topk:
-        out = log_probs_and_entropy(logits, None, chunk_size=DEFAULT_CHUNK_SIZE, log_probs_at=indices.long(),
+        out = log_probs_and_entropy(logits, None, chunking=DEFAULT_CHUNK_SIZE, log_probs_at=indices.long(),
                                     compute_entropy=calculate_entropy)
         topk = out.log_probs_at
         h_all = out.entropy.neg() if calculate_entropy else None
@@ -425,10 +425,11 @@ def from_parallel_hidden_states_to_logprobs(
                          f"shard of V_local = {v_local}")
     labels = target.roll(shifts=-1, dims=-1).transpose(0, 1).long()  # [S, B], the hidden states' order
     with torch.no_grad() if inference_only else torch.enable_grad():
+        layer = OutputLayer(output_weight_layer, process_group=group, sequence_parallel=group is not None,
+                            gradient_accumulation_fusion=False)
         out = linear_log_probs_and_entropy(
-            tensor_parallel_hidden_states, output_weight_layer, labels,
-            chunk_size=DEFAULT_CHUNK_SIZE if chunk_size is None else int(chunk_size), process_group=group,
-            sequence_parallel=group is not None, compute_entropy=False, gradient_accumulation_fusion=False,
+            tensor_parallel_hidden_states, layer, labels,
+            chunking=DEFAULT_CHUNK_SIZE if chunk_size is None else int(chunk_size), compute_entropy=False,
         )
     return out.log_probs.transpose(0, 1).contiguous()[:, :-1]
 
@@ -556,14 +557,27 @@ _PATCH = Patch(
 )
 
 
+_ADAPTER = Adapter(_PATCH)
+
+
 def install() -> None:
-    """Replace NeMo-RL's log-prob Functions and the two upcasting helpers wherever it looks them up (idempotent).
+    """Replace NeMo-RL's log-prob Functions and the upcasting helpers wherever it looks them up (idempotent).
 
     Checks every target already imported, then replaces them all, and the
     rest as soon as NeMo-RL imports them. On a mismatch it raises
     RuntimeError and leaves NeMo-RL as it was.
     """
-    _PATCH.install()
+    _ADAPTER.install()
+
+
+def uninstall() -> None:
+    """Restore NeMo-RL's own functions everywhere (and drop a pending hook)."""
+    _ADAPTER.uninstall()
+
+
+def installed() -> bool:
+    """Whether any of the framework's functions is currently replaced."""
+    return _ADAPTER.installed()
 
 
 def ray_runtime_env_hook(runtime_env):
@@ -590,11 +604,3 @@ def ray_runtime_env_hook(runtime_env):
     env["worker_process_setup_hook"] = ours
     return env
 
-
-def uninstall() -> None:
-    """Restore NeMo-RL's own functions everywhere (and drop a pending hook)."""
-    _PATCH.uninstall()
-
-
-def installed() -> bool:
-    return _PATCH.installed()

@@ -49,7 +49,7 @@ def log_probs_from_logits(
     check_logits(logits)
     check_ids("labels", labels, logits)
     return log_probs_and_entropy(
-        logits, labels, chunk_size=chunk_size, temperature=temperature, compute_entropy=False
+        logits, labels, chunking=chunk_size, temperature=temperature, compute_entropy=False
     ).log_probs
 
 
@@ -70,4 +70,4 @@ def compute_entropy(logits: torch.Tensor, *, chunk_size: int = 1024) -> torch.Te
     """
     check_logits(logits)
     no_label = torch.full(logits.shape[:-1], -100, dtype=torch.int64, device=logits.device)
-    return log_probs_and_entropy(logits, no_label, chunk_size=chunk_size).entropy
+    return log_probs_and_entropy(logits, no_label, chunking=chunk_size).entropy

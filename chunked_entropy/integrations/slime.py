@@ -58,9 +58,10 @@ import torch
 import torch.nn.functional as F
 
 from ..logits import log_probs_and_entropy
+from ..options import Chunking
 from ..parallel import agreed_call, all_reduce_with_grad
 from . import _hidden_route
-from ._common import Patch, Target, check_parameters
+from ._common import Patch, Target, check_parameters, sharded_over
 from ._hidden_route import HiddenStates
 
 __all__ = ["DEFAULT_CHUNK_SIZE", "ROUTES", "TARGETS", "HiddenStates", "get_log_probs_and_entropy", "install",
@@ -70,7 +71,7 @@ __all__ = ["DEFAULT_CHUNK_SIZE", "ROUTES", "TARGETS", "HiddenStates", "get_log_p
 DEFAULT_CHUNK_SIZE = 512
 
 #: The routes :func:`install` takes (``route=``, or the environment variable ``CHUNKED_ENTROPY_SLIME_ROUTE``).
-ROUTES = ("hidden", "logits")
+ROUTES = _hidden_route.ROUTES
 _ROUTE_ENV = "CHUNKED_ENTROPY_SLIME_ROUTE"
 
 _LOSS = "slime.backends.megatron_utils.loss"
@@ -194,8 +195,13 @@ class _Layout:
 
 
 def _chunk_size(args) -> int:
+    """``--log-probs-chunk-size``; -1 or None: :data:`DEFAULT_CHUNK_SIZE` (slime's arguments are read per call)."""
     size = getattr(args, "log_probs_chunk_size", -1)
     return DEFAULT_CHUNK_SIZE if size is None or int(size) <= 0 else int(size)
+
+
+def _chunking(args) -> Chunking:
+    return Chunking(_chunk_size(args))
 
 
 def get_log_probs_and_entropy(
@@ -269,8 +275,8 @@ def get_log_probs_and_entropy(
             keep = layout.kept_sets(top_p_token_ids, top_p_token_offsets, labels, t_local, device)
         temperature = float(getattr(args, "rollout_temperature", 1.0))
     out = log_probs_and_entropy(
-        rows, labels, chunk_size=_chunk_size(args), temperature=temperature,
-        process_group=tp_group, compute_entropy=bool(with_entropy), keep=keep,
+        rows, labels, layer=sharded_over(tp_group), chunking=_chunking(args), temperature=temperature,
+        compute_entropy=bool(with_entropy), keep=keep,
     )
     res = {"log_probs": layout.per_sample(out.log_probs)}
     if with_entropy:
@@ -286,12 +292,12 @@ def get_log_probs_and_entropy(
 def _from_hidden(states: HiddenStates, args, unconcat_tokens, total_lengths, response_lengths, with_entropy,
                  top_p_token_ids, top_p_token_offsets):
     """The hidden-state route: the response rows only, through the fused head on the model's output layer."""
-    head = states.head(chunk_size=_chunk_size(args))
+    head = states.head(_chunking(args))
     hidden = states.hidden
-    with agreed_call(head.process_group) as call:
+    with agreed_call(head.layer.process_group) as call:
         if hidden.dim() != 3 or hidden.shape[1] != 1:
             raise ValueError(f"slime's packed hidden states must be [T, 1, H], got {tuple(hidden.shape)}")
-        t_local = hidden.shape[0] * (call.world if head.sequence_parallel else 1)
+        t_local = hidden.shape[0] * (call.world if head.layer.sequence_parallel else 1)
         device = hidden.device
         layout = _Layout(args, t_local, total_lengths, response_lengths)
         labels = layout.labels(unconcat_tokens, total_lengths, response_lengths, t_local, device)
@@ -326,6 +332,13 @@ _PATCH = Patch(
 )
 
 
+_ADAPTER = _hidden_route.RoutedAdapter(
+    _PATCH, _HIDDEN, route_env=_ROUTE_ENV,
+    fallbacks=[(lambda args: getattr(args, "loss_type", None) == "custom_loss",
+                "--loss-type custom_loss (a custom loss may read the logits itself)")],
+)
+
+
 def install(args=None, *, route: Optional[str] = None) -> None:
     """slime's ``--custom-megatron-init-path`` hook: serve slime's log-probs and entropy (idempotent).
 
@@ -343,29 +356,19 @@ def install(args=None, *, route: Optional[str] = None) -> None:
     raises RuntimeError and leaves slime as it was. ``args`` (slime's
     arguments, passed by the hook) are read per call, except ``loss_type``.
     """
-    import os
-
-    route = route if route is not None else os.environ.get(_ROUTE_ENV, "hidden")
-    if route not in ROUTES:
-        raise ValueError(f"route must be one of {ROUTES} (argument or {_ROUTE_ENV}), got {route!r}")
-    if route == "hidden" and getattr(args, "loss_type", None) == "custom_loss":
-        _hidden_route.warn_once("--loss-type custom_loss (a custom loss may read the logits itself)")
-        route = "logits"
-    _hidden_route.install_route(_PATCH, _HIDDEN, route)
+    _ADAPTER.install(args, route=route)
 
 
 def uninstall() -> None:
     """Restore slime's own function and megatron-core's post-processing (and drop pending hooks)."""
-    _HIDDEN.uninstall()
-    _PATCH.uninstall()
+    _ADAPTER.uninstall()
 
 
 def installed() -> bool:
-    return _PATCH.installed()
+    """Whether any of the framework's functions is currently replaced."""
+    return _ADAPTER.installed()
 
 
 def route() -> Optional[str]:
     """The route installed: ``"hidden"``, ``"logits"``, or None."""
-    if not (_PATCH.installed() or _PATCH._hook is not None):
-        return None
-    return "hidden" if (_HIDDEN.installed() or _HIDDEN._hook is not None) else "logits"
+    return _ADAPTER.route()

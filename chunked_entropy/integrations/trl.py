@@ -33,18 +33,16 @@ Tested with TRL 1.16.0 and Transformers 5.24.0.
 
 from __future__ import annotations
 
-import contextlib
-import functools
 from typing import Optional
 
 import torch
 
 from .._checks import check_chunk
-from .._divergence import DivergenceSpec
 from ..divergence import linear_divergence_loss
 from ..linear import linear_log_probs_and_entropy
 from ..logits import log_probs_and_entropy
-from ._common import check_id_dtype, check_id_range, check_ids, check_logits
+from ..options import Chunking, Divergence, OutputLayer
+from ._common import MethodPatch, check_id_dtype, check_id_range, check_ids, check_logits
 
 __all__ = [
     "FusedHeadKernel",
@@ -127,7 +125,7 @@ def selective_log_softmax(
     # log p_k = log p_max + (z_k - z_max) / t, one pass over the vocabulary for all K ids.
     anchor = logits.argmax(dim=-1) if has_k else index
     lp = log_probs_and_entropy(
-        logits, anchor, chunk_size=chunk_size, temperature=temperature, compute_entropy=False
+        logits, anchor, chunking=chunk_size, temperature=temperature, compute_entropy=False
     ).log_probs
     if has_k:
         z = logits.gather(-1, index).to(lp.dtype)
@@ -156,7 +154,7 @@ def entropy_from_logits(logits: torch.Tensor, chunk_size: int = 128) -> torch.Te
     check_chunk("chunk_size", chunk_size)
     # No label: every row's label is ignore_index, so only the entropy is computed.
     no_label = torch.full(logits.shape[:-1], -100, dtype=torch.int64, device=logits.device)
-    return log_probs_and_entropy(logits, no_label, chunk_size=chunk_size).entropy
+    return log_probs_and_entropy(logits, no_label, chunking=chunk_size).entropy
 
 
 def selective_log_softmax_and_entropy(
@@ -188,7 +186,7 @@ def selective_log_softmax_and_entropy(
     if not isinstance(entropy_requires_grad, bool):
         raise TypeError(f"entropy_requires_grad must be a bool, got {entropy_requires_grad!r}")
     check_id_range("index", index, logits.shape[-1])
-    lp, ent = log_probs_and_entropy(logits, index, chunk_size=chunk_size, temperature=temperature)
+    lp, ent = log_probs_and_entropy(logits, index, chunking=chunk_size, temperature=temperature)
     if not entropy_requires_grad:
         ent = ent.detach()
     if keep is not None:
@@ -224,6 +222,13 @@ class FusedHeadKernel:
         check_chunk("chunk_size", chunk_size)
         self.chunk_size = chunk_size
         self.calls = 0
+        self._chunkings = {}  # TRL's vocabulary tile -> the Chunking, built once per tile
+
+    def _chunking(self, vocab_chunk_size) -> Chunking:
+        chunking = self._chunkings.get(vocab_chunk_size)
+        if chunking is None:
+            chunking = self._chunkings[vocab_chunk_size] = Chunking(self.chunk_size, vocab_chunk_size)
+        return chunking
 
     def apply(self, hidden, weight, bias, targets, temperature, chunk_size,
               final_logit_softcapping=None, logit_scale=1.0, outputs=("log_probs",)):
@@ -236,26 +241,22 @@ class FusedHeadKernel:
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
         self.calls += 1
         with torch.autocast(device, enabled=False):
+            # TRL hands the head's weight per call (cast, or gathered by FSDP): the layer is built per call
+            layer = OutputLayer(weight.to(dtype), None if bias is None else bias.to(dtype),
+                                softcap=final_logit_softcapping,
+                                logit_scale=None if logit_scale == 1.0 else logit_scale)
             out = linear_log_probs_and_entropy(
-                hidden.to(dtype), weight.to(dtype), targets, bias=None if bias is None else bias.to(dtype),
-                chunk_size=self.chunk_size, vocab_chunk_size=chunk_size, temperature=float(temperature),
-                softcap=final_logit_softcapping, logit_scale=None if logit_scale == 1.0 else logit_scale,
+                hidden.to(dtype), layer, targets, chunking=self._chunking(chunk_size), temperature=float(temperature),
                 compute_entropy="entropy" in outputs, compute_sum_pi_squared="log_sum_sq_probs" in outputs,
             )
         log_sum_sq = None if out.sum_pi_squared is None else out.sum_pi_squared.detach().log()
         return out.log_probs, out.entropy, log_sum_sq, None, None
 
 
-@contextlib.contextmanager
-def _kernel_swapped(kernel):
-    import trl.trainer.utils as trl_utils
-
-    previous = trl_utils._ChunkedLogProbFunction
-    trl_utils._ChunkedLogProbFunction = kernel
-    try:
-        yield
-    finally:
-        trl_utils._ChunkedLogProbFunction = previous
+#: GRPO / RLOO: while ``_get_per_token_logps_and_entropies`` runs, TRL's fused head's kernel is ours.
+_PER_TOKEN = MethodPatch("_get_per_token_logps_and_entropies", "trl.trainer.utils", "_ChunkedLogProbFunction")
+#: Distillation: while ``_compute_loss`` runs, TRL's chunked divergence loss is ours.
+_DISTILL = MethodPatch("_compute_loss", "trl.trainer.distillation_trainer", "_chunked_divergence_loss")
 
 
 def patch_trainer(trainer, *, chunk_size: int = 1024) -> FusedHeadKernel:
@@ -296,27 +297,12 @@ def patch_trainer(trainer, *, chunk_size: int = 1024) -> FusedHeadKernel:
             "this TRL has no trl.trainer.utils._ChunkedLogProbFunction (TRL 1.16's fused LM head); "
             "nothing was patched"
         )
-    existing = trainer.__dict__.get("_get_per_token_logps_and_entropies")
-    if existing is not None and hasattr(existing, "chunked_entropy_kernel"):
-        return existing.chunked_entropy_kernel
-    kernel = FusedHeadKernel(chunk_size)
-    original = trainer._get_per_token_logps_and_entropies
-
-    @functools.wraps(original)
-    def per_token_logps_and_entropies(*args, **kwargs):
-        with _kernel_swapped(kernel):
-            return original(*args, **kwargs)
-
-    per_token_logps_and_entropies.chunked_entropy_kernel = kernel
-    trainer._get_per_token_logps_and_entropies = per_token_logps_and_entropies
-    return kernel
+    return _PER_TOKEN.patch(trainer, lambda: FusedHeadKernel(chunk_size))
 
 
 def unpatch_trainer(trainer) -> None:
     """Undo :func:`patch_trainer` (a no-op on an unpatched trainer)."""
-    existing = trainer.__dict__.get("_get_per_token_logps_and_entropies")
-    if existing is not None and hasattr(existing, "chunked_entropy_kernel"):
-        del trainer.__dict__["_get_per_token_logps_and_entropies"]
+    _PER_TOKEN.unpatch(trainer)
 
 
 # ----------------------------------------------------------------------------- DistillationTrainer
@@ -324,18 +310,23 @@ def unpatch_trainer(trainer) -> None:
 
 def divergence_keywords(beta, *, temperature=1.0, student_logit_scale=1.0, teacher_logit_scale=1.0,
                         student_softcap=None, teacher_softcap=None) -> dict:
-    """TRL's divergence settings as keywords of :func:`~chunked_entropy.linear_divergence`.
+    """TRL's divergence settings as 0.1's flat keywords of :func:`~chunked_entropy.linear_divergence`.
 
     TRL's ``beta``: 0 the forward KL(teacher || student), 1 the reverse KL(student || teacher), in between
-    the generalized JSD with the mixture ``(1 - beta) p_s + beta p_t``. A logit scale of 1.0 is no scale.
+    the generalized JSD with the mixture ``(1 - beta) p_s + beta p_t`` (the mapping is
+    :meth:`~chunked_entropy.Divergence.from_trl_beta`'s). A logit scale of 1.0 is no scale. Kept for 0.1's
+    callers (the keywords go in 0.3.0): 0.2's form is ``divergence=Divergence.from_trl_beta(beta)`` and an
+    :class:`~chunked_entropy.OutputLayer` per model, as :func:`chunked_divergence_loss` builds them.
     """
-    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0.0 <= beta <= 1.0:
-        raise ValueError(f"beta must be a float in [0, 1] (TRL's convention), got {beta!r}")
-    spec = DivergenceSpec.from_trl_beta(beta)
-    scale = lambda x: None if x is None or x == 1.0 else x  # noqa: E731
-    return dict(divergence=spec.kind, beta=spec.beta, temperature=float(temperature),
-                student_logit_scale=scale(student_logit_scale), teacher_logit_scale=scale(teacher_logit_scale),
+    divergence = Divergence.from_trl_beta(beta)
+    return dict(divergence=divergence.kind, beta=divergence.beta, temperature=float(temperature),
+                student_logit_scale=_scale(student_logit_scale), teacher_logit_scale=_scale(teacher_logit_scale),
                 student_softcap=student_softcap, teacher_softcap=teacher_softcap)
+
+
+def _scale(logit_scale):
+    """TRL's logit scale as an :class:`~chunked_entropy.OutputLayer`'s: 1.0 (TRL's default) is none."""
+    return None if logit_scale is None or logit_scale == 1.0 else logit_scale
 
 
 def _whole(weight, bias, dtype):
@@ -363,6 +354,7 @@ def chunked_divergence_loss(student_hidden_states, teacher_hidden_states, studen
     is on (as TRL's does), else in its hidden states' dtype; half precision is projected to float32
     logits, as TRL projects.
     """
+    divergence = Divergence.from_trl_beta(beta)  # a bad beta is named before any work
     device = student_hidden_states.device.type
     autocast = torch.is_autocast_enabled(device)
     s_dtype = torch.get_autocast_dtype(device) if autocast else student_hidden_states.dtype
@@ -377,30 +369,18 @@ def chunked_divergence_loss(student_hidden_states, teacher_hidden_states, studen
     ht = teacher_hidden_states.reshape(-1, teacher_hidden_states.shape[-1])[valid].to(t_dtype)
     if num_items_in_batch is None:
         num_items_in_batch = n_valid.clamp(min=1)
-    half = s_dtype in (torch.bfloat16, torch.float16) or t_dtype in (torch.bfloat16, torch.float16)
+    # a half-precision model is projected to float32 logits, as TRL projects (a float32 one is already)
+    f32 = lambda dtype: torch.float32 if dtype in (torch.bfloat16, torch.float16) else None  # noqa: E731
+    student = OutputLayer(ws, bs, softcap=student_final_logit_softcapping, logit_scale=_scale(student_logit_scale),
+                          logits_dtype=f32(s_dtype))
+    teacher = OutputLayer(wt, bt, softcap=teacher_final_logit_softcapping, logit_scale=_scale(teacher_logit_scale),
+                          logits_dtype=f32(t_dtype))
     with torch.autocast(device, enabled=False):
         res = linear_divergence_loss(
-            hs, ws, ht, wt, student_bias=bs, teacher_bias=bt, compute_entropy=True, reduction="sum",
-            normalizer=num_items_in_batch, chunk_size=chunk_size,
-            logits_dtype=torch.float32 if half else None,  # for each half-precision model (a float32 one is already)
-            **divergence_keywords(beta, temperature=temperature, student_logit_scale=student_logit_scale,
-                                  teacher_logit_scale=teacher_logit_scale,
-                                  student_softcap=student_final_logit_softcapping,
-                                  teacher_softcap=teacher_final_logit_softcapping),
+            hs, student, ht, teacher, divergence=divergence, chunking=chunk_size, temperature=float(temperature),
+            compute_entropy=True, reduction="sum", normalizer=num_items_in_batch,
         )
     return res.loss, res.entropy.sum(), n_valid
-
-
-@contextlib.contextmanager
-def _divergence_swapped(fn):
-    import trl.trainer.distillation_trainer as trl_distill
-
-    previous = trl_distill._chunked_divergence_loss
-    trl_distill._chunked_divergence_loss = fn
-    try:
-        yield
-    finally:
-        trl_distill._chunked_divergence_loss = previous
 
 
 def patch_distillation_trainer(trainer, *, chunk_size: int = 256):
@@ -424,29 +404,17 @@ def patch_distillation_trainer(trainer, *, chunk_size: int = 256):
     if not hasattr(trl_distill, "_chunked_divergence_loss"):
         raise RuntimeError("this TRL has no trl.trainer.distillation_trainer._chunked_divergence_loss (TRL 1.16's "
                            "chunked loss); nothing was patched")
-    existing = trainer.__dict__.get("_compute_loss")
-    if existing is not None and hasattr(existing, "chunked_entropy_loss"):
-        return existing.chunked_entropy_loss
+    def make():
+        def loss(*args, **kwargs):
+            loss.calls += 1
+            return chunked_divergence_loss(*args, **kwargs, chunk_size=chunk_size)
 
-    def loss(*args, **kwargs):
-        loss.calls += 1
-        return chunked_divergence_loss(*args, **kwargs, chunk_size=chunk_size)
+        loss.calls = 0
+        return loss
 
-    loss.calls = 0
-    original = trainer._compute_loss
-
-    @functools.wraps(original)
-    def compute_loss(*args, **kwargs):
-        with _divergence_swapped(loss):
-            return original(*args, **kwargs)
-
-    compute_loss.chunked_entropy_loss = loss
-    trainer._compute_loss = compute_loss
-    return loss
+    return _DISTILL.patch(trainer, make)
 
 
 def unpatch_distillation_trainer(trainer) -> None:
     """Undo :func:`patch_distillation_trainer` (a no-op on an unpatched trainer)."""
-    existing = trainer.__dict__.get("_compute_loss")
-    if existing is not None and hasattr(existing, "chunked_entropy_loss"):
-        del trainer.__dict__["_compute_loss"]
+    _DISTILL.unpatch(trainer)

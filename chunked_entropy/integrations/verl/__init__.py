@@ -20,7 +20,7 @@ Tested with verl 0.9.1 and megatron-core 0.16.1.
 
 from __future__ import annotations
 
-from .._common import Patch
+from .._common import Adapter, Patch
 from . import fsdp, megatron, megatron_fused, mtp
 from .megatron import TARGET_MODULE, lm_head_logits_processor
 
@@ -37,6 +37,9 @@ _PATCH = Patch(
 )
 
 
+_ADAPTER = Adapter(_PATCH)
+
+
 def install() -> None:
     """Make verl compute its output layer with this library, on every route (once; idempotent).
 
@@ -45,14 +48,14 @@ def install() -> None:
     their modules are imported. Raises RuntimeError, leaving verl as it was,
     when a verl function does not have verl 0.9's signature.
     """
-    _PATCH.install()
+    _ADAPTER.install()
 
 
 def uninstall() -> None:
     """Restore verl's own functions (and drop a pending post-import hook)."""
-    _PATCH.uninstall()
+    _ADAPTER.uninstall()
 
 
 def installed() -> bool:
-    """Whether any of verl's functions is currently replaced."""
-    return _PATCH.installed()
+    """Whether any of the framework's functions is currently replaced."""
+    return _ADAPTER.installed()

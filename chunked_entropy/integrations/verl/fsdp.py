@@ -62,7 +62,8 @@ import torch
 from ..._checks import require
 from ...linear import linear_log_probs_and_entropy
 from ...logits import log_probs_and_entropy
-from .._common import Target, check_parameters, engine_chunk_size
+from ...options import OutputLayer
+from .._common import Target, check_parameters, engine_chunk_size, sharded_over
 from ._distill import distillation_keys, teacher_topk
 
 __all__ = [
@@ -390,7 +391,7 @@ def _unfused(engine, output, output_args, micro_batch, logits_processor_func) ->
     ids = None if teacher is None else teacher[1]
     out = log_probs_and_entropy(
         logits, labels if want_lp else None, label_mask=mask if want_lp else None,
-        chunk_size=engine_chunk_size(engine.engine_config), temperature=t, process_group=group,
+        layer=sharded_over(group), chunking=engine_chunk_size(engine.engine_config), temperature=t,
         compute_entropy=entropy, compute_sum_pi_squared=spp, log_probs_at=ids,
         top_k=None if ids is None else ids.shape[-1],
     )
@@ -496,7 +497,7 @@ def _fused(hidden, weight, labels, temperature, chunk: int, group, verls):
     def compute(h, w):
         ids = None if teacher is None else teacher[1]
         out = linear_log_probs_and_entropy(
-            h, w, labels, chunk_size=chunk, temperature=temperature, process_group=group,
+            h, OutputLayer(w, process_group=group), labels, chunking=chunk, temperature=temperature,
             compute_entropy=entropy, compute_sum_pi_squared=spp, log_probs_at=ids,
             top_k=None if ids is None else ids.shape[-1],
             label_mask=None if rows is None else rows.to(labels.device), rows=None if rows is None else "kept",

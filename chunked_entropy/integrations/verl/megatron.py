@@ -29,7 +29,7 @@ import torch
 
 from ...logits import log_probs_and_entropy
 from ...parallel import default_tp_group
-from .._common import Target, check_parameters, engine_chunk_size
+from .._common import Target, check_parameters, engine_chunk_size, sharded_over
 from ._distill import distillation_keys, teacher_topk
 
 __all__ = ["TARGET_MODULE", "TARGETS", "lm_head_logits_processor"]
@@ -118,9 +118,9 @@ def lm_head_logits_processor(
         out = log_probs_and_entropy(
             logits,
             None if teacher is not None and not want_lp else label,
-            chunk_size=engine_chunk_size(self.engine_config),
+            layer=sharded_over(default_tp_group()),
+            chunking=engine_chunk_size(self.engine_config),
             temperature=t,
-            process_group=default_tp_group(),
             compute_entropy=bool(calculate_entropy),
             compute_sum_pi_squared=bool(calculate_sum_pi_squared),
             log_probs_at=ids,

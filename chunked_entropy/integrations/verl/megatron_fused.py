@@ -75,8 +75,8 @@ from typing import Optional, Union
 
 import torch
 
-from ...head import ChunkedVocabParallelHead
-from .._common import Target, check_parameters, engine_chunk_size
+from ...options import Chunking
+from .._common import MegatronHeads, Target, check_parameters, engine_chunk_size
 from ._distill import distillation_keys, teacher_topk
 from .megatron import PADDING_TEMPERATURE
 
@@ -96,6 +96,8 @@ _CLASS = "MegatronEngineWithLMHead"
 DEFAULT_CHUNK_SIZE = 2048
 
 _VERLS = {}  # attribute -> verl's own function, recorded when its signature is checked
+#: The fused heads, one per output layer, built on first use and reused while the weight and chunk size hold.
+_HEADS = MegatronHeads()
 #: Set to ``0`` to project every row on the fused route (by default only the rows verl reads: see :func:`read_rows`).
 ROWS_ENV = "CHUNKED_ENTROPY_VERL_ROWS"
 _BATCH = contextvars.ContextVar("chunked_entropy_verl_fused_batch", default=None)
@@ -165,7 +167,7 @@ def fused_outputs(hidden_states, output_layer, output_weight, labels, request: F
         chunk, never ``[S, V/tp]``; with the teacher's top-k, ``[S, K]``
         float32 and int64 for the student's top-k.
     """
-    head = ChunkedVocabParallelHead.from_megatron(output_layer, weight=output_weight, chunk_size=request.chunk_size)
+    head = _HEADS.head(output_layer, weight=output_weight, chunking=Chunking(request.chunk_size))
     t = request.temperature
     if isinstance(t, torch.Tensor):  # verl's padding rows (t <= 0) read as 1e-8, as verl does
         t = torch.where(t <= 0, torch.full_like(t, PADDING_TEMPERATURE), t).transpose(0, 1)

@@ -43,8 +43,8 @@ from inspect import signature
 
 import torch
 
-from ...head import ChunkedVocabParallelHead
-from .._common import Target, check_parameters
+from ...options import Chunking
+from .._common import MegatronHeads, Target, check_parameters
 
 __all__ = ["MTP_CHUNK_SIZE", "TARGETS", "gptmodel_postprocess", "mtp_hidden_states", "mtp_losses", "process_mtp_loss"]
 
@@ -55,6 +55,8 @@ _ATTR = "_megatron_gptmodel_postprocess"
 #: Tokens per chunk of the MTP heads (verl's model-level postprocess has no engine config to read).
 MTP_CHUNK_SIZE = 2048
 _VERLS = {}
+#: The MTP heads, one per output layer, built on first use (:class:`.._common.MegatronHeads`).
+_HEADS = MegatronHeads()
 _WARNED = set()
 
 
@@ -87,13 +89,9 @@ def mtp_losses(model, hidden_states, labels, loss_mask, *, output_weight, packed
     n = cfg.mtp_num_layers
     parts = torch.chunk(hidden_states, 1 + n, dim=0)
     hidden_states = parts[0]
-    layer = model.output_layer
-    weight = (output_weight if output_weight is not None else layer.weight).detach()  # verl detaches the head
-    bias = None if getattr(layer, "skip_bias_add", False) or getattr(layer, "bias", None) is None \
-        else layer.bias.detach()
-    head = ChunkedVocabParallelHead(weight, bias, chunk_size=chunk_size or MTP_CHUNK_SIZE,
-                                    process_group=layer.tp_group, sequence_parallel=layer.sequence_parallel,
-                                    gradient_accumulation_fusion=False)
+    # verl detaches the head: no gradient reaches the weight or the bias
+    head = _HEADS.head(model.output_layer, weight=output_weight, chunking=Chunking(chunk_size or MTP_CHUNK_SIZE),
+                       detach=True)
     mtp_labels = labels.clone()
     if loss_mask is None:
         loss_mask = torch.ones_like(mtp_labels)
@@ -254,11 +252,8 @@ def process_mtp_loss(hidden_states, labels, loss_mask, output_layer, output_weig
         if input_ids is None:
             return hidden_states
         labels, _ = roll_tensor(input_ids, **roll)
-    weight = output_weight if output_weight is not None else output_layer.weight
-    detach = bool(getattr(config, "mtp_detach_heads", False))
-    head = ChunkedVocabParallelHead.from_megatron(
-        output_layer, weight=weight.detach() if detach else weight, chunk_size=chunk_size or MTP_CHUNK_SIZE,
-        **({"gradient_accumulation_fusion": False} if detach else {}))
+    head = _HEADS.head(output_layer, weight=output_weight, chunking=Chunking(chunk_size or MTP_CHUNK_SIZE),
+                       detach=bool(getattr(config, "mtp_detach_heads", False)))
     metrics = getattr(MTPLossLoggingHelper, "save_metrics_to_tracker", None)  # megatron-core 0.19
     mtp_labels = labels.clone()
     if loss_mask is None:
