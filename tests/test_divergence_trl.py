@@ -13,7 +13,7 @@ require("trl")
 
 from trl.kernels.chunked_divergence import ChunkedDivergenceFunction  # noqa: E402
 
-from chunked_entropy import linear_divergence, linear_divergence_loss  # noqa: E402
+from chunked_entropy import Divergence, OutputLayer, linear_divergence, linear_divergence_loss  # noqa: E402
 from chunked_entropy.integrations.trl import divergence_keywords  # noqa: E402
 from tests.test_divergence import reference  # noqa: E402  (the float64 definitions)
 
@@ -42,12 +42,25 @@ def _trl(hs, ws, bs, ht, wt, bt, beta, s):
         s.get("teacher_final_logit_softcapping"))
 
 
-def _ours_kw(beta, s):
-    return divergence_keywords(beta, temperature=s.get("temperature", 1.0),
-                               student_logit_scale=s.get("student_logit_scale", 1.0),
-                               teacher_logit_scale=s.get("teacher_logit_scale", 1.0),
-                               student_softcap=s.get("student_final_logit_softcapping"),
-                               teacher_softcap=s.get("teacher_final_logit_softcapping"))
+def _ours(beta, s, ws, bs, wt, bt, logits_dtype=None):
+    """TRL's settings in 0.2's form: ``(student_layer, teacher_layer, keywords)``; TRL's beta through
+    ``Divergence.from_trl_beta``, a logit scale of 1.0 (TRL's default) as none."""
+    scale = lambda x: None if x == 1.0 else x  # noqa: E731
+    student = OutputLayer(ws, bs, softcap=s.get("student_final_logit_softcapping"),
+                          logit_scale=scale(s.get("student_logit_scale", 1.0)), logits_dtype=logits_dtype)
+    teacher = OutputLayer(wt, bt, softcap=s.get("teacher_final_logit_softcapping"),
+                          logit_scale=scale(s.get("teacher_logit_scale", 1.0)), logits_dtype=logits_dtype)
+    return student, teacher, dict(divergence=Divergence.from_trl_beta(beta), temperature=s.get("temperature", 1.0))
+
+
+def test_divergence_keywords_are_0_1s_form_of_the_same_settings():
+    """``divergence_keywords`` (kept for 0.1's callers) names what ``Divergence.from_trl_beta`` and the layers hold."""
+    for beta in BETAS:
+        kw = divergence_keywords(beta, temperature=2.0, student_logit_scale=1.0, teacher_logit_scale=0.5,
+                                 student_softcap=30.0)
+        d = Divergence.from_trl_beta(beta)
+        assert (kw["divergence"], kw["beta"], kw["temperature"]) == (d.kind, d.beta, 2.0)
+        assert (kw["student_logit_scale"], kw["teacher_logit_scale"], kw["student_softcap"]) == (None, 0.5, 30.0)
 
 
 @pytest.mark.parametrize("setting", list(SETTINGS))
@@ -59,8 +72,8 @@ def test_values_and_gradients_equal_trls(beta, setting):
     d_trl, ent_trl = _trl(*a, ht, wt, bt, beta, s)
     (d_trl * up).sum().backward()
     b = [t.clone().requires_grad_() for t in (hs, ws, bs)]
-    out = linear_divergence(b[0], b[1], ht, wt, student_bias=b[2], teacher_bias=bt, compute_entropy=True,
-                            chunk_size=16, **_ours_kw(beta, s))
+    student, teacher, kw = _ours(beta, s, b[1], b[2], wt, bt)
+    out = linear_divergence(b[0], student, ht, teacher, compute_entropy=True, chunking=16, **kw)
     (out.divergence * up).sum().backward()
     tol = dict(rtol=2e-5, atol=2e-5)
     torch.testing.assert_close(out.divergence, d_trl, **tol)
@@ -70,8 +83,8 @@ def test_values_and_gradients_equal_trls(beta, setting):
     # the loss form: TRL's trainer reduces with a mean over the valid rows
     c = [t.clone().requires_grad_() for t in (hs, ws, bs)]
     mask = up > -0.5
-    res = linear_divergence_loss(c[0], c[1], ht, wt, student_bias=c[2], teacher_bias=bt, label_mask=mask,
-                                 chunk_size=16, **_ours_kw(beta, s))
+    student, teacher, kw = _ours(beta, s, c[1], c[2], wt, bt)
+    res = linear_divergence_loss(c[0], student, ht, teacher, label_mask=mask, chunking=16, **kw)
     res.loss.backward()
     e = [t.clone().requires_grad_() for t in (hs, ws, bs)]
     d2, _ = _trl(*e, ht, wt, bt, beta, s)
@@ -86,19 +99,19 @@ def test_bf16_no_worse_than_trl_on_the_same_inputs(beta):
     s = SETTINGS["soft-caps, logit scales, temperature"]
     hs, ws, bs, ht, wt, bt, up = _inputs(3, dtype=torch.bfloat16)
     ref = [t.double().requires_grad_() for t in (hs, ws, bs)]
-    kw = _ours_kw(beta, s)
-    d_ref = reference(ref[0] @ ref[1].t() + ref[2], ht.double() @ wt.double().t() + bt.double(), kw["divergence"],
-                      kw["beta"], temperature=kw["temperature"],
-                      student=dict(softcap=kw["student_softcap"], logit_scale=kw["student_logit_scale"]),
-                      teacher=dict(softcap=kw["teacher_softcap"], logit_scale=kw["teacher_logit_scale"]))
+    st, te, kw = _ours(beta, s, ws, bs, wt, bt)
+    d_ref = reference(ref[0] @ ref[1].t() + ref[2], ht.double() @ wt.double().t() + bt.double(),
+                      kw["divergence"].kind, kw["divergence"].beta, temperature=kw["temperature"],
+                      student=dict(softcap=st.softcap, logit_scale=st.logit_scale),
+                      teacher=dict(softcap=te.softcap, logit_scale=te.logit_scale))
     g_ref = torch.autograd.grad((d_ref * up.double()).sum(), ref)
     a = [t.clone().requires_grad_() for t in (hs, ws, bs)]
     d_trl, _ = _trl(*a, ht, wt, bt, beta, s)
     g_trl = torch.autograd.grad((d_trl * up).sum(), a)
     b = [t.clone().requires_grad_() for t in (hs, ws, bs)]
     # TRL projects bf16 inputs to float32 logits: the same choice here is logits_dtype=torch.float32
-    d = linear_divergence(b[0], b[1], ht, wt, student_bias=b[2], teacher_bias=bt, logits_dtype=torch.float32,
-                          **_ours_kw(beta, s)).divergence
+    student, teacher, kw = _ours(beta, s, b[1], b[2], wt, bt, logits_dtype=torch.float32)
+    d = linear_divergence(b[0], student, ht, teacher, **kw).divergence
     g = torch.autograd.grad((d * up).sum(), b)
     err = lambda x, y: (x.double() - y).abs().max().item()  # noqa: E731
     assert err(d, d_ref) <= 1.5 * err(d_trl, d_ref) + 1e-6

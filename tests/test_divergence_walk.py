@@ -225,14 +225,15 @@ def _counts(form, kind, beta, chunk_size, vocab_chunk_size, rank, world):
     lp_ref, ent_ref = student_reference(zs, labels, valid=torch.ones(n, dtype=torch.bool))
     rows = slice(rank * v // world, (rank + 1) * v // world)
     mine = [h_s.clone().requires_grad_(), w_s[rows].clone().requires_grad_()]
-    kw = dict(divergence=kind, beta=beta, chunk_size=chunk_size, vocab_chunk_size=vocab_chunk_size,
-              process_group=dist.group.WORLD)
+    group = dist.group.WORLD
+    kw = dict(divergence=Divergence(kind, beta), chunking=Chunking(chunk_size, vocab_chunk_size))
+    student, teacher = OutputLayer(mine[1], process_group=group), OutputLayer(w_t[rows], process_group=group)
     with _Counted() as fwd:
         if form == "head":
-            out = linear_divergence(mine[0], mine[1], h_t, w_t[rows], labels=labels, compute_entropy=True, **kw)
+            out = linear_divergence(mine[0], student, h_t, teacher, labels=labels, compute_entropy=True, **kw)
             total = (out.divergence * ups[0] + out.log_probs * ups[1] + out.entropy * ups[2]).sum()
         else:
-            out = linear_divergence_loss(mine[0], mine[1], h_t, w_t[rows], reduction="sum", **kw)
+            out = linear_divergence_loss(mine[0], student, h_t, teacher, reduction="sum", **kw)
             total = out.loss
     with _Counted() as bwd:
         total.backward()

@@ -63,7 +63,7 @@ def _cases(rank, world):
                                                                 torch.tensor(other)))),
         ("temperature", lambda: lp(temperature=0.5 + other)),
         ("temperature", lambda: lp(temperature=torch.full((4, 1), 1.0 + 0.25 * other))),
-        ("chunking (Chunking)", lambda: lp(chunking=2 + other)),
+        ("chunking.chunk_size", lambda: lp(chunking=2 + other)),
         ("compute_entropy", lambda: lp(compute_entropy=bool(other))),
         ("compute_sum_pi_squared", lambda: lp(compute_sum_pi_squared=bool(other))),
         ("softcap", lambda: lp(layer=dict(softcap=30.0 + other))),

@@ -503,7 +503,7 @@ def test_bf16_index_with_repeats_against_float64_no_worse_than_plain_bf16_autogr
     want = _grads(ref, ups, [h, w, b])
 
     h, w, b = _leaves(h0, w0, b0)
-    out = linear_log_probs_and_entropy(h, w, lab, bias=b, rows=rows, temperature=temp, chunk_size=16)
+    out = linear_log_probs_and_entropy(h, OutputLayer(w, b), lab, rows=rows, temperature=temp, chunking=16)
     ours = [out.log_probs, out.entropy, *_grads([out.log_probs, out.entropy], ups, [h, w, b])]
     assert out.log_probs.dtype == torch.float32 and ours[2].dtype == bf16
 

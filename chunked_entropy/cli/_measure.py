@@ -259,7 +259,7 @@ def _head_outputs(case: Case, inp: Inputs, group):
     log-probs only)."""
     from chunked_entropy import linear_log_probs_and_entropy
 
-    entropy = case.method in ("head", "headrows")
+    entropy = case.method not in ("headlp", "headrowslp")
     rows = "kept" if case.method in ("headrows", "headrowslp") else None
     out = linear_log_probs_and_entropy(inp.hidden, _layer(inp, group), inp.labels, chunking=_chunking(case),
                                        keep=inp.keep, rows=rows, compute_entropy=entropy)
