@@ -3,7 +3,7 @@
 Layer: the call (below the ops, above the loop and the per-token preparation). An op turns its arguments into
 the objects of :mod:`chunked_entropy.options` (:func:`settings`), checks and prepares them inside one
 :func:`~chunked_entropy.parallel.agreed_call` (the tokens' leading shape,
-:func:`~chunked_entropy._blocks.token_shape`; the :class:`~chunked_entropy._loop.Plan`, :func:`plan_for`;
+:func:`~chunked_entropy._logit_blocks.token_shape`; the :class:`~chunked_entropy._loop.Plan`, :func:`plan_for`;
 the per-token inputs, :func:`~chunked_entropy._inputs.prepare_tokens`), has the ranks agree on every object
 whole (:func:`agree_objects`), and then runs: zero tokens give :func:`zeros_connected`, a call without
 gradients the Function's forward bare (:func:`apply_or_forward`).
@@ -18,8 +18,8 @@ from typing import Optional
 import torch
 
 from ._autograd import connected
-from ._blocks import resolve_vocab_chunk
 from ._kernels import use_compiled
+from ._logit_blocks import resolve_vocab_chunk
 from ._loop import Plan
 from ._stats import Want
 from .options import Chunking, OutputLayer, as_chunking, as_layer

@@ -12,10 +12,10 @@ from typing import Optional, Union
 
 import torch
 
-from ._at import At, parse_at
 from ._checks import FLOAT_DTYPES, check_device, check_strided, float_bits, is_int, is_real
 from ._keep import Kept, parse_keep
 from ._stats import Coefficients, RowStats, Transform, Want
+from ._token_ids import At, parse_at
 from .parallel import CallCheck, fingerprint, fingerprint_floats
 
 
@@ -39,7 +39,7 @@ class Tokens:
     inv_t: Union[None, float, torch.Tensor]
     transform: Transform = Transform()
     keep: Optional[Kept] = None  # sampling replay: the kept sets (see chunked_entropy._keep)
-    at: Optional[At] = None  # distillation: log-probs at K ids per token, the row's top-k (chunked_entropy._at)
+    at: Optional[At] = None  # distillation: log-probs at K ids per token, the row's top-k (chunked_entropy._token_ids)
 
     @property
     def n(self) -> int:
@@ -142,7 +142,7 @@ def prepare_tokens(
     transform and fingerprints of the labels (after the mask) and of the
     temperatures. ``keep`` and ``entropy_of`` are sampling replay's (see
     :func:`chunked_entropy._keep.parse_keep`); ``log_probs_at`` and ``top_k``
-    distillation's (see :func:`chunked_entropy._at.parse_at`). ``logits``:
+    distillation's (see :func:`chunked_entropy._token_ids.parse_at`). ``logits``:
     the op's raw logits where it has them, read by ``keep`` as the row's own
     filter.
     """

@@ -21,7 +21,7 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from . import _at, _divergence, _keep, _stats
+from . import _divergence, _keep, _stats, _token_ids
 from ._inputs import Tokens, chunks
 from ._kernels import PAIR, Kernels
 from .parallel import all_reduce_sum_, reduce_stats, reduce_stats_pair
@@ -178,10 +178,10 @@ def grad_blocks(
     to each block (see :mod:`chunked_entropy._keep`). ``at_grads``: the
     upstream gradients ``[N, K + k]`` of distillation's log-probs at
     ``tok.at``'s ids, their sparse term added to each block (see
-    :mod:`chunked_entropy._at`). ``vocab_outer``: the vocabulary blocks are
+    :mod:`chunked_entropy._token_ids`). ``vocab_outer``: the vocabulary blocks are
     walked outermost, each block's chunks in order (the fused head's
     half-precision weight gradient, one matmul per block:
-    :func:`chunked_entropy._blocks.linear_grads`); the per-token coefficients
+    :func:`chunked_entropy._logit_blocks.linear_grads`); the per-token coefficients
     are then formed once per block and chunk (a few vectors of the chunk).
     """
     block = plan.vocab_chunk_size if block is None else block  # a backward's own block (vocab_outer)
@@ -259,7 +259,7 @@ def _refilled_grad(tok: Tokens, fill: Fill, view: View, bufs: Buffers, a, b, v0,
     if gk is not None:
         _keep.add_grad_(g, gk, entries, rows.kept, rows.truncated, co_k, tok.transform, k)
     if ea is not None:
-        _at.add_grad_(g, ra, ea, at[1], at[2], tok.transform)
+        _token_ids.add_grad_(g, ra, ea, at[1], at[2], tok.transform)
     return g
 
 

@@ -25,7 +25,7 @@ two); backward none per chunk.
 The chunking's ``backend`` chooses the kernels (``Plan.compiled``, as for the
 fused head), and the student layer's ``gradient_accumulation_fusion`` adds the
 student's weight gradient into ``main_grad`` (the linear Functions' trailing
-argument, :func:`~chunked_entropy._blocks.main_grad_of`).
+argument, :func:`~chunked_entropy._logit_blocks.main_grad_of`).
 """
 
 from __future__ import annotations
@@ -37,7 +37,12 @@ from typing import NamedTuple, Optional, Union
 import torch
 
 from ._autograd import hand_over, once_differentiable
-from ._blocks import (
+from ._call import agree_objects, apply_or_forward, group_of, plan_for, refused_together, zeros_connected
+from ._checks import check_device, check_flag, check_float, float_bits, is_real
+from ._divergence import PairRows
+from ._inputs import Rows, Tokens, check_transform_scale, compute_dtype, dtype_code, prepare_tokens
+from ._kernels import use_compiled
+from ._logit_blocks import (
     check_head,
     full_hidden,
     grad_vocab_block,
@@ -52,11 +57,6 @@ from ._blocks import (
     token_shape,
     weak_group,
 )
-from ._call import agree_objects, apply_or_forward, group_of, plan_for, refused_together, zeros_connected
-from ._checks import check_device, check_flag, check_float, float_bits, is_real
-from ._divergence import PairRows
-from ._inputs import Rows, Tokens, check_transform_scale, compute_dtype, dtype_code, prepare_tokens
-from ._kernels import use_compiled
 from ._loop import Plan, new_pair_rows, new_row_stats, pair_grad_blocks, pair_loss_grad_blocks, pair_row_stats
 from ._migrate import accepts_01_keywords
 from ._rows import kept_rows, parse_kept, put_rows, select_logit_rows, select_rows, take_rows

@@ -5,7 +5,7 @@ folded into the chunk loop: forward computes one chunk (and, optionally, one
 vocabulary block) of logits at a time, reduces it to the per-token statistics
 of :mod:`chunked_entropy._stats`, and drops it; backward recomputes the chunk
 and turns its logit gradient straight into gradients for the hidden states,
-the weight and the bias (:func:`chunked_entropy._blocks.linear_grads`).
+the weight and the bias (:func:`chunked_entropy._logit_blocks.linear_grads`).
 :class:`~chunked_entropy.ChunkedVocabParallelHead` is the ``nn.Module`` over it.
 """
 
@@ -17,7 +17,10 @@ from typing import Optional, Union
 import torch
 
 from ._autograd import once_differentiable
-from ._blocks import (
+from ._call import agree_objects, group_of, plan_for, refused_together, settings
+from ._checks import check_flag
+from ._inputs import Rows, Tokens, compute_dtype, prepare_tokens
+from ._logit_blocks import (
     check_linear_args,
     full_hidden,
     grad_vocab_block,
@@ -31,9 +34,6 @@ from ._blocks import (
     reduce_hidden_grad,
     weak_group,
 )
-from ._call import agree_objects, group_of, plan_for, refused_together, settings
-from ._checks import check_flag
-from ._inputs import Rows, Tokens, compute_dtype, prepare_tokens
 from ._loop import Plan, grad_blocks
 from ._migrate import accepts_01_keywords
 from ._outputs import LogProbsEntropy, empty_outputs, pack_outputs, run_outputs, split_grads, without_labels

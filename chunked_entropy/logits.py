@@ -12,11 +12,11 @@ from typing import Optional, Union
 import torch
 
 from ._autograd import once_differentiable
-from ._blocks import logits_plan, logits_row_stats, logits_source
 from ._call import agree_objects, group_of, refused_together, settings
 from ._checks import check_flag, check_float
 from ._inputs import Tokens, compute_dtype, dtype_code, prepare_tokens
 from ._kernels import use_compiled
+from ._logit_blocks import logits_plan, logits_row_stats, logits_source
 from ._loop import Plan, grad_blocks
 from ._migrate import accepts_01_keywords
 from ._outputs import LogProbsEntropy, empty_outputs, pack_outputs, run_outputs, split_grads, without_labels

@@ -36,7 +36,11 @@ from typing import Optional, Union
 import torch
 
 from ._autograd import connected, hand_over, once_differentiable
-from ._blocks import (
+from ._call import agree_objects, group_of, plan_for, refused_together, settings
+from ._checks import check_float, require
+from ._inputs import Rows, Tokens, compute_dtype, dtype_code, prepare_tokens
+from ._kernels import use_compiled
+from ._logit_blocks import (
     check_linear_args,
     full_hidden,
     grad_vocab_block,
@@ -54,10 +58,6 @@ from ._blocks import (
     token_major_grad,
     token_shape,
 )
-from ._call import agree_objects, group_of, plan_for, refused_together, settings
-from ._checks import check_float, require
-from ._inputs import Rows, Tokens, compute_dtype, dtype_code, prepare_tokens
-from ._kernels import use_compiled
 from ._loop import Plan, loss_grad_blocks, new_row_stats
 from ._migrate import accepts_01_keywords
 from ._rows import check_full_shape, parse_kept, select_logit_rows, select_rows, take_keep, take_rows

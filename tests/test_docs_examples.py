@@ -36,7 +36,7 @@ NO_RUN = re.compile(r"^# doc-example: no-run \(.{10,}$", re.M)
 OLD_KEYWORDS = r".*are 0\.1's"
 
 
-def _blocks(page: str):
+def _logit_blocks(page: str):
     text = (ROOT / page).read_text()
     for m in _FENCE.finditer(text):
         title = _TITLE.search(m.group(1))
@@ -45,7 +45,7 @@ def _blocks(page: str):
 
 
 def _all_blocks():
-    return [p for page in PAGES for p in _blocks(page)]
+    return [p for page in PAGES for p in _logit_blocks(page)]
 
 
 def test_pages_have_examples():
@@ -54,7 +54,7 @@ def test_pages_have_examples():
     for page in ("README.md", "docs/getting-started.md", "docs/concepts.md", "docs/api.md", "docs/losses.md",
                  "docs/distillation.md", "docs/examples.md", "docs/integrations/huggingface.md",
                  "docs/integrations/megatron.md", "docs/integrations/verl.md"):
-        assert len(list(_blocks(page))) >= 1, page
+        assert len(list(_logit_blocks(page))) >= 1, page
     assert sum(1 for *_, code in (p.values for p in _all_blocks()) if not NO_RUN.search(code)) >= 25
 
 

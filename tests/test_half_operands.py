@@ -4,7 +4,7 @@ On CUDA the library multiplies bf16/fp16 operands into a float32 result with
 ``torch.mm(..., out_dtype=torch.float32)``; a CPU has no such kernel, so the
 library there multiplies float32 copies (the same exact sum of products). To
 check the CUDA branch on this machine, the tests below switch it on
-(``_blocks.half_mm_native``) and serve the ``mm.dtype`` / ``mm.dtype_out``
+(``_logit_blocks.half_mm_native``) and serve the ``mm.dtype`` / ``mm.dtype_out``
 overloads that CPU torch lacks from a ``TorchDispatchMode``, which logs the
 dtypes of the operands of every matmul dispatched. ``tests/test_cuda.py``
 runs the same log on a GPU without the stand-in.
@@ -20,7 +20,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import chunked_entropy._blocks as blocks
+import chunked_entropy._logit_blocks as blocks
 import chunked_entropy.config as config
 from chunked_entropy import (
     Chunking,

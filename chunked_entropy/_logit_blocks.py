@@ -1,6 +1,6 @@
 """Where the chunk loop's blocks of logits come from, and where their gradients go.
 
-Floor 3, shared by the ops above it: the logits path
+Layer: the walk, shared by the ops above it: the logits path
 (:mod:`chunked_entropy.logits`) and the fused loss from logits read the
 caller's logits rows; the fused head (:mod:`chunked_entropy.linear`) and the
 fused loss from hidden states compute each block as ``hidden @ weight.T + bias``
