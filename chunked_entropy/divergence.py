@@ -538,7 +538,7 @@ def _rows_call(op, a: dict):
     if not isinstance(s, torch.Tensor) or not isinstance(t, torch.Tensor) or s.dim() < 2 or t.dim() < 2:
         raise ValueError("rows='kept': student_hidden and teacher_hidden must be [..., H] tensors")
     world = group_rank_size(group)[1] if sp else 1
-    lead = torch.Size((s.shape[0] * world,) + tuple(s.shape[1:-1]))
+    lead = token_shape(s, world, sp, name="student_hidden")
     valid = torch.ones(lead, dtype=torch.bool, device=s.device)
     for name in ("labels", "label_mask"):
         x = a.get(name)
