@@ -61,20 +61,27 @@ def k_column(k, n: int, dtype, device) -> torch.Tensor:
     return torch.full((n, 1), 1.0 if k is None else float(k), dtype=dtype, device=device)
 
 
-class _Compiled:
-    """The compiled kernels, built on first use."""
+class _Lazy:
+    """``torch.compile`` of the functions ``functions()`` names, on first use (once, under a lock)."""
 
-    def __init__(self):
+    def __init__(self, functions):
         self._lock = threading.Lock()
         self._fns = None
+        self._functions = functions
 
     def fns(self):
         with self._lock:
             if self._fns is None:
                 opts = dict(dynamic=True, fullgraph=True)
-                self._fns = tuple(_no_duck_shapes(torch.compile(f, **opts))
-                                  for f in (_stats.stats_of_block, _stats.grad_of_block, _stats.grad_of_block_))
+                self._fns = tuple(_no_duck_shapes(torch.compile(f, **opts)) for f in self._functions())
             return self._fns
+
+
+class _Compiled(_Lazy):
+    """The compiled kernels, built on first use."""
+
+    def __init__(self):
+        super().__init__(lambda: (_stats.stats_of_block, _stats.grad_of_block, _stats.grad_of_block_))
 
     def stats(self, z, tf, k, target, v0, want_w, want_q, dtype):
         n = z.shape[0]
@@ -98,7 +105,7 @@ class _Compiled:
         return out if n > 1 else out.copy_(dst[:1])
 
 
-class _PairKernels:
+class _PairKernels(_Lazy):
     """A divergence's kernels (:func:`chunked_entropy._divergence.terms_of_blocks`,
     :func:`~chunked_entropy._divergence.grad_of_blocks_` and, for a KL folded online,
     :func:`~chunked_entropy._divergence.cross_of_blocks`) through ``torch.compile``, built on first use: the
@@ -107,16 +114,8 @@ class _PairKernels:
     per divergence kind and ``beta`` (its value is a constant of the kernel) and dtype."""
 
     def __init__(self):
-        self._lock = threading.Lock()
-        self._fns = None
-
-    def fns(self):
-        with self._lock:
-            if self._fns is None:
-                opts = dict(dynamic=True, fullgraph=True)
-                self._fns = tuple(_no_duck_shapes(torch.compile(f, **opts)) for f in (
-                    _divergence.terms_of_blocks, _divergence.grad_of_blocks_, _divergence.cross_of_blocks))
-            return self._fns
+        super().__init__(lambda: (_divergence.terms_of_blocks, _divergence.grad_of_blocks_,
+                                  _divergence.cross_of_blocks))
 
     def terms(self, math_, x, xt, tf, k, m, ls, tf_t, k_t, m_t, ls_t, dtype):
         """Per-row ``(D, aux)`` of one block of each head (raw logits, read only)."""
