@@ -24,7 +24,7 @@ import torch
 
 from ._call import group_of, refused_together
 from .losses.aggregation import Aggregation
-from .losses.options import PolicyOptions
+from .losses.policy_options import PolicyOptions
 from .options import Chunking, Divergence, OutputLayer, PolicyLoss, errors_named
 
 __all__ = ["accepts_01_keywords"]

@@ -41,7 +41,7 @@ from ._stats import Transform
 from .config import ChunkedEntropyConfig, auto_chunk_size, check_field
 from .losses.aggregation import Aggregation
 from .losses.kl import KL_KINDS
-from .losses.options import PolicyOptions
+from .losses.policy_options import PolicyOptions
 from .losses.registry import objective
 from .parallel import group_rank_size
 

@@ -31,7 +31,7 @@ from ._common import masked_mean
 from .aggregation import AGG_MODES, Aggregation, agg_loss, agg_weights, entropy_bonus
 from .distill import TopKForwardKL, sparse_divergence, topk_forward_kl, topk_overlap
 from .kl import KL_KINDS, kl_penalty, kl_penalty_grad
-from .options import PolicyOptions
+from .policy_options import PolicyOptions
 from .registry import LOSS_MODES, ROW_LOCAL_MODES, TOKEN_LOCAL_MODES, policy_loss, policy_loss_grad, row_local
 from .rollout import rollout_correction
 

@@ -22,7 +22,7 @@ import torch
 from .._checks import check_device, checked_call
 from ._common import check_mask, check_same_shape, check_tensor
 from .aggregation import Aggregation, aggregate
-from .options import PolicyOptions
+from .policy_options import PolicyOptions
 from .rollout import check_not_empty, check_options, correction
 from .sequence import clip_cov, geo_mean, gspo, kl_cov
 from .token import (
