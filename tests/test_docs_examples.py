@@ -90,3 +90,14 @@ def test_example_runs(page, text, title, code, tmp_path, monkeypatch):
     proc = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, f"{' '.join(argv)} failed:\n{proc.stdout}\n{proc.stderr}"
     assert not re.search(OLD_KEYWORDS, proc.stderr), proc.stderr
+
+
+@pytest.mark.parametrize("module", ["chunked_entropy.options", "chunked_entropy.head", "chunked_entropy.config"])
+def test_docstring_examples_run(module):
+    """The ``>>>`` examples of the option objects', the head's and the config's docstrings run and print what
+    they show."""
+    import doctest
+    import importlib
+
+    result = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0, result
