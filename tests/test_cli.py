@@ -297,7 +297,7 @@ def test_plan_table_and_recommendation(capsys):
     assert "| clone workaround | 3.00 GiB | 4.00 GiB | yes |" in out
     assert "| chunked logits path, chunk 512 | 1.06 GiB | 2.06 GiB | yes |" in out  # 1 GiB + 64 MiB
     assert "chunk_size=512 with the logits path" in out  # 2C = 128 MiB = 1/8 of the logits
-    assert "log_probs_and_entropy(logits, labels, chunk_size=512)" in out
+    assert "log_probs_and_entropy(logits, labels, chunking=512)" in out
 
 
 def test_plan_predicts_the_rows_read(capsys):
@@ -317,7 +317,7 @@ def test_plan_falls_back_to_the_fused_head_then_to_nothing(capsys):
                         "--budget", "12GiB")
     assert code == 0
     assert "chunk_size=1024 with the fused head" in out
-    assert "linear_log_probs_and_entropy(hidden, weight, labels, chunk_size=1024)" in out
+    assert "linear_log_probs_and_entropy(hidden, weight, labels, chunking=1024)" in out
     code, out, _ = _run(capsys, "plan", "--tokens", "16384", "--vocab", "151936", "--budget", "12GiB")
     assert code == 1
     assert "nothing fits the budget" in out and "--hidden" in out

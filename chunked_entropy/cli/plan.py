@@ -308,9 +308,9 @@ def run(args) -> int:
         print(f"Recommendation: {rec.reason}.")
         return 1
     if rec.approach == "chunked":
-        call = f"log_probs_and_entropy(logits, labels, chunk_size={rec.chunk})"
+        call = f"log_probs_and_entropy(logits, labels, chunking={rec.chunk})"
     else:
-        call = f"linear_log_probs_and_entropy(hidden, weight, labels, chunk_size={rec.chunk})"
+        call = f"linear_log_probs_and_entropy(hidden, weight, labels, chunking={rec.chunk})"
     print(f"Recommendation: chunk_size={rec.chunk} with the "
           f"{'logits path' if rec.approach == 'chunked' else 'fused head'}, "
           f"about {fmt_bytes(rec.total)} per rank ({rec.reason}).")
