@@ -78,6 +78,8 @@ def refused_together(group):
 def agree_objects(call, **objects) -> None:
     """Every rank of the call's group must pass equal option objects: each agreed on whole, every field of its
     ``fingerprint()``, an error naming the argument and the field (``teacher_layer.softcap``)."""
+    if call.world == 1:  # nothing to agree with: no fingerprint computed
+        return
     for name, obj in objects.items():
         for field, value in obj.fingerprint().items():
             call.agree(f"{name}.{field}", value)

@@ -68,7 +68,7 @@ class ChunkedVocabParallelHead(nn.Module):
     def __getattr__(self, name):  # 0.1's attributes: head.chunk_size, head.softcap, ...
         if name in _CHUNKING_FIELDS:
             return getattr(self.chunking, name)
-        if name in _LAYER_FIELDS and name not in ("weight", "bias"):
+        if name in _LAYER_FIELDS and name not in ("weight", "bias") and "_layer" in self.__dict__:
             return getattr(self.__dict__["_layer"], name)
         return super().__getattr__(name)
 
