@@ -161,7 +161,7 @@ def test_fused_head(c, h, bias):
     mode=st.sampled_from(losses.AGG_MODES),
     clip=st.sampled_from([(0.2, 0.2, None), (0.2, 0.28, 3.0), (0.1, 0.5, 1.5)]),
     entropy_coeff=st.sampled_from([0.0, 0.01, -0.3]),
-    kl=st.sampled_from([(0.0, "low_var_kl"), (0.1, "k1"), (0.2, "k2"), (0.05, "abs")]),
+    kl=st.sampled_from([(0.0, "low_var_kl"), (0.1, "k1"), (0.2, "k2"), (0.05, "abs"), (0.1, "k3+")]),
     dp=st.sampled_from([1, 2]),
     path=st.sampled_from(["head", "logits"]),
 )

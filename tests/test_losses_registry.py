@@ -247,3 +247,18 @@ def test_row_local_is_what_verls_gradient_reads(mode, over):
             assert reads_only_its_row, (mode, agg)
         elif agg == "token-mean":
             assert not reads_only_its_row, (mode, agg)
+
+
+@pytest.mark.parametrize("kind", ["k3+", "low_var_kl+", "k1+", "abs+", "mse+"])
+def test_verls_straight_through_kl_types_are_read_from_its_actor_config(kind):
+    from chunked_entropy import PolicyLoss
+
+    import dataclasses
+
+    base = _verl_config("vanilla", "token-mean", {})
+    cfg = dataclasses.replace(base, use_kl_loss=True, kl_loss_type=kind, kl_loss_coef=0.1)
+    loss = PolicyLoss.from_actor_config(cfg)
+    assert (loss.kl_kind, loss.kl_coef) == (kind, 0.1)
+    full = dataclasses.replace(cfg, kl_loss_type="full")  # verl's own kl_penalty raises NotImplementedError for it
+    with pytest.raises(ValueError, match="kl_kind.*'full'"):
+        PolicyLoss.from_actor_config(full)

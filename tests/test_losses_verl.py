@@ -139,14 +139,24 @@ def test_policy_loss_is_verls_vanilla(mode, low, high, c):
         assert metrics[f"actor/{k}"].item() == pytest.approx(their_metrics[f"actor/{k}"], rel=1e-6, abs=1e-7), k
 
 
-@pytest.mark.parametrize("kind", ["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"])
+@pytest.mark.parametrize("kind", [k + plus for k in ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+                                  for plus in ("", "+")])
 def test_kl_penalty_is_verls(kind):
+    """Values and both gradients, "+" (straight-through) kinds included, against verl's own ``kl_penalty``."""
     g = torch.Generator().manual_seed(6)
     lp = torch.randn(4, 8, generator=g, dtype=torch.float64) * 3
     ref = torch.randn(4, 8, generator=g, dtype=torch.float64) * 3
     lp[0, :2] = torch.tensor([40.0, -40.0])  # beyond verl's clamps
-    torch.testing.assert_close(losses.kl_penalty(lp, ref, kind), core_algos.kl_penalty(lp, ref, kind),
-                               rtol=1e-14, atol=1e-14)
+    gout = torch.randn(4, 8, generator=g, dtype=torch.float64)
+    outs = []
+    for fn in (losses.kl_penalty, core_algos.kl_penalty):
+        a, b = lp.clone().requires_grad_(), ref.clone().requires_grad_()
+        value = fn(a, b, kind)
+        (value * gout).sum().backward()
+        outs.append((value.detach(), a.grad, b.grad))
+    for ours, theirs in zip(*outs, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-14, atol=1e-14)
+    torch.testing.assert_close(losses.kl_penalty_grad(lp, ref, kind) * gout, outs[1][1], rtol=1e-14, atol=1e-14)
 
 
 def _composed_with_verl(logits64, labels, old, adv, mask, ref, mode, norm, entropy_coeff, kl_coef):

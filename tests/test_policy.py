@@ -94,7 +94,7 @@ def _fused(d, *, path, temperature, opts, dtype, softcap=None, chunking=None):
 CASES = [
     dict(loss_agg_mode="token-mean"),
     dict(loss_agg_mode="token-mean", entropy_coeff=0.01, kl_coef=0.1, kl_kind="low_var_kl", clip_ratio_c=3.0),
-    dict(loss_agg_mode="seq-mean-token-sum", entropy_coeff=0.02, kl_coef=0.05, kl_kind="k1"),
+    dict(loss_agg_mode="seq-mean-token-sum", entropy_coeff=0.02, kl_coef=0.05, kl_kind="low_var_kl+"),
     dict(loss_agg_mode="seq-mean-token-mean", kl_coef=0.2, kl_kind="k2", clip_ratio_high=0.28),
     dict(loss_agg_mode="seq-mean-token-sum-norm", entropy_coeff=0.01, kl_coef=0.1, kl_kind="abs",
          clip_ratio_c=2.0, loss_scale_factor=16.0),
