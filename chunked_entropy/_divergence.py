@@ -218,7 +218,7 @@ class DivergenceSpec:
     beta: Optional[float] = None
 
     def __post_init__(self):
-        if self.kind not in KINDS:
+        if not isinstance(self.kind, str) or self.kind not in KINDS:
             raise ValueError(f"divergence must be one of {', '.join(map(repr, KINDS))}, got {self.kind!r}")
         if self.kind == "jsd":
             if self.beta is None:

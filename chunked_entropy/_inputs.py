@@ -157,10 +157,7 @@ def prepare_tokens(
             f"got {tuple(labels.shape)}"
         )
     check_device(labels_name, labels, device)
-    if not is_int(ignore_index):
-        raise TypeError(f"ignore_index must be an int (the label id meaning 'no label'), got {ignore_index!r}")
-    if not -(2**63) <= ignore_index < 2**63:
-        raise ValueError(f"ignore_index must fit in int64 (the labels' dtype), got {ignore_index!r}")
+    check_ignore_index(ignore_index)
     transform = Transform() if transform is None else transform
     v_global = v_local * call.world
     flat = labels.reshape(-1).to(torch.int64)
@@ -210,6 +207,15 @@ def prepare_tokens(
                       scale=(transform, k_rows, dtype))
     at = parse_at(log_probs_at, top_k, lead_shape=lead_shape, v_local=v_local, device=device, call=call, keep=keep)
     return Tokens(lead_shape, valid, target, inv_t, transform, kept, at)
+
+
+def check_ignore_index(ignore_index) -> int:
+    """``ignore_index``: an int that fits in int64 (the labels' dtype), as an int."""
+    if not is_int(ignore_index):
+        raise TypeError(f"ignore_index must be an int (the label id meaning 'no label'), got {ignore_index!r}")
+    if not -(2**63) <= ignore_index < 2**63:
+        raise ValueError(f"ignore_index must fit in int64 (the labels' dtype), got {ignore_index!r}")
+    return int(ignore_index)
 
 
 def dtype_code(dtype: torch.dtype) -> int:

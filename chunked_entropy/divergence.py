@@ -40,7 +40,15 @@ from ._autograd import hand_over, once_differentiable
 from ._call import agree_objects, apply_or_forward, group_of, plan_for, refused_together, zeros_connected
 from ._checks import check_device, check_flag, check_float, float_bits, is_real
 from ._divergence import PairRows
-from ._inputs import Rows, Tokens, check_transform_scale, compute_dtype, dtype_code, prepare_tokens
+from ._inputs import (
+    Rows,
+    Tokens,
+    check_ignore_index,
+    check_transform_scale,
+    compute_dtype,
+    dtype_code,
+    prepare_tokens,
+)
 from ._kernels import use_compiled
 from ._logit_blocks import (
     check_head,
@@ -145,6 +153,8 @@ def _loss_weights(call, tok: Tokens, valid, *, reduction, normalizer, weights, c
         if normalizer.device != device and normalizer.device.type != "cpu":  # a CPU scalar is read from anywhere
             check_device("normalizer", normalizer, device, "student_hidden")
         nz = normalizer.detach().to(device=device, dtype=cdt)
+        call.require(torch.isfinite(nz) & (nz > 0), "normalizer must be a number > 0 or a 0-d tensor holding one, "
+                     "got a tensor holding 0, a negative value, NaN or inf")
         w = w / nz
         norm = (2, *fingerprint_floats(nz)) if call.world > 1 else (2, 0, 0)
     elif is_real(normalizer) and math.isfinite(normalizer) and normalizer > 0:
@@ -155,7 +165,7 @@ def _loss_weights(call, tok: Tokens, valid, *, reduction, normalizer, weights, c
     call.agree("reduction (0 mean, 1 sum)", ("mean", "sum").index(reduction))
     call.agree("normalizer (kind 0 None, 1 a number, 2 a tensor; its value)", norm)
     call.agree("weights is not None", weights is not None)
-    if call.world > 1 and weights is not None:
+    if call.world > 1:  # agreed whether given or not: a rank without weights is named, not a "different call"
         call.agree("weights (their values)", fingerprint_floats(weights))
     return w
 
@@ -187,8 +197,8 @@ def _prepare(call, lead, labels, *, v_local, label_mask, ignore_index, temperatu
     """Tokens (the student's labels and temperatures, checked as the other ops check them), the rows the
     divergence counts, and the teacher's checks; every rank records what it must agree on."""
     no_labels = labels is None
-    if no_labels:
-        labels = torch.full(tuple(lead), ignore_index, dtype=torch.int64, device=device)
+    if no_labels:  # every row unlabelled: ignore_index checked first, as prepare_tokens checks it
+        labels = torch.full(tuple(lead), check_ignore_index(ignore_index), dtype=torch.int64, device=device)
     tok = prepare_tokens(labels, lead, v_local, call=call, label_mask=label_mask, ignore_index=ignore_index,
                          temperature=temperature, device=device, dtype=cdt, transform=tf_s)
     if no_labels:
@@ -385,6 +395,10 @@ def _linear_call(student_hidden, student: OutputLayer, teacher_hidden, teacher: 
             temperature=temperature, tf_s=tf_s, tf_t=tf_t, device=student_hidden.device, cdt=cdt, spec=spec,
             teacher_values=teacher_hidden, teacher_name="teacher_hidden",
         )
+        for name, t in (("teacher_layer.weight", teacher_weight), ("teacher_layer.bias", teacher_bias)):
+            if t is not None:  # as teacher_hidden: a teacher's NaN would poison every divergence
+                call.require(_all_finite(t), f"{name} must be finite (no NaN or inf): a teacher's NaN would poison "
+                             "every divergence")
         plan = plan_for(student, chunking, lead=lead, want=Want(compute_entropy, False), device=student_hidden.device,
                         buffers=4)
         main_grad = main_grad_of(student_weight, student.gradient_accumulation_fusion)
@@ -483,7 +497,8 @@ def linear_divergence(
     Raises:
         ValueError: before any work, naming the argument (and, under a group, the rank): vocabularies
             that differ, hidden states of other leading shapes, a ``jsd`` ``beta`` outside (0, 1), a
-            non-positive temperature, NaN or inf in ``teacher_hidden``, ranks that disagree.
+            non-positive temperature, NaN or inf in ``teacher_hidden`` or the teacher layer's weight or bias,
+            ranks that disagree.
         TypeError: tensors of the wrong kind or dtype, named.
 
     Memory:
@@ -535,19 +550,20 @@ def _rows_call(op, a: dict):
         _not_sequence_parallel(a)
         return op(**a)
     s, t = a["student_hidden"], a["teacher_hidden"]
-    if not isinstance(s, torch.Tensor) or not isinstance(t, torch.Tensor) or s.dim() < 2 or t.dim() < 2:
-        raise ValueError("rows='kept': student_hidden and teacher_hidden must be [..., H] tensors")
-    world = group_rank_size(group)[1] if sp else 1
-    lead = token_shape(s, world, sp, name="student_hidden")
-    valid = torch.ones(lead, dtype=torch.bool, device=s.device)
-    for name in ("labels", "label_mask"):
-        x = a.get(name)
-        if isinstance(x, torch.Tensor):
-            if x.shape != lead or x.device != s.device:
-                raise ValueError(f"{name} must have the tokens' leading shape {tuple(lead)} on {s.device}, got "
-                                 f"{tuple(x.shape)} on {x.device}")
-            valid &= (x != a["ignore_index"]) if name == "labels" else x.to(torch.bool)
-    idx, require = kept_rows(valid, kept[1])
+    with agreed_call(group):  # a rank's refusal here reaches every rank before the gather below
+        if not isinstance(s, torch.Tensor) or not isinstance(t, torch.Tensor) or s.dim() < 2 or t.dim() < 2:
+            raise ValueError("rows='kept': student_hidden and teacher_hidden must be [..., H] tensors")
+        world = group_rank_size(group)[1] if sp else 1
+        lead = token_shape(s, world, sp, name="student_hidden")
+        valid = torch.ones(lead, dtype=torch.bool, device=s.device)
+        for name in ("labels", "label_mask"):
+            x = a.get(name)
+            if isinstance(x, torch.Tensor):
+                if x.shape != lead or x.device != s.device:
+                    raise ValueError(f"{name} must have the tokens' leading shape {tuple(lead)} on {s.device}, got "
+                                     f"{tuple(x.shape)} on {x.device}")
+                valid &= (x != check_ignore_index(a["ignore_index"])) if name == "labels" else x.to(torch.bool)
+        idx, require = kept_rows(valid, kept[1])
     if world > 1:
         t = all_gather_dim0(t.detach(), group)
     a["teacher_hidden"] = take_rows(t, lead, idx)
@@ -591,8 +607,8 @@ def linear_divergence_loss(
 
     ``w_i`` is ``label_mask_i`` (times ``weights_i`` when given: a float tensor of the tokens' shape, on
     the student's device), divided by the number of counted rows (``reduction="mean"``, at least 1), by
-    ``normalizer`` (a number > 0 or a 0-d tensor, e.g. TRL's ``num_items_in_batch``, on the student's
-    device or the CPU), or by nothing (``reduction="sum"``). Arguments otherwise as
+    ``normalizer`` (a number > 0 or a 0-d tensor holding one, e.g. TRL's ``num_items_in_batch``, on the
+    student's device or the CPU), or by nothing (``reduction="sum"``). Arguments otherwise as
     :func:`linear_divergence` (no labels: the loss form is the divergence alone). Under a process group
     ``reduction``, the normalizer's value and the weights (shape and values) are part of the call's
     cross-rank check: a bad or a different value on one rank raises on every rank, before any

@@ -91,7 +91,7 @@ class OutputLayer:
     already hold the rest), and take it without a weight.
 
     Attributes:
-        weight: ``[V_local, H]`` float tensor, this rank's vocabulary shard
+        weight: ``[V_local, H]`` float tensor (``V_local >= 1``), this rank's vocabulary shard
             (Megatron's output layer, a tied embedding, an ``nn.Linear``
             lm_head); shared, never copied or written. None for the logits ops.
         bias: ``[V_local]`` or None.
@@ -137,6 +137,8 @@ class OutputLayer:
         w, b = self.weight, self.bias
         if w is not None:
             check_float(f"{p}weight", w, dim=2)
+            if w.shape[0] < 1:
+                raise ValueError(f"{p}weight must have at least one row (V_local >= 1), got shape {tuple(w.shape)}")
         if b is not None:
             if w is None:
                 raise ValueError(f"{p}bias needs {p}weight (the logits ops take no bias: their logits hold it)")
@@ -518,6 +520,8 @@ class Divergence:
             ``"jsd"`` (the generalized Jensen-Shannon divergence with mixture ``beta * p_t + (1 - beta) * p_s``).
         beta: the JSD's mixture weight in (0, 1); None for the KLs.
 
+    ``replace(**changes)`` gives a copy, checked again, as the other option objects' does.
+
     TRL's ``GKDTrainer`` names the same three with one number, its ``beta``:
     0 the forward KL, 1 the reverse KL, in between the JSD; :meth:`from_trl_beta` maps it.
 
@@ -533,6 +537,10 @@ class Divergence:
 
     def __post_init__(self):
         object.__setattr__(self, "beta", DivergenceSpec(self.kind, self.beta).beta)  # checked (and named) there
+
+    def replace(self, **changes) -> "Divergence":
+        """A copy with ``changes`` (checked again)."""
+        return dataclasses.replace(self, **changes)
 
     @property
     def spec(self) -> DivergenceSpec:

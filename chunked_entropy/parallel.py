@@ -198,22 +198,31 @@ class CallCheck:
 
     # ------------------------------------------------------------------ the exchange
 
-    def _values(self):
-        out = []
-        for v in self.fields.values():
-            out.extend(v if isinstance(v, tuple) else (v,))
-        return out
-
     def _structure(self) -> int:
         """A hash of what is checked: ranks that made different calls (different entry points) differ here."""
         names = [f"{k}:{len(v) if isinstance(v, tuple) else 1}" for k, v in self.fields.items()]
         return zlib.crc32(repr((names, [m for _, m in self.requirements])).encode()) & 0x7FFFFFFF
 
+    def _int64_values(self):
+        """``(values, error)``: every agreed value as a 0-d int64 tensor, or the error naming the field whose
+        value does not fit (an int of 2**63 or more): this rank's refusal, shared in the exchange instead of
+        raised before it (its peers would wait in the all-gather)."""
+        out = []
+        for name, v in self.fields.items():
+            for x in (v if isinstance(v, tuple) else (v,)):
+                try:
+                    out.append(torch.as_tensor(x, dtype=torch.int64))
+                except (OverflowError, RuntimeError, TypeError, ValueError) as e:
+                    return [], ValueError(f"{name} must fit in int64 to be compared across the ranks, got {x!r} ({e})")
+        return out, None
+
     def exchange(self, error: Optional[BaseException]) -> None:
         """The one all-gather of the call; raises the same error on every rank when any rank failed."""
         device = collective_device(self.group)
         vec = torch.zeros(CHECK_SLOTS, dtype=torch.int64, device=device)
-        values = [] if error is not None else self._values()
+        values = []
+        if error is None:
+            values, error = self._int64_values()
         used = 2 + len(self.requirements) + len(values)
         if error is None and used > CHECK_SLOTS:  # the same on every rank that made the same call
             error = RuntimeError(f"chunked_entropy: {used} checks exceed CHECK_SLOTS={CHECK_SLOTS} (a bug)")
@@ -226,8 +235,7 @@ class CallCheck:
                 parts.append((~torch.stack([ok.to(torch.bool) for ok, _ in self.requirements])).to(
                     device=device, dtype=torch.int64))
             if values:
-                parts.append(torch.stack([torch.as_tensor(v, dtype=torch.int64).to(device).reshape(())
-                                          for v in values]))
+                parts.append(torch.stack([v.to(device).reshape(()) for v in values]))
             if parts:
                 vec[2:used] = torch.cat(parts)
         every = vec.new_empty(self.world * CHECK_SLOTS)

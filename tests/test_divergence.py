@@ -482,3 +482,93 @@ def test_a_cpu_normalizer_is_a_scalar_from_anywhere():
     a = linear_divergence_loss(hs, ws, ht, wt, normalizer=torch.tensor(3, dtype=torch.int64)).loss
     b = linear_divergence_loss(hs, ws, ht, wt, reduction="sum").loss / 3
     torch.testing.assert_close(a, b, rtol=1e-6, atol=0)
+
+
+# ----------------------------------------------------------------------------- the reliability pass (0.2.0)
+
+
+@pytest.mark.parametrize("ignore_index,exc", [("x", TypeError), (None, TypeError), (2**70, ValueError)])
+def test_a_bad_ignore_index_is_named_without_labels_too(ignore_index, exc):
+    hs, ws, ht, wt = _args()
+    with pytest.raises(exc, match="ignore_index must"):
+        linear_divergence(hs, ws, ht, wt, ignore_index=ignore_index)
+    with pytest.raises(exc, match="ignore_index must"):
+        divergence_from_logits(hs @ ws.t(), ht @ wt.t(), ignore_index=ignore_index)
+    with pytest.raises(exc, match="ignore_index must"):
+        linear_divergence(hs, ws, ht, wt, labels=torch.zeros(4, dtype=torch.long), rows="kept",
+                          ignore_index=ignore_index)
+
+
+@pytest.mark.parametrize("value", [0.0, -2.0, math.nan, math.inf])
+def test_a_tensor_normalizer_must_hold_a_finite_value_above_zero(value):
+    hs = torch.randn(4, 6, requires_grad=True)
+    with pytest.raises(ValueError, match="normalizer must be a number > 0 or a 0-d tensor holding one"):
+        linear_divergence_loss(hs, torch.randn(10, 6), torch.randn(4, 8), torch.randn(10, 8),
+                               normalizer=torch.tensor(value))
+    assert hs.grad is None
+
+
+@pytest.mark.parametrize("where", ["weight", "bias"])
+def test_a_non_finite_teacher_weight_or_bias_is_refused(where):
+    hs, ws, ht, wt = _args()
+    bt = torch.randn(10)
+    (wt if where == "weight" else bt)[3, ...] = math.nan
+    before = [t.clone() for t in (hs, ws, ht, wt, bt)]
+    hs.requires_grad_()
+    for op in (linear_divergence, linear_divergence_loss):
+        with pytest.raises(ValueError, match=f"teacher_layer.{where} must be finite"):
+            op(hs, ws, ht, OutputLayer(wt, bt))
+    for a, b in zip((hs, ws, ht, wt, bt), before, strict=True):
+        assert torch.equal(a.detach().nan_to_num(), b.nan_to_num())
+    assert hs.grad is None
+
+
+def test_a_weight_without_rows_is_named():
+    with pytest.raises(ValueError, match=r"OutputLayer.weight must have at least one row .* \(0, 6\)"):
+        OutputLayer(torch.randn(0, 6))
+    with pytest.raises(ValueError, match="student_layer.weight must have at least one row"):
+        linear_divergence(torch.randn(4, 6), torch.randn(0, 6), torch.randn(4, 8), torch.randn(0, 8))
+
+
+def test_divergence_objects_name_a_bad_kind_and_replace_like_the_others():
+    for kind in (["jsd"], None, 3):
+        with pytest.raises(ValueError, match="divergence must be one of"):
+            Divergence(kind)
+    d = Divergence("jsd", 0.25)
+    assert d.replace(beta=0.5) == Divergence("jsd", 0.5) and d.beta == 0.25
+    assert d.replace(kind="forward_kl", beta=None).kind == "forward_kl"
+    with pytest.raises(ValueError, match=r"beta must be in \(0.0, 1.0\)"):
+        d.replace(beta=1.0)
+
+
+def _tp_refusals(rank, world):
+    """Arguments refused on one rank only: every rank raises the same error naming it and the rank, no hang."""
+    group = dist.group.WORLD
+    g = torch.Generator().manual_seed(0)
+    hs, ht = torch.randn(6, 4, generator=g), torch.randn(6, 3, generator=g)
+    student = OutputLayer(torch.randn(5, 4, generator=g), process_group=group)
+    teacher = OutputLayer(torch.randn(5, 3, generator=g), process_group=group)
+    one = rank == 1
+    cases = [
+        # a value the cross-rank check cannot hold in int64: refused in the exchange, not raised before it
+        ("chunk_size must fit in int64", lambda: linear_divergence(hs, student, ht, teacher,
+                                                                   chunking=2**70 if one else 4)),
+        ("weights is not None differs", lambda: linear_divergence_loss(hs, student, ht, teacher,
+                                                                          weights=torch.ones(6) if one else None)),
+        ("ignore_index must be an int", lambda: linear_divergence(hs, student, ht, teacher,
+                                                                  ignore_index="x" if one else -100)),
+        # rows="kept": its checks come before the teacher's gather, and are shared too
+        ("label_mask must have the tokens' leading shape", lambda: linear_divergence(
+            hs, student.replace(sequence_parallel=True), ht, teacher.replace(sequence_parallel=True), rows="kept",
+            label_mask=torch.ones(12 - one, dtype=torch.bool))),
+    ]
+    for what, call in cases:
+        with pytest.raises((ValueError, TypeError), match=what) as e:
+            call()
+        assert "rank 1" in str(e.value) and f"this is rank {rank}" in str(e.value), str(e.value)
+    out = linear_divergence(hs, student, ht, teacher)  # the group still works
+    assert torch.isfinite(out.divergence).all()
+
+
+def test_tensor_parallel_refusals_on_one_rank_reach_every_rank():
+    run_distributed(_tp_refusals, 2, timeout_s=30)
