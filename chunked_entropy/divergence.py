@@ -625,8 +625,9 @@ def linear_divergence_loss(
     gradients by the loss's upstream gradient.
 
     Memory:
-        Holds the student's gradients (``[tokens, H_s]`` in its dtype, float32 ``[V_local, H_s]`` and
-        ``[V_local]``) from forward to backward instead of references to the inputs, plus what
+        Holds the student's gradients (``[tokens, H_s]`` in the hidden states' dtype, ``[V_local, H_s]`` in
+        the weight's, float32 with ``main_grad``, and a float32 ``[V_local]``) from forward to backward
+        instead of references to the inputs, plus what
         :func:`linear_divergence` holds per chunk (a fifth buffer with a student soft-cap).
     """
     with refused_together(group_of(student_layer)):

@@ -34,7 +34,7 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
-from ._checks import FLOAT_DTYPES, check_flag, check_float, check_positive, check_real, float_bits
+from ._checks import FLOAT_DTYPES, check_flag, check_float, check_positive, check_real, float_bits, is_int
 from ._divergence import DivergenceSpec
 from ._keep import ENTROPY_OF
 from ._stats import Transform
@@ -326,6 +326,9 @@ class Chunking:
     def resolve(self, width: int, *, buffers: int = 2) -> int:
         """The chunk size for ``width`` columns a block (the vocabulary block or shard): ``chunk_size``, or
         for ``"auto"`` ``max(1, max_chunk_bytes // (buffers * 4 * width))``."""
+        for name, value in (("width", width), ("buffers", buffers)):  # as ChunkedEntropyConfig.resolve_chunk_size
+            if not (is_int(value) and value >= 1):
+                raise ValueError(f"Chunking.resolve: {name} must be an int >= 1, got {value!r}")
         if self.chunk_size != "auto":
             return self.chunk_size
         return auto_chunk_size(self.max_chunk_bytes, buffers, width)

@@ -541,6 +541,13 @@ def test_divergence_objects_name_a_bad_kind_and_replace_like_the_others():
         d.replace(beta=1.0)
 
 
+@pytest.mark.parametrize("kw", [dict(width=0), dict(width=-3), dict(width=2.5), dict(width=8, buffers=0)])
+def test_chunking_resolve_names_a_bad_width(kw):
+    for chunking in (Chunking("auto"), Chunking(64)):
+        with pytest.raises(ValueError, match=f"Chunking.resolve: {'buffers' if 'buffers' in kw else 'width'} must"):
+            chunking.resolve(**kw)
+
+
 def _tp_refusals(rank, world):
     """Arguments refused on one rank only: every rank raises the same error naming it and the rank, no hang."""
     group = dist.group.WORLD
