@@ -368,7 +368,7 @@ def as_chunking(value, name: str = "chunking", *, default: Optional[Chunking] = 
         return value
     if value is None:
         return Chunking() if default is None else default
-    if isinstance(value, (int, str)) and not isinstance(value, bool):
+    if is_int(value) or isinstance(value, str):  # numpy ints too, as Chunking itself takes them
         try:
             return Chunking(value)
         except ValueError as e:

@@ -548,6 +548,20 @@ def test_chunking_resolve_names_a_bad_width(kw):
             chunking.resolve(**kw)
 
 
+def test_a_numpy_int_is_a_chunk_size_as_chunking_takes_it():
+    import numpy as np
+
+    hs, ws, ht, wt = _args()
+    want = linear_divergence(hs, ws, ht, wt, chunking=Chunking(3)).divergence
+    for n in (np.int64(3), np.int32(3)):
+        assert Chunking(n) == Chunking(3)
+        assert torch.equal(linear_divergence(hs, ws, ht, wt, chunking=n).divergence, want)
+        assert torch.equal(divergence_from_logits(hs @ ws.t(), ht @ wt.t(), chunking=n).divergence,
+                           divergence_from_logits(hs @ ws.t(), ht @ wt.t(), chunking=3).divergence)
+    with pytest.raises(ValueError, match="Chunking.chunk_size must be an int >= 1"):
+        linear_divergence(hs, ws, ht, wt, chunking=np.int64(0))
+
+
 def _tp_refusals(rank, world):
     """Arguments refused on one rank only: every rank raises the same error naming it and the rank, no hang."""
     group = dist.group.WORLD
