@@ -237,7 +237,8 @@ def prepare_temperature(temperature, lead_shape, device, dtype, call: CallCheck)
         if not temperature.is_floating_point():
             raise TypeError(f"temperature must be a float or a float tensor, got {temperature.dtype}")
         check_strided("temperature", temperature)
-        if temperature.dim() > 0:  # a 0-dim tensor is a scalar, taken from any device (as torch's own ops do)
+        # a 0-dim tensor is a scalar, taken from any device that holds a value (as torch's own ops do)
+        if temperature.dim() > 0 or temperature.is_meta:
             check_device("temperature", temperature, device)
         try:
             t = torch.broadcast_to(temperature.detach().to(device), lead_shape)

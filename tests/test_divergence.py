@@ -562,6 +562,15 @@ def test_a_numpy_int_is_a_chunk_size_as_chunking_takes_it():
         linear_divergence(hs, ws, ht, wt, chunking=np.int64(0))
 
 
+def test_a_temperature_on_the_meta_device_is_named_by_its_device():
+    hs, ws, ht, wt = _args()
+    for t in (torch.tensor(0.5, device="meta"), torch.full((4,), 0.5, device="meta")):
+        with pytest.raises(ValueError, match="temperature is on meta"):
+            linear_divergence(hs, ws, ht, wt, temperature=t)
+        with pytest.raises(ValueError, match="temperature is on meta"):
+            divergence_from_logits(hs @ ws.t(), ht @ wt.t(), temperature=t)
+
+
 def _tp_refusals(rank, world):
     """Arguments refused on one rank only: every rank raises the same error naming it and the rank, no hang."""
     group = dist.group.WORLD
