@@ -38,7 +38,7 @@ import torch
 from ._autograd import connected, hand_over, once_differentiable
 from ._call import agree_objects, group_of, plan_for, refused_together, settings
 from ._checks import check_float, require
-from ._inputs import Rows, Tokens, compute_dtype, dtype_code, prepare_tokens
+from ._inputs import NO_IGNORE, Rows, Tokens, compute_dtype, dtype_code, prepare_tokens
 from ._kernels import use_compiled
 from ._logit_blocks import (
     check_linear_args,
@@ -316,7 +316,8 @@ def linear_policy_loss(
             vocabulary shard, bias, logit transform, tensor-parallel group,
             sequence parallelism, ``logits_dtype`` and
             ``gradient_accumulation_fusion``.
-        labels: ``[B, T]`` int64 global ids (not range-checked where ``loss_mask`` is 0).
+        labels: ``[B, T]`` int64 global ids, range-checked wherever ``loss_mask`` is non-zero (no id
+            means "no label" here, ``-100`` neither: ``loss_mask`` alone says which tokens count).
         old_log_probs: ``[B, T]`` log-probs under the rollout policy (no gradient).
         advantages: ``[B, T]`` advantages (no gradient).
         loss_mask: ``[B, T]`` bool (or 0/1, or non-negative weights).
@@ -435,7 +436,7 @@ def linear_policy_loss(
         plan = plan_for(layer, chunking, lead=lead, want=Want(), device=hidden.device, buffers=2)
         main_grad = main_grad_of(weight, layer.gradient_accumulation_fusion)
         tok = prepare_tokens(
-            labels, lead, v_local, call=call, label_mask=objective.keep, ignore_index=-100,
+            labels, lead, v_local, call=call, label_mask=objective.keep, ignore_index=NO_IGNORE,
             temperature=temperature, device=hidden.device, dtype=cdt, transform=layer.transform,
             keep=keep, entropy_of=opts.entropy_of,
         )
@@ -603,7 +604,7 @@ def policy_loss_from_logits(
                            use_compiled(chunking.backend, logits.device))
         grads = torch.is_grad_enabled() and logits.requires_grad
         tok = prepare_tokens(
-            labels, logits.shape[:-1], logits.shape[-1], call=call, label_mask=objective.keep, ignore_index=-100,
+            labels, logits.shape[:-1], logits.shape[-1], call=call, label_mask=objective.keep, ignore_index=NO_IGNORE,
             temperature=temperature, device=logits.device, dtype=cdt, transform=layer.transform,
             keep=keep, entropy_of=opts.entropy_of,
         )
