@@ -251,9 +251,9 @@ def test_row_local_is_what_verls_gradient_reads(mode, over):
 
 @pytest.mark.parametrize("kind", ["k3+", "low_var_kl+", "k1+", "abs+", "mse+"])
 def test_verls_straight_through_kl_types_are_read_from_its_actor_config(kind):
-    from chunked_entropy import PolicyLoss
-
     import dataclasses
+
+    from chunked_entropy import PolicyLoss
 
     base = _verl_config("vanilla", "token-mean", {})
     cfg = dataclasses.replace(base, use_kl_loss=True, kl_loss_type=kind, kl_loss_coef=0.1)
