@@ -237,10 +237,7 @@ class CallCheck:
         if refused:
             self._raise_refused(refused, error)
         if len({row[1] for row in rows}) > 1:
-            raise ValueError(
-                f"the {self.world} ranks of process_group made different calls (this is rank {self.rank}); every "
-                "rank of the tensor-parallel group must call the same function with the same options"
-            )
+            self._raise_different_calls()
         for i, (_, message) in enumerate(self.requirements):
             bad = [r for r in range(self.world) if rows[r][2 + i]]
             if bad:
@@ -260,6 +257,31 @@ class CallCheck:
                     f"{self.rank}). Every rank of the tensor-parallel group must make the same call: the same "
                     "tokens, labels, temperatures and options, and vocabulary shards of the same size"
                 )
+
+    def _checked(self) -> list:
+        """What this rank checks, by name: each agreed field and each condition's message."""
+        return list(self.fields) + [f"the check '{m}'" for _, m in self.requirements]
+
+    def _raise_different_calls(self):
+        """The ranks checked different things (an argument given on some ranks only, or another op): share
+        what each checked (a second collective, only on failure) and name, per rank, the first check that not
+        every rank makes."""
+        every = [None] * self.world
+        dist.all_gather_object(every, self._checked(), group=self.group)
+        common = set.intersection(*(set(checked) for checked in every))
+        listed = lambda rs: f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}"  # noqa: E731
+        said = []
+        for r in range(self.world):
+            n = next((n for n in every[r] if n not in common), None)
+            if n is not None:
+                lacking = [q for q in range(self.world) if n not in every[q]]
+                said.append(f"rank {r} checks {n}, which {listed(lacking)} {'do' if len(lacking) > 1 else 'does'} not")
+        where = ("; ".join(said) + " (an argument given on some ranks only?)" if said
+                 else "the same checks, of other widths or in another order")
+        raise ValueError(
+            f"the {self.world} ranks of process_group made different calls: {where}; this is rank {self.rank}. "
+            "Every rank of the tensor-parallel group must call the same function with the same arguments and options"
+        )
 
     def _raise_refused(self, refused, error):
         """Share the refused ranks' messages (a second collective, only on failure) and raise them everywhere."""

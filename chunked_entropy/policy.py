@@ -113,6 +113,7 @@ class _Objective:
         old, adv, ref, w = selected(self.keep.reshape(-1), flat(old_log_probs), flat(advantages), flat(ref_log_probs),
                                     flat(weights))
         self.old, self.adv, self.ref, self.is_w = old, adv, ref, w
+        self.rollout = flat(rollout_log_probs)  # what the weights were computed from: agreed on by name
         self.mask_flat = loss_mask.reshape(-1)
         agg = opts.aggregation
         pg_agg = agg if self.objective.agg_mode is None else agg.with_mode(self.objective.agg_mode)
@@ -139,6 +140,7 @@ class _Objective:
             "advantages": fingerprint_floats(self.adv),
             "ref_log_probs": fingerprint_floats(self.ref),
             "loss_mask": fingerprint_floats(self.mask_flat),
+            "rollout_log_probs": fingerprint_floats(self.rollout),
             "rollout_is_weights": fingerprint_floats(self.is_w),
         }
         if self.opts.mode == "clip_cov":  # its random draw must be the same on every rank

@@ -69,6 +69,14 @@ def _cases(rank, world):
         ("softcap", lambda: lp(layer=dict(softcap=30.0 + other))),
         ("token count", lambda: lp(logits=z[: 3 + other], labels=labels[: 3 + other])),
         ("labels", lambda: lp(label_mask=torch.arange(12).reshape(4, 3) != other)),
+        # an argument given on one rank only: named (it was "the ranks made different calls", naming nothing)
+        ("log_probs_at", lambda: lp(log_probs_at=[None, torch.zeros(4, 3, 2, dtype=torch.long)][other])),
+        ("keep", lambda: lp(keep=[None, {"top_k": 2}][other])),
+        ("rows", lambda: lp(labels=labels.reshape(-1)[:5], rows=[torch.arange(5), torch.arange(1, 6)][other])
+         if other else lp(labels=labels.reshape(-1)[:5], logits=z.reshape(-1, 6)[:5])),
+        ("rollout_log_probs", lambda: policy_loss_from_logits(
+            z, labels, -torch.ones(4, 3), torch.ones(4, 3), torch.ones(4, 3, dtype=torch.bool),
+            layer=OutputLayer(process_group=group), rollout_log_probs=[None, -torch.ones(4, 3)][other])),
     ]
     # the fused head: sequence-parallel slices of unequal length, and vocabulary blocks
     w = torch.randn(6, 5, generator=g)
