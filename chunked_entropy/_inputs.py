@@ -208,9 +208,10 @@ def prepare_tokens(
     if call.world > 1:
         call.agree(f"{labels_name} (with label_mask and ignore_index applied)",
                    fingerprint(torch.where(valid, flat, -1)))
-        call.agree("temperature", _fingerprint_scale(inv_t))
-    call.agree("softcap", float_bits(transform.softcap))
-    call.agree("logit_scale", float_bits(transform.logit_scale))
+        call.agree("temperature", _fingerprint_scale(inv_t),
+                   shown=None if isinstance(inv_t, torch.Tensor) else repr(temperature))
+    call.agree("softcap", float_bits(transform.softcap), shown=repr(transform.softcap))
+    call.agree("logit_scale", float_bits(transform.logit_scale), shown=repr(transform.logit_scale))
     k_rows = lambda a, b: transform.k(inv_t[a:b] if isinstance(inv_t, torch.Tensor) else inv_t)  # noqa: E731
     kept = parse_keep(keep, lead_shape=lead_shape, v_local=v_local, labels=flat, valid=valid, entropy_of=entropy_of,
                       device=device, call=call, rows=None if logits is None else Rows(logits),

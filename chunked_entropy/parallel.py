@@ -168,6 +168,7 @@ class CallCheck:
         self.requirements = []  # (ok: 0-d bool tensor, message): on an accelerator, under a group of several ranks
         self.local = Requirements()  # the others: resolved on this rank when the checks end
         self.fields = {}  # name -> int, 0-d int64 tensor, or a tuple of those
+        self.shown = {}  # name -> a plain value (or a dict of them) to show when the ranks differ there
         self.deferred = []  # work to run once every rank passed: collectives of its own may follow
 
     def then(self, fn) -> None:
@@ -186,10 +187,16 @@ class CallCheck:
         else:
             self.requirements.append((ok, check_summary(message)))
 
-    def agree(self, name: str, value) -> None:
-        """Every rank must pass the same ``value`` (an int, a 0-d int64 tensor, or a tuple of them)."""
+    def agree(self, name: str, value, shown=None) -> None:
+        """Every rank must pass the same ``value`` (an int, a 0-d int64 tensor, or a tuple of them).
+
+        ``shown``: what the error shows of each rank where they differ (a str, or a dict of str of which only
+        the differing entries are shown), instead of ``value`` (a fingerprint, a float's bits). Read only on
+        failure, with a second collective."""
         if self.world > 1:
             self.fields[name] = value
+            if shown is not None:
+                self.shown[name] = shown
 
     def agree_all(self, fields: dict) -> None:
         """:meth:`agree` on each ``name: value`` of ``fields``."""
@@ -251,12 +258,28 @@ class CallCheck:
             seen = [tuple(row[at:at + width]) for row in rows]
             at += width
             if len(set(seen)) > 1:
-                show = ", ".join(f"rank {r}: {x[0] if width == 1 else x}" for r, x in enumerate(seen))
+                show = self._shown(name) or ", ".join(f"rank {r}: {x[0] if width == 1 else x}"
+                                                      for r, x in enumerate(seen))
                 raise ValueError(
                     f"{name} differs across the {self.world} ranks of process_group ({show}; this is rank "
                     f"{self.rank}). Every rank of the tensor-parallel group must make the same call: the same "
                     "tokens, labels, temperatures and options, and vocabulary shards of the same size"
                 )
+
+    def _shown(self, name: str) -> Optional[str]:
+        """The ranks' readable values of the differing field ``name`` (a second collective, only on failure:
+        every rank of a call that agreed on its structure finds the same field differing), or None when a
+        rank has none."""
+        every = [None] * self.world
+        dist.all_gather_object(every, self.shown.get(name), group=self.group)
+        if any(v is None for v in every):
+            return None
+        if all(isinstance(v, dict) for v in every):
+            keys = list(dict.fromkeys(k for v in every for k in v))
+            differ = [k for k in keys if len({v.get(k) for v in every}) > 1]
+            return "; ".join(f"{k}: " + ", ".join(f"rank {r}: {v.get(k)}" for r, v in enumerate(every))
+                             for k in differ) or None
+        return ", ".join(f"rank {r}: {v}" for r, v in enumerate(every))
 
     def _checked(self) -> list:
         """What this rank checks, by name: each agreed field and each condition's message."""

@@ -131,11 +131,13 @@ class _Objective:
         return self.shape[-1] if self.objective.reads_only_its_row(self.opts.options) else None
 
     def settings(self, call) -> dict:
-        """What every rank of a process group must agree on (see ``prepare_tokens``); nothing without one."""
+        """What every rank of a process group must agree on (see ``prepare_tokens``): the loss whole (each
+        field named, see :func:`~chunked_entropy._call.agree_objects`), then the per-token inputs; nothing
+        without a group."""
         if call.world == 1:
             return {}
+        agree_objects(call, loss=self.opts)
         out = {
-            **{f"loss.{k}": v for k, v in self.opts.fingerprint().items()},
             "old_log_probs": fingerprint_floats(self.old),
             "advantages": fingerprint_floats(self.adv),
             "ref_log_probs": fingerprint_floats(self.ref),

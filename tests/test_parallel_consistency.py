@@ -17,6 +17,7 @@ import torch.distributed as dist
 from chunked_entropy import (
     Chunking,
     OutputLayer,
+    PolicyLoss,
     linear_log_probs_and_entropy,
     linear_policy_loss,
     log_probs_and_entropy,
@@ -74,6 +75,17 @@ def _cases(rank, world):
         ("keep", lambda: lp(keep=[None, {"top_k": 2}][other])),
         ("rows", lambda: lp(labels=labels.reshape(-1)[:5], rows=[torch.arange(5), torch.arange(1, 6)][other])
          if other else lp(labels=labels.reshape(-1)[:5], logits=z.reshape(-1, 6)[:5])),
+        # the ranks' values as written (they were fingerprints and float bit patterns), and the option that differs
+        ("softcap differs across the 2 ranks of process_group (rank 0: 30.0, rank 1: 31.0",
+         lambda: lp(layer=dict(softcap=30.0 + other))),
+        ("loss.options differs across the 2 ranks of process_group (clip_ratio_high: rank 0: 0.25, rank 1: 0.5;",
+         lambda: policy_loss_from_logits(z, labels, -torch.ones(4, 3), torch.ones(4, 3),
+                                         torch.ones(4, 3, dtype=torch.bool), layer=OutputLayer(process_group=group),
+                                         loss=PolicyLoss(options={"clip_ratio_high": 0.25 * (1 + other)}))),
+        ("loss.aggregation differs across the 2 ranks of process_group (mode: rank 0: 'token-mean', rank 1: 'token-sum",
+         lambda: policy_loss_from_logits(z, labels, -torch.ones(4, 3), torch.ones(4, 3),
+                                         torch.ones(4, 3, dtype=torch.bool), layer=OutputLayer(process_group=group),
+                                         loss=PolicyLoss(aggregation=["token-mean", "token-sum"][other]))),
         ("rollout_log_probs", lambda: policy_loss_from_logits(
             z, labels, -torch.ones(4, 3), torch.ones(4, 3), torch.ones(4, 3, dtype=torch.bool),
             layer=OutputLayer(process_group=group), rollout_log_probs=[None, -torch.ones(4, 3)][other])),
