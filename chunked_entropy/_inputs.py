@@ -18,10 +18,6 @@ from ._stats import Coefficients, RowStats, Transform, Want
 from ._token_ids import At, parse_at
 from .parallel import CallCheck, fingerprint, fingerprint_floats
 
-#: ``prepare_tokens(ignore_index=NO_IGNORE)``: no label id means "no label"; the mask alone says which count (the
-#: policy losses: a label where ``loss_mask`` is non-zero is range-checked, ``-100`` too).
-NO_IGNORE = object()
-
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """float64 stays float64 (for gradcheck); everything else is computed in float32."""
@@ -125,7 +121,7 @@ def prepare_tokens(
     *,
     call: CallCheck,
     label_mask,
-    ignore_index,
+    ignore_index: int,
     temperature,
     device: torch.device,
     dtype: torch.dtype,
@@ -136,6 +132,7 @@ def prepare_tokens(
     log_probs_at=None,
     top_k=None,
     logits: Optional[torch.Tensor] = None,
+    mask_only: bool = False,
 ) -> Tokens:
     """Check labels, mask and temperature against ``lead_shape``; build :class:`Tokens`.
 
@@ -148,8 +145,9 @@ def prepare_tokens(
     :func:`chunked_entropy._keep.parse_keep`); ``log_probs_at`` and ``top_k``
     distillation's (see :func:`chunked_entropy._token_ids.parse_at`). ``logits``:
     the op's raw logits where it has them, read by ``keep`` as the row's own
-    filter. ``ignore_index``: the id meaning "no label", or :data:`NO_IGNORE`
-    (every label ``label_mask`` keeps is one, and is range-checked).
+    filter. ``mask_only``: no label id means "no label" (``ignore_index`` is not
+    read): ``label_mask`` alone says which labels count, each range-checked (the
+    policy losses, whose ``loss_mask`` does).
     """
     if not isinstance(labels, torch.Tensor):
         raise TypeError(f"{labels_name} must be a torch.Tensor of int64 ids, got {type(labels).__name__}")
@@ -162,16 +160,15 @@ def prepare_tokens(
             f"got {tuple(labels.shape)}"
         )
     check_device(labels_name, labels, device)
-    ignored = ignore_index is not NO_IGNORE
-    if ignored and not is_int(ignore_index):
+    if not is_int(ignore_index):
         raise TypeError(f"ignore_index must be an int (the label id meaning 'no label'), got {ignore_index!r}")
-    if ignored and not -(2**63) <= ignore_index < 2**63:
+    if not -(2**63) <= ignore_index < 2**63:
         raise ValueError(f"ignore_index must fit in int64 (the labels' dtype), got {ignore_index!r}")
     transform = Transform() if transform is None else transform
     v_global = v_local * call.world
     flat = labels.reshape(-1).to(torch.int64)
 
-    valid = flat != int(ignore_index) if ignored else torch.ones_like(flat, dtype=torch.bool)
+    valid = torch.ones_like(flat, dtype=torch.bool) if mask_only else flat != int(ignore_index)
     if label_mask is not None:
         if not isinstance(label_mask, torch.Tensor):
             raise TypeError(f"label_mask must be a bool tensor or None, got {type(label_mask).__name__}")
@@ -189,8 +186,8 @@ def prepare_tokens(
         valid &= label_mask.reshape(-1).to(dtype=torch.bool)
 
     bad = valid & ((flat < 0) | (flat >= v_global))
-    expected = (f"{labels_name} must be vocabulary ids in [0, {v_global}) or ignore_index={ignore_index}" if ignored
-                else f"{labels_name} must be vocabulary ids in [0, {v_global}) where the mask keeps them")
+    expected = (f"{labels_name} must be vocabulary ids in [0, {v_global}) where the mask keeps them" if mask_only
+                else f"{labels_name} must be vocabulary ids in [0, {v_global}) or ignore_index={ignore_index}")
 
     def where_bad():  # read only once the check failed: the first bad label
         i = int(bad.nonzero()[0, 0])

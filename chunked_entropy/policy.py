@@ -38,7 +38,7 @@ import torch
 from ._autograd import connected, hand_over, once_differentiable
 from ._call import agree_objects, group_of, plan_for, refused_together, settings
 from ._checks import check_float, require
-from ._inputs import NO_IGNORE, Rows, Tokens, compute_dtype, dtype_code, prepare_tokens
+from ._inputs import Rows, Tokens, compute_dtype, dtype_code, prepare_tokens
 from ._kernels import use_compiled
 from ._logit_blocks import (
     check_linear_args,
@@ -440,7 +440,7 @@ def linear_policy_loss(
         plan = plan_for(layer, chunking, lead=lead, want=Want(), device=hidden.device, buffers=2)
         main_grad = main_grad_of(weight, layer.gradient_accumulation_fusion)
         tok = prepare_tokens(
-            labels, lead, v_local, call=call, label_mask=objective.keep, ignore_index=NO_IGNORE,
+            labels, lead, v_local, call=call, label_mask=objective.keep, ignore_index=-100, mask_only=True,
             temperature=temperature, device=hidden.device, dtype=cdt, transform=layer.transform,
             keep=keep, entropy_of=opts.entropy_of,
         )
@@ -608,8 +608,8 @@ def policy_loss_from_logits(
                            use_compiled(chunking.backend, logits.device))
         grads = torch.is_grad_enabled() and logits.requires_grad
         tok = prepare_tokens(
-            labels, logits.shape[:-1], logits.shape[-1], call=call, label_mask=objective.keep, ignore_index=NO_IGNORE,
-            temperature=temperature, device=logits.device, dtype=cdt, transform=layer.transform,
+            labels, logits.shape[:-1], logits.shape[-1], call=call, label_mask=objective.keep, ignore_index=-100,
+            mask_only=True, temperature=temperature, device=logits.device, dtype=cdt, transform=layer.transform,
             keep=keep, entropy_of=opts.entropy_of,
         )
         agree_objects(call, layer=layer, chunking=chunking)
