@@ -12,6 +12,7 @@ gradients the Function's forward bare (:func:`apply_or_forward`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from typing import Optional
 
@@ -77,12 +78,25 @@ def refused_together(group):
 
 def agree_objects(call, **objects) -> None:
     """Every rank of the call's group must pass equal option objects: each agreed on whole, every field of its
-    ``fingerprint()``, an error naming the argument and the field (``teacher_layer.softcap``)."""
+    ``fingerprint()``, an error naming the argument and the field (``teacher_layer.softcap``) and showing the
+    ranks' values (of an object field such as ``loss.options``, the entries that differ)."""
     if call.world == 1:  # nothing to agree with: no fingerprint computed
         return
     for name, obj in objects.items():
         for field, value in obj.fingerprint().items():
-            call.agree(f"{name}.{field}", value)
+            attr = field.split(" ")[0]  # "weight (shape, dtype)" is the field weight's fingerprint
+            call.agree(f"{name}.{field}", value, shown=_readable(getattr(obj, attr)) if hasattr(obj, attr) else None)
+
+
+def _readable(value):
+    """A field's value as the cross-rank error shows it: a str, or a dict of them for an object of fields."""
+    if isinstance(value, torch.Tensor):
+        return f"{tuple(value.shape)} {value.dtype}" if value.numel() != 1 else repr(value.item())
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _readable(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if value is None or isinstance(value, (bool, int, float, str, torch.dtype)):
+        return repr(value)
+    return None  # a process group: its fingerprint (the size) is shown
 
 
 def zeros_connected(shape, dtype, device, grads: bool, *inputs) -> torch.Tensor:

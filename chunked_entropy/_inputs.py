@@ -132,6 +132,7 @@ def prepare_tokens(
     log_probs_at=None,
     top_k=None,
     logits: Optional[torch.Tensor] = None,
+    mask_only: bool = False,
 ) -> Tokens:
     """Check labels, mask and temperature against ``lead_shape``; build :class:`Tokens`.
 
@@ -144,7 +145,9 @@ def prepare_tokens(
     :func:`chunked_entropy._keep.parse_keep`); ``log_probs_at`` and ``top_k``
     distillation's (see :func:`chunked_entropy._token_ids.parse_at`). ``logits``:
     the op's raw logits where it has them, read by ``keep`` as the row's own
-    filter.
+    filter. ``mask_only``: no label id means "no label" (``ignore_index`` is not
+    read): ``label_mask`` alone says which labels count, each range-checked (the
+    policy losses, whose ``loss_mask`` does).
     """
     if not isinstance(labels, torch.Tensor):
         raise TypeError(f"{labels_name} must be a torch.Tensor of int64 ids, got {type(labels).__name__}")
@@ -162,7 +165,7 @@ def prepare_tokens(
     v_global = v_local * call.world
     flat = labels.reshape(-1).to(torch.int64)
 
-    valid = flat != int(ignore_index)
+    valid = torch.ones_like(flat, dtype=torch.bool) if mask_only else flat != int(ignore_index)
     if label_mask is not None:
         if not isinstance(label_mask, torch.Tensor):
             raise TypeError(f"label_mask must be a bool tensor or None, got {type(label_mask).__name__}")
@@ -180,7 +183,8 @@ def prepare_tokens(
         valid &= label_mask.reshape(-1).to(dtype=torch.bool)
 
     bad = valid & ((flat < 0) | (flat >= v_global))
-    expected = f"{labels_name} must be vocabulary ids in [0, {v_global}) or ignore_index={ignore_index}"
+    expected = (f"{labels_name} must be vocabulary ids in [0, {v_global}) where the mask keeps them" if mask_only
+                else f"{labels_name} must be vocabulary ids in [0, {v_global}) or ignore_index={ignore_index}")
 
     def where_bad():  # read only once the check failed: the first bad label
         i = int(bad.nonzero()[0, 0])
@@ -198,9 +202,10 @@ def prepare_tokens(
     if call.world > 1:
         call.agree(f"{labels_name} (with label_mask and ignore_index applied)",
                    fingerprint(torch.where(valid, flat, -1)))
-        call.agree("temperature", _fingerprint_scale(inv_t))
-    call.agree("softcap", float_bits(transform.softcap))
-    call.agree("logit_scale", float_bits(transform.logit_scale))
+        call.agree("temperature", _fingerprint_scale(inv_t),
+                   shown=None if isinstance(inv_t, torch.Tensor) else repr(temperature))
+    call.agree("softcap", float_bits(transform.softcap), shown=repr(transform.softcap))
+    call.agree("logit_scale", float_bits(transform.logit_scale), shown=repr(transform.logit_scale))
     k_rows = lambda a, b: transform.k(inv_t[a:b] if isinstance(inv_t, torch.Tensor) else inv_t)  # noqa: E731
     kept = parse_keep(keep, lead_shape=lead_shape, v_local=v_local, labels=flat, valid=valid, entropy_of=entropy_of,
                       device=device, call=call, rows=None if logits is None else Rows(logits),

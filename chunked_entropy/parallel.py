@@ -168,6 +168,7 @@ class CallCheck:
         self.requirements = []  # (ok: 0-d bool tensor, message): on an accelerator, under a group of several ranks
         self.local = Requirements()  # the others: resolved on this rank when the checks end
         self.fields = {}  # name -> int, 0-d int64 tensor, or a tuple of those
+        self.shown = {}  # name -> a plain value (or a dict of them) to show when the ranks differ there
         self.deferred = []  # work to run once every rank passed: collectives of its own may follow
 
     def then(self, fn) -> None:
@@ -186,10 +187,16 @@ class CallCheck:
         else:
             self.requirements.append((ok, check_summary(message)))
 
-    def agree(self, name: str, value) -> None:
-        """Every rank must pass the same ``value`` (an int, a 0-d int64 tensor, or a tuple of them)."""
+    def agree(self, name: str, value, shown=None) -> None:
+        """Every rank must pass the same ``value`` (an int, a 0-d int64 tensor, or a tuple of them).
+
+        ``shown``: what the error shows of each rank where they differ (a str, or a dict of str of which only
+        the differing entries are shown), instead of ``value`` (a fingerprint, a float's bits). Read only on
+        failure, with a second collective."""
         if self.world > 1:
             self.fields[name] = value
+            if shown is not None:
+                self.shown[name] = shown
 
     def agree_all(self, fields: dict) -> None:
         """:meth:`agree` on each ``name: value`` of ``fields``."""
@@ -245,10 +252,7 @@ class CallCheck:
         if refused:
             self._raise_refused(refused, error)
         if len({row[1] for row in rows}) > 1:
-            raise ValueError(
-                f"the {self.world} ranks of process_group made different calls (this is rank {self.rank}); every "
-                "rank of the tensor-parallel group must call the same function with the same options"
-            )
+            self._raise_different_calls()
         for i, (_, message) in enumerate(self.requirements):
             bad = [r for r in range(self.world) if rows[r][2 + i]]
             if bad:
@@ -262,12 +266,53 @@ class CallCheck:
             seen = [tuple(row[at:at + width]) for row in rows]
             at += width
             if len(set(seen)) > 1:
-                show = ", ".join(f"rank {r}: {x[0] if width == 1 else x}" for r, x in enumerate(seen))
+                show = self._shown(name) or ", ".join(f"rank {r}: {x[0] if width == 1 else x}"
+                                                      for r, x in enumerate(seen))
                 raise ValueError(
                     f"{name} differs across the {self.world} ranks of process_group ({show}; this is rank "
                     f"{self.rank}). Every rank of the tensor-parallel group must make the same call: the same "
                     "tokens, labels, temperatures and options, and vocabulary shards of the same size"
                 )
+
+    def _shown(self, name: str) -> Optional[str]:
+        """The ranks' readable values of the differing field ``name`` (a second collective, only on failure:
+        every rank of a call that agreed on its structure finds the same field differing), or None when a
+        rank has none."""
+        every = [None] * self.world
+        dist.all_gather_object(every, self.shown.get(name), group=self.group)
+        if any(v is None for v in every):
+            return None
+        if all(isinstance(v, dict) for v in every):
+            keys = list(dict.fromkeys(k for v in every for k in v))
+            differ = [k for k in keys if len({v.get(k) for v in every}) > 1]
+            return "; ".join(f"{k}: " + ", ".join(f"rank {r}: {v.get(k)}" for r, v in enumerate(every))
+                             for k in differ) or None
+        return ", ".join(f"rank {r}: {v}" for r, v in enumerate(every))
+
+    def _checked(self) -> list:
+        """What this rank checks, by name: each agreed field and each condition's message."""
+        return list(self.fields) + [f"the check '{m}'" for _, m in self.requirements]
+
+    def _raise_different_calls(self):
+        """The ranks checked different things (an argument given on some ranks only, or another op): share
+        what each checked (a second collective, only on failure) and name, per rank, the first check that not
+        every rank makes."""
+        every = [None] * self.world
+        dist.all_gather_object(every, self._checked(), group=self.group)
+        common = set.intersection(*(set(checked) for checked in every))
+        listed = lambda rs: f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}"  # noqa: E731
+        said = []
+        for r in range(self.world):
+            n = next((n for n in every[r] if n not in common), None)
+            if n is not None:
+                lacking = [q for q in range(self.world) if n not in every[q]]
+                said.append(f"rank {r} checks {n}, which {listed(lacking)} {'do' if len(lacking) > 1 else 'does'} not")
+        where = ("; ".join(said) + " (an argument given on some ranks only?)" if said
+                 else "the same checks, of other widths or in another order")
+        raise ValueError(
+            f"the {self.world} ranks of process_group made different calls: {where}; this is rank {self.rank}. "
+            "Every rank of the tensor-parallel group must call the same function with the same arguments and options"
+        )
 
     def _raise_refused(self, refused, error):
         """Share the refused ranks' messages (a second collective, only on failure) and raise them everywhere."""

@@ -113,6 +113,7 @@ class _Objective:
         old, adv, ref, w = selected(self.keep.reshape(-1), flat(old_log_probs), flat(advantages), flat(ref_log_probs),
                                     flat(weights))
         self.old, self.adv, self.ref, self.is_w = old, adv, ref, w
+        self.rollout = flat(rollout_log_probs)  # what the weights were computed from: agreed on by name
         self.mask_flat = loss_mask.reshape(-1)
         agg = opts.aggregation
         pg_agg = agg if self.objective.agg_mode is None else agg.with_mode(self.objective.agg_mode)
@@ -130,15 +131,18 @@ class _Objective:
         return self.shape[-1] if self.objective.reads_only_its_row(self.opts.options) else None
 
     def settings(self, call) -> dict:
-        """What every rank of a process group must agree on (see ``prepare_tokens``); nothing without one."""
+        """What every rank of a process group must agree on (see ``prepare_tokens``): the loss whole (each
+        field named, see :func:`~chunked_entropy._call.agree_objects`), then the per-token inputs; nothing
+        without a group."""
         if call.world == 1:
             return {}
+        agree_objects(call, loss=self.opts)
         out = {
-            **{f"loss.{k}": v for k, v in self.opts.fingerprint().items()},
             "old_log_probs": fingerprint_floats(self.old),
             "advantages": fingerprint_floats(self.adv),
             "ref_log_probs": fingerprint_floats(self.ref),
             "loss_mask": fingerprint_floats(self.mask_flat),
+            "rollout_log_probs": fingerprint_floats(self.rollout),
             "rollout_is_weights": fingerprint_floats(self.is_w),
         }
         if self.opts.mode == "clip_cov":  # its random draw must be the same on every rank
@@ -316,7 +320,8 @@ def linear_policy_loss(
             vocabulary shard, bias, logit transform, tensor-parallel group,
             sequence parallelism, ``logits_dtype`` and
             ``gradient_accumulation_fusion``.
-        labels: ``[B, T]`` int64 global ids (not range-checked where ``loss_mask`` is 0).
+        labels: ``[B, T]`` int64 global ids, range-checked wherever ``loss_mask`` is non-zero (no id
+            means "no label" here, ``-100`` neither: ``loss_mask`` alone says which tokens count).
         old_log_probs: ``[B, T]`` log-probs under the rollout policy (no gradient).
         advantages: ``[B, T]`` advantages (no gradient).
         loss_mask: ``[B, T]`` bool (or 0/1, or non-negative weights).
@@ -435,7 +440,7 @@ def linear_policy_loss(
         plan = plan_for(layer, chunking, lead=lead, want=Want(), device=hidden.device, buffers=2)
         main_grad = main_grad_of(weight, layer.gradient_accumulation_fusion)
         tok = prepare_tokens(
-            labels, lead, v_local, call=call, label_mask=objective.keep, ignore_index=-100,
+            labels, lead, v_local, call=call, label_mask=objective.keep, ignore_index=-100, mask_only=True,
             temperature=temperature, device=hidden.device, dtype=cdt, transform=layer.transform,
             keep=keep, entropy_of=opts.entropy_of,
         )
@@ -604,7 +609,7 @@ def policy_loss_from_logits(
         grads = torch.is_grad_enabled() and logits.requires_grad
         tok = prepare_tokens(
             labels, logits.shape[:-1], logits.shape[-1], call=call, label_mask=objective.keep, ignore_index=-100,
-            temperature=temperature, device=logits.device, dtype=cdt, transform=layer.transform,
+            mask_only=True, temperature=temperature, device=logits.device, dtype=cdt, transform=layer.transform,
             keep=keep, entropy_of=opts.entropy_of,
         )
         agree_objects(call, layer=layer, chunking=chunking)

@@ -211,3 +211,20 @@ def test_the_losses_name_list_labels_and_a_non_finite_count():
                                     loss=PolicyLoss(aggregation=Aggregation(batch_num_tokens=count)))
     with pytest.raises(ValueError, match="global_batch_size must be a finite number > 0"):
         losses.agg_loss(torch.randn(2, 3), mask, "seq-mean-token-mean", global_batch_size=torch.tensor(math.inf))
+
+
+def test_a_weight_without_vocabulary_rows_is_named():
+    """Found by the reliability pass: a ``[0, H]`` weight (every label ignored) gave "range() arg 3 must not be
+    zero" from inside the chunk walk; the ops over hidden states now refuse it by name, as the logits ops
+    refuse ``V_local = 0`` logits."""
+    from chunked_entropy import ChunkedVocabParallelHead, linear_log_probs_and_entropy, linear_policy_loss
+
+    hidden, weight = torch.randn(2, 3, 4), torch.randn(0, 4)
+    ignored, zeros, mask = torch.full((2, 3), -100), torch.zeros(2, 3), torch.ones(2, 3, dtype=torch.bool)
+    match = r"weight must .*V_local >= 1"  # named by OutputLayer or by the op
+    for call in (lambda: linear_log_probs_and_entropy(hidden, weight, ignored),
+                 lambda: linear_log_probs_and_entropy(hidden, OutputLayer(weight), ignored, chunking=Chunking(2, 4)),
+                 lambda: ChunkedVocabParallelHead(weight)(hidden, ignored),
+                 lambda: linear_policy_loss(hidden, weight, ignored, zeros, zeros, ~mask)):
+        with pytest.raises(ValueError, match=match):
+            call()

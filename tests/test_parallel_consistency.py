@@ -17,6 +17,7 @@ import torch.distributed as dist
 from chunked_entropy import (
     Chunking,
     OutputLayer,
+    PolicyLoss,
     linear_log_probs_and_entropy,
     linear_policy_loss,
     log_probs_and_entropy,
@@ -69,6 +70,25 @@ def _cases(rank, world):
         ("softcap", lambda: lp(layer=dict(softcap=30.0 + other))),
         ("token count", lambda: lp(logits=z[: 3 + other], labels=labels[: 3 + other])),
         ("labels", lambda: lp(label_mask=torch.arange(12).reshape(4, 3) != other)),
+        # an argument given on one rank only: named (it was "the ranks made different calls", naming nothing)
+        ("log_probs_at", lambda: lp(log_probs_at=[None, torch.zeros(4, 3, 2, dtype=torch.long)][other])),
+        ("keep", lambda: lp(keep=[None, {"top_k": 2}][other])),
+        ("rows", lambda: lp(labels=labels.reshape(-1)[:5], rows=[torch.arange(5), torch.arange(1, 6)][other])
+         if other else lp(labels=labels.reshape(-1)[:5], logits=z.reshape(-1, 6)[:5])),
+        # the ranks' values as written (they were fingerprints and float bit patterns), and the option that differs
+        ("softcap differs across the 2 ranks of process_group (rank 0: 30.0, rank 1: 31.0",
+         lambda: lp(layer=dict(softcap=30.0 + other))),
+        ("loss.options differs across the 2 ranks of process_group (clip_ratio_high: rank 0: 0.25, rank 1: 0.5;",
+         lambda: policy_loss_from_logits(z, labels, -torch.ones(4, 3), torch.ones(4, 3),
+                                         torch.ones(4, 3, dtype=torch.bool), layer=OutputLayer(process_group=group),
+                                         loss=PolicyLoss(options={"clip_ratio_high": 0.25 * (1 + other)}))),
+        ("loss.aggregation differs across the 2 ranks of process_group (mode: rank 0: 'token-mean', rank 1: 'token-sum",
+         lambda: policy_loss_from_logits(z, labels, -torch.ones(4, 3), torch.ones(4, 3),
+                                         torch.ones(4, 3, dtype=torch.bool), layer=OutputLayer(process_group=group),
+                                         loss=PolicyLoss(aggregation=["token-mean", "token-sum"][other]))),
+        ("rollout_log_probs", lambda: policy_loss_from_logits(
+            z, labels, -torch.ones(4, 3), torch.ones(4, 3), torch.ones(4, 3, dtype=torch.bool),
+            layer=OutputLayer(process_group=group), rollout_log_probs=[None, -torch.ones(4, 3)][other])),
     ]
     # the fused head: sequence-parallel slices of unequal length, and vocabulary blocks
     w = torch.randn(6, 5, generator=g)

@@ -201,6 +201,24 @@ def test_bad_input_names_the_argument():
         policy_loss_from_logits(torch.zeros(B, T, V), *args[2:], loss=PolicyLoss(kl_kind="k4"))
 
 
+
+def test_label_minus_100_where_loss_mask_counts_is_refused():
+    """-100 is no "no label" id for the policy losses: the loss_mask alone says which tokens count, so a -100
+    label on a counted token is an out-of-range id (it gave a log-prob of 0 there, silently); where the
+    mask is 0 any label passes."""
+    d = _data()
+    labels = d["labels"].clone()
+    labels[2, 0] = -100  # mask[2, :3] is True
+    masked = d["labels"].clone()
+    masked[1, 0] = -100  # sequence 1 is fully masked
+    args = (d["old"], d["adv"], d["mask"])
+    h, w = d["hidden"].float(), d["weight"].float()
+    for call in (lambda lab: linear_policy_loss(h, w, lab, *args),
+                 lambda lab: policy_loss_from_logits(h @ w.T, lab, *args)):
+        with pytest.raises(ValueError, match=r"labels must be vocabulary ids in \[0, 37\).*found -100"):
+            call(labels)
+        torch.testing.assert_close(call(masked)[0], call(d["labels"])[0], rtol=0, atol=0)
+
 def _parallel(rank, world):
     """TP (and SP for the head): every rank holds a vocabulary shard; the loss and gradients are the full one's."""
     group = dist.group.WORLD
