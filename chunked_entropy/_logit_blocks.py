@@ -79,9 +79,6 @@ def check_head(hidden, weight, bias, prefix: str = "", logits_dtype=None) -> boo
     h, w, b = f"{prefix}hidden", f"{prefix}weight", f"{prefix}bias"
     check_float(h, hidden)
     check_float(w, weight, dim=2)
-    if weight.shape[0] < 1:
-        raise ValueError(f"{w} must be [V_local, H] with V_local >= 1 (this rank's vocabulary rows), got shape "
-                         f"{tuple(weight.shape)}")
     if hidden.dim() < 1 or hidden.shape[-1] != weight.shape[1]:
         raise ValueError(f"{h} must be [..., H] with H == {w}.shape[1] == {weight.shape[1]}, "
                          f"got shape {tuple(hidden.shape)}")

@@ -221,7 +221,7 @@ def test_a_weight_without_vocabulary_rows_is_named():
 
     hidden, weight = torch.randn(2, 3, 4), torch.randn(0, 4)
     ignored, zeros, mask = torch.full((2, 3), -100), torch.zeros(2, 3), torch.ones(2, 3, dtype=torch.bool)
-    match = r"weight must .*V_local >= 1"  # named by OutputLayer or by the op
+    match = r"weight must .*V_local >= 1"  # named by OutputLayer, which every op over hidden states builds
     for call in (lambda: linear_log_probs_and_entropy(hidden, weight, ignored),
                  lambda: linear_log_probs_and_entropy(hidden, OutputLayer(weight), ignored, chunking=Chunking(2, 4)),
                  lambda: ChunkedVocabParallelHead(weight)(hidden, ignored),
