@@ -30,17 +30,16 @@ the forward and the reverse KL instead), ``r_s = lp_s - log m``,
 sum the JSD's gradient reads). The JSD's gradient has no ``log m`` term of its
 own: ``sum_i (beta p_t,i + (1 - beta) p_s,i) d log m_i / dx_j = sum_i dm_i / dx_j = 0``.
 
-**Log-ratios without cancellation.** With ``d = lp_t - lp_s + log(beta / (1 - beta))``,
+**Log-ratios without cancellation.** With ``delta = lp_t - lp_s`` (so ``r_s - r_t = -delta``),
 
-    r_s = -log(1 - beta) - softplus(d),      r_t = -log(beta) - softplus(-d),
+    r_t = -log1p((1 - beta) expm1(-delta)),   r_s = -log1p(beta expm1(delta)),
 
-both formed from ``d`` directly (never as ``log m`` subtracted from a log-prob),
-so an entry where one model's probability underflows keeps an exact ratio.
-Where the two log-probs are equal both ratios are set to exactly 0 (their
-value: the softplus of the rounded ``log(beta / (1 - beta))`` would leave a
-residue of float32 rounding, 1e-9 to 1e-8 per token). A teacher equal to the
-student gives ``lp_t - lp_s = 0`` entry by entry: ``D`` and its gradient are
-exactly 0 for every ``beta``.
+each taken on the side where its ``expm1`` cannot overflow (``r_t`` where ``delta >= 0``, ``r_s`` where
+``delta <= 0``) and the other ratio from it by ``delta``. No constant such as ``log(1 - beta)`` is ever
+subtracted from a rounded logarithm: both ratios are exactly 0 where the two log-probs are equal and keep
+their relative accuracy where the two are close (a confident row's top entry, ``lp`` near 0), and an entry
+where one model's probability underflows keeps an exact ratio. A teacher equal to the student gives ``D``
+and its gradient exactly 0 for every ``beta``.
 
 The gradient w.r.t. the student's raw logits is ``dD/dx_s * kz * (1 - u**2)``
 as in :mod:`chunked_entropy._stats` (``kz = logit_scale / t``; the cap's
@@ -71,7 +70,6 @@ from dataclasses import dataclass
 from typing import ClassVar, NamedTuple, Optional
 
 import torch
-import torch.nn.functional as F
 
 from . import _stats
 from ._checks import check_real
@@ -279,14 +277,16 @@ def log_probs(y: torch.Tensor, ls: torch.Tensor) -> torch.Tensor:
 
 
 def jsd_log_ratios(lp_s: torch.Tensor, lp_t: torch.Tensor, beta: float):
-    """``(r_s, r_t) = (lp_s - log m, lp_t - log m)`` for ``m = (1 - beta) p_s + beta p_t`` (new blocks), each from
-    ``d = lp_t - lp_s + log(beta / (1 - beta))`` through one softplus (no cancellation), and exactly 0 where
-    the two log-probs are equal (see the module doc). Differentiable (in-place only on its own temporaries)."""
-    d = torch.sub(lp_t, lp_s)
-    equal = d == 0
-    d.add_(math.log(beta) - math.log1p(-beta))
-    r_t = F.softplus(d.neg()).neg_().sub_(math.log(beta)).masked_fill_(equal, 0.0)
-    r_s = F.softplus(d).neg_().sub_(math.log1p(-beta)).masked_fill_(equal, 0.0)
+    """``(r_s, r_t) = (lp_s - log m, lp_t - log m)`` for ``m = (1 - beta) p_s + beta p_t`` (new blocks), from
+    ``delta = lp_t - lp_s`` through ``log1p`` of an ``expm1`` that cannot overflow (see the module doc): exact
+    0 where the two log-probs are equal, relative accuracy where they are close. Differentiable, with finite
+    gradients everywhere (each branch reads ``delta`` clamped to its side)."""
+    delta = torch.sub(lp_t, lp_s)
+    ahead = delta >= 0  # the teacher's probability at least the student's
+    r_t_ahead = torch.log1p(torch.expm1(delta.clamp(min=0.0).neg()) * (1.0 - beta)).neg_()
+    r_s_behind = torch.log1p(torch.expm1(delta.clamp(max=0.0)) * beta).neg_()
+    r_s = torch.where(ahead, r_t_ahead - delta, r_s_behind)
+    r_t = torch.where(ahead, r_t_ahead, r_s_behind.add_(delta))
     return r_s, r_t
 
 

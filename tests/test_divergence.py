@@ -602,3 +602,46 @@ def _tp_refusals(rank, world):
 
 def test_tensor_parallel_refusals_on_one_rank_reach_every_rank():
     run_distributed(_tp_refusals, 2, timeout_s=30)
+
+
+@pytest.mark.parametrize("kind,beta", [("forward_kl", None), ("reverse_kl", None), ("jsd", 0.5)])  # TRL's beta 0.5
+def test_confident_rows_and_a_close_teacher_no_worse_than_plain_float32(kind, beta):
+    """A confident student (one logit +16), a teacher within noise 0.5 of it, temperature 0.5: the divergence is
+    second order in their difference. The JSD's log-ratios were a rounded ``log(1 - beta)`` minus a softplus, so
+    at the confident entry (``lp`` near 0) they lost what plain float32 keeps: the value had 400x its relative
+    error (now from log1p/expm1). "Plain" is the divergence as TRL writes it: log-softmaxes, the mixture by
+    logsumexp, sums of ``p * log-ratio``."""
+    g = torch.Generator().manual_seed(2)
+    n, v = 16, 512
+    zs = torch.randn(n, v, generator=g, dtype=torch.float64) * 2
+    zs[torch.arange(n), torch.randint(0, v, (n,), generator=g)] += 16.0
+    zt = (zs + torch.randn(n, v, generator=g, dtype=torch.float64) * 0.5).float()
+    zs = zs.float()
+    up = torch.randn(n, generator=g, dtype=torch.float64)
+    errs = {who: _confident_case(who, kind, beta, zs, zt, up) for who in ("float64", "plain", "ours")}
+    want = errs.pop("float64")
+    rel = {who: [((a - b).norm() / b.norm()).item() for a, b in zip(got, want, strict=True)]
+           for who, got in errs.items()}
+    assert rel["ours"][0] <= 3.0 * rel["plain"][0] + 1e-9, rel
+    # the gradient: plain's CPU sums accumulate in double; ours are float32 sums, as on a GPU
+    assert rel["ours"][1] <= 30.0 * rel["plain"][1] + 1e-6, rel
+
+
+def _confident_case(who, kind, beta, zs, zt, up):
+    """One divergence and its gradient: ``"ours"``, or plain autograd in float32 or float64."""
+    x = (zs.double() if who == "float64" else zs).clone().requires_grad_()
+    t = zt.double() if who == "float64" else zt
+    if who == "ours":
+        d = divergence_from_logits(x, t, divergence=Divergence(kind, beta=beta), temperature=0.5,
+                                   chunking=8).divergence
+    else:
+        ls, lt = torch.log_softmax(x / 0.5, -1), torch.log_softmax(t / 0.5, -1)
+        if kind == "forward_kl":
+            d = (lt.exp() * (lt - ls)).sum(-1)
+        elif kind == "reverse_kl":
+            d = (ls.exp() * (ls - lt)).sum(-1)
+        else:
+            lm = torch.logsumexp(torch.stack([ls + math.log(1 - beta), lt + math.log(beta)]), dim=0)
+            d = beta * (lt.exp() * (lt - lm)).sum(-1) + (1 - beta) * (ls.exp() * (ls - lm)).sum(-1)
+    (grad,) = torch.autograd.grad((d * up.to(d.dtype)).sum(), x)
+    return d.detach().double(), grad.double()
