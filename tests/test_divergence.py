@@ -645,3 +645,19 @@ def _confident_case(who, kind, beta, zs, zt, up):
             d = beta * (lt.exp() * (lt - lm)).sum(-1) + (1 - beta) * (ls.exp() * (ls - lm)).sum(-1)
     (grad,) = torch.autograd.grad((d * up.to(d.dtype)).sum(), x)
     return d.detach().double(), grad.double()
+
+
+@pytest.mark.parametrize("retain", [False, True])
+def test_a_scaled_half_precision_loss_form_rounds_its_gradient_once(retain):
+    """As the fused policy loss: ``(loss / 3).backward()`` scales the stored bf16 gradients in float32, once."""
+    p, _ = _linear_problem(3, n=(12,), hs=16, ht=8, v=40)
+    grads = {}
+    for c in (1.0, 1.0 / 3.0):
+        hs, ws = (p[k].to(torch.bfloat16).requires_grad_() for k in ("hs", "ws"))
+        res = linear_divergence_loss(hs, ws, p["ht"].to(torch.bfloat16), p["wt"].to(torch.bfloat16),
+                                     divergence=Divergence("jsd", beta=0.5), chunking=4)
+        (res.loss * c).backward(retain_graph=retain)
+        grads[c] = [hs.grad, ws.grad]
+    upstream = torch.tensor(1.0 / 3.0, dtype=torch.float32)
+    for one, third in zip(grads[1.0], grads[1.0 / 3.0], strict=True):
+        torch.testing.assert_close(third, (one.float() * upstream).to(torch.bfloat16), rtol=0, atol=0)

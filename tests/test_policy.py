@@ -295,3 +295,28 @@ def test_gradients_handed_out_are_the_callers_own(path):
     second.zero_()
     third = torch.autograd.grad(loss, hidden)[0]  # the last backward: the stored gradient itself
     torch.testing.assert_close(third, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("retain", [False, True])
+def test_a_scaled_half_precision_loss_rounds_its_gradient_once(dtype, retain):
+    """The fused loss stores its half-precision gradients in forward; ``(loss / 3).backward()`` scaled them by
+    the upstream gradient rounded to half precision first, a bias of up to 2**-9 on every entry alike. Scaling
+    a loss by ``c`` now scales its gradients by ``c`` in float32 with one rounding (with the graph kept, too)."""
+    g = torch.Generator().manual_seed(0)
+    b, t, h, v = 2, 5, 16, 64
+    hidden = torch.randn(b, t, h, generator=g).to(dtype)
+    weight = (torch.randn(v, h, generator=g) * 0.3).to(dtype)
+    labels = torch.randint(0, v, (b, t), generator=g)
+    old, adv = torch.randn(b, t, generator=g) * 0.1 - 3.0, torch.randn(b, t, generator=g)
+    mask = torch.ones(b, t, dtype=torch.bool)
+    grads = {}
+    for c in (1.0, 1.0 / 3.0):
+        leaves = [hidden.clone().requires_grad_(), weight.clone().requires_grad_()]
+        loss, _ = linear_policy_loss(*leaves, labels, old, adv, mask)
+        (loss * c).backward(retain_graph=retain)
+        grads[c] = [x.grad for x in leaves]
+    for one, third in zip(grads[1.0], grads[1.0 / 3.0], strict=True):
+        assert third.dtype == dtype
+        upstream = torch.tensor(1.0 / 3.0, dtype=torch.float32)  # what (loss * c).backward() hands over
+        torch.testing.assert_close(third, (one.float() * upstream).to(dtype), rtol=0, atol=0)
