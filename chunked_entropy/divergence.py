@@ -622,7 +622,8 @@ def linear_divergence_loss(
     per-token form and its backward take six. With ``vocab_chunk_size`` each block is filled twice for a KL
     (its value folds online in the statistics' pass), three times for the JSD. Under a process group, three
     collectives per chunk (two for a KL with ``vocab_chunk_size``). Backward only scales the stored
-    gradients by the loss's upstream gradient.
+    gradients by the loss's upstream gradient (half-precision ones in float32 rows of at most 64 MiB, rounded
+    once).
 
     Memory:
         Holds the student's gradients (``[tokens, H_s]`` in the hidden states' dtype, ``[V_local, H_s]`` in

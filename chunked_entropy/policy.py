@@ -394,8 +394,9 @@ def linear_policy_loss(
         exists. Under ``torch.no_grad()`` only the loss
         and metrics are computed (one matmul pass, no gradient buffers).
         ``loss.backward()`` scales the stored gradients by its upstream
-        gradient (any scalar: e.g. ``1 / grad_accum_steps``) and hands them
-        over, scaled in place; under ``retain_graph=True`` it returns scaled
+        gradient (any scalar: e.g. ``1 / grad_accum_steps``; half-precision
+        gradients in float32 rows of at most 64 MiB, rounded once) and hands
+        them over, scaled in place; under ``retain_graph=True`` it returns scaled
         copies instead, so that a later backward is exact whatever the caller
         did with the first results. A second backward without
         ``retain_graph`` raises as autograd does; with ``main_grad`` the
@@ -578,7 +579,8 @@ def policy_loss_from_logits(
         the logits. Per chunk, at most two float32 ``[chunk_size, V_local]``
         buffers (one fewer for float32 logits, three with ``softcap``).
         ``loss.backward()`` hands the stored gradient over (scaled in place by
-        its upstream gradient); under ``retain_graph=True`` it returns a
+        its upstream gradient; a half-precision one in float32 rows of at most
+        64 MiB, rounded once); under ``retain_graph=True`` it returns a
         scaled copy instead (one more gradient-sized tensor), so that the
         caller may modify what it gets and a later backward is still exact.
         With ``rows`` (a ``[B, T]`` index into the flattened logit rows, as in
