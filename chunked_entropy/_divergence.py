@@ -30,16 +30,17 @@ the forward and the reverse KL instead), ``r_s = lp_s - log m``,
 sum the JSD's gradient reads). The JSD's gradient has no ``log m`` term of its
 own: ``sum_i (beta p_t,i + (1 - beta) p_s,i) d log m_i / dx_j = sum_i dm_i / dx_j = 0``.
 
-**Log-ratios without cancellation.** With ``delta = lp_t - lp_s`` (so ``r_s - r_t = -delta``),
+**Log-ratios without cancellation.** With ``delta = lp_t - lp_s``, two forms of the same ratios,
 
-    r_t = -log1p((1 - beta) expm1(-delta)),   r_s = -log1p(beta expm1(delta)),
+    near (|delta| <= 1):  r_s = -log1p(beta expm1(delta)),             r_t = -log1p((1 - beta) expm1(-delta)),
+    far:                  r_s = -log(1 - beta) - softplus(delta + c),   r_t = -log(beta) - softplus(-delta - c),
 
-each taken on the side where its ``expm1`` cannot overflow (``r_t`` where ``delta >= 0``, ``r_s`` where
-``delta <= 0``) and the other ratio from it by ``delta``. No constant such as ``log(1 - beta)`` is ever
-subtracted from a rounded logarithm: both ratios are exactly 0 where the two log-probs are equal and keep
-their relative accuracy where the two are close (a confident row's top entry, ``lp`` near 0), and an entry
-where one model's probability underflows keeps an exact ratio. A teacher equal to the student gives ``D``
-and its gradient exactly 0 for every ``beta``.
+with ``c = log(beta / (1 - beta))``. The near form subtracts no rounded constant from a rounded logarithm:
+both ratios are exactly 0 where the two log-probs are equal and keep their relative accuracy where the two are
+close (a confident row's top entry, ``lp`` near 0; the far form alone lost up to 660x plain float32's accuracy
+there). The far form keeps it where ``beta`` or ``1 - beta`` is small (``log1p`` of a sum near -1 would not),
+and an entry where one model's probability underflows keeps an exact ratio. A teacher equal to the student
+gives ``D`` and its gradient exactly 0 for every ``beta``.
 
 The gradient w.r.t. the student's raw logits is ``dD/dx_s * kz * (1 - u**2)``
 as in :mod:`chunked_entropy._stats` (``kz = logit_scale / t``; the cap's
@@ -70,6 +71,7 @@ from dataclasses import dataclass
 from typing import ClassVar, NamedTuple, Optional
 
 import torch
+import torch.nn.functional as F
 
 from . import _stats
 from ._checks import check_real
@@ -276,18 +278,34 @@ def log_probs(y: torch.Tensor, ls: torch.Tensor) -> torch.Tensor:
     return y - ls.unsqueeze(1)
 
 
+def _softplus(x: torch.Tensor, grad: bool) -> torch.Tensor:
+    """``softplus(x)``: a new tensor under autograd, else written over ``x`` (one block fewer)."""
+    return F.softplus(x) if grad else torch.ops.aten.softplus.out(x, 1.0, 20.0, out=x)
+
+
 def jsd_log_ratios(lp_s: torch.Tensor, lp_t: torch.Tensor, beta: float):
     """``(r_s, r_t) = (lp_s - log m, lp_t - log m)`` for ``m = (1 - beta) p_s + beta p_t`` (new blocks), from
-    ``delta = lp_t - lp_s`` through ``log1p`` of an ``expm1`` that cannot overflow (see the module doc): exact
-    0 where the two log-probs are equal, relative accuracy where they are close. Differentiable, with finite
-    gradients everywhere (each branch reads ``delta`` clamped to its side)."""
+    ``delta = lp_t - lp_s``: where ``|delta| <= 1`` through ``log1p`` of ``expm1`` of it (exact 0 at equal
+    entries, relative accuracy where they are close), elsewhere through one softplus each (see the module doc).
+
+    Differentiable, with finite gradients everywhere (the near form reads ``delta`` clamped to ``[-1, 1]``).
+    Outside autograd (the walks' blocks) its temporaries are reused in place: at most one block and a bool
+    block beside ``delta`` and the two it returns."""
+    grad = torch.is_grad_enabled() and (lp_s.requires_grad or lp_t.requires_grad)
+    logit = math.log(beta) - math.log1p(-beta)
     delta = torch.sub(lp_t, lp_s)
-    ahead = delta >= 0  # the teacher's probability at least the student's
-    r_t_ahead = torch.log1p(torch.expm1(delta.clamp(min=0.0).neg()) * (1.0 - beta)).neg_()
-    r_s_behind = torch.log1p(torch.expm1(delta.clamp(max=0.0)) * beta).neg_()
-    r_s = torch.where(ahead, r_t_ahead - delta, r_s_behind)
-    r_t = torch.where(ahead, r_t_ahead, r_s_behind.add_(delta))
-    return r_s, r_t
+    far = (delta > 1.0) | (delta < -1.0)
+    # r_s = -log((1 - beta) + beta exp(delta))
+    near = delta.clamp(-1.0, 1.0)
+    near = near.expm1().mul(beta).log1p().neg() if grad else near.expm1_().mul_(beta).log1p_().neg_()
+    r_s = _softplus(delta + logit, grad).neg_().sub_(math.log1p(-beta))
+    r_s = torch.where(far, r_s, near, out=None if grad else r_s)
+    del near
+    # r_t = -log(beta + (1 - beta) exp(-delta))
+    near = delta.neg().clamp(-1.0, 1.0) if grad else delta.neg().clamp_(-1.0, 1.0)
+    near = near.expm1().mul(1.0 - beta).log1p().neg() if grad else near.expm1_().mul_(1.0 - beta).log1p_().neg_()
+    r_t = _softplus((delta.neg() if grad else delta.neg_()).sub_(logit), grad).neg_().sub_(math.log(beta))
+    return r_s, torch.where(far, r_t, near, out=None if grad else r_t)
 
 
 def divergence_terms(y_s, y_t, ls_s, ls_t, spec: DivergenceSpec):
