@@ -608,9 +608,9 @@ def test_tensor_parallel_refusals_on_one_rank_reach_every_rank():
 def test_confident_rows_and_a_close_teacher_no_worse_than_plain_float32(kind, beta):
     """A confident student (one logit +16), a teacher within noise 0.5 of it, temperature 0.5: the divergence is
     second order in their difference. The JSD's log-ratios were a rounded ``log(1 - beta)`` minus a softplus, so
-    at the confident entry (``lp`` near 0) they lost what plain float32 keeps: the value had 400x its relative
-    error (now from log1p/expm1 where |delta| <= 1). "Plain" is the divergence as TRL writes it: log-softmaxes, the mixture by
-    logsumexp, sums of ``p * log-ratio``."""
+    at the confident entry (``lp`` near 0) they lost what plain float32 keeps: the value had 660x its relative
+    error (now from log1p/expm1 where ``|delta| <= 1``). "Plain" is the divergence as TRL writes it:
+    log-softmaxes, the mixture by logsumexp, sums of ``p * log-ratio``."""
     g = torch.Generator().manual_seed(2)
     n, v = 16, 512
     zs = torch.randn(n, v, generator=g, dtype=torch.float64) * 2
