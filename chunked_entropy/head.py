@@ -108,9 +108,11 @@ class ChunkedVocabParallelHead(nn.Module):
         """:func:`~chunked_entropy.linear_policy_loss` with this head's layer and chunking: ``(loss, metrics)``.
 
         Keywords are those of :func:`~chunked_entropy.linear_policy_loss`
-        (``loss=PolicyLoss(...)``, ``temperature``, ``ref_log_probs``, ``keep``, ...).
+        (``loss=PolicyLoss(...)``, ``temperature``, ``ref_log_probs``, ``keep``, ...); ``chunking=`` overrides
+        the head's for this call (None: the head's).
         """
-        layer, chunking = self.layer, kw.pop("chunking", self.chunking)
+        layer, chunking = self.layer, kw.pop("chunking", None)
+        chunking = self.chunking if chunking is None else chunking
         old_layer = {k: kw.pop(k) for k in _LAYER_FIELDS if k in kw}
         old_chunking = {k: kw.pop(k) for k in _CHUNKING_FIELDS if k in kw}
         if old_layer or old_chunking:  # 0.1 took the head's settings here too

@@ -688,3 +688,17 @@ def test_fused_loss_and_module_take_logits_dtype():
             linear_log_probs_and_entropy(hidden, OutputLayer(weight, logits_dtype=bad), labels)
     with pytest.raises(ValueError, match="logits_dtype"):
         ChunkedVocabParallelHead(OutputLayer(weight.float(), logits_dtype=torch.bfloat16))
+
+
+def test_policy_loss_with_chunking_none_uses_the_heads_chunking():
+    """``head.policy_loss(..., chunking=None)`` ran with the default chunking instead of the head's (found by the
+    reliability pass). A head whose chunking asks for Triton's kernels on a CPU tensor (refused without Triton's
+    interpreter) shows which one a call used."""
+    hidden, weight, labels, _ = _bf16_case(n=12, v=40, seed=3)
+    old, adv, mask = torch.full((1, 12), -3.0), torch.ones(1, 12), torch.ones(1, 12, dtype=torch.bool)
+    head = ChunkedVocabParallelHead(weight, Chunking(4, backend="triton"))
+    for kw in ({}, {"chunking": None}):
+        with pytest.raises((ValueError, RuntimeError), match="triton"):
+            head.policy_loss(hidden[None], labels[None], old, adv, mask, **kw)
+    loss, _ = head.policy_loss(hidden[None], labels[None], old, adv, mask, chunking=Chunking(4))  # an override
+    assert torch.isfinite(loss)
