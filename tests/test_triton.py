@@ -48,9 +48,39 @@ def _python(code: str, **env) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *code], cwd=ROOT, env=e, capture_output=True, text=True, timeout=300)
 
 
+_PROBE = """
+import numpy, triton, triton.language as tl, torch
+
+@triton.jit
+def walk(x_ptr, n):
+    for i in range(0, n, 1):
+        tl.store(x_ptr + i, i)
+
+try:
+    walk[(1,)](torch.zeros(3), 3)
+except Exception as e:
+    print("broken:", triton.__version__, numpy.__version__, e)
+"""
+
+
+def _interpreter_cannot_loop() -> str:
+    """Why this Triton's interpreter cannot run a ``range()`` over an int argument with this numpy, or "".
+
+    Triton 3.6's interpreter (CUDA torch 2.11's) turns the bound into an int with ``int()`` of a one-element
+    numpy array, which numpy 2.4 refuses ("only 0-dimensional arrays can be converted to Python scalars");
+    later interpreters squeeze the array first. Every kernel here walks its row in such a loop."""
+    r = _python(["-c", _PROBE], TRITON_INTERPRET="1")
+    return r.stdout.strip() if "broken:" in r.stdout else ""
+
+
 @needs_triton
 def test_kernels_through_the_interpreter():
     r = _python(["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/triton_cases.py"], TRITON_INTERPRET="1")
+    if r.returncode and "only 0-dimensional arrays can be converted" in r.stdout:
+        why = _interpreter_cannot_loop()
+        if why:  # the interpreter, not a kernel: its own loops fail the same way
+            pytest.skip(f"Triton's interpreter cannot loop over an int argument with this numpy ({why}); "
+                        f"install numpy<2.3 (or a newer Triton) to run the kernels through it")
     assert r.returncode == 0, f"tests/triton_cases.py under TRITON_INTERPRET=1:\n{r.stdout[-8000:]}\n{r.stderr[-4000:]}"
     assert " passed" in r.stdout and "skipped" not in r.stdout, r.stdout[-2000:]
 
