@@ -10,7 +10,9 @@ With ``compiled`` set to a kernels object of :mod:`chunked_entropy._kernels`
 (the compiled or the Triton kernels: its ``stats`` and ``grad``; None for the
 eager ones), the blocks go through those kernels, which only read a block: the
 logits path then passes ``view(a, b, v0, v1)``, its own rows, and nothing is
-copied.
+copied. The eager kernels read those rows too where there is no soft-cap
+(:func:`_block_view`): their first op over a block reads the caller's rows
+and writes our buffer.
 """
 
 from __future__ import annotations
@@ -41,6 +43,14 @@ class Plan:
     want: _stats.Want
     compiled: Kernels = None  # the per-block kernels (None: eager); see _kernels.use_compiled
     float32_logits: bool = False  # half-precision weights: each block's matmul in float32 (logits_dtype=float32)
+
+
+def _block_view(view: View, compiled: Kernels, tf: _stats.Transform) -> View:
+    """Where a walk reads its blocks: the caller's own rows (``view``) for the compiled and Triton kernels, and
+    for the eager ones without a soft-cap (their first op over a block reads the rows and writes our buffer,
+    so the rows are never copied first: ``src`` of :func:`chunked_entropy._stats.block_stats`); None where
+    each block is copied into our buffer by ``fill`` (a soft-cap's ``tanh`` is taken in our buffer)."""
+    return view if compiled or tf.softcap is None else None
 
 
 def _read(fill: Fill, view: View, x, a: int, b: int, v0: int, v1: int) -> torch.Tensor:
@@ -126,8 +136,8 @@ def row_stats(tok: Tokens, fill: Fill, plan: Plan, *, width: int, dtype, device,
     block, chunk_size, group, want, compiled = (plan.vocab_chunk_size, plan.chunk_size, plan.group, plan.want,
                                                 plan.compiled)
     n, kept = tok.n, tok.keep
-    view = view if compiled else None
-    bufs = Buffers(min(chunk_size, n), block, dtype, device, work=view is None,
+    view = _block_view(view, compiled, tok.transform)
+    bufs = Buffers(min(chunk_size, n), block, dtype, device, work=not compiled or view is None,
                    scratch=want.scratch and not compiled)
     out = new_row_stats(n, want, dtype, device, kept)
     at = tok.at
@@ -146,9 +156,8 @@ def row_stats(tok: Tokens, fill: Fill, plan: Plan, *, width: int, dtype, device,
             if compiled:
                 blk = compiled.stats(z, tok.transform, k, target, v0, want.entropy, want.sum_pi_squared, dtype)
             else:
-                blk = _stats.block_stats(
-                    z, tok.transform, k, target, v0, scratch, want_w=want.entropy, want_q=want.sum_pi_squared
-                )
+                blk = _stats.block_stats(x, tok.transform, k, target, v0, scratch, want_w=want.entropy,
+                                         want_q=want.sum_pi_squared, src=None if z is x else z)
             st = _stats.merge_stats(st, blk, k)
             if g is not None:
                 kb, kc = _keep.block_stats(g, entries, b - a, k, dtype)
@@ -190,7 +199,7 @@ def grad_blocks(
     at_ids = None if at_grads is None else at.all_ids()
     g_lp, g_h, g_q = (None if g is None else g.reshape(-1).to(dtype) for g in grads)
     softcap = tok.transform.softcap is not None
-    view = view if compiled else None
+    view = _block_view(view, compiled, tok.transform)
     bufs = Buffers(
         min(chunk_size, n), block, dtype, device, work=into is None or (compiled and view is None),
         scratch=(g_h is not None or g_q is not None) and not compiled, aux=softcap and not compiled,
@@ -252,10 +261,10 @@ def _refilled_grad(tok: Tokens, fill: Fill, view: View, bufs: Buffers, a, b, v0,
     else:
         if into is not None:
             x = into(a, b)
-        fill(x, a, b, v0, v1)
-        gk = _block_kept(kept, entries, x, v0, tok.transform, k, dtype)
-        ea, ra = _block_at(tok.at, at_ids, target, a, b, v0, x, tok.transform)
-        g = _stats.block_grad(x, tok.transform, k, rows, target, v0, co, scratch, aux)
+        z = _read(fill, view, x, a, b, v0, v1)
+        gk = _block_kept(kept, entries, z, v0, tok.transform, k, dtype)
+        ea, ra = _block_at(tok.at, at_ids, target, a, b, v0, z, tok.transform)
+        g = _stats.block_grad(x, tok.transform, k, rows, target, v0, co, scratch, aux, src=None if z is x else z)
     if gk is not None:
         _keep.add_grad_(g, gk, entries, rows.kept, rows.truncated, co_k, tok.transform, k)
     if ea is not None:
@@ -331,7 +340,7 @@ def loss_grad_blocks(
         return
     chunk_size, group_size = _grouping(n, span, chunk_size)
     softcap = tok.transform.softcap is not None
-    view = view if compiled else None
+    view = _block_view(view, compiled, tok.transform)
     bufs = Buffers(min(chunk_size, n), width, dtype, device, work=into is None or (compiled and view is None),
                    scratch=not compiled, aux=softcap and not compiled)
 
@@ -352,10 +361,10 @@ def loss_grad_blocks(
             else:
                 if into is not None:
                     x = into(a, b)
-                fill(x, a, b, 0, width)
-                gk = _block_kept(kept, entries, x, 0, tok.transform, k, dtype)
+                z = _read(fill, view, x, a, b, 0, width)
+                gk = _block_kept(kept, entries, z, 0, tok.transform, k, dtype)
                 local = _stats.block_stats(x, tok.transform, k, target, 0, scratch, want_w=want.entropy,
-                                           want_q=want.sum_pi_squared, aux=aux)
+                                           want_q=want.sum_pi_squared, aux=aux, src=None if z is x else z)
             kb, kc = (None, None) if gk is None else _keep.block_stats(gk, entries, b - a, k, dtype)
             rows, merged = _rows_of_chunk(local, kb, kc, group, k, kept)
             _store(stats, rows, a, b)

@@ -161,9 +161,17 @@ def _flat(f: Scale) -> Scale:
     return f.squeeze(1) if isinstance(f, torch.Tensor) else f
 
 
-def offsets_(u: torch.Tensor, m: torch.Tensor, k: Scale) -> torch.Tensor:
-    """``u <- max(k * (u - m), NEG_FLOOR)`` in place (``m`` of -inf shifts by 0: the row stays -inf)."""
-    u.sub_(torch.where(m == -math.inf, 0.0, m).unsqueeze(1))
+def offsets_(u: torch.Tensor, m: torch.Tensor, k: Scale, src: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``u <- max(k * (u - m), NEG_FLOOR)`` in place (``m`` of -inf shifts by 0: the row stays -inf).
+
+    ``src``: the raw block itself (read only, any float dtype), ``u`` then only the buffer written: ``u <-
+    max(k * (src - m), NEG_FLOOR)``, the difference formed in ``u``'s dtype (exactly what copying ``src`` into
+    ``u`` first gives, one pass over the block fewer)."""
+    shift = torch.where(m == -math.inf, 0.0, m).unsqueeze(1)
+    if src is None:
+        u.sub_(shift)
+    else:
+        torch.sub(src, shift, out=u)  # a [n, 1] column of u's dtype: the difference is formed in u's dtype
     if k is not None:
         u.mul_(k)
     return u.clamp_(min=NEG_FLOOR)
@@ -180,6 +188,7 @@ def block_stats(
     want_w: bool,
     want_q: bool,
     aux: Optional[torch.Tensor] = None,
+    src: Optional[torch.Tensor] = None,
 ) -> BlockStats:
     """Statistics of one ``[n, Vb]`` block of raw logits.
 
@@ -197,14 +206,24 @@ def block_stats(
         want_w, want_q: compute ``w`` (entropy) and ``q`` (sum_pi_squared).
         aux: with a softcap, a buffer like ``x`` to receive the cap's
             derivative ``1 - u**2`` (for a gradient formed from these offsets).
+        src: the raw logits themselves (the caller's rows, read only, any
+            float dtype; no softcap), ``x`` then only the buffer they are read
+            into: the maximum is taken over ``src`` and the offsets are formed
+            from it straight into ``x`` (the results are those of ``x`` filled
+            with ``src`` first, one pass over the block fewer).
     """
-    tf.to_u_(x)
-    if aux is not None and tf.softcap is not None:
-        torch.mul(x, x, out=aux).neg_().add_(1.0)
-    col, inside = _label_in_block(target, v0, x.shape[1])
-    zl = torch.where(inside, x.gather(1, col).squeeze(1), 0.0)
-    m, arg = x.max(dim=1)
-    y = offsets_(x, m, k)
+    if src is None:
+        tf.to_u_(x)
+        if aux is not None and tf.softcap is not None:
+            torch.mul(x, x, out=aux).neg_().add_(1.0)
+    elif tf.softcap is not None:
+        raise AssertionError("block_stats reads src only without a softcap")
+    z = x if src is None else src
+    col, inside = _label_in_block(target, v0, z.shape[1])
+    zl = torch.where(inside, z.gather(1, col).squeeze(1).to(x.dtype), 0.0)
+    m, arg = z.max(dim=1)
+    m = m.to(x.dtype)  # src's dtype: exact in x's
+    y = offsets_(x, m, k, src)
     if scratch is None:
         e = y.exp_()
         ones = e.gather(1, arg.unsqueeze(1))
@@ -361,14 +380,20 @@ def block_grad(
     co: Coefficients,
     scratch: Optional[torch.Tensor],
     aux: Optional[torch.Tensor],
+    src: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Gradient of ``sum(g_lp * log_prob + g_h * entropy + g_q * sum_pi_squared)`` w.r.t. a block's raw logits.
 
     Overwrites ``x`` (raw logits of the block, caller-owned) with the
     gradient and returns it. ``row`` holds the rows' statistics; ``scratch``
     (like ``x``) is needed when ``co.b`` or ``co.a`` is given, ``aux`` (like
-    ``x``) when ``tf.softcap`` is set.
+    ``x``) when ``tf.softcap`` is set. ``src``: as in :func:`block_stats`
+    (the raw logits read from the caller's rows, ``x`` only written).
     """
+    if src is not None:
+        if tf.softcap is not None:
+            raise AssertionError("block_grad reads src only without a softcap")
+        return grad_from_offsets_(offsets_(x, row.m, k, src), tf, row, target, v0, co, scratch, aux)
     tf.to_u_(x)
     if tf.softcap is not None:  # 1 - u**2, the cap's derivative
         torch.mul(x, x, out=aux).neg_().add_(1.0)

@@ -91,8 +91,9 @@ def log_probs_and_entropy(
 ) -> LogProbsEntropy:
     """Per-token log-prob of ``labels`` and entropy of ``softmax(transform(logits) / temperature)``.
 
-    Walks the tokens in chunks of ``chunk_size``; each chunk is copied into a
-    float32 buffer, reduced to a few per-token statistics (all-reduced over
+    Walks the tokens in chunks of ``chunk_size``; each chunk's offsets to its
+    row maxima are read into a float32 buffer (with a soft-cap, the chunk is
+    copied into it first), reduced to a few per-token statistics (all-reduced over
     ``process_group`` when the vocabulary is sharded), and dropped. Backward
     recomputes each chunk's softmax from the saved statistics. Every result
     is formed from offsets to the row maximum, so it is accurate to float32

@@ -300,15 +300,49 @@ def test_only_one_output_in_the_loss(use, monkeypatch):
     calls = []
     real = chunked_entropy._stats.block_grad
 
-    def spy(x, tf, k, row, target, v0, co, scratch, aux):
+    def spy(x, tf, k, row, target, v0, co, scratch, aux, **kw):
         calls.append((co.c is None, co.b is None))
-        return real(x, tf, k, row, target, v0, co, scratch, aux)
+        return real(x, tf, k, row, target, v0, co, scratch, aux, **kw)
 
     monkeypatch.setattr(chunked_entropy._stats, "block_grad", spy)
     check(x, labels, chunk_size=4, use=use)
     # backward skips the unused output's work: its coefficient is never formed
     expect = (False, True) if use == ("lp",) else (True, False)
     assert calls and all(c == expect for c in calls)
+
+
+@pytest.mark.parametrize("softcap", [None, 30.0])
+def test_eager_reads_the_logits_rows_without_copying_them_first(softcap):
+    """The eager kernels' first op over a block (the max, then the offsets) reads the caller's bf16 rows and
+    writes the float32 buffer: no copy of the logits, forward or backward. With a soft-cap the block is copied
+    first (its tanh is taken in the buffer): the same log sees that copy."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from chunked_entropy import OutputLayer
+
+    x = _logits((4, 6, 37), dtype=torch.bfloat16).requires_grad_(True)
+    base = x.untyped_storage().data_ptr()
+    copies = []
+
+    class Log(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.copy_.default and args[1].untyped_storage().data_ptr() == base:
+                copies.append(tuple(args[1].shape))
+            return func(*args, **(kwargs or {}))
+
+    layer = OutputLayer(softcap=softcap)
+    with Log():
+        lp, ent = log_probs_and_entropy(x, _labels((4, 6), 37), layer=layer, chunking=Chunking(10, backend="eager"))
+        (lp.float().sum() + ent.float().sum()).backward()
+    g_eager = x.grad
+    x.grad = None
+    ref = log_probs_and_entropy(x, _labels((4, 6), 37), layer=layer, chunking=Chunking(10, backend="compile"))
+    (ref[0].float().sum() + ref[1].float().sum()).backward()
+    torch.testing.assert_close(g_eager.float(), x.grad.float(), rtol=1e-2, atol=1e-3)
+    if softcap is None:
+        assert copies == []
+    else:  # every chunk, forward and backward (10 + 10 + 4 rows, twice)
+        assert copies == [(10, 37), (10, 37), (4, 37)] * 2
 
 
 def test_no_gradient_reaches_unused_outputs():
