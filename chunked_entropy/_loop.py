@@ -10,9 +10,9 @@ With ``compiled`` set to a kernels object of :mod:`chunked_entropy._kernels`
 (the compiled or the Triton kernels: its ``stats`` and ``grad``; None for the
 eager ones), the blocks go through those kernels, which only read a block: the
 logits path then passes ``view(a, b, v0, v1)``, its own rows, and nothing is
-copied. The eager kernels read those rows too where there is no soft-cap
-(:func:`_block_view`): their first op over a block reads the caller's rows
-and writes our buffer.
+copied. The eager kernels read those rows too where they have the compute
+dtype and there is no soft-cap (:func:`_read_eager`): their first op over a
+block reads the caller's rows and writes our buffer.
 """
 
 from __future__ import annotations
@@ -47,10 +47,22 @@ class Plan:
 
 def _block_view(view: View, compiled: Kernels, tf: _stats.Transform) -> View:
     """Where a walk reads its blocks: the caller's own rows (``view``) for the compiled and Triton kernels, and
-    for the eager ones without a soft-cap (their first op over a block reads the rows and writes our buffer,
-    so the rows are never copied first: ``src`` of :func:`chunked_entropy._stats.block_stats`); None where
-    each block is copied into our buffer by ``fill`` (a soft-cap's ``tanh`` is taken in our buffer)."""
+    for the eager ones without a soft-cap (:func:`_read_eager`); None where each block is copied into our
+    buffer by ``fill`` (a soft-cap's ``tanh`` is taken in our buffer)."""
     return view if compiled or tf.softcap is None else None
+
+
+def _read_eager(fill: Fill, view: View, x, a: int, b: int, v0: int, v1: int) -> torch.Tensor:
+    """The eager kernels' block: the caller's rows where they have ``x``'s dtype (the first op over the block,
+    the max and then the offsets, reads them and writes ``x``: ``src`` of
+    :func:`chunked_entropy._stats.block_stats`; no copy first), else ``x`` filled. Half-precision rows are
+    copied: on the CPU an op that mixes dtypes takes several times a copy plus a same-dtype op."""
+    if view is not None:
+        z = view(a, b, v0, v1)
+        if z.dtype == x.dtype:
+            return z
+    fill(x, a, b, v0, v1)
+    return x
 
 
 def _read(fill: Fill, view: View, x, a: int, b: int, v0: int, v1: int) -> torch.Tensor:
@@ -149,7 +161,7 @@ def row_stats(tok: Tokens, fill: Fill, plan: Plan, *, width: int, dtype, device,
         st = kst = count = cand = None
         for v0, v1 in chunks(width, block):
             x, scratch, _ = bufs.get(b - a, v1 - v0)
-            z = _read(fill, view, x, a, b, v0, v1)
+            z = _read(fill, view, x, a, b, v0, v1) if compiled else _read_eager(fill, view, x, a, b, v0, v1)
             g = _block_kept(kept, entries, z, v0, tok.transform, k, dtype)
             if at is not None:  # distillation's ids and top-k, read before the block is overwritten
                 cand = at.block(z, a, b, v0, cand)
@@ -261,7 +273,7 @@ def _refilled_grad(tok: Tokens, fill: Fill, view: View, bufs: Buffers, a, b, v0,
     else:
         if into is not None:
             x = into(a, b)
-        z = _read(fill, view, x, a, b, v0, v1)
+        z = _read_eager(fill, view, x, a, b, v0, v1)
         gk = _block_kept(kept, entries, z, v0, tok.transform, k, dtype)
         ea, ra = _block_at(tok.at, at_ids, target, a, b, v0, z, tok.transform)
         g = _stats.block_grad(x, tok.transform, k, rows, target, v0, co, scratch, aux, src=None if z is x else z)
@@ -361,7 +373,7 @@ def loss_grad_blocks(
             else:
                 if into is not None:
                     x = into(a, b)
-                z = _read(fill, view, x, a, b, 0, width)
+                z = _read_eager(fill, view, x, a, b, 0, width)
                 gk = _block_kept(kept, entries, z, 0, tok.transform, k, dtype)
                 local = _stats.block_stats(x, tok.transform, k, target, 0, scratch, want_w=want.entropy,
                                            want_q=want.sum_pi_squared, aux=aux, src=None if z is x else z)

@@ -92,9 +92,10 @@ def log_probs_and_entropy(
     """Per-token log-prob of ``labels`` and entropy of ``softmax(transform(logits) / temperature)``.
 
     Walks the tokens in chunks of ``chunk_size``; each chunk's offsets to its
-    row maxima are read into a float32 buffer (with a soft-cap, the chunk is
-    copied into it first), reduced to a few per-token statistics (all-reduced over
-    ``process_group`` when the vocabulary is sharded), and dropped. Backward
+    row maxima are read into a float32 buffer (half-precision chunks, and any
+    with a soft-cap, are copied into it first), reduced to a few per-token
+    statistics (all-reduced over ``process_group`` when the vocabulary is
+    sharded), and dropped. Backward
     recomputes each chunk's softmax from the saved statistics. Every result
     is formed from offsets to the row maximum, so it is accurate to float32
     rounding of itself (a confident token's entropy of 1e-6 too) at any logit
