@@ -56,8 +56,9 @@ def _ours(beta, s, ws, bs, wt, bt, logits_dtype=None):
 def test_divergence_keywords_are_0_1s_form_of_the_same_settings():
     """``divergence_keywords`` (kept for 0.1's callers) names what ``Divergence.from_trl_beta`` and the layers hold."""
     for beta in BETAS:
-        kw = divergence_keywords(beta, temperature=2.0, student_logit_scale=1.0, teacher_logit_scale=0.5,
-                                 student_softcap=30.0)
+        with pytest.warns(DeprecationWarning, match=r"0\.1's and go in 0\.3\.0.*Divergence\.from_trl_beta"):
+            kw = divergence_keywords(beta, temperature=2.0, student_logit_scale=1.0, teacher_logit_scale=0.5,
+                                     student_softcap=30.0)
         d = Divergence.from_trl_beta(beta)
         assert (kw["divergence"], kw["beta"], kw["temperature"]) == (d.kind, d.beta, 2.0)
         assert (kw["student_logit_scale"], kw["teacher_logit_scale"], kw["student_softcap"]) == (None, 0.5, 30.0)

@@ -26,13 +26,14 @@ split by ``batch_size``, the MoE ``aux_loss`` of ``compute_aux_loss``, the
 :func:`chunked_divergence_loss` instead, for that trainer only: the loss of
 :func:`~chunked_entropy.linear_divergence_loss` (gradients formed in forward:
 four projection-sized matmuls per step instead of six), with TRL's ``beta``
-(:func:`divergence_keywords`), transforms, temperature and reduction.
+(:meth:`~chunked_entropy.Divergence.from_trl_beta`), transforms, temperature and reduction.
 
 Tested with TRL 1.16.0 and Transformers 5.24.0.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Optional
 
 import torch
@@ -317,7 +318,15 @@ def divergence_keywords(beta, *, temperature=1.0, student_logit_scale=1.0, teach
     :meth:`~chunked_entropy.Divergence.from_trl_beta`'s). A logit scale of 1.0 is no scale. Kept for 0.1's
     callers (the keywords go in 0.3.0): 0.2's form is ``divergence=Divergence.from_trl_beta(beta)`` and an
     :class:`~chunked_entropy.OutputLayer` per model, as :func:`chunked_divergence_loss` builds them.
+
+    .. deprecated:: 0.2.0
+        Removed in 0.3.0 with 0.1's keywords; warns (``DeprecationWarning``) on every call.
     """
+    warnings.warn(
+        "divergence_keywords returns 0.1's keywords of linear_divergence, which are 0.1's and go in 0.3.0: pass "
+        "divergence=Divergence.from_trl_beta(beta), temperature=, and student_layer=/teacher_layer="
+        "OutputLayer(weight, bias, softcap=..., logit_scale=...) (see CHANGELOG.md)",
+        DeprecationWarning, stacklevel=2)
     divergence = Divergence.from_trl_beta(beta)
     return dict(divergence=divergence.kind, beta=divergence.beta, temperature=float(temperature),
                 student_logit_scale=_scale(student_logit_scale), teacher_logit_scale=_scale(teacher_logit_scale),
