@@ -233,6 +233,8 @@ def _grad_kernel(
         if HAS_A:
             inner += a * (p - s2)
         g = p * inner
+        if HAS_B:  # 0 where p == 0: b * (ws - y) overflows at a floored offset for |b| > 3.4e8, and 0 * inf is NaN
+            g = tl.where(p == 0.0, 0.0, g)
         if HAS_C:
             g += tl.where(cols == label, c, 0.0)
         if HAS_CAP:

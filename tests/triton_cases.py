@@ -457,3 +457,22 @@ def test_edge_rows_match_eager(dtype):
     assert torch.isnan(grad[[1, 3, 4]]).all() and torch.isfinite(grad[[0, 2, 5, 6, 7, 8]]).all()
     torch.testing.assert_close(grad.double(), eager_grad.double(), equal_nan=True,
                                **(dict(rtol=2.0 ** -8, atol=1e-6) if dtype in HALF else dict(rtol=1e-5, atol=1e-6)))
+
+
+def test_padded_columns_at_a_tiny_temperature_pass_no_nan():
+    """``g_h / t`` above 3.4e8 (t = 1e-9): the entropy term ``b * (ws - y)`` overflows at a -inf column's
+    floored offset, and ``p = 0`` times it was NaN; it is 0, as eager's and float64's."""
+    g = torch.Generator().manual_seed(13)
+    z = torch.randn(5, W, generator=g) * 3
+    z[:, -5:] = -math.inf
+    labels = torch.randint(0, W - 5, (5,), generator=g)
+    t = torch.tensor([1e-9, 1e-8, 1.0, 3e-9, 0.5])
+    ups = [torch.randn(5, generator=g, dtype=torch.float64) * 10 for _ in range(2)]
+    results = []
+    for backend in ("eager", "triton"):
+        fn = lambda x: log_probs_and_entropy(x, labels, temperature=t, chunking=Chunking(4, backend=backend))  # noqa: E731,B023
+        results.append(_run(fn, [z], ups))
+    (eager_outs, (eager_grad,)), (outs, (grad,)) = results
+    assert torch.isfinite(grad).all() and (grad[:, -5:] == 0).all()
+    for a, b in zip(outs + [grad], eager_outs + [eager_grad], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
