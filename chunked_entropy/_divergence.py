@@ -371,7 +371,8 @@ def grad_of_blocks_(math_: DivergenceMath, z_s, z_t, cap_s, k_s, m_s, ls_s, ws, 
     _, _, lp_t = _log_probs_of(z_t, cap_t, k_t, m_t, ls_t, dtype)
     p = torch.exp(lp_s)
     col = torch.arange(u.shape[1], device=u.device).unsqueeze(0)
-    g = p * (b.unsqueeze(1) * (ws.unsqueeze(1) - y) - c.unsqueeze(1))
+    # p == 0: 0, also where b * (ws - y) overflowed at a floored offset (see _stats.grad_from_offsets_)
+    g = torch.where(p == 0, 0.0, p * (b.unsqueeze(1) * (ws.unsqueeze(1) - y) - c.unsqueeze(1)))
     g = g + torch.where(col == (target - v0).unsqueeze(1), c.unsqueeze(1), 0.0)
     g = g + math_.grad(lp_s, lp_t, aux) * scale.unsqueeze(1)
     if cap_s is not None:

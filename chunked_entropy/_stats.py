@@ -422,7 +422,10 @@ def grad_from_offsets_(
         p = torch.sub(y, row.ls.unsqueeze(1), out=scratch).exp_()
         const = 0.0 if c is None else -c
         if co.b is not None:  # b * (w/s - y): 0 * finite where p == 0
-            torch.sub(row.ws.unsqueeze(1), y, out=y).mul_(co.b.unsqueeze(1))
+            # finite: at a floored offset (-1e30: a -inf logit) b * 1e30 overflows for |b| > 3.4e8 (a temperature
+            # of 1e-8), and 0 * inf would be NaN; clamped, p == 0 makes it 0 as it is in exact arithmetic
+            big = torch.finfo(y.dtype).max
+            torch.sub(row.ws.unsqueeze(1), y, out=y).mul_(co.b.unsqueeze(1)).clamp_(-big, big)
         else:
             y.zero_()
         if co.a is not None:
@@ -493,7 +496,8 @@ def grad_of_block(z, out, cap_factor, k, m, ls, ws, s2, target, v0: int, c, b, a
     p = torch.exp(y - ls.unsqueeze(1))
     inner = b.unsqueeze(1) * (ws.unsqueeze(1) - y) - c.unsqueeze(1) + a.unsqueeze(1) * (p - s2.unsqueeze(1))
     col = torch.arange(u.shape[1], device=u.device).unsqueeze(0)
-    g = p * inner + torch.where(col == (target - v0).unsqueeze(1), c.unsqueeze(1), 0.0)
+    # p == 0: 0, also where b * (w/s - y) overflowed at a floored offset (see grad_from_offsets_)
+    g = torch.where(p == 0, 0.0, p * inner) + torch.where(col == (target - v0).unsqueeze(1), c.unsqueeze(1), 0.0)
     if cap_factor is not None:
         g = g * (1.0 - u * u)
     out.copy_(g)

@@ -64,9 +64,13 @@ _COMPUTE = {torch.float32: tl.float32, torch.float64: tl.float64}
 
 @triton.jit
 def _tanh_interpreted(x):
-    """``tanh`` to a few ulps from accurate ``exp``/``log`` (the interpreter's numpy): ``-expm1(-2|x|) /
-    (2 + expm1(-2|x|))`` with the sign of ``x``, ``expm1(v) = (e - 1) * v / log(e)`` for ``e = exp(v)``
-    (Kahan: the rounding of ``e`` cancels between the two factors), and ``x`` itself where ``e == 1``."""
+    """``tanh`` from accurate ``exp``/``log`` (the interpreter's numpy): ``-expm1(-2|x|) / (2 + expm1(-2|x|))``
+    with the sign of ``x``, ``expm1(v) = (e - 1) * v / log(e)`` for ``e = exp(v)`` (Kahan: the rounding of
+    ``e`` cancels between the two factors), and ``x`` itself where ``e == 1``. Formed in float64 (free in
+    numpy) and rounded once to ``x``'s dtype: float32 ``u`` within an ulp, as torch's (the formula alone
+    in float32 is off by up to 5 ulps, which a small temperature's ``k`` of 1e4 makes 1e-3 in ``y``)."""
+    out_dtype = x.dtype
+    x = x.to(tl.float64)
     v = -2.0 * tl.abs(x)
     e = tl.exp(v)
     tiny = e == 1.0  # |x| below half an ulp of 1: tanh(x) = x
@@ -74,7 +78,7 @@ def _tanh_interpreted(x):
     em1 = (e - 1.0) * v / tl.log(tl.where(tiny | flat, 0.5, e))
     em1 = tl.where(flat, -1.0, em1)
     t = tl.where(tiny, tl.abs(x), -em1 / (2.0 + em1))
-    return tl.where(x < 0, -t, t)
+    return tl.where(x < 0, -t, t).to(out_dtype)
 
 
 if INTERPRETED:
@@ -90,10 +94,13 @@ else:
 @triton.jit
 def _to_bf16(x):
     """float32 ``x`` rounded to the nearest bfloat16, ties to even (by its bits: the interpreter's own cast
-    truncates, so the rounding is written out, the same on every backend; inf and NaN stay so)."""
+    truncates, so the rounding is written out, the same on every backend; inf stays inf). A NaN is made a
+    quiet NaN of its sign without rounding: rounding its bits would carry a NaN with low payload bits into
+    inf, and the GPU's own NaN, ``0x7FFFFFFF``, across the sign into ``-0.0``."""
     bits = x.to(tl.uint32, bitcast=True)
-    bits = bits + (0x7FFF + ((bits >> 16) & 1))
-    return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    rounded = (bits + (0x7FFF + ((bits >> 16) & 1))) >> 16
+    bits = tl.where(x != x, (bits >> 16) | 0x40, rounded)
+    return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit
@@ -106,10 +113,18 @@ def _u(z, cap, HAS_CAP: tl.constexpr, COMPUTE: tl.constexpr):
 
 
 @triton.jit
+def _max_nan(a, b):
+    """``max(a, b)``, NaN if either is (``torch.max``'s rule). Triton's own ``tl.max`` and ``tl.maximum``
+    ignore a NaN (``maxnum`` compiled, ``nanmax`` in the interpreter): every maximum here says which it is."""
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def _shift(m_from, m_to, k, NEG_FLOOR: tl.constexpr):
-    """``k * (m_from - m_to)`` clamped at NEG_FLOOR, and -inf-safe (:func:`chunked_entropy._stats._shift`)."""
+    """``k * (m_from - m_to)`` clamped at NEG_FLOOR, and -inf-safe (:func:`chunked_entropy._stats._shift`);
+    NaN stays NaN, as ``clamp`` keeps it."""
     d = tl.where(m_from == -float("inf"), -float("inf"), m_from - m_to) * k
-    return tl.maximum(d, NEG_FLOOR)
+    return _max_nan(d, NEG_FLOOR)
 
 
 @triton.jit
@@ -138,15 +153,14 @@ def _stats_kernel(
         u = _u(tl.load(z_row + cols * stride_zc, mask=inside, other=0.0), cap, HAS_CAP, COMPUTE)
         u = tl.where(inside, u, neg_inf)
         # the tile's statistics relative to its own maximum mt (a tile of -inf shifts by 0: offsets NEG_FLOOR)
-        mt = tl.max(u, axis=0)
-        y = (u - tl.where(mt == neg_inf, 0.0, mt)) * k
-        y = tl.maximum(y, NEG_FLOOR, propagate_nan=tl.PropagateNan.ALL)
+        mt = tl.reduce(u, 0, _max_nan)  # NaN where the tile has one, as the eager kernels' row max
+        y = _max_nan((u - tl.where(mt == neg_inf, 0.0, mt)) * k, NEG_FLOOR)
         e = tl.exp(y)
         top = y == 0.0
         t_ones = tl.sum(top.to(COMPUTE), axis=0)
         t_rest = tl.sum(tl.where(top, 0.0, e), axis=0)
         # merged into the running statistics: both re-expressed relative to the larger maximum (_stats.rescale)
-        m_new = tl.maximum(m, mt)
+        m_new = _max_nan(m, mt)
         d_a = _shift(m, m_new, k, NEG_FLOOR)
         d_b = _shift(mt, m_new, k, NEG_FLOOR)
         f_a = tl.exp(d_a)
@@ -211,7 +225,7 @@ def _grad_kernel(
         cols = start + cols0
         inside = cols < width
         u = _u(tl.load(z_row + cols * stride_zc, mask=inside, other=0.0), cap, HAS_CAP, COMPUTE)
-        y = tl.maximum((u - shift) * k, NEG_FLOOR, propagate_nan=tl.PropagateNan.ALL)
+        y = _max_nan((u - shift) * k, NEG_FLOOR)
         p = tl.exp(y - ls)
         inner = tl.zeros_like(p) - c
         if HAS_B:
@@ -219,6 +233,8 @@ def _grad_kernel(
         if HAS_A:
             inner += a * (p - s2)
         g = p * inner
+        if HAS_B:  # 0 where p == 0: b * (ws - y) overflows at a floored offset for |b| > 3.4e8, and 0 * inf is NaN
+            g = tl.where(p == 0.0, 0.0, g)
         if HAS_C:
             g += tl.where(cols == label, c, 0.0)
         if HAS_CAP:

@@ -270,3 +270,25 @@ def _tp2_counts(rank, world):
 
 def test_three_collectives_per_chunk_under_tp2():
     run_distributed(_tp2_counts, 2)
+
+
+def test_compiled_padded_student_at_a_tiny_temperature_passes_no_nan():
+    """The student's entropy term ``b * (ws - y)`` overflows at a -inf column's floored offset where ``g_h / t``
+    exceeds 3.4e8 (t = 1e-9); ``p = 0`` times it is 0 in the compiled gradient too (it was NaN), as eager's."""
+    from chunked_entropy import divergence_from_logits
+
+    g = torch.Generator().manual_seed(6)
+    zs, zt = torch.randn(4, V, generator=g), torch.randn(4, V, generator=g)
+    zs[:, -3:] = float("-inf")
+    zt[:, -3:] = -1e4
+    labels = torch.randint(0, V - 3, (4,), generator=g)
+    ups = torch.randn(3, 4, generator=g) * 10
+    results = []
+    for backend in ("eager", "compile"):
+        x = zs.clone().requires_grad_()
+        out = divergence_from_logits(x, zt, divergence="reverse_kl", labels=labels, temperature=1e-9,
+                                     compute_entropy=True, chunking=Chunking(2, backend=backend))
+        sum((o * u).sum() for o, u in zip(out, ups, strict=True)).backward()
+        results.append([o.detach() for o in out] + [x.grad])
+    assert torch.isfinite(results[1][-1]).all() and (results[1][-1][:, -3:] == 0).all()
+    _close(results[1], results[0], "padded, t = 1e-9: compiled vs eager", 1e-5)

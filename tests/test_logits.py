@@ -209,6 +209,28 @@ def test_neg_inf_padded_columns(temperature, dtype):
     assert gx[3, 2] == 0
 
 
+@pytest.mark.parametrize("temperature", [1e-9, "tensor"])
+def test_neg_inf_padded_columns_at_a_tiny_temperature(temperature):
+    """The entropy's gradient at a padded column is 0 also where ``g_h / t`` exceeds 3.4e8: there
+    ``b * (w/s - y)`` at the floored offset (-1e30) overflowed to inf, and ``p = 0`` times it was NaN."""
+    n, v, pad = 6, 24, 5
+    x = _logits((n, v)) * 3
+    x[:, v - pad :] = float("-inf")
+    labels = _labels((n,), v, high=v - pad)
+    if temperature == "tensor":
+        temperature = torch.tensor([1e-9, 1e-8, 3e-8, 1.0, 0.5, 1e-9])
+    up = torch.randn(2, n, generator=_gen(5), dtype=torch.float64) * 10
+    x64 = x.double().requires_grad_()
+    t64 = temperature.double() if isinstance(temperature, torch.Tensor) else temperature
+    ref = reference(x64, labels, temperature=t64)
+    (ref[0] * up[0] + ref[1] * up[1]).sum().backward()
+    xx = x.clone().requires_grad_()
+    out = log_probs_and_entropy(xx, labels, temperature=temperature, chunking=Chunking(4, backend="eager"))
+    (out.log_probs * up[0] + out.entropy * up[1]).sum().backward()
+    assert torch.isfinite(xx.grad).all() and (xx.grad[:, v - pad :] == 0).all()
+    torch.testing.assert_close(xx.grad.double(), x64.grad, rtol=1e-5, atol=1e-5)
+
+
 # ----------------------------------------------------------------------------- low precision
 
 # Half-precision inputs are exact in float32 and float64, and the library computes

@@ -232,4 +232,6 @@ def test_the_kernels_compile_for_a_gpu(half):
              COMPUTE=_triton.tl.float32, NEG_FLOOR=_triton._NEG_FLOOR))
     for k in (stats, grad):
         assert k.asm["cubin"] and "ld.global" in k.asm["ptx"]
+        # every maximum propagates NaN as eager's (maximumf); maxnumf, tl.max's own, would skip it on the GPU
+        assert "arith.maxnumf" not in k.asm["ttir"] and "arith.maximumf" in k.asm["ttir"]
     assert "__nv_tanhf" in stats.asm["ttir"]  # libdevice's tanh, not the interpreter's formula

@@ -35,7 +35,10 @@ from tests.helpers import reference
 if os.environ.get("TRITON_INTERPRET") != "1":  # pragma: no cover - guarded by tests/test_triton.py
     pytest.skip("run by tests/test_triton.py with TRITON_INTERPRET=1", allow_module_level=True)
 
-from chunked_entropy import Chunking, OutputLayer, PolicyLoss, _triton  # noqa: E402 - after the interpreter check
+import triton  # noqa: E402 - after the interpreter check
+import triton.language as tl  # noqa: E402
+
+from chunked_entropy import Chunking, OutputLayer, PolicyLoss, _triton  # noqa: E402
 
 W = 37  # columns of a block: three tiles of 16
 HALF = (torch.bfloat16, torch.float16)
@@ -362,3 +365,114 @@ def test_replay_and_distillation_ride_on_the_kernels(extra):
             results.append(vals + [hh.grad, ww.grad])
         for a, b in zip(*results, strict=True):
             torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- edges: NaN, infinities, rounding
+
+
+@triton.jit
+def _bf16_of_bits(x_ptr, out_ptr, n, B: tl.constexpr):
+    i = tl.arange(0, B)
+    x = tl.load(x_ptr + i, mask=i < n).to(tl.float32, bitcast=True)
+    tl.store(out_ptr + i, _triton._to_bf16(x), mask=i < n)
+
+
+def test_the_bf16_rounding_keeps_every_nan_a_nan():
+    """The gradient's rounding to bf16 by bits: ties to even, inf kept, and a NaN a NaN of its sign whatever
+    its payload. The GPU's NaN is 0x7FFFFFFF, which rounding its bits carried into -0.0 (the interpreter's
+    numpy NaN, 0x7FC00000, did not show it); a NaN with only low payload bits became inf."""
+    bits = [0x7FFFFFFF, 0xFFFFFFFF, 0x7F800001, 0xFF800001, 0x7FC00000, 0x7F800000, 0xFF800000, 0x3F800000,
+            0x3F808000, 0x3F818000, 0x3F80C000, 0x7F7FFFFF, 0x00000001, 0x80000000]
+    x = torch.tensor(bits, dtype=torch.int64).to(torch.int32)  # two's complement: the same 32 bits
+    out = torch.empty(len(bits), dtype=torch.bfloat16)
+    _bf16_of_bits[(1,)](x, out, len(bits), B=16)
+    f = x.view(torch.float32)
+    nan = torch.isnan(f)
+    assert nan[:4].all() and torch.isnan(out[nan]).all()
+    assert torch.equal(torch.signbit(out[nan]), torch.signbit(f[nan]))
+    torch.testing.assert_close(out[~nan], f[~nan].to(torch.bfloat16), rtol=0, atol=0)  # torch rounds to even
+
+
+def test_a_nan_in_a_tile_makes_the_row_max_nan_as_eager():
+    """``tl.max`` and ``tl.maximum`` skip a NaN (compiled and interpreted); eager's row maximum is NaN. Rows
+    with a NaN in the last tile, in the first, a +inf, a row of -inf, a confident row at an offset of 1e4."""
+    z, target, v0 = _block(torch.float32)
+    z[0, 35] = math.nan
+    z[1, 0] = math.nan
+    z[2, 20] = math.inf
+    z[3] = -math.inf
+    z[4] += 1e4
+    z[4, 9] += 40
+    tf, k = TRANSFORMS["plain"], 1.3
+    got = _triton.stats(z, tf, k, target, v0, True, True, torch.float32)
+    eager = _stats.block_stats(z.clone(), tf, k, target, v0, torch.empty_like(z), want_w=True, want_q=True)
+    torch.testing.assert_close(got.m, eager.m, rtol=0, atol=0, equal_nan=True)
+    mine, ref = _stats.RowStats.from_block(got, k), _stats.RowStats.from_block(eager, k)
+    for a, b in zip(mine[:5], ref[:5], strict=True):
+        torch.testing.assert_close(a, b, rtol=2e-6, atol=2e-6, equal_nan=True)
+
+
+def test_the_interpreted_tanh_is_within_an_ulp():
+    """With a soft-cap ``u = tanh(...)`` is the row maximum ``m`` and the label's ``zl``: each within an ulp
+    of torch's tanh (the interpreter's formula in float32 was 5 ulps off, 1e-3 in ``y`` at ``k = 3e4``)."""
+    g = torch.Generator().manual_seed(11)
+    z = torch.randn(64, W, generator=g) * 3
+    target = torch.randint(0, W, (64,), generator=g)
+    tf = TRANSFORMS["capped"]
+    got = _triton.stats(z, tf, 3e4, target, 0, False, False, torch.float32)
+    u = torch.tanh(z * ((tf.logit_scale or 1.0) / tf.softcap))
+    for a, b in ((got.m, u.amax(dim=1)), (got.zl, u.gather(1, target[:, None]).squeeze(1))):
+        ulp = torch.nextafter(b.abs(), torch.tensor(2.0)) - b.abs()
+        assert ((a - b).abs() <= ulp).all(), (a - b).abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_edge_rows_match_eager(dtype):
+    """End to end, values and gradients (random upstream ones) equal to eager's where eager's are NaN or
+    infinite too: a padded vocabulary (-inf columns), a row of -inf, a label on -inf, NaN and +inf logits,
+    an offset of 1e4, a confident row, a tie; per-row temperatures, one tiny, as a stride-0 column."""
+    g = torch.Generator().manual_seed(12)
+    z = torch.randn(9, W, generator=g, dtype=torch.float64) * 3
+    labels = torch.randint(0, W - 4, (9,), generator=g)
+    z[:, -4:] = -math.inf
+    z[1] = -math.inf
+    z[2, labels[2]] = -math.inf
+    z[3, 17] = math.nan
+    z[4, 30] = math.inf
+    z[5] += 1e4
+    z[6, labels[6]] += 40
+    z[7] = 2.0
+    labels[8] = -100
+    z = z.to(dtype)
+    t = torch.tensor([0.7, 1.0, 1.3, 0.9, 1e-3, 0.5, 0.8, 1.1, 2.0]).unsqueeze(1).expand(9, 2)[:, 0]
+    ups = [torch.randn(9, generator=g, dtype=torch.float64) for _ in range(3)]
+    results = []
+    for backend in ("eager", "triton"):
+        fn = lambda x: log_probs_and_entropy(x, labels, temperature=t, chunking=Chunking(4, backend=backend),  # noqa: E731,B023
+                                             compute_sum_pi_squared=True)
+        results.append(_run(fn, [z], ups))
+    (eager_outs, (eager_grad,)), (outs, (grad,)) = results
+    for a, b in zip(outs, eager_outs, strict=True):
+        torch.testing.assert_close(a, b, rtol=2e-6, atol=2e-6, equal_nan=True)
+    assert torch.isnan(grad[[1, 3, 4]]).all() and torch.isfinite(grad[[0, 2, 5, 6, 7, 8]]).all()
+    torch.testing.assert_close(grad.double(), eager_grad.double(), equal_nan=True,
+                               **(dict(rtol=2.0 ** -8, atol=1e-6) if dtype in HALF else dict(rtol=1e-5, atol=1e-6)))
+
+
+def test_padded_columns_at_a_tiny_temperature_pass_no_nan():
+    """``g_h / t`` above 3.4e8 (t = 1e-9): the entropy term ``b * (ws - y)`` overflows at a -inf column's
+    floored offset, and ``p = 0`` times it was NaN; it is 0, as eager's and float64's."""
+    g = torch.Generator().manual_seed(13)
+    z = torch.randn(5, W, generator=g) * 3
+    z[:, -5:] = -math.inf
+    labels = torch.randint(0, W - 5, (5,), generator=g)
+    t = torch.tensor([1e-9, 1e-8, 1.0, 3e-9, 0.5])
+    ups = [torch.randn(5, generator=g, dtype=torch.float64) * 10 for _ in range(2)]
+    results = []
+    for backend in ("eager", "triton"):
+        fn = lambda x: log_probs_and_entropy(x, labels, temperature=t, chunking=Chunking(4, backend=backend))  # noqa: E731,B023
+        results.append(_run(fn, [z], ups))
+    (eager_outs, (eager_grad,)), (outs, (grad,)) = results
+    assert torch.isfinite(grad).all() and (grad[:, -5:] == 0).all()
+    for a, b in zip(outs + [grad], eager_outs + [eager_grad], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
