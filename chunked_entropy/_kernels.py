@@ -13,11 +13,11 @@ imported on first use: the library works without Triton).
 
 ``"auto"`` (every op's default) chooses by device: on CUDA, the Triton
 kernels when Triton is importable, else the compiled ones, each tried once on
-a tiny block first (a failure warns once and moves on to the next, down to
-eager); on the CPU and other devices, eager. On a CPU tensor
-``backend="triton"`` runs only through Triton's interpreter (opt-in:
-``TRITON_INTERPRET=1`` in the environment before Triton is first imported;
-slow, for tests).
+a tiny float32 block and a bf16 one first (a failure, or results that differ
+from the eager kernels', warns once and moves on to the next, down to eager);
+on the CPU and other devices, eager. On a CPU tensor ``backend="triton"``
+runs only through Triton's interpreter (opt-in: ``TRITON_INTERPRET=1`` in
+the environment before Triton is first imported; slow, for tests).
 
 The loop (:mod:`chunked_entropy._loop`) takes the chosen kernels as an object
 with ``stats`` and ``grad`` (:data:`COMPILED`, :data:`TRITON`), or None for
@@ -245,25 +245,37 @@ AUTO_FAST = ("cuda",)
 _auto = {}  # device type -> the kernels backend="auto" chose there (None: eager)
 
 
+def _probe_block(kernels, device: torch.device, dtype) -> None:
+    """Both kernels on a small ``[3, 300]`` block of ``dtype`` (a label at each end and none), held to the eager
+    kernels on the same values; the gradient written in ``dtype``, compared within one rounding of it.
+    Raises ArithmeticError where they differ."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    z = (torch.randn(3, 300, generator=g) * 4).to(device=device, dtype=dtype)
+    target = torch.tensor([0, 299, -1], device=device)
+    tf = _stats.Transform()
+    co = _stats.Coefficients(torch.ones(3, device=device), torch.full((3,), 0.5, device=device), None)
+    st = kernels.stats(z, tf, None, target, 0, True, False, torch.float32)
+    row = _stats.RowStats.from_block(st, None)
+    grad = kernels.grad(z, torch.empty_like(z), tf, None, row, target, 0, co, torch.float32)
+    zf = z.float()
+    ref_st = _stats.block_stats(zf.clone(), tf, None, target, 0, torch.empty_like(zf), want_w=True, want_q=False)
+    ref_row = _stats.RowStats.from_block(ref_st, None)
+    ref_grad = _stats.block_grad(zf.clone(), tf, None, ref_row, target, 0, co, torch.empty_like(zf), None)
+    ulp = 1e-4 if dtype == torch.float32 else 2.0 ** -7  # the gradient rounded once to a bf16 (8-bit) mantissa
+    pairs = [(row.log_probs(), ref_row.log_probs(), 1e-4), (row.entropy(), ref_row.entropy(), 1e-4),
+             (grad.float(), ref_grad.to(dtype).float(), ulp)]
+    if grad.dtype != dtype or not all(torch.allclose(a, b, rtol=r, atol=1e-5) for a, b, r in pairs):
+        raise ArithmeticError(f"its results differ from the eager kernels' on a {str(dtype)[6:]} test block")
+
+
 def _probe(kernels, name: str, device: torch.device, then: str) -> bool:
-    """Run both kernels once on a small block and hold their results to the eager kernels'; False (and one
-    warning saying what runs ``then``) if they fail or differ: a kernel that compiles but computes wrongly on
-    this device is never chosen silently."""
+    """Run both kernels once on a small float32 block and a bfloat16 one (the logits and gradient dtype of most
+    GPU runs: read and written in bf16) and hold their results to the eager kernels'; False (and one warning
+    saying what runs ``then``) if they fail or differ: a kernel that compiles but computes wrongly on this
+    device is never chosen silently."""
     try:
-        g = torch.Generator(device="cpu").manual_seed(0)
-        z = (torch.randn(3, 300, generator=g) * 4).to(device)
-        target = torch.tensor([0, 299, -1], device=device)
-        tf = _stats.Transform()
-        co = _stats.Coefficients(torch.ones(3, device=device), torch.full((3,), 0.5, device=device), None)
-        st = kernels.stats(z, tf, None, target, 0, True, False, torch.float32)
-        row = _stats.RowStats.from_block(st, None)
-        grad = kernels.grad(z, torch.empty_like(z), tf, None, row, target, 0, co, torch.float32)
-        ref_st = _stats.block_stats(z.clone(), tf, None, target, 0, torch.empty_like(z), want_w=True, want_q=False)
-        ref_row = _stats.RowStats.from_block(ref_st, None)
-        ref_grad = _stats.block_grad(z.clone(), tf, None, ref_row, target, 0, co, torch.empty_like(z), None)
-        pairs = [(row.log_probs(), ref_row.log_probs()), (row.entropy(), ref_row.entropy()), (grad, ref_grad)]
-        if not all(torch.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in pairs):
-            raise ArithmeticError("its results differ from the eager kernels' on a test block")
+        for dtype in (torch.float32, torch.bfloat16):
+            _probe_block(kernels, device, dtype)
         return True
     except Exception as e:  # noqa: BLE001 - any failure of the compiler means: use the next kernels
         warnings.warn(

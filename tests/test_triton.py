@@ -165,10 +165,38 @@ def test_auto_never_chooses_kernels_that_compute_wrongly(monkeypatch):
     monkeypatch.setattr(_kernels.COMPILED, "grad", off_by_a_little)
     z, labels = torch.randn(4, 7), torch.tensor([0, 1, 2, 6])
     with pytest.warns(RuntimeWarning, match=r"could not run its compiled kernels on cpu \(ArithmeticError: its "
-                                           r"results differ from the eager kernels' on a test block\); trying the "
-                                           r"eager kernels"):
+                                           r"results differ from the eager kernels' on a float32 test block\); "
+                                           r"trying the eager kernels"):
         log_probs_and_entropy(z, labels)
     assert _kernels._auto["cpu"] is None
+
+
+def test_auto_never_chooses_kernels_that_write_half_precision_wrongly(monkeypatch):
+    """Right in float32, wrong where they read and write bf16 (most GPU runs' logits and gradients: the kernels'
+    own bf16 rounding, say): the bf16 test block finds it, and the kernels are skipped."""
+    monkeypatch.setattr(_kernels, "_auto", {})
+    monkeypatch.setattr(_kernels, "AUTO_FAST", ("cpu",))
+    monkeypatch.setattr(_kernels.TRITON, "compiled_for", lambda device: False)
+    right = _kernels.COMPILED.grad
+
+    def bf16_off(z, out, *args):
+        g = right(z, out, *args)
+        if out.dtype == torch.bfloat16:  # about two bf16 ulps off
+            g.mul_(1 - 2 ** -6)
+        return g
+
+    monkeypatch.setattr(_kernels.COMPILED, "grad", bf16_off)
+    z, labels = torch.randn(4, 7), torch.tensor([0, 1, 2, 6])
+    with pytest.warns(RuntimeWarning, match=r"differ from the eager kernels' on a bfloat16 test block\); trying "
+                                           r"the eager kernels"):
+        log_probs_and_entropy(z, labels)
+    assert _kernels._auto["cpu"] is None
+    monkeypatch.setattr(_kernels, "_auto", {})
+    monkeypatch.setattr(_kernels.COMPILED, "grad", right)  # the kernels themselves pass both blocks
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        log_probs_and_entropy(z, labels)
+    assert _kernels._auto["cpu"] is _kernels.COMPILED
 
 
 def test_without_triton_the_library_works_and_refuses_backend_triton():
