@@ -318,9 +318,7 @@ def divergence_keywords(beta, *, temperature=1.0, student_logit_scale=1.0, teach
     :meth:`~chunked_entropy.Divergence.from_trl_beta`'s). A logit scale of 1.0 is no scale. Kept for 0.1's
     callers (the keywords go in 0.3.0): 0.2's form is ``divergence=Divergence.from_trl_beta(beta)`` and an
     :class:`~chunked_entropy.OutputLayer` per model, as :func:`chunked_divergence_loss` builds them.
-
-    .. deprecated:: 0.2.0
-        Removed in 0.3.0 with 0.1's keywords; warns (``DeprecationWarning``) on every call.
+    Deprecated since 0.2.0: every call warns (``DeprecationWarning``); removed in 0.3.0 with 0.1's keywords.
     """
     warnings.warn(
         "divergence_keywords returns 0.1's keywords of linear_divergence, which are 0.1's and go in 0.3.0: pass "
