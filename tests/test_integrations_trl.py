@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -103,6 +104,47 @@ def test_drop_ins_name_a_float_index():
             ce_trl.selective_log_softmax(logits, idx)
     with pytest.raises(TypeError, match="index must hold integer ids"):
         ce_trl.selective_log_softmax_and_entropy(logits, index.float())
+
+
+@pytest.mark.parametrize("temperature", [np.float32(0.7), torch.tensor(0.7), torch.tensor([0.7]), 2])
+def test_temperatures_trl_accepts_are_accepted(temperature):
+    """TRL divides by any real number or one-element tensor (``logits / temperature``): so do the drop-ins."""
+    logits, index, g = _case()
+    ups = [torch.randn(index.shape, generator=g), torch.randn(index.shape, generator=g)]
+    for fn, args in ((ce_trl.selective_log_softmax, (index, temperature)),
+                     (ce_trl.selective_log_softmax, (index[..., None].expand(3, 7, 2), temperature)),
+                     (ce_trl.selective_log_softmax_and_entropy, (index, True, temperature))):
+        theirs_fn = getattr(trl_utils, fn.__name__)
+        n = 1 if fn is ce_trl.selective_log_softmax else 2
+        up = [u.unsqueeze(-1).expand(args[0].shape) for u in ups[:n]] if args[0].dim() == 3 else ups[:n]
+        ours, g_ours = _grads(fn, logits, *args, ups=up)
+        theirs, g_theirs = _grads(theirs_fn, logits, *args, ups=up)
+        for a, b in zip(ours, theirs, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(g_ours, g_theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_temperature_that_is_no_number_is_named():
+    logits, index, _ = _case()
+    for bad in (None, "0.7", True, torch.full((3, 7), 0.7)):
+        with pytest.raises(TypeError, match="temperature must be a float > 0"):
+            ce_trl.selective_log_softmax(logits, index, bad)
+        with pytest.raises(TypeError, match="temperature must be a float > 0"):
+            ce_trl.selective_log_softmax_and_entropy(logits, index, True, bad)
+    for bad in (0, -1.0, float("nan"), torch.tensor(0.0)):
+        with pytest.raises(ValueError, match="temperature must be positive"):
+            ce_trl.selective_log_softmax(logits, index, bad)
+
+
+def test_zero_ids_per_row_give_an_empty_result_as_trl():
+    logits, _, _ = _case()
+    index = torch.zeros(3, 7, 0, dtype=torch.int64)
+    theirs = trl_utils.selective_log_softmax(logits, index)
+    x = logits.clone().requires_grad_()
+    ours = ce_trl.selective_log_softmax(x, index, 0.5)
+    assert ours.shape == theirs.shape == (3, 7, 0) and ours.dtype == torch.float32
+    ours.sum().backward()
+    assert torch.equal(x.grad, torch.zeros_like(logits))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
