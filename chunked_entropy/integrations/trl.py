@@ -126,9 +126,11 @@ def selective_log_softmax(
 
     Memory:
         One chunked pass over the logits whatever ``K``: saved for backward
-        are a reference to ``logits`` and two float32 per position (plus,
-        for ``K > 1``, the ``K`` gathered logits). Forward allocates one
-        float32 ``[chunk_size, num_classes]`` buffer.
+        are a reference to ``logits`` and a few float32 per position (with
+        ``(..., K)`` ids, also the ids). Forward allocates one float32
+        ``[chunk_size, num_classes]`` buffer; the ``K`` ids' gradient is
+        added to each chunk's in float32 before the logits' dtype is
+        rounded to once.
     """
     check_logits(logits)
     has_k = _check_index(index, logits, allow_k=True)
@@ -138,17 +140,12 @@ def selective_log_softmax(
     if has_k and index.shape[-1] == 0:  # no id per row: an empty result, still a function of the logits
         dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
         return logits.gather(-1, index.long()).to(dtype)
-    # With K ids per row, every log-prob is read off the row's largest logit, whose own log-prob is finite
-    # whatever the others hold (a masked -inf or finfo.min id among the K would make an anchor of NaN or 0):
-    # log p_k = log p_max + (z_k - z_max) / t, one pass over the vocabulary for all K ids.
-    anchor = logits.argmax(dim=-1) if has_k else index
-    lp = log_probs_and_entropy(
-        logits, anchor, chunking=chunk_size, temperature=temperature, compute_entropy=False
-    ).log_probs
-    if has_k:
-        z = logits.gather(-1, index.long()).to(lp.dtype)
-        z_max = logits.gather(-1, anchor.unsqueeze(-1)).to(lp.dtype)
-        lp = lp.unsqueeze(-1) + (z - z_max) / temperature
+    if has_k:  # the core's K log-probs per row, one pass; each logit's gradient formed in float32, rounded once
+        lp = log_probs_and_entropy(logits, None, chunking=chunk_size, temperature=temperature,
+                                   compute_entropy=False, log_probs_at=index.long()).log_probs_at
+    else:
+        lp = log_probs_and_entropy(logits, index, chunking=chunk_size, temperature=temperature,
+                                   compute_entropy=False).log_probs
     return lp if keep is None else torch.where(keep, lp, torch.zeros((), dtype=lp.dtype, device=lp.device))
 
 
