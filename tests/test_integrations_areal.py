@@ -143,6 +143,10 @@ def test_bad_labels_are_named():
         ce_areal.gather_logprobs(torch.randn(4, 8), torch.zeros(3, dtype=torch.int64))
     with pytest.raises(TypeError, match="labels must hold integer ids"):
         ce_areal.gather_logprobs_entropy(torch.randn(4, 8), torch.zeros(4))
+    # AReaL's own chunk_size argument is named (the core would name its chunking)
+    for bad in (0, -1, 2.5, True, None):
+        with pytest.raises(ValueError, match=rf"^chunk_size must be an int >= 1, got {bad!r}"):
+            ce_areal.gather_logprobs(torch.randn(4, 8), torch.zeros(4, dtype=torch.int64), 1.0, None, bad)
 
 
 def test_tree_attention_module_runs_the_plugin_after_install(eager_compile):

@@ -137,3 +137,12 @@ def test_documented_patch_of_the_real_actor(monkeypatch, tmp_path, temperature):
     torch.testing.assert_close(ours[1], theirs[1], rtol=1e-5, atol=1e-6)
     for name, grad in theirs[2].items():
         torch.testing.assert_close(ours[2][name], grad, rtol=1e-4, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("chunk_size", [0, 2.5, True, None])
+def test_a_bad_chunk_size_is_named_chunk_size(chunk_size):
+    logits, labels = torch.randn(2, 3, 11), torch.randint(0, 11, (2, 3))
+    with pytest.raises(ValueError, match=rf"^chunk_size must be an int >= 1, got {chunk_size!r}"):
+        ce_openrlhf.log_probs_from_logits(logits, labels, chunk_size=chunk_size)
+    with pytest.raises(ValueError, match=rf"^chunk_size must be an int >= 1, got {chunk_size!r}"):
+        ce_openrlhf.compute_entropy(logits, chunk_size=chunk_size)

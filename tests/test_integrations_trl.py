@@ -378,3 +378,16 @@ def test_fuzz_k_index_with_masked_logits_matches_trl(lead, v, k, seed, masked, w
     torch.testing.assert_close(ours[finite], theirs[finite], rtol=1e-5, atol=1e-5)
     assert torch.equal(ours[~finite], theirs[~finite])
     torch.testing.assert_close(g_ours, g_theirs, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("chunk_size", [0, -2, 2.5, True, None])
+def test_a_bad_chunk_size_is_named_chunk_size(chunk_size):
+    """The drop-ins' own keyword is named, not the core's ``chunking``; ``"auto"`` is taken."""
+    logits, index, _ = _case()
+    for call in (lambda: ce_trl.selective_log_softmax(logits, index, chunk_size=chunk_size),
+                 lambda: ce_trl.selective_log_softmax_and_entropy(logits, index, chunk_size=chunk_size),
+                 lambda: ce_trl.entropy_from_logits(logits, chunk_size)):
+        with pytest.raises(ValueError, match=rf"^chunk_size must be an int >= 1, got {chunk_size!r}"):
+            call()
+    want = trl_utils.selective_log_softmax(logits, index)
+    torch.testing.assert_close(ce_trl.selective_log_softmax(logits, index, chunk_size="auto"), want)

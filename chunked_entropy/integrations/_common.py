@@ -22,7 +22,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .._checks import require
+from .._checks import check_chunk, require
 from ..head import ChunkedVocabParallelHead
 from ..options import Chunking, OutputLayer
 
@@ -40,6 +40,13 @@ def check_logits(logits) -> None:
         raise TypeError(f"logits must be a torch.Tensor (..., num_classes), got {type(logits).__name__}")
     if logits.dim() < 1 or logits.shape[-1] < 1:
         raise ValueError(f"logits must be (..., num_classes) with num_classes >= 1, got shape {tuple(logits.shape)}")
+
+
+def check_chunk_size(chunk_size) -> None:
+    """A drop-in's ``chunk_size`` (tokens per chunk): an int >= 1 or ``"auto"``, named as the drop-in's argument
+    (the core would name its ``chunking``)."""
+    if not (isinstance(chunk_size, str) and chunk_size == "auto"):
+        check_chunk("chunk_size", chunk_size)
 
 
 def engine_chunk_size(engine_config, key: str = "entropy_from_logits_chunk_size") -> int:

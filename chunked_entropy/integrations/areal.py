@@ -47,7 +47,7 @@ import torch.distributed as dist
 
 from ..logits import log_probs_and_entropy
 from ..parallel import agreed_call
-from ._common import Adapter, Patch, Target, check_ids, check_logits, check_parameters, sharded_over
+from ._common import Adapter, Patch, Target, check_chunk_size, check_ids, check_logits, check_parameters, sharded_over
 
 __all__ = ["TARGETS", "gather_logprobs", "gather_logprobs_entropy", "install", "installed", "uninstall"]
 
@@ -80,6 +80,7 @@ def _run(logits, labels, temperature, tp_group, chunk_size, compute_entropy: boo
     with agreed_call(group):
         check_logits(logits)
         check_ids("labels", labels, logits)
+        check_chunk_size(chunk_size)
     return log_probs_and_entropy(logits, labels, layer=sharded_over(group), chunking=chunk_size,
                                  temperature=temperature, compute_entropy=compute_entropy)
 

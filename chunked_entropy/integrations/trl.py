@@ -44,7 +44,7 @@ from ..divergence import linear_divergence_loss
 from ..linear import linear_log_probs_and_entropy
 from ..logits import log_probs_and_entropy
 from ..options import Chunking, Divergence, OutputLayer
-from ._common import MethodPatch, check_id_dtype, check_id_range, check_ids, check_logits
+from ._common import MethodPatch, check_chunk_size, check_id_dtype, check_id_range, check_ids, check_logits
 
 __all__ = [
     "FusedHeadKernel",
@@ -136,6 +136,7 @@ def selective_log_softmax(
     has_k = _check_index(index, logits, allow_k=True)
     keep = _check_row_mask(row_mask, index)
     temperature = _temperature(temperature)
+    check_chunk_size(chunk_size)
     check_id_range("index", index, logits.shape[-1])  # as TRL's gather: every id, masked rows too
     if has_k and index.shape[-1] == 0:  # no id per row: an empty result, still a function of the logits
         dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
@@ -198,6 +199,7 @@ def selective_log_softmax_and_entropy(
     _check_index(index, logits, allow_k=False)
     keep = _check_row_mask(row_mask, index)
     temperature = _temperature(temperature)
+    check_chunk_size(chunk_size)
     if not isinstance(entropy_requires_grad, bool):
         raise TypeError(f"entropy_requires_grad must be a bool, got {entropy_requires_grad!r}")
     check_id_range("index", index, logits.shape[-1])
