@@ -391,3 +391,16 @@ def test_a_bad_chunk_size_is_named_chunk_size(chunk_size):
             call()
     want = trl_utils.selective_log_softmax(logits, index)
     torch.testing.assert_close(ce_trl.selective_log_softmax(logits, index, chunk_size="auto"), want)
+
+
+def test_a_nested_tensor_is_named_not_an_internal_error():
+    """torch raises 'NestedTensorImpl doesn't support sizes' on reading a nested tensor's shape: named instead."""
+    logits = torch.nested.nested_tensor([torch.randn(2, 5), torch.randn(3, 5)], layout=torch.jagged)
+    index = torch.nested.nested_tensor([torch.zeros(2, dtype=torch.int64), torch.zeros(3, dtype=torch.int64)],
+                                       layout=torch.jagged)
+    for call in (lambda: ce_trl.selective_log_softmax(logits, index), lambda: ce_trl.entropy_from_logits(logits),
+                 lambda: ce_trl.selective_log_softmax_and_entropy(logits, index)):
+        with pytest.raises(TypeError, match="logits must be a dense tensor .* got a nested tensor"):
+            call()
+    with pytest.raises(TypeError, match="index must be a dense tensor of int64 ids, got a nested tensor"):
+        ce_trl.selective_log_softmax(logits.values(), index)

@@ -38,6 +38,9 @@ def sharded_over(group) -> Optional[OutputLayer]:
 def check_logits(logits) -> None:
     if not isinstance(logits, torch.Tensor):
         raise TypeError(f"logits must be a torch.Tensor (..., num_classes), got {type(logits).__name__}")
+    if logits.is_nested:  # its shape is not readable (torch raises an internal error): named here
+        raise TypeError("logits must be a dense tensor (..., num_classes), got a nested tensor: pass its packed "
+                        "rows (logits.values(), [T, num_classes]) with the ids packed alike")
     if logits.dim() < 1 or logits.shape[-1] < 1:
         raise ValueError(f"logits must be (..., num_classes) with num_classes >= 1, got shape {tuple(logits.shape)}")
 
@@ -72,6 +75,9 @@ def check_id_dtype(name: str, ids) -> None:
     """``ids`` must be a tensor of integer ids (named in the error)."""
     if not isinstance(ids, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of int64 ids, got {type(ids).__name__}")
+    if ids.is_nested:
+        raise TypeError(f"{name} must be a dense tensor of int64 ids, got a nested tensor: pass its packed values "
+                        f"({name}.values()) with the logits packed alike")
     if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
         raise TypeError(f"{name} must hold integer ids (int64), got {ids.dtype}")
 
