@@ -143,6 +143,16 @@ def test_bad_labels_are_named():
         ce_areal.gather_logprobs(torch.randn(4, 8), torch.zeros(3, dtype=torch.int64))
     with pytest.raises(TypeError, match="labels must hold integer ids"):
         ce_areal.gather_logprobs_entropy(torch.randn(4, 8), torch.zeros(4))
+    # an id outside [0, V), -100 included: AReaL's gather fails at TP 1 (and reads one as no label under TP)
+    for bad in (8, -1, -100):
+        labels = torch.tensor([0, 7, bad, 3])
+        for fn in (ce_areal.gather_logprobs, ce_areal.gather_logprobs_entropy):
+            with pytest.raises(ValueError, match=rf"labels must hold class ids in \[0, 8\); found {bad} at flat pos"):
+                fn(torch.randn(4, 8), labels)
+    # AReaL's own chunk_size argument is named (the core would name its chunking)
+    for bad in (0, -1, 2.5, True, None):
+        with pytest.raises(ValueError, match=rf"^chunk_size must be an int >= 1, got {bad!r}"):
+            ce_areal.gather_logprobs(torch.randn(4, 8), torch.zeros(4, dtype=torch.int64), 1.0, None, bad)
 
 
 def test_tree_attention_module_runs_the_plugin_after_install(eager_compile):

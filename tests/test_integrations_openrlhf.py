@@ -77,6 +77,19 @@ def test_compute_entropy_matches_openrlhf():
     torch.testing.assert_close(grads[0][1], grads[1][1], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("bad", [29, -1, -100])
+def test_a_label_outside_the_vocabulary_is_named(bad):
+    """OpenRLHF's gather raises on any id outside [0, V), -100 included: the drop-in raises too, naming labels
+    (the core alone would read -100 as an ignored token and return a log-prob of 0)."""
+    logits = torch.randn(3, 6, 29)
+    labels = torch.randint(0, 29, (3, 6))
+    labels[1, 4] = bad
+    with pytest.raises((RuntimeError, IndexError)):
+        openrlhf_utils.log_probs_from_logits(logits.clone(), labels)
+    with pytest.raises(ValueError, match=rf"labels must hold class ids in \[0, 29\); found {bad}"):
+        ce_openrlhf.log_probs_from_logits(logits, labels)
+
+
 def _actor(temperature, tmp_path):
     """OpenRLHF's Actor loading a tiny Qwen2 from a local folder, as it loads a checkpoint.
 
@@ -124,3 +137,12 @@ def test_documented_patch_of_the_real_actor(monkeypatch, tmp_path, temperature):
     torch.testing.assert_close(ours[1], theirs[1], rtol=1e-5, atol=1e-6)
     for name, grad in theirs[2].items():
         torch.testing.assert_close(ours[2][name], grad, rtol=1e-4, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("chunk_size", [0, 2.5, True, None])
+def test_a_bad_chunk_size_is_named_chunk_size(chunk_size):
+    logits, labels = torch.randn(2, 3, 11), torch.randint(0, 11, (2, 3))
+    with pytest.raises(ValueError, match=rf"^chunk_size must be an int >= 1, got {chunk_size!r}"):
+        ce_openrlhf.log_probs_from_logits(logits, labels, chunk_size=chunk_size)
+    with pytest.raises(ValueError, match=rf"^chunk_size must be an int >= 1, got {chunk_size!r}"):
+        ce_openrlhf.compute_entropy(logits, chunk_size=chunk_size)

@@ -337,3 +337,52 @@ def test_a_bad_chunk_size_in_verls_engine_config_is_named(chunk):
             distillation_use_topk=False, distillation_only=False, logits_processor_func=None, batch=None,
             data_format="thd",
         )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_forward_outside_the_engine_matches_verls_fused_linear_for_ppo(dtype):
+    """verl's ``FusedLinearForPPO`` (torch backend) called directly: the drop-in's values and gradients (random
+    upstream gradients on both outputs) no worse than verl's own against float64."""
+    from verl.utils.experimental.torch_functional import FusedLinearForPPO
+
+    from chunked_entropy.integrations.verl import fsdp as ce_fsdp
+
+    g = torch.Generator().manual_seed(7)
+    hidden = torch.randn(2, 5, 16, generator=g, dtype=torch.float64).to(dtype)
+    weight = (torch.randn(37, 16, generator=g, dtype=torch.float64) * 2).to(dtype)
+    ids = torch.randint(0, 37, (2, 5), generator=g, dtype=torch.int32)
+    ups = torch.randn(2, 2, 5, generator=g, dtype=torch.float64)
+    h64, w64 = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    lp = torch.log_softmax(h64 @ w64.t() / 0.7, -1)
+    want = (lp.gather(-1, ids.long()[..., None])[..., 0], -(lp.exp() * lp).sum(-1))
+    (want[0] * ups[0] + want[1] * ups[1]).sum().backward()
+    module = FusedLinearForPPO(chunk_size=3)
+    errs = []
+    ours = lambda h, w: ce_fsdp.fused_linear_for_ppo_forward(module, h, w, ids, 0.7)  # noqa: E731
+    for fn in (ours, lambda h, w: module(h, w, ids, 0.7)):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        outs = fn(h, w)
+        (outs[0].double() * ups[0] + outs[1].double() * ups[1]).sum().backward()
+        errs.append([(a.detach().double() - b).abs().max().item()
+                     for a, b in zip((*outs, h.grad, w.grad), (*want, h64.grad, w64.grad), strict=True)])
+    slack = 1e-5 if dtype == torch.float32 else 0.0
+    for ours, theirs in zip(*errs, strict=True):
+        assert ours <= max(theirs, 1e-5) + slack, errs
+
+
+@pytest.mark.parametrize("bad", [37, -1, -100])
+def test_fused_forward_names_an_id_outside_the_vocabulary_as_verl_does(bad):
+    """verl's gather raises on any id outside [0, V) (its Triton kernel would read one as no label): the drop-ins
+    raise a ValueError naming the argument as verl names it, -100 included (not a log-prob of 0)."""
+    from verl.utils.experimental.torch_functional import FusedLinearForPPO
+
+    from chunked_entropy.integrations.verl import fsdp as ce_fsdp
+
+    hidden, weight = torch.randn(2, 5, 16), torch.randn(37, 16)
+    ids = torch.randint(0, 37, (2, 5))
+    ids[1, 3] = bad
+    module = FusedLinearForPPO(chunk_size=3)
+    with pytest.raises((RuntimeError, IndexError)):
+        module(hidden, weight, ids, 1.0)
+    with pytest.raises(ValueError, match=rf"input_ids must hold class ids in \[0, 37\); found {bad}"):
+        ce_fsdp.fused_linear_for_ppo_forward(module, hidden, weight, ids, 1.0)

@@ -22,7 +22,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .._checks import require
+from .._checks import check_chunk, require
 from ..head import ChunkedVocabParallelHead
 from ..options import Chunking, OutputLayer
 
@@ -38,8 +38,18 @@ def sharded_over(group) -> Optional[OutputLayer]:
 def check_logits(logits) -> None:
     if not isinstance(logits, torch.Tensor):
         raise TypeError(f"logits must be a torch.Tensor (..., num_classes), got {type(logits).__name__}")
+    if logits.is_nested:  # its shape is not readable (torch raises an internal error): named here
+        raise TypeError("logits must be a dense tensor (..., num_classes), got a nested tensor: pass its packed "
+                        "rows (logits.values(), [T, num_classes]) with the ids packed alike")
     if logits.dim() < 1 or logits.shape[-1] < 1:
         raise ValueError(f"logits must be (..., num_classes) with num_classes >= 1, got shape {tuple(logits.shape)}")
+
+
+def check_chunk_size(chunk_size) -> None:
+    """A drop-in's ``chunk_size`` (tokens per chunk): an int >= 1 or ``"auto"``, named as the drop-in's argument
+    (the core would name its ``chunking``)."""
+    if not (isinstance(chunk_size, str) and chunk_size == "auto"):
+        check_chunk("chunk_size", chunk_size)
 
 
 def engine_chunk_size(engine_config, key: str = "entropy_from_logits_chunk_size") -> int:
@@ -65,6 +75,9 @@ def check_id_dtype(name: str, ids) -> None:
     """``ids`` must be a tensor of integer ids (named in the error)."""
     if not isinstance(ids, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of int64 ids, got {type(ids).__name__}")
+    if ids.is_nested:
+        raise TypeError(f"{name} must be a dense tensor of int64 ids, got a nested tensor: pass its packed values "
+                        f"({name}.values()) with the logits packed alike")
     if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
         raise TypeError(f"{name} must hold integer ids (int64), got {ids.dtype}")
 

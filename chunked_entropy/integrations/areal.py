@@ -36,8 +36,10 @@ them (a mismatch raises and leaves AReaL untouched), and the rest as soon as
 AReaL imports them. Written for ``areal==1.0.4``.
 
 Differences from AReaL's own functions: float64 logits give float64 results
-(AReaL returns float32 always); labels equal to -100 get a log-prob of 0
-(AReaL's gather would fail on them).
+(AReaL returns float32 always); a label outside ``[0, V)``, ``-100``
+included, is a ValueError naming ``labels`` and the first bad id (AReaL's
+gather fails on it at TP 1, and under TP reads it as no label: a log-prob of
+minus the log-sum-exp); an empty batch gives empty results (AReaL asserts).
 """
 
 from __future__ import annotations
@@ -47,7 +49,17 @@ import torch.distributed as dist
 
 from ..logits import log_probs_and_entropy
 from ..parallel import agreed_call
-from ._common import Adapter, Patch, Target, check_ids, check_logits, check_parameters, sharded_over
+from ._common import (
+    Adapter,
+    Patch,
+    Target,
+    check_chunk_size,
+    check_id_range,
+    check_ids,
+    check_logits,
+    check_parameters,
+    sharded_over,
+)
 
 __all__ = ["TARGETS", "gather_logprobs", "gather_logprobs_entropy", "install", "installed", "uninstall"]
 
@@ -80,6 +92,9 @@ def _run(logits, labels, temperature, tp_group, chunk_size, compute_entropy: boo
     with agreed_call(group):
         check_logits(logits)
         check_ids("labels", labels, logits)
+        check_chunk_size(chunk_size)
+        # global ids of the whole vocabulary, as AReaL's gather needs (the core would read -100 as no label)
+        check_id_range("labels", labels, logits.shape[-1] * (1 if group is None else dist.get_world_size(group)))
     return log_probs_and_entropy(logits, labels, layer=sharded_over(group), chunking=chunk_size,
                                  temperature=temperature, compute_entropy=compute_entropy)
 
@@ -96,7 +111,8 @@ def gather_logprobs(
     Args:
         logits: ``[..., V]``, or this rank's vocabulary shard ``[..., V/tp]``
             under ``tp_group``; any float dtype. Never written.
-        labels: ``[...]`` int64 global token ids.
+        labels: ``[...]`` int64 global token ids in ``[0, V)`` (any other,
+            ``-100`` included, is a ValueError naming ``labels``).
         temperature: a float > 0 (or a tensor broadcastable to ``labels``).
         tp_group: AReaL's tensor-parallel group; the vocabulary is sharded
             over it when it has more than one rank (rank ``r`` holds ids

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from ..logits import log_probs_and_entropy
-from .trl import check_ids, check_logits
+from ._common import check_chunk_size, check_id_range, check_ids, check_logits
 
 __all__ = ["compute_entropy", "log_probs_from_logits"]
 
@@ -34,7 +34,9 @@ def log_probs_from_logits(
 
     Args:
         logits: ``(..., vocab)``, any float dtype; never written.
-        labels: ``(...)`` int64 token ids in ``[0, vocab)``.
+        labels: ``(...)`` int64 token ids in ``[0, vocab)`` (any other id,
+            ``-100`` included, is a ValueError naming ``labels``, where
+            OpenRLHF's gather raises).
         temperature: a float > 0, or a tensor broadcastable to ``labels``.
         chunk_size: tokens per chunk (not in OpenRLHF's signature; keyword only).
 
@@ -48,6 +50,9 @@ def log_probs_from_logits(
     """
     check_logits(logits)
     check_ids("labels", labels, logits)
+    check_chunk_size(chunk_size)
+    # as OpenRLHF's gather: every label a vocabulary id (the core would read -100 as ignored, a log-prob of 0)
+    check_id_range("labels", labels, logits.shape[-1])
     return log_probs_and_entropy(
         logits, labels, chunking=chunk_size, temperature=temperature, compute_entropy=False
     ).log_probs
@@ -69,5 +74,6 @@ def compute_entropy(logits: torch.Tensor, *, chunk_size: int = 1024) -> torch.Te
         backward allocates the gradient and at most two such buffers.
     """
     check_logits(logits)
+    check_chunk_size(chunk_size)
     no_label = torch.full(logits.shape[:-1], -100, dtype=torch.int64, device=logits.device)
     return log_probs_and_entropy(logits, no_label, chunking=chunk_size).entropy

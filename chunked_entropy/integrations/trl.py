@@ -33,6 +33,7 @@ Tested with TRL 1.16.0 and Transformers 5.24.0.
 
 from __future__ import annotations
 
+import numbers
 import warnings
 from typing import Optional
 
@@ -43,7 +44,7 @@ from ..divergence import linear_divergence_loss
 from ..linear import linear_log_probs_and_entropy
 from ..logits import log_probs_and_entropy
 from ..options import Chunking, Divergence, OutputLayer
-from ._common import MethodPatch, check_id_dtype, check_id_range, check_ids, check_logits
+from ._common import MethodPatch, check_chunk_size, check_id_dtype, check_id_range, check_ids, check_logits
 
 __all__ = [
     "FusedHeadKernel",
@@ -66,7 +67,7 @@ def _check_index(index, logits, *, allow_k: bool) -> bool:
         return False
     check_id_dtype("index", index)
     lead = logits.shape[:-1]
-    if index.shape[:-1] == lead and index.shape[-1] >= 1:
+    if index.shape[:-1] == lead:
         return True
     raise ValueError(
         f"index must have shape {tuple(lead)} or {tuple(lead)} + (K,) (the logits' without num_classes), "
@@ -83,9 +84,22 @@ def _check_row_mask(row_mask, index) -> Optional[torch.Tensor]:
     return row_mask != 0
 
 
-def _check_temperature(temperature) -> None:
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
+def _temperature(temperature) -> float:
+    """TRL's ``temperature`` as a float: any real number (``numpy.float32`` included) or a one-element tensor, as
+    TRL's ``logits / temperature`` takes them (a tensor is read on the host, as TRL's ``temperature <= 0`` reads
+    it); > 0, else a clear error (the core's check names a float32-overflowing one)."""
+    if isinstance(temperature, torch.Tensor) and temperature.numel() == 1 and temperature.dtype != torch.bool \
+            and not temperature.dtype.is_complex:
+        value = float(temperature)
+    elif isinstance(temperature, numbers.Real) and not isinstance(temperature, bool):
+        value = float(temperature)
+    else:
+        got = (f"a tensor of shape {tuple(temperature.shape)} and dtype {temperature.dtype}"
+               if isinstance(temperature, torch.Tensor) else type(temperature).__name__)
+        raise TypeError(f"temperature must be a float > 0 (or a one-element tensor), got {got}")
+    if not value > 0:  # NaN included
         raise ValueError(f"temperature must be positive, got {temperature!r}")
+    return value
 
 
 def selective_log_softmax(
@@ -101,9 +115,9 @@ def selective_log_softmax(
     Args:
         logits: ``(..., num_classes)``, any float dtype; never written.
         index: ``(...)`` or ``(..., K)`` int64 class ids (``K`` per position,
-            e.g. top-K).
-        temperature: a float > 0 the logits are divided by (inside the
-            chunk loop: no scaled copy is made).
+            e.g. top-K; ``K = 0`` gives an empty result).
+        temperature: a float > 0 (or a one-element tensor) the logits are
+            divided by (inside the chunk loop: no scaled copy is made).
         row_mask: like ``index``; where 0 the result is 0 with no gradient.
         chunk_size: tokens per chunk (not in TRL's signature; keyword only).
 
@@ -112,26 +126,27 @@ def selective_log_softmax(
 
     Memory:
         One chunked pass over the logits whatever ``K``: saved for backward
-        are a reference to ``logits`` and two float32 per position (plus,
-        for ``K > 1``, the ``K`` gathered logits). Forward allocates one
-        float32 ``[chunk_size, num_classes]`` buffer.
+        are a reference to ``logits`` and a few float32 per position (with
+        ``(..., K)`` ids, also the ids). Forward allocates one float32
+        ``[chunk_size, num_classes]`` buffer; the ``K`` ids' gradient is
+        added to each chunk's in float32 before the logits' dtype is
+        rounded to once.
     """
     check_logits(logits)
     has_k = _check_index(index, logits, allow_k=True)
     keep = _check_row_mask(row_mask, index)
-    _check_temperature(temperature)
+    temperature = _temperature(temperature)
+    check_chunk_size(chunk_size)
     check_id_range("index", index, logits.shape[-1])  # as TRL's gather: every id, masked rows too
-    # With K ids per row, every log-prob is read off the row's largest logit, whose own log-prob is finite
-    # whatever the others hold (a masked -inf or finfo.min id among the K would make an anchor of NaN or 0):
-    # log p_k = log p_max + (z_k - z_max) / t, one pass over the vocabulary for all K ids.
-    anchor = logits.argmax(dim=-1) if has_k else index
-    lp = log_probs_and_entropy(
-        logits, anchor, chunking=chunk_size, temperature=temperature, compute_entropy=False
-    ).log_probs
-    if has_k:
-        z = logits.gather(-1, index).to(lp.dtype)
-        z_max = logits.gather(-1, anchor.unsqueeze(-1)).to(lp.dtype)
-        lp = lp.unsqueeze(-1) + (z - z_max) / temperature
+    if has_k and index.shape[-1] == 0:  # no id per row: an empty result, still a function of the logits
+        dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+        return logits.gather(-1, index.long()).to(dtype)
+    if has_k:  # the core's K log-probs per row, one pass; each logit's gradient formed in float32, rounded once
+        lp = log_probs_and_entropy(logits, None, chunking=chunk_size, temperature=temperature,
+                                   compute_entropy=False, log_probs_at=index.long()).log_probs_at
+    else:
+        lp = log_probs_and_entropy(logits, index, chunking=chunk_size, temperature=temperature,
+                                   compute_entropy=False).log_probs
     return lp if keep is None else torch.where(keep, lp, torch.zeros((), dtype=lp.dtype, device=lp.device))
 
 
@@ -173,7 +188,7 @@ def selective_log_softmax_and_entropy(
         logits: ``(..., num_classes)``, any float dtype; never written.
         index: ``(...)`` int64 class ids.
         entropy_requires_grad: whether the entropy carries a gradient.
-        temperature: a float > 0 the logits are divided by.
+        temperature: a float > 0 (or a one-element tensor) the logits are divided by.
         row_mask: like ``index``; where 0 both outputs are 0 with no gradient.
         chunk_size: tokens per chunk (keyword only).
 
@@ -183,7 +198,8 @@ def selective_log_softmax_and_entropy(
     check_logits(logits)
     _check_index(index, logits, allow_k=False)
     keep = _check_row_mask(row_mask, index)
-    _check_temperature(temperature)
+    temperature = _temperature(temperature)
+    check_chunk_size(chunk_size)
     if not isinstance(entropy_requires_grad, bool):
         raise TypeError(f"entropy_requires_grad must be a bool, got {entropy_requires_grad!r}")
     check_id_range("index", index, logits.shape[-1])

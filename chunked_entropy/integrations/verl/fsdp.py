@@ -63,7 +63,7 @@ from ..._checks import require
 from ...linear import linear_log_probs_and_entropy
 from ...logits import log_probs_and_entropy
 from ...options import OutputLayer
-from .._common import Target, check_parameters, engine_chunk_size, sharded_over
+from .._common import Target, check_id_range, check_parameters, engine_chunk_size, sharded_over
 from ._distill import distillation_keys, teacher_topk
 
 __all__ = [
@@ -444,7 +444,7 @@ def fused_linear_for_ppo_forward(self, hidden_states, vocab_weights, input_ids, 
     its forward. The logits never exist: per chunk, one or two float32
     ``[chunk, V]`` buffers.
     """
-    return _fused(hidden_states, vocab_weights, input_ids, temperature, int(self.chunk_size), None,
+    return _fused(hidden_states, vocab_weights, input_ids, temperature, int(self.chunk_size), None, "input_ids",
                   lambda: _ORIGINAL["FusedLinearForPPO.forward"](self, hidden_states, vocab_weights, input_ids,
                                                                  temperature))
 
@@ -468,10 +468,10 @@ def linear_cross_entropy(hidden, weight, labels, temperature=1.0, reduction="non
     if request is None or reduction != "none" or dist_process_group is not None:
         return verls()
     chunk = int(request.engine.engine_config.entropy_from_logits_chunk_size)
-    return _fused(hidden, weight, labels, temperature, chunk, None, verls)
+    return _fused(hidden, weight, labels, temperature, chunk, None, "labels", verls)
 
 
-def _fused(hidden, weight, labels, temperature, chunk: int, group, verls):
+def _fused(hidden, weight, labels, temperature, chunk: int, group, name: str, verls):
     from torch.distributed.tensor import DTensor
 
     request = getattr(_LOCAL, "request", None)
@@ -489,6 +489,9 @@ def _fused(hidden, weight, labels, temperature, chunk: int, group, verls):
     spp = False if request is None else request.sum_pi_squared
     teacher = None if request is None else request.teacher
     labels = labels.to(torch.int64)
+    # Every id a vocabulary id, as verl's gather requires (its Triton kernel reads a bad id as no label): named as
+    # verl names it; the core alone would read -100 as an ignored label, a log-prob of 0
+    check_id_range(name, labels, weight.shape[0])
     rows = None if request is None else request.rows
     if rows is not None and tuple(rows.shape) != tuple(labels.shape):
         raise RuntimeError(f"chunked_entropy: the rows verl reads ({tuple(rows.shape)}) do not match the fused "
