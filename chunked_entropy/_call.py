@@ -11,7 +11,6 @@ gradients the Function's forward bare (:func:`apply_or_forward`).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 from typing import Optional
@@ -24,7 +23,7 @@ from ._logit_blocks import resolve_vocab_chunk
 from ._loop import Plan
 from ._stats import Want
 from .options import Chunking, OutputLayer, as_chunking, as_layer
-from .parallel import agreed_call
+from .parallel import refused_together
 
 __all__ = [
     "agree_objects", "apply_or_forward", "group_of", "plan_for", "refused_together", "settings", "zeros_connected",
@@ -62,18 +61,6 @@ def plan_for(layer: OutputLayer, chunking: Chunking, *, lead, want: Want, device
 def group_of(layer):
     """The tensor-parallel group an op's ``layer`` argument names (None for a bare weight or None)."""
     return layer.process_group if isinstance(layer, OutputLayer) else None
-
-
-@contextlib.contextmanager
-def refused_together(group):
-    """Argument errors raised before the op's agreed call (building its option objects) reach every rank of
-    ``group``: the failing rank joins an agreed call carrying its refusal, which its peers meet in their own
-    (the op's), so that every rank raises the same error and none waits for a refused one."""
-    try:
-        yield
-    except (TypeError, ValueError):
-        with agreed_call(group):
-            raise
 
 
 def agree_objects(call, **objects) -> None:

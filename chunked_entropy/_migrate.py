@@ -125,11 +125,11 @@ def _describe(arg: str, changes: dict) -> str:
     return f"{arg}={cls}({', '.join(f'{f}=...' for f in changes)})"
 
 
-def _old_group(old: dict, arguments: dict):
-    """The group of an old call (its ``process_group=``, or a layer's), for sharing a refusal with its ranks."""
-    if old.get("process_group") is not None:
-        return old["process_group"]
-    return next((group_of(v) for v in arguments.values() if group_of(v) is not None), None)
+def _group_in(args: tuple, kw: dict):
+    """The group of a call (0.1's ``process_group=``, or a layer's), for sharing a refusal with its ranks."""
+    if kw.get("process_group") is not None:
+        return kw["process_group"]
+    return next((group_of(v) for v in (*args, *kw.values()) if group_of(v) is not None), None)
 
 
 def _targets(table: dict, key: str) -> set:
@@ -151,6 +151,15 @@ def accepts_01_keywords(op: str, *, policy_fields: bool = False, old_bias_positi
 
         @functools.wraps(fn)
         def call(*args, **kw):
+            # A refusal here (an unknown keyword, both forms given, a bad old value) is shared with the ranks of
+            # the call's group, which meet it in their op's agreed call: none waits for this rank.
+            with refused_together(_group_in(args, kw)):
+                args, kw = _migrated(args, kw)
+            return fn(*args, **kw)
+
+        def _migrated(args, kw):
+            """The call's ``(args, kwargs)`` in 0.2's form (bound to the signature: Python's own TypeError for
+            an unknown or missing argument is raised here, inside the sharing)."""
             old = {k: kw.pop(k) for k in list(kw) if k in table and k not in params}
             if old_bias_position is not None and len(args) > old_bias_position and (
                     isinstance(args[old_bias_position], torch.Tensor)):
@@ -163,7 +172,9 @@ def accepts_01_keywords(op: str, *, policy_fields: bool = False, old_bias_positi
                 if unknown:
                     raise TypeError(f"{op}() got an unexpected keyword argument {unknown[0]!r}")
             if not old and not fields:
-                return fn(*args, **kw)
+                sig.bind(*args, **kw)
+                return args, kw
+            bound = sig.bind_partial(*args, **kw)
             changes = {}  # new argument -> {field: value}; the loss: its parts
             for k, value in old.items():
                 for arg, f in table[k]:
@@ -172,7 +183,6 @@ def accepts_01_keywords(op: str, *, policy_fields: bool = False, old_bias_positi
                     (part.setdefault(arg, {}) if top == "loss" else part)[f] = value
             if fields:
                 changes.setdefault("loss", {}).setdefault("loss.options", {}).update(fields)
-            bound = sig.bind_partial(*args, **kw)
             for arg, part in changes.items():
                 current = bound.arguments.get(arg, params[arg].default)
                 if current is not None and arg in bound.arguments and not isinstance(current, _BARE.get(arg, ())):
@@ -182,14 +192,14 @@ def accepts_01_keywords(op: str, *, policy_fields: bool = False, old_bias_positi
                         f"pass the settings in {arg} only")
                 if current is inspect.Parameter.empty:
                     current = None
-                with refused_together(_old_group(old, bound.arguments)):
-                    bound.arguments[arg] = _build(arg, current, part, op)
+                bound.arguments[arg] = _build(arg, current, part, op)
             warnings.warn(
                 f"{op}: the keyword(s) {', '.join(sorted({**old, **fields}))} are 0.1's and go in {REMOVED_IN}; "
                 f"pass {'; '.join(_describe(a, p) for a, p in changes.items())} (see CHANGELOG.md)",
-                DeprecationWarning, stacklevel=2,
+                DeprecationWarning, stacklevel=3,
             )
-            return fn(*bound.args, **bound.kwargs)
+            sig.bind(*bound.args, **bound.kwargs)
+            return bound.args, bound.kwargs
 
         return call
 

@@ -29,7 +29,7 @@ import torch
 
 from ._autograd import once_differentiable
 from ._checks import check_device, check_strided, is_int
-from .parallel import agreed_call, all_gather_dim0, fingerprint, group_rank_size
+from .parallel import agreed_call, all_gather_dim0, fingerprint, group_rank_size, refused_together
 
 __all__ = ["KEPT", "check_full_shape", "check_per_row", "kept_rows", "parse_kept", "put_rows", "select_logit_rows",
            "select_rows", "take_keep", "take_rows"]
@@ -122,12 +122,14 @@ def select_rows(rows, hidden: torch.Tensor, *, process_group=None, sequence_para
     sequence parallelism); backward a ``[tokens, H]`` gradient, zero but on
     the selected rows.
     """
-    if not isinstance(hidden, torch.Tensor) or hidden.dim() < 2:
-        raise ValueError(f"with rows=, {name} must be a [..., H] tensor of token rows, got "
-                         f"{tuple(hidden.shape) if isinstance(hidden, torch.Tensor) else type(hidden).__name__}")
     with agreed_call(process_group) as call:
+        if not isinstance(hidden, torch.Tensor) or hidden.dim() < 2:
+            raise ValueError(f"with rows=, {name} must be a [..., H] tensor of token rows, got "
+                             f"{tuple(hidden.shape) if isinstance(hidden, torch.Tensor) else type(hidden).__name__}")
         lead = hidden.shape[:-1]
         n_rows = lead.numel() * (call.world if sequence_parallel else 1)
+        # The layout decides the collectives below (the gather of the sequence-parallel slices): agreed here.
+        call.agree("layer.sequence_parallel", int(bool(sequence_parallel)), shown=repr(bool(sequence_parallel)))
         flat = _check_index(rows, n_rows, hidden.device, call)
         if rows.dim() == 0:
             raise ValueError("rows must have at least one dimension ([M] row indices), got a 0-d tensor")
@@ -142,8 +144,9 @@ def select_logit_rows(rows, logits, process_group, *, name: str = "logits", **pe
     """:func:`select_rows` for the ops from logits: an index only (their logits exist already; ``"kept"``
     is for the ops over hidden states)."""
     if isinstance(rows, (str, tuple)):
-        raise ValueError(f"rows={rows!r} is for the ops over hidden states; from {name} pass an int64 index of "
-                         "the rows to read (e.g. the kept rows' positions)")
+        with refused_together(process_group):
+            raise ValueError(f"rows={rows!r} is for the ops over hidden states; from {name} pass an int64 index of "
+                             "the rows to read (e.g. the kept rows' positions)")
     return select_rows(rows, logits, process_group=process_group, name=name, **per_row)
 
 

@@ -542,7 +542,8 @@ def _rows_call(op, a: dict):
     rows = a.pop("rows")
     group, sp = a["student_layer"].process_group, a["student_layer"].sequence_parallel
     per_token = [k for k in ("labels", "label_mask", "weights") if a.get(k) is not None]
-    kept = parse_kept(rows)
+    with refused_together(group):
+        kept = parse_kept(rows)
     if kept is None:
         a["student_hidden"] = select_rows(
             rows, a["student_hidden"], process_group=group, sequence_parallel=sp, name="student_hidden",
@@ -566,9 +567,10 @@ def _rows_call(op, a: dict):
         idx, require = kept_rows(valid, kept[1])
     if world > 1:
         t = all_gather_dim0(t.detach(), group)
-    a["teacher_hidden"] = take_rows(t, lead, idx)
-    for k in per_token + ["temperature"]:
-        a[k] = take_rows(a[k], lead, idx)
+    with refused_together(group):  # met by the peers' next agreed call (select_rows')
+        a["teacher_hidden"] = take_rows(t, lead, idx)
+        for k in per_token + ["temperature"]:
+            a[k] = take_rows(a[k], lead, idx)
     a["student_hidden"] = select_rows(
         idx, s, process_group=group, sequence_parallel=sp, name="student_hidden", tails=("teacher_hidden",),
         require=require, teacher_hidden=a["teacher_hidden"], **{k: a[k] for k in per_token})

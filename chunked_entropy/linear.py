@@ -19,7 +19,7 @@ import torch
 from ._autograd import once_differentiable
 from ._call import agree_objects, group_of, plan_for, refused_together, settings
 from ._checks import check_flag
-from ._inputs import Rows, Tokens, compute_dtype, prepare_tokens
+from ._inputs import Rows, Tokens, check_ignore_index, compute_dtype, prepare_tokens
 from ._logit_blocks import (
     check_linear_args,
     full_hidden,
@@ -223,9 +223,9 @@ def linear_log_probs_and_entropy(
     """
     with refused_together(group_of(layer)):
         layer, chunking = settings(layer, chunking)
+        kept = parse_kept(rows)
     weight, bias, process_group, sequence_parallel = layer.weight, layer.bias, layer.process_group, \
         layer.sequence_parallel
-    kept = parse_kept(rows)
     if kept is not None:
         return _kept_call(hidden, layer, labels, kept[1], label_mask, ignore_index, temperature, keep, log_probs_at,
                           dict(chunking=chunking, compute_entropy=compute_entropy, ignore_index=ignore_index,
@@ -272,27 +272,30 @@ def linear_log_probs_and_entropy(
 
 def _kept_call(hidden, layer: OutputLayer, labels, count, label_mask, ignore_index, temperature, keep, log_probs_at,
                kw) -> LogProbsEntropy:
-    """``rows="kept"``: the call on the kept rows, its outputs back in the labels' shape (zero elsewhere)."""
-    if not isinstance(labels, torch.Tensor):
-        raise TypeError("rows='kept' selects the rows by their labels: pass labels (an int64 tensor)")
+    """``rows="kept"``: the call on the kept rows, its outputs back in the labels' shape (zero elsewhere).
+    A refusal of the labels, the mask, the count or the kept sets reaches every rank of the group."""
     group, sequence_parallel = layer.process_group, layer.sequence_parallel
-    check_full_shape("labels", labels, hidden, group, sequence_parallel)
-    if isinstance(label_mask, torch.Tensor) and label_mask.shape != labels.shape:
-        raise ValueError(f"label_mask must have the labels' shape {tuple(labels.shape)}, got "
-                         f"{tuple(label_mask.shape)}")
-    valid = labels != ignore_index
-    if isinstance(label_mask, torch.Tensor) and label_mask.device == labels.device:
-        valid = valid & label_mask.to(torch.bool)
-    lead = labels.shape
-    idx, require = kept_rows(valid, count)
-    labels, label_mask, keep, log_probs_at = (take_rows(labels, lead, idx), take_rows(label_mask, lead, idx),
-                                              take_keep(keep, lead, idx), take_rows(log_probs_at, lead, idx))
+    with refused_together(group):
+        if not isinstance(labels, torch.Tensor):
+            raise TypeError("rows='kept' selects the rows by their labels: pass labels (an int64 tensor)")
+        check_full_shape("labels", labels, hidden, group, sequence_parallel)
+        if isinstance(label_mask, torch.Tensor) and label_mask.shape != labels.shape:
+            raise ValueError(f"label_mask must have the labels' shape {tuple(labels.shape)}, got "
+                             f"{tuple(label_mask.shape)}")
+        valid = labels != check_ignore_index(ignore_index)
+        if isinstance(label_mask, torch.Tensor) and label_mask.device == labels.device:
+            valid = valid & label_mask.to(torch.bool)
+        lead = labels.shape
+        idx, require = kept_rows(valid, count)
+        labels, label_mask, keep, log_probs_at = (take_rows(labels, lead, idx), take_rows(label_mask, lead, idx),
+                                                  take_keep(keep, lead, idx), take_rows(log_probs_at, lead, idx))
+        temperature = take_rows(temperature, lead, idx)
     hidden = select_rows(idx, hidden, process_group=group, sequence_parallel=sequence_parallel, require=require,
                          labels=labels, label_mask=label_mask, log_probs_at=log_probs_at,
                          keep=keep if isinstance(keep, torch.Tensor) else None)
     out = linear_log_probs_and_entropy(
         hidden, layer.replace(sequence_parallel=False), labels, label_mask=label_mask,
-        temperature=take_rows(temperature, lead, idx), keep=keep, log_probs_at=log_probs_at, **kw)
+        temperature=temperature, keep=keep, log_probs_at=log_probs_at, **kw)
     return LogProbsEntropy(*(put_rows(t, lead, idx) for t in (out.log_probs, out.entropy, out.sum_pi_squared,
                                                               out.log_probs_at, out.top_k_ids, out.top_k_log_probs)))
 

@@ -361,11 +361,51 @@ def agreed_call(group):
                 yield call
                 call.local.resolve()  # this rank's conditions on the CPU: a failure is this rank's refusal
             except Exception as e:  # noqa: BLE001 - any failure of a rank's checks is shared with its peers
-                call.exchange(e)
+                if raised_together(e):  # an exchange inside (a nested call's) raised it on every rank already
+                    raise
+                _exchange(call, e)
                 raise  # exchange raised already; kept for readers
-            call.exchange(None)
+            _exchange(call, None)
     for fn in call.deferred:
         fn()
+
+
+_TOGETHER = "_chunked_entropy_raised_together"
+
+
+def raised_together(error: BaseException) -> bool:
+    """Whether ``error`` came out of a call's exchange: every rank of its group raised it at the same point, so
+    none waits for this rank and it must not be shared again."""
+    return getattr(error, _TOGETHER, False)
+
+
+def _exchange(call: CallCheck, error: Optional[BaseException]) -> None:
+    """``call.exchange(error)``, its error marked as raised on every rank (:func:`raised_together`)."""
+    try:
+        call.exchange(error)
+    except Exception as e:  # noqa: BLE001 - whatever the exchange raises, it raised on every rank
+        setattr(e, _TOGETHER, True)
+        raise
+
+
+@contextlib.contextmanager
+def refused_together(group):
+    """Share a refusal raised outside an op's :func:`agreed_call` with every rank of ``group``.
+
+    Wraps the preparation of a call up to its next agreed call (building its option objects, reading
+    ``rows``): an exception raised inside is this rank's refusal, and the rank joins one agreed call
+    carrying it, which its peers meet in their own next one, so that every rank raises the same error, none
+    waits in a collective for a rank that left, and the group stays usable. An error that an agreed call
+    inside already raised on every rank (:func:`raised_together`) passes as it is. Nothing inside may make
+    a collective other than an agreed call's exchange. Without a group (or with one rank) errors pass as
+    they are."""
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - any failure before the agreement is a refusal to share
+        if raised_together(e):
+            raise
+        with agreed_call(group):
+            raise
 
 
 _P = 2_147_483_629  # a prime below 2**31: products of two residues fit in int64

@@ -407,17 +407,15 @@ def linear_policy_loss(
     """
     with refused_together(group_of(layer)):
         (layer, chunking), opts = settings(layer, chunking), as_loss(loss)
+        kept = parse_kept(rows)
+        _check_rows_2d(rows)
     weight, bias, process_group, sequence_parallel = layer.weight, layer.bias, layer.process_group, \
         layer.sequence_parallel
-    kept = parse_kept(rows)
     if kept is not None:
         return _kept_loss(hidden, layer, labels, old_log_probs, advantages, loss_mask, kept[1], dict(
             loss=opts, chunking=chunking, ref_log_probs=ref_log_probs, rollout_is_weights=rollout_is_weights,
             rollout_log_probs=rollout_log_probs, generator=generator, temperature=temperature, keep=keep))
     if rows is not None:
-        if isinstance(rows, torch.Tensor) and rows.dim() != 2:
-            raise ValueError(f"rows of the policy loss must be [B, T] (the selected rows laid out as sequences), "
-                             f"got shape {tuple(rows.shape)}")
         hidden = select_rows(rows, hidden, process_group=process_group, sequence_parallel=sequence_parallel,
                              labels=labels, old_log_probs=old_log_probs, advantages=advantages, loss_mask=loss_mask,
                              ref_log_probs=ref_log_probs, rollout_is_weights=rollout_is_weights,
@@ -463,15 +461,43 @@ def linear_policy_loss(
     return loss, objective.result[1]
 
 
+def _check_rows_2d(rows) -> None:
+    """An index ``rows`` of the policy losses lays the selected rows out as sequences: ``[B, T]``."""
+    if isinstance(rows, torch.Tensor) and rows.dim() != 2:
+        raise ValueError(f"rows of the policy loss must be [B, T] (the selected rows laid out as sequences), "
+                         f"got shape {tuple(rows.shape)}")
+
+
 def _kept_loss(hidden, layer: OutputLayer, labels, old_log_probs, advantages, loss_mask, count, kw):
     """``rows="kept"`` of :func:`linear_policy_loss`: each sequence's kept rows first, padded (masked) to the
-    longest count; the call on them with the full ``T`` as the ``seq-mean-token-sum-norm`` divisor."""
+    longest count; the call on them with the full ``T`` as the ``seq-mean-token-sum-norm`` divisor. A
+    refusal of the labels, the mask, the count or the kept sets reaches every rank of the group."""
+    group = layer.process_group
+    with refused_together(group):
+        args = _kept_rows_of(hidden, layer, labels, old_log_probs, advantages, loss_mask, count, kw)
+    hidden, labels, old_log_probs, advantages, lm, temperature, keep, require, rows = args
+    hidden = select_rows(rows, hidden, process_group=group, sequence_parallel=layer.sequence_parallel,
+                         require=require, labels=labels, old_log_probs=old_log_probs, advantages=advantages,
+                         loss_mask=lm, keep=keep if isinstance(keep, torch.Tensor) else None,
+                         **{k: kw[k] for k in ("ref_log_probs", "rollout_is_weights", "rollout_log_probs")})
+    return linear_policy_loss(hidden, layer.replace(sequence_parallel=False), labels, old_log_probs, advantages, lm,
+                              temperature=temperature, keep=keep, **kw)
+
+
+def _kept_rows_of(hidden, layer: OutputLayer, labels, old_log_probs, advantages, loss_mask, count, kw):
+    """The checks and the per-row inputs of :func:`_kept_loss` (``kw`` updated in place)."""
     if not isinstance(loss_mask, torch.Tensor) or not isinstance(labels, torch.Tensor) or loss_mask.dim() != 2 \
             or loss_mask.shape != labels.shape:
         raise ValueError("rows='kept' selects the rows by loss_mask: labels and loss_mask must be [B, T] tensors "
                          "of one shape")
     group, sequence_parallel = layer.process_group, layer.sequence_parallel
     check_full_shape("labels", labels, hidden, group, sequence_parallel, batch_first=True)
+    per_token = dict(old_log_probs=old_log_probs, advantages=advantages,
+                     **{k: kw[k] for k in ("ref_log_probs", "rollout_is_weights", "rollout_log_probs")})
+    for name, x in per_token.items():
+        if isinstance(x, torch.Tensor) and x.shape != labels.shape:
+            raise ValueError(f"with rows='kept', {name} must have the labels' shape {tuple(labels.shape)}, got "
+                             f"{tuple(x.shape)}")
     b, t = labels.shape
     kept = loss_mask != 0
     n = kept.sum(1)
@@ -502,12 +528,7 @@ def _kept_loss(hidden, layer: OutputLayer, labels, old_log_probs, advantages, lo
     for name in ("ref_log_probs", "rollout_is_weights", "rollout_log_probs"):
         kw[name] = at(kw[name])
     labels, old_log_probs, advantages = at(labels), at(old_log_probs), at(advantages)
-    hidden = select_rows(rows, hidden, process_group=group, sequence_parallel=sequence_parallel,
-                         require=require, labels=labels, old_log_probs=old_log_probs, advantages=advantages,
-                         loss_mask=lm, keep=keep if isinstance(keep, torch.Tensor) else None,
-                         **{k: kw[k] for k in ("ref_log_probs", "rollout_is_weights", "rollout_log_probs")})
-    return linear_policy_loss(hidden, layer.replace(sequence_parallel=False), labels, old_log_probs, advantages, lm,
-                              temperature=temperature, keep=keep, **kw)
+    return hidden, labels, old_log_probs, advantages, lm, temperature, keep, require, rows
 
 
 class _LogitsLossFunction(torch.autograd.Function):
@@ -588,11 +609,9 @@ def policy_loss_from_logits(
     """
     with refused_together(group_of(layer)):
         (layer, chunking), opts = settings(layer, chunking, logits=True), as_loss(loss)
+        _check_rows_2d(rows)
     process_group = layer.process_group
     if rows is not None:
-        if isinstance(rows, torch.Tensor) and rows.dim() != 2:
-            raise ValueError(f"rows of the policy loss must be [B, T] (the selected rows laid out as sequences), "
-                             f"got shape {tuple(rows.shape)}")
         logits = select_logit_rows(rows, logits, process_group, labels=labels, old_log_probs=old_log_probs,
                                    advantages=advantages, loss_mask=loss_mask, ref_log_probs=ref_log_probs,
                                    rollout_is_weights=rollout_is_weights, rollout_log_probs=rollout_log_probs,

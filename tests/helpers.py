@@ -6,6 +6,7 @@ import datetime
 import os
 import sys
 import tempfile
+import time
 import traceback
 import warnings
 
@@ -95,13 +96,15 @@ def _worker(rank, world_size, store_file, fn, args, errfile, timeout_s=None, err
     os._exit(0)
 
 
-def run_distributed(fn, world_size: int, *args, timeout_s=None) -> None:
+def run_distributed(fn, world_size: int, *args, timeout_s=None, deadline_s=None) -> None:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned gloo processes.
 
     ``fn`` must be a module-level function (it is pickled). A failure on any
     rank fails the caller with that rank's traceback. ``timeout_s`` bounds
     every collective (gloo's default is 30 minutes): a test of "no hang"
-    then fails in seconds instead of waiting. The caller's "error" warning
+    then fails in seconds instead of waiting. ``deadline_s`` bounds the whole
+    run: past it the processes are terminated and the caller fails (a rank
+    stuck outside a collective). The caller's "error" warning
     filters (pytest's ``-W error:...`` / ``filterwarnings``) apply on every rank.
     """
     error_filters = [(a, m.pattern if m else "", c, mod.pattern if mod else "", ln)
@@ -110,8 +113,14 @@ def run_distributed(fn, world_size: int, *args, timeout_s=None) -> None:
         errfile = os.path.join(d, "err")
         try:
             store = os.path.join(d, "rendezvous")  # a fresh file per run: the group's store
-            mp.spawn(_worker, args=(world_size, store, fn, args, errfile, timeout_s, error_filters),
-                     nprocs=world_size)
+            ctx = mp.start_processes(_worker, args=(world_size, store, fn, args, errfile, timeout_s, error_filters),
+                                     nprocs=world_size, join=False, start_method="spawn")
+            end = None if deadline_s is None else time.monotonic() + deadline_s
+            while not ctx.join(timeout=None if end is None else max(end - time.monotonic(), 0.1)):
+                if end is not None and time.monotonic() > end:
+                    for p in ctx.processes:
+                        p.terminate()
+                    raise TimeoutError(f"the {world_size} ranks did not finish within {deadline_s} s")
         except Exception as e:
             msgs = []
             for r in range(world_size):

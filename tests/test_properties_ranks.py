@@ -14,9 +14,16 @@ type instead. On rank 1 only:
   that are each rank's own by contract (:data:`PER_RANK`, each with its reason): then no rank raises
   and every rank's outputs are bit-equal.
 
-Each scenario runs in a real two-rank gloo group whose collective timeout is 20 s (a rank left waiting
-in a collective fails the test instead of hanging it), must finish in seconds, and is followed by an
-all-reduce that must give the right sum: the group stays usable. One spawn per op group.
+Every op is also called with ``rows=`` (an index, and ``"kept"`` / ``("kept", count)`` on the ops over
+hidden states), every argument varied as above, and ``rows`` itself wrong on one rank only (a misspelled
+``"kep"``, ``"kept"`` from logits, a 1-D index for the policy losses, a count above the rows or above
+``T``, no labels or labels of another shape, a 1-D ``loss_mask``, no ``rows`` at all): a refusal before
+the op's agreed call (reading ``rows``, building the kept rows) still reaches every rank.
+
+Each scenario runs in a real gloo group of two and of three ranks whose collective timeout is 10 s (a rank
+left waiting in a collective fails the test instead of hanging it; the spawn itself is bounded too), must
+finish in seconds, and is followed by an all-reduce that must give the right sum: the group stays usable.
+One spawn per op group and world size.
 """
 
 from __future__ import annotations
@@ -48,7 +55,9 @@ from chunked_entropy.losses import Aggregation, PolicyOptions
 from tests.helpers import run_distributed
 
 B, T, H, V_LOCAL, WORLD = 2, 3, 4, 6, 2
-V = V_LOCAL * WORLD
+V = V_LOCAL * WORLD  # the ids' range: the vocabulary at two ranks (within it at three)
+#: The world sizes every scenario runs at.
+WORLDS = (2, 3)
 
 #: Arguments each rank passes its own value of, by contract: a different value on one rank is no error,
 #: and every rank's outputs must still be bit-equal.
@@ -84,11 +93,12 @@ OTHER = {"forward_kl": "reverse_kl", "reverse_kl": "jsd", "mean": "sum", "sum": 
          "kept": "full", "token-mean": "token-sum", "vanilla": "gspo", "low_var_kl": "k3", "eager": "eager"}
 
 
-def _data(rank):
+def _data(rank, world=WORLD):
     g = torch.Generator().manual_seed(0)
-    full_logits = torch.randn(B, T, V, generator=g) * 2
-    full_w, full_tw = torch.randn(V, H, generator=g), torch.randn(V, H + 1, generator=g)
-    full_b = torch.randn(V, generator=g)
+    v = V_LOCAL * world
+    full_logits = torch.randn(B, T, v, generator=g) * 2
+    full_w, full_tw = torch.randn(v, H, generator=g), torch.randn(v, H + 1, generator=g)
+    full_b = torch.randn(v, generator=g)
     s = slice(rank * V_LOCAL, (rank + 1) * V_LOCAL)
     return dict(
         logits=full_logits[..., s].contiguous(), teacher_logits=(full_logits * 0.7 + 0.1)[..., s].contiguous(),
@@ -104,7 +114,84 @@ def _data(rank):
 
 def _bases(op, d):
     """Base calls of ``op``: every argument and option field set (to a non-default value where that makes
-    sense)."""
+    sense), then the first of them with ``rows`` (:func:`_rows_bases`)."""
+    bases = _plain_bases(op, d)
+    return bases + _rows_bases(op, bases[0])
+
+
+#: The per-token inputs of the ops (beside the tokens themselves: hidden, logits), of leading shape [B, T].
+PER_TOKEN = ("labels", "label_mask", "temperature", "log_probs_at", "old_log_probs", "advantages", "loss_mask",
+             "ref_log_probs", "rollout_is_weights", "rollout_log_probs", "weights", "teacher_hidden",
+             "teacher_logits")
+#: A [M] index into the B * T = 6 token rows (repeats and gaps), and the policy losses' [B', T'] one.
+INDEX, INDEX_2D = torch.tensor([4, 0, 0, 5]), torch.tensor([[0, 2, 4], [1, 3, 3]])
+HIDDEN_OPS = (linear_log_probs_and_entropy, linear_policy_loss, linear_divergence, linear_divergence_loss)
+POLICY_OPS = (linear_policy_loss, policy_loss_from_logits)
+
+
+def _keep_at(keep, flat):
+    """Sampling replay's kept sets ``(token_ids, offsets)`` of the flat token rows ``flat``, packed anew."""
+    ids, offsets = keep
+    sets = [ids[offsets[i]:offsets[i + 1]] for i in flat.tolist()]
+    return torch.cat(sets), torch.tensor([0] + [len(x) for x in sets]).cumsum(0)
+
+
+def _rows_bases(op, base):
+    """``base`` with ``rows``: an index (every per-token input given per selected row), and on the ops over
+    hidden states ``"kept"`` and ``("kept", count)`` (inputs in their full shape)."""
+    index = INDEX_2D if op in POLICY_OPS else INDEX
+    flat = index.reshape(-1)
+    at = dict(base, rows=index)
+    for k in PER_TOKEN:
+        x = base.get(k)
+        if isinstance(x, torch.Tensor) and x.dim() >= 2:
+            at[k] = x.reshape(B * T, *x.shape[2:])[flat].view(*index.shape, *x.shape[2:])
+    if isinstance(base.get("keep"), tuple):
+        at["keep"] = _keep_at(base["keep"], flat)
+    if op not in HIDDEN_OPS:
+        return [at]
+    if op is linear_policy_loss:  # the rows of each sequence that loss_mask keeps
+        count = int((base["loss_mask"] != 0).sum(1).max())
+    else:
+        valid = base["label_mask"].clone()
+        if base.get("labels") is not None:
+            valid &= base["labels"] != base.get("ignore_index", -100)
+        count = int(valid.sum())
+    return [at, dict(base, rows="kept"), dict(base, rows=("kept", count))]
+
+
+def _rows_cases(op, base):
+    """``(what, kwargs)``: ``rows`` (and what ``rows="kept"`` reads) wrong on one rank only."""
+    rows = base.get("rows")
+    cases = [("rows = 'kep'", dict(base, rows="kep")), ("rows = ('kept',)", dict(base, rows=("kept",))),
+             ("rows = ('kept', -1)", dict(base, rows=("kept", -1))),
+             ("rows = ('kept', 10**3), above the rows", dict(base, rows=("kept", 10**3))),
+             ("rows = a 0-d tensor", dict(base, rows=torch.tensor(0))),
+             ("rows = a float tensor", dict(base, rows=torch.tensor([0.5]))),
+             ("rows = a bool tensor", dict(base, rows=torch.ones(B * T, dtype=torch.bool))),
+             ("rows = an index out of range", dict(base, rows=torch.tensor([0, 99]))),
+             ("rows = an index of another row", dict(base, rows=torch.tensor([1, 2])))]
+    if not isinstance(rows, (str, tuple)):  # ("kept", count) and "kept" are the same call
+        cases.append(("rows = 'kept'", dict(base, rows="kept")))
+    if rows is not None:
+        cases.append(("rows = None", dict(base, rows=None)))
+    if op in POLICY_OPS:
+        cases.append(("rows = a 1-D index", dict(base, rows=INDEX)))
+    if op is linear_policy_loss:
+        cases.append(("rows = ('kept', T + 1), above T", dict(base, rows=("kept", T + 1))))
+    if isinstance(rows, (str, tuple)):  # what "kept" reads
+        if isinstance(rows, tuple):
+            cases.append(("rows = ('kept', count + 1), another count", dict(base, rows=("kept", rows[1] + 1))))
+        if "labels" in base:
+            cases += [("labels = None", dict(base, labels=None)),
+                      ("labels of another shape", dict(base, labels=base["labels"][:, :-1]))]
+        for k in ("label_mask", "loss_mask"):
+            if k in base:
+                cases.append((f"{k} 1-D", dict(base, **{k: base[k].reshape(-1)})))
+    return cases
+
+
+def _plain_bases(op, d):
     bf = lambda t: t.to(torch.bfloat16)  # noqa: E731 - half weights, so that logits_dtype changes something
     group = dist.group.WORLD
     common = dict(temperature=d["temperature"])
@@ -243,6 +330,11 @@ def _scenarios(op, d, rank, wrong_type_objects=False):
     covered = set()
     for i, base in enumerate(_bases(op, d)):
         for p in sig.parameters.values():
+            if p.name == "rows" and not wrong_type_objects:
+                covered.add(p.name)
+                for what, kw in _rows_cases(op, base):
+                    yield f"base {i}: {what}", "bad", p.name, p.name, kw
+                continue
             if p.kind == p.VAR_KEYWORD:  # **fields: an unknown keyword
                 covered.add(p.name)
                 yield (f"base {i}: **{p.name} with an unknown keyword", "bad", p.name, p.name,
@@ -294,7 +386,7 @@ def _scenarios(op, d, rank, wrong_type_objects=False):
 
 
 def _check_op(rank, world, op, wrong_type_objects=False):
-    d = _data(rank)
+    d = _data(rank, world)
     failures, count = [], 0
     for what, kind, name, _, changed in _scenarios(op, d, rank, wrong_type_objects):
         base = _bases(op, d)[int(what.split(":")[0].split()[1])]
@@ -311,7 +403,7 @@ def _check_op(rank, world, op, wrong_type_objects=False):
         if slow > 10:
             failures.append(f"{what}: took {slow:.1f} s")
         if kind == "different" and name in PER_RANK:
-            if any(raised) or results[0][1] != results[1][1]:
+            if any(raised) or any(r[1] != results[0][1] for r in results):
                 failures.append(f"{what} (per rank by contract): {[r[:2] for r in results]}")
         elif not all(raised):
             failures.append(f"{what}: raised on ranks {[r for r in range(world) if raised[r]]} only: "
@@ -335,8 +427,9 @@ def _check_ops(rank, world, ops, wrong_type_objects=False):
                  id="log_probs_and_policy_loss"),
     pytest.param((divergence_from_logits, linear_divergence, linear_divergence_loss), id="divergence"),
 ])
-def test_every_argument_changed_on_one_rank_fails_fast_on_every_rank(ops):
-    run_distributed(_check_ops, WORLD, ops, timeout_s=20)
+@pytest.mark.parametrize("world", WORLDS)
+def test_every_argument_changed_on_one_rank_fails_fast_on_every_rank(ops, world):
+    run_distributed(_check_ops, world, ops, timeout_s=10, deadline_s=240)
 
 
 ALL_OPS = (log_probs_and_entropy, linear_log_probs_and_entropy, policy_loss_from_logits, linear_policy_loss,
@@ -346,7 +439,7 @@ ALL_OPS = (log_probs_and_entropy, linear_log_probs_and_entropy, policy_loss_from
 def test_an_option_object_of_the_wrong_type_or_a_head_alone_sequence_parallel_on_one_rank_fails_on_every_rank():
     """Building the option objects happens before the op's agreed call; a refusal there still reaches every rank
     (through the group the layer names), and so does a divergence whose two layers disagree on one rank."""
-    run_distributed(_check_ops, WORLD, ALL_OPS, True, timeout_s=20)
+    run_distributed(_check_ops, WORLD, ALL_OPS, True, timeout_s=10, deadline_s=120)
 
 
 def test_the_scenarios_cover_every_argument_of_every_op():
