@@ -10,8 +10,10 @@ the op now takes, and a ``DeprecationWarning`` names the new form. The call
 then runs as the new one would: the same checks, the same result.
 ``inspect.signature`` of a decorated op shows its new signature.
 
-An old keyword cannot be mixed with the object it moved into (``chunking=Chunking(...)`` and ``chunk_size=``):
-that call is a TypeError naming both, as Python names a keyword given twice.
+An old keyword cannot be mixed with the argument it moved into (``chunking=Chunking(...)`` or ``chunking=8``
+and ``chunk_size=``; a bare weight as the layer and ``weight=``): that call is a TypeError naming both, as
+Python names a keyword given twice. Where 0.1 took a bare value in the same place (the weight positionally,
+``divergence="jsd"``), its other keywords beside it are that 0.1 call (``softcap=``, ``beta=``).
 """
 
 from __future__ import annotations
@@ -82,6 +84,11 @@ TABLES = {
 
 _BARE = {"layer": torch.Tensor, "student_layer": torch.Tensor, "teacher_layer": torch.Tensor,
          "chunking": (int, str), "divergence": str}
+
+#: Where 0.1 took a bare value in the new argument's place (the weight positionally, the divergence's name
+#: by keyword), the field it sets: beside it 0.1's keywords for the other fields are that 0.1 call. Every other
+#: new argument given (``chunking``: 0.1 had none) beside an old keyword moving into it is a TypeError.
+_BARE_FIELD = {"layer": "weight", "student_layer": "weight", "teacher_layer": "weight", "divergence": "kind"}
 
 
 def _build(arg: str, current, changes: dict, op: str):
@@ -185,11 +192,14 @@ def accepts_01_keywords(op: str, *, policy_fields: bool = False, old_bias_positi
                 changes.setdefault("loss", {}).setdefault("loss.options", {}).update(fields)
             for arg, part in changes.items():
                 current = bound.arguments.get(arg, params[arg].default)
-                if current is not None and arg in bound.arguments and not isinstance(current, _BARE.get(arg, ())):
-                    raise TypeError(
-                        f"{op}() got both {arg}= and 0.1's keyword(s) "
-                        f"{sorted(k for k in {**old, **fields} if arg in _targets(table, k))} that it replaces: "
-                        f"pass the settings in {arg} only")
+                if current is not None and arg in bound.arguments:
+                    named = sorted(k for k in {**old, **fields} if arg in _targets(table, k))
+                    if arg in _BARE_FIELD and isinstance(current, _BARE[arg]):  # 0.1's own value there
+                        named = [k for k in named if (arg, _BARE_FIELD[arg]) in table.get(k, ())]
+                    if named:
+                        raise TypeError(
+                            f"{op}() got both {arg}= and 0.1's keyword(s) {named} that it replaces: pass the "
+                            f"settings in {arg} only")
                 if current is inspect.Parameter.empty:
                     current = None
                 bound.arguments[arg] = _build(arg, current, part, op)

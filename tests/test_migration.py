@@ -365,6 +365,70 @@ def test_mixing_an_old_keyword_with_its_object_is_an_error():
         ce.linear_policy_loss(h, w, labels, labels.float(), labels.float(), labels > 0, clip_ratoi=0.2)
 
 
+def _both_forms_calls():
+    """``(what, call, keywords)``: each op and the head with a 0.2 argument given (an object, or a bare value)
+    and a 0.1 keyword that sets the same field beside it; ``keywords`` the old ones the error must name."""
+    h, w, b = _leaves()
+    w2 = w.detach() * 2
+    labels = torch.zeros(B, T, dtype=torch.long)
+    f, m = labels.float(), labels > -1
+    logits = torch.randn(B, T, V)
+    hs, ws, bs, ht, wt, bt = _pair_leaves()
+    pair = (hs, ws, ht, wt)
+    calls = []
+    for chunking in (8, "auto", Chunking(8)):  # 0.1 had no chunking: any given beside chunk_size is a mix
+        c = dict(chunking=chunking, chunk_size=4)
+        calls += [
+            (f"log_probs_and_entropy chunking={chunking!r}", lambda c=c: ce.log_probs_and_entropy(logits, labels, **c)),
+            (f"linear_log_probs_and_entropy chunking={chunking!r}",
+             lambda c=c: ce.linear_log_probs_and_entropy(h, w, labels, **c)),
+            (f"linear_policy_loss chunking={chunking!r}",
+             lambda c=c: ce.linear_policy_loss(h, w, labels, f, f, m, **c)),
+            (f"policy_loss_from_logits chunking={chunking!r}",
+             lambda c=c: ce.policy_loss_from_logits(logits, labels, f, f, m, **c)),
+            (f"linear_divergence chunking={chunking!r}", lambda c=c: ce.linear_divergence(*pair, **c)),
+            (f"linear_divergence_loss chunking={chunking!r}", lambda c=c: ce.linear_divergence_loss(*pair, **c)),
+            (f"divergence_from_logits chunking={chunking!r}",
+             lambda c=c: ce.divergence_from_logits(logits, logits, **c)),
+            (f"ChunkedVocabParallelHead chunking={chunking!r}", lambda c=c: ce.ChunkedVocabParallelHead(w, **c)),
+        ]
+    calls += [
+        ("linear_log_probs_and_entropy weight=", lambda: ce.linear_log_probs_and_entropy(h, w, labels, weight=w2)),
+        ("linear_log_probs_and_entropy layer=w, weight=",
+         lambda: ce.linear_log_probs_and_entropy(h, layer=w, labels=labels, weight=w2)),
+        ("linear_policy_loss weight=", lambda: ce.linear_policy_loss(h, w, labels, f, f, m, weight=w2)),
+        ("linear_divergence student_weight=", lambda: ce.linear_divergence(*pair, student_weight=ws * 2)),
+        ("linear_divergence_loss teacher_weight=", lambda: ce.linear_divergence_loss(*pair, teacher_weight=wt * 2)),
+        ("ChunkedVocabParallelHead weight=", lambda: ce.ChunkedVocabParallelHead(w, weight=w2)),
+        ("linear_divergence divergence object and beta=",
+         lambda: ce.linear_divergence(*pair, divergence=Divergence("jsd", 0.5), beta=0.3)),
+    ]
+    return calls
+
+
+def test_a_0_1_keyword_beside_the_argument_it_moved_into_is_a_type_error_in_every_op():
+    """Issue 45 item 4: ``chunking=8, chunk_size=4`` walked 4-row chunks and ``(h, w, y, weight=w2)`` projected with
+    ``w2``: the old keyword silently won. Each is a TypeError naming both, before any work."""
+    for what, call in _both_forms_calls():
+        with pytest.raises(TypeError, match=r"got both \w+= and 0\.1's keyword\(s\)"):
+            call()
+        assert what  # the case's name shows in the traceback
+
+
+def test_0_1_keywords_beside_a_bare_value_0_1_took_there_still_work():
+    """0.1 took the weight positionally and the divergence's name by keyword: beside them its other keywords are
+    that 0.1 call, not a mix."""
+    h, w, b = _leaves()
+    labels = torch.zeros(B, T, dtype=torch.long)
+    hs, ws, bs, ht, wt, bt = _pair_leaves()
+    out = _old("linear_log_probs_and_entropy", ce.linear_log_probs_and_entropy, h, w, labels, softcap=3.0, bias=b)
+    new = ce.linear_log_probs_and_entropy(h, OutputLayer(w, b, softcap=3.0), labels)
+    torch.testing.assert_close(out.log_probs, new.log_probs, rtol=0, atol=0)
+    out = _old("linear_divergence", ce.linear_divergence, hs, ws, ht, wt, divergence="jsd", beta=0.3)
+    new = ce.linear_divergence(hs, ws, ht, wt, divergence=Divergence("jsd", 0.3))
+    torch.testing.assert_close(out.divergence, new.divergence, rtol=0, atol=0)
+
+
 def test_signatures_show_the_new_form():
     for op in OLD:
         params = inspect.signature(getattr(ce, op)).parameters
