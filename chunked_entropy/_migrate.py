@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import inspect
 import warnings
+from typing import Optional
 
 import torch
 
@@ -91,15 +92,18 @@ _BARE = {"layer": torch.Tensor, "student_layer": torch.Tensor, "teacher_layer": 
 _BARE_FIELD = {"layer": "weight", "student_layer": "weight", "teacher_layer": "weight", "divergence": "kind"}
 
 
-def _build(arg: str, current, changes: dict, op: str):
+def _build(arg: str, current, changes: dict, op: str, chunking: Optional[Chunking] = None):
     """The new argument ``arg`` from its ``current`` value (default, or a bare tensor / int / name) and the old
-    keywords' ``changes``."""
+    keywords' ``changes`` (``chunking``: the op's default :class:`~chunked_entropy.Chunking`, which old keywords
+    change field by field, as 0.1's defaults were the op's own)."""
     if arg in ("layer", "student_layer", "teacher_layer"):
         if isinstance(current, torch.Tensor):
             changes = {"weight": current, **changes}
         with errors_named(arg):  # errors name the op's argument: teacher_layer.softcap
             return OutputLayer(**changes)
     if arg == "chunking":
+        if current is None and chunking is not None:
+            return chunking.replace(**changes)
         if current is not None and not isinstance(current, Chunking):
             changes = {"chunk_size": current, **changes}
         return Chunking(**changes)
@@ -143,12 +147,15 @@ def _targets(table: dict, key: str) -> set:
     return {arg.split(".")[0] for arg, _ in table.get(key, [("loss", None)])}
 
 
-def accepts_01_keywords(op: str, *, policy_fields: bool = False, old_bias_position=None):
+def accepts_01_keywords(op: str, *, policy_fields: bool = False, old_bias_position=None,
+                        chunking: Optional[Chunking] = None):
     """Decorate ``op`` (a public function, or a class's ``__init__``) so that 0.1's keywords keep working.
 
     ``policy_fields``: an unknown keyword is a field of :class:`~chunked_entropy.losses.PolicyOptions` (0.1's
     ``**fields`` of the fused losses). ``old_bias_position``: the positional index where 0.1 took the bias
     (the head's ``ChunkedVocabParallelHead(weight, bias)``); a tensor there is taken as ``bias=``.
+    ``chunking``: the op's default where it is not :class:`~chunked_entropy.Chunking`'s (the divergences' 256
+    rows): ``vocab_chunk_size=`` alone keeps that chunk size, as in 0.1.
     """
     table = TABLES[op]
 
@@ -202,7 +209,7 @@ def accepts_01_keywords(op: str, *, policy_fields: bool = False, old_bias_positi
                             f"settings in {arg} only")
                 if current is inspect.Parameter.empty:
                     current = None
-                bound.arguments[arg] = _build(arg, current, part, op)
+                bound.arguments[arg] = _build(arg, current, part, op, chunking)
             warnings.warn(
                 f"{op}: the keyword(s) {', '.join(sorted({**old, **fields}))} are 0.1's and go in {REMOVED_IN}; "
                 f"pass {'; '.join(_describe(a, p) for a, p in changes.items())} (see CHANGELOG.md)",

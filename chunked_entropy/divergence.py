@@ -426,7 +426,7 @@ def _linear_call(student_hidden, student: OutputLayer, teacher_hidden, teacher: 
     return tok, plan, spec, teacher, valid, no_labels, grads, w, main_grad
 
 
-@accepts_01_keywords("linear_divergence")
+@accepts_01_keywords("linear_divergence", chunking=Chunking(PAIR_CHUNK))
 def linear_divergence(
     student_hidden: torch.Tensor,
     student_layer: Union[OutputLayer, torch.Tensor],
@@ -588,7 +588,7 @@ def _not_sequence_parallel(a: dict) -> None:
         a[k] = a[k].replace(sequence_parallel=False)
 
 
-@accepts_01_keywords("linear_divergence_loss")
+@accepts_01_keywords("linear_divergence_loss", chunking=Chunking(PAIR_CHUNK))
 def linear_divergence_loss(
     student_hidden: torch.Tensor,
     student_layer: Union[OutputLayer, torch.Tensor],

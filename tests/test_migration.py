@@ -429,6 +429,33 @@ def test_0_1_keywords_beside_a_bare_value_0_1_took_there_still_work():
     torch.testing.assert_close(out.divergence, new.divergence, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("op", ["linear_divergence", "linear_divergence_loss"])
+def test_vocab_chunk_size_alone_keeps_the_divergences_256_rows(op, monkeypatch):
+    """Issue 45 item 5: 0.1's ``linear_divergence(..., vocab_chunk_size=vc)`` walked 256-row chunks (its default);
+    moved into ``Chunking(vocab_chunk_size=vc)`` it walked Chunking's 1024, 4x the buffers the caller sized."""
+    import chunked_entropy.divergence as div
+
+    walked = []
+    real = div.plan_for
+
+    def plan_for(*args, **kw):  # the op's own planning, recorded
+        plan = real(*args, **kw)
+        walked.append((plan.chunk_size, plan.vocab_chunk_size))
+        return plan
+
+    monkeypatch.setattr(div, "plan_for", plan_for)
+    hs, ws, bs, ht, wt, bt = _pair_leaves()
+    fn = getattr(ce, op)
+    old = _old(op, fn, hs, teacher_hidden=ht, student_weight=ws, teacher_weight=wt, vocab_chunk_size=8)
+    new = _new(fn, hs, ws, ht, wt, chunking=Chunking(256, 8))
+    assert walked == [(256, 8), (256, 8)]
+    for a, b in zip(_tensors(old), _tensors(new), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    walked.clear()
+    _old(op, fn, hs, teacher_hidden=ht, student_weight=ws, teacher_weight=wt, vocab_chunk_size=8, chunk_size=3)
+    assert walked == [(3, 8)]
+
+
 def test_signatures_show_the_new_form():
     for op in OLD:
         params = inspect.signature(getattr(ce, op)).parameters
