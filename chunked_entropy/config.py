@@ -69,6 +69,28 @@ def grad_vocab_block_for(n: int, v_local: int, itemsize: int) -> int:
     return min(v_local, max(128, block - block % 128))
 
 
+def config_section(cfg, path: str, *, optional: bool = True):
+    """``cfg`` (an actor config or a section of it, read at ``path``) checked to be a mapping: a dict, an OmegaConf
+    ``DictConfig``, one of verl's config dataclasses; None (``optional``) stands for an empty one. A
+    ``TypeError`` names ``path`` otherwise: a config that is not one is never read as all defaults."""
+    if cfg is None and optional:
+        return None
+    if not isinstance(cfg, Mapping):
+        raise TypeError(f"{path} must be a mapping of settings (a dict, an OmegaConf DictConfig or a verl config "
+                        f"dataclass), got {type(cfg).__name__} {cfg!r:.60}")
+    return cfg
+
+
+def config_entry(cfg, key: str, path: str, default=None):
+    """``cfg[key]`` of a mapping :func:`config_section` accepted (None: ``default``), ``default`` where the key is
+    absent; an OmegaConf ``???`` (a mandatory value never set) is a ``ValueError`` naming ``path``, never read
+    as absent."""
+    if cfg is None:
+        return default
+    value = _get(cfg, key, path)
+    return default if value is _ABSENT else value
+
+
 def _get(cfg, key: str, path: str):
     """``cfg[key]``, or ``_ABSENT``; works on dicts, OmegaConf configs and verl's BaseConfig dataclasses.
 

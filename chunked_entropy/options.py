@@ -38,7 +38,7 @@ from ._checks import FLOAT_DTYPES, check_flag, check_float, check_positive, chec
 from ._divergence import DivergenceSpec
 from ._keep import ENTROPY_OF
 from ._stats import Transform
-from .config import ChunkedEntropyConfig, auto_chunk_size, check_field
+from .config import ChunkedEntropyConfig, auto_chunk_size, check_field, config_entry, config_section
 from .losses.aggregation import Aggregation
 from .losses.kl import KL_KINDS
 from .losses.policy_options import PolicyOptions
@@ -472,25 +472,27 @@ class PolicyLoss:
         node or a dict): ``policy_loss.loss_mode``, the objective's options
         (:meth:`~chunked_entropy.losses.PolicyOptions.from_actor_config`), ``entropy_coeff``,
         ``use_kl_loss`` / ``kl_loss_coef`` / ``kl_loss_type``, ``loss_agg_mode`` and ``loss_scale_factor``.
-        Fields it lacks keep verl's defaults; ``changes`` override.
+        Fields it lacks (or holds as None) keep verl's defaults; ``changes`` override. A config (or its
+        ``policy_loss``) that is not a mapping is a ``TypeError``, an OmegaConf ``???`` a ``ValueError``, each
+        naming the key: neither is read as the defaults.
 
         Example:
             >>> PolicyLoss.from_actor_config({"policy_loss": {"loss_mode": "gspo"}, "use_kl_loss": True,
             ...                               "kl_loss_coef": 0.01, "loss_agg_mode": "seq-mean-token-mean"}).kl_coef
             0.01
         """
-        def get(node, key, default=None):
-            if node is None:
-                return default
-            value = node.get(key, default) if hasattr(node, "get") else getattr(node, key, default)
+        def get(node, key, default=None, where=""):
+            value = config_entry(node, key, where + key)
             return default if value is None else value
 
-        policy = get(config, "policy_loss")
+        config = config_section(config, "config", optional=False)
+        policy = config_section(get(config, "policy_loss"), "policy_loss")
+        kl_coef = get(config, "kl_loss_coef", 0.0)  # read (a ??? refused) whether or not use_kl_loss is on
         fields = dict(
-            mode=get(policy, "loss_mode", "vanilla"),
+            mode=get(policy, "loss_mode", "vanilla", "policy_loss."),
             options=PolicyOptions.from_actor_config(config),
             entropy_coeff=get(config, "entropy_coeff", 0.0),
-            kl_coef=get(config, "kl_loss_coef", 0.0) if get(config, "use_kl_loss", False) else 0.0,
+            kl_coef=kl_coef if get(config, "use_kl_loss", False) else 0.0,
             kl_kind=get(config, "kl_loss_type", "low_var_kl"),
             aggregation=Aggregation(get(config, "loss_agg_mode", "token-mean"), get(config, "loss_scale_factor")),
         )

@@ -262,3 +262,43 @@ def test_verls_straight_through_kl_types_are_read_from_its_actor_config(kind):
     full = dataclasses.replace(cfg, kl_loss_type="full")  # verl's own kl_penalty raises NotImplementedError for it
     with pytest.raises(ValueError, match="kl_kind.*'full'"):
         PolicyLoss.from_actor_config(full)
+
+
+@pytest.mark.parametrize("key", ["policy_loss.loss_mode", "loss_agg_mode", "entropy_coeff", "kl_loss_coef",
+                                 "kl_loss_type", "use_kl_loss", "loss_scale_factor", "clip_ratio_high",
+                                 "policy_loss", "policy_loss.clip_cov_ratio", "policy_loss.rollout_correction",
+                                 "policy_loss.rollout_correction.rollout_is"])
+def test_policy_loss_from_an_actor_config_refuses_a_mandatory_value_never_set(key):
+    """Issue 45 item 6: an OmegaConf ``???`` was read as absent (vanilla, token-mean, 0.0), or raised OmegaConf's own
+    MissingMandatoryValue for clip_ratio_high; like Chunking.from_config, a ValueError names the key."""
+    from omegaconf import OmegaConf
+
+    from chunked_entropy import Chunking, PolicyLoss
+
+    cfg = {"policy_loss": {"loss_mode": "gspo", "clip_cov_ratio": 0.001, "rollout_correction": {"rollout_is": None}},
+           "loss_agg_mode": "token-mean", "entropy_coeff": 0.01, "use_kl_loss": True, "kl_loss_coef": 0.1,
+           "kl_loss_type": "low_var_kl", "loss_scale_factor": None, "clip_ratio_high": 0.28}
+    assert PolicyLoss.from_actor_config(OmegaConf.create(cfg)).mode == "gspo"
+    node = cfg
+    *path, last = key.split(".")
+    for k in path:
+        node = node[k]
+    node[last] = "???"
+    with pytest.raises(ValueError, match=rf"^{key} is \?\?\? \(a mandatory value"):
+        PolicyLoss.from_actor_config(OmegaConf.create(cfg))
+    with pytest.raises(ValueError, match=r"is \?\?\?"):  # as the chunking of the same section refuses one
+        Chunking.from_config(OmegaConf.create({"entropy_from_logits_chunk_size": "???"}))
+
+
+@pytest.mark.parametrize("config, name", [
+    (5, "config"), ("gspo", "config"), ([("loss_mode", "gspo")], "config"), ({"policy_loss": "gspo"}, "policy_loss"),
+    ({"policy_loss": {"rollout_correction": 1}}, "policy_loss.rollout_correction"),
+])
+def test_policy_loss_from_a_config_that_is_not_a_mapping_is_a_type_error(config, name):
+    """Issue 45 item 6: ``5``, ``"gspo"`` or ``policy_loss: "gspo"`` gave vanilla PPO with verl's defaults."""
+    from chunked_entropy import PolicyLoss
+
+    with pytest.raises(TypeError, match=rf"^{name} must be a mapping of settings"):
+        PolicyLoss.from_actor_config(config)
+    with pytest.raises(TypeError, match=rf"^{name} must be a mapping of settings"):
+        PolicyOptions.from_actor_config(config)

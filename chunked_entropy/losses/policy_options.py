@@ -15,6 +15,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Optional, Union
 
 from .._checks import check_real, is_real
+from ..config import config_entry, config_section
 
 #: Rollout-correction IS levels and loss types of verl's ``RolloutCorrectionConfig``.
 ROLLOUT_IS_LEVELS = (None, "token", "sequence")
@@ -120,26 +121,26 @@ class PolicyOptions:
     def from_actor_config(cls, config) -> "PolicyOptions":
         """The options of a verl actor config (``actor_rollout_ref.actor``: an ``ActorConfig``, an
         OmegaConf node or a dict): its clip fields, SAPO's taus, ``policy_loss``'s fields and
-        ``policy_loss.rollout_correction``'s. Fields it lacks keep verl's defaults."""
-        def get(node, key):
-            if node is None:
-                return None
-            return node.get(key) if isinstance(node, dict) else getattr(node, key, None)
-
+        ``policy_loss.rollout_correction``'s. Fields it lacks keep verl's defaults. A config (or a section of it)
+        that is not a mapping is a ``TypeError``, an OmegaConf ``???`` a ``ValueError``, each naming the key."""
         top = ("clip_ratio", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "tau_pos", "tau_neg")
         pl = ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef", "dro_beta")
         rc = ("loss_type", "rollout_is", "rollout_is_threshold", "rollout_is_batch_normalize", "rollout_rs",
               "rollout_rs_threshold")
-        policy = get(config, "policy_loss")
-        corr = get(policy, "rollout_correction")
+        config = config_section(config, "config", optional=False)
+        policy = config_section(config_entry(config, "policy_loss", "policy_loss"), "policy_loss")
+        corr = config_section(config_entry(policy, "rollout_correction", "policy_loss.rollout_correction"),
+                              "policy_loss.rollout_correction")
         # a field the config holds is taken as it is (None too: it means "off" for rollout_is, rollout_rs)
-        found = {k: get(node, k) for keys, node in ((top, config), (pl, policy), (rc, corr)) for k in keys
-                 if _has(node, k)}
+        found = {}
+        for keys, node, where in ((top, config, ""), (pl, policy, "policy_loss."),
+                                  (rc, corr, "policy_loss.rollout_correction.")):
+            for k in keys:
+                value = config_entry(node, k, where + k, _ABSENT)
+                if value is not _ABSENT:
+                    found[k] = value
         return cls(**found)
 
 
-def _has(node, key) -> bool:
-    if node is None:
-        return False
-    return key in node if isinstance(node, dict) else hasattr(node, key)
+_ABSENT = object()
 
