@@ -38,11 +38,22 @@ def is_int(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+def is_finite_real(value) -> bool:
+    """A real number (:func:`is_real`) that is finite as a float: NaN, the infinities and an int too large for a
+    float (``10**400``, where ``math.isfinite`` itself raises ``OverflowError``) are not."""
+    if not is_real(value):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
 def check_real(name: str, value, *, low: float = -math.inf, high: float = math.inf, low_open: bool = False,
                high_open: bool = False) -> float:
     """A finite number in ``[low, high]`` (ends open where asked), as a float."""
-    if not is_real(value) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    if not is_finite_real(value):
+        raise ValueError(f"{name} must be a finite number, got {value_repr(value)}")
     value = float(value)
     if value < low or value > high or (low_open and value == low) or (high_open and value == high):
         lo, hi = "(" if low_open else "[", ")" if high_open else "]"
@@ -54,10 +65,18 @@ def check_positive(name: str, value, *, optional: bool = True) -> Optional[float
     """A finite float > 0 (or None when ``optional``)."""
     if value is None and optional:
         return None
-    if not is_real(value) or not math.isfinite(value) or value <= 0:
+    if not is_finite_real(value) or value <= 0:
         extra = " or None" if optional else ""
-        raise ValueError(f"{name} must be a finite float > 0{extra}, got {value!r}")
+        raise ValueError(f"{name} must be a finite float > 0{extra}, got {value_repr(value)}")
     return float(value)
+
+
+def value_repr(value) -> str:
+    """``repr(value)``, an int of more than 30 digits shortened (``10**400`` would fill the message)."""
+    text = repr(value)
+    if is_int(value) and len(text) > 30:
+        return f"an int of {len(text.lstrip('-'))} digits ({text[:8]}...)"
+    return text
 
 
 def check_flag(name: str, value) -> bool:

@@ -12,7 +12,7 @@ from typing import Optional, Union
 
 import torch
 
-from ._checks import FLOAT_DTYPES, check_device, check_strided, float_bits, is_int, is_real
+from ._checks import FLOAT_DTYPES, check_device, check_strided, float_bits, is_finite_real, is_int, is_real, value_repr
 from ._keep import Kept, parse_keep
 from ._stats import Coefficients, RowStats, Transform, Want
 from ._token_ids import At, parse_at
@@ -219,7 +219,7 @@ def check_ignore_index(ignore_index) -> int:
     if not is_int(ignore_index):
         raise TypeError(f"ignore_index must be an int (the label id meaning 'no label'), got {ignore_index!r}")
     if not -(2**63) <= ignore_index < 2**63:
-        raise ValueError(f"ignore_index must fit in int64 (the labels' dtype), got {ignore_index!r}")
+        raise ValueError(f"ignore_index must fit in int64 (the labels' dtype), got {value_repr(ignore_index)}")
     return int(ignore_index)
 
 
@@ -260,9 +260,10 @@ def prepare_temperature(temperature, lead_shape, device, dtype, call: CallCheck)
         return inv_t
     if not is_real(temperature):
         raise TypeError(f"temperature must be a float > 0 or a tensor, got {type(temperature).__name__}")
-    if not (math.isfinite(temperature) and temperature > 0 and 1.0 / temperature < torch.finfo(dtype).max):
+    if not (is_finite_real(temperature) and temperature > 0 and 1.0 / temperature < torch.finfo(dtype).max):
         raise ValueError(
-            f"temperature must be finite and > 0 (with 1/temperature finite in {dtype}), got {temperature!r}"
+            f"temperature must be finite and > 0 (with 1/temperature finite in {dtype}), got "
+            f"{value_repr(temperature)}"
         )
     return None if temperature == 1 else 1.0 / float(temperature)
 

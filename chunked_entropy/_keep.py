@@ -61,7 +61,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from ._checks import check_device, float_bits
+from ._checks import check_device, float_bits, is_finite_real, value_repr
 from ._stats import NEG_FLOOR, BlockStats, Coefficients, RowStats, Transform
 from .parallel import all_reduce_min_flags, fingerprint
 
@@ -155,8 +155,9 @@ def _parse_filter(keep: dict, v_global: int) -> tuple:
     top_k, top_p = keep.get("top_k"), keep.get("top_p", 1.0)
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int)):
         raise TypeError(f"keep's top_k must be an int or None, got {top_k!r}")
-    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0.0 < float(top_p) <= 1.0:
-        raise ValueError(f"keep's top_p must be a float in (0, 1], got {top_p!r}")
+    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not is_finite_real(top_p) \
+            or not 0.0 < float(top_p) <= 1.0:
+        raise ValueError(f"keep's top_p must be a float in (0, 1], got {value_repr(top_p)}")
     top_k = None if top_k is None or top_k <= 0 or top_k >= v_global else int(top_k)
     return top_k, (None if float(top_p) == 1.0 else float(top_p))
 

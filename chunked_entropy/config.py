@@ -12,11 +12,10 @@ sets it with a Hydra override such as
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping
 from typing import Optional, Union
 
-from ._checks import is_int, is_real
+from ._checks import is_finite_real, is_int, value_repr
 
 #: Bytes per element of the per-chunk buffers (they are float32).
 _BUFFER_ITEMSIZE = 4
@@ -135,8 +134,9 @@ def check_field(name: str, key: str, value):
         return value
     if name == "temperature":
         # the same rule as the functions: 1 / temperature must be finite in float32
-        if not (is_real(value) and math.isfinite(value) and value > 0 and 1.0 / value < _FLOAT32_MAX):
-            raise ValueError(f"{key} must be a finite float > 0 (with 1/temperature finite in float32), got {value!r}")
+        if not (is_finite_real(value) and value > 0 and 1.0 / value < _FLOAT32_MAX):
+            raise ValueError(f"{key} must be a finite float > 0 (with 1/temperature finite in float32), got "
+                             f"{value_repr(value)}")
         return float(value)
     raise AssertionError(name)  # pragma: no cover - every field is listed above
 
@@ -303,8 +303,8 @@ class ChunkedEntropyConfig:
             hit = read("calculate_entropy", lambda key, value: check_field("compute_entropy", key, value))
             coeff = _get(cfg, "entropy_coeff", "entropy_coeff")
             if coeff is not _ABSENT:
-                if not (is_real(coeff) and math.isfinite(coeff)):
-                    raise ValueError(f"entropy_coeff must be a finite number, got {coeff!r}")
+                if not is_finite_real(coeff):
+                    raise ValueError(f"entropy_coeff must be a finite number, got {value_repr(coeff)}")
             if hit is not None or coeff is not _ABSENT:
                 kwargs["compute_entropy"] = bool(hit is not None and hit[1]) or (
                     coeff is not _ABSENT and coeff != 0

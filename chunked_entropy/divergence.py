@@ -30,7 +30,6 @@ argument, :func:`~chunked_entropy._logit_blocks.main_grad_of`).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 from typing import NamedTuple, Optional, Union
 
@@ -38,7 +37,7 @@ import torch
 
 from ._autograd import hand_over, once_differentiable
 from ._call import agree_objects, apply_or_forward, group_of, plan_for, refused_together, zeros_connected
-from ._checks import check_device, check_flag, check_float, float_bits, is_real
+from ._checks import check_device, check_flag, check_float, float_bits, is_finite_real, value_repr
 from ._divergence import PairRows
 from ._inputs import (
     Rows,
@@ -157,11 +156,11 @@ def _loss_weights(call, tok: Tokens, valid, *, reduction, normalizer, weights, c
                      "got a tensor holding 0, a negative value, NaN or inf")
         w = w / nz
         norm = (2, *fingerprint_floats(nz)) if call.world > 1 else (2, 0, 0)
-    elif is_real(normalizer) and math.isfinite(normalizer) and normalizer > 0:
+    elif is_finite_real(normalizer) and normalizer > 0:
         w = w / float(normalizer)
         norm = (1, float_bits(normalizer), 0)
     else:
-        raise ValueError(f"normalizer must be a number > 0 or a 0-d tensor, got {normalizer!r}")
+        raise ValueError(f"normalizer must be a number > 0 or a 0-d tensor, got {value_repr(normalizer)}")
     call.agree("reduction (0 mean, 1 sum)", ("mean", "sum").index(reduction))
     call.agree("normalizer (kind 0 None, 1 a number, 2 a tensor; its value)", norm)
     call.agree("weights is not None", weights is not None)

@@ -228,3 +228,61 @@ def test_a_weight_without_vocabulary_rows_is_named():
                  lambda: linear_policy_loss(hidden, weight, ignored, zeros, zeros, ~mask)):
         with pytest.raises(ValueError, match=match):
             call()
+
+
+HUGE = 10**400  # an int no float holds: math.isfinite and float() raise OverflowError on it
+
+
+def _huge_cases():
+    """``(field, call)``: each number a caller sets, given as an int too large for a float."""
+    import dataclasses
+
+    import chunked_entropy as ce
+    from chunked_entropy import ChunkedEntropyConfig, Divergence
+    from chunked_entropy.losses import PolicyOptions
+
+    g = torch.Generator().manual_seed(3)
+    h, w, y = torch.randn(2, 3, 4, generator=g), torch.randn(V, 4, generator=g), torch.randint(0, V, (2, 3))
+    x, f, m = torch.randn(2, 3, V, generator=g), torch.zeros(2, 3), torch.ones(2, 3)
+    cases = [
+        ("softcap", lambda: OutputLayer(w, softcap=HUGE)),
+        ("logit_scale", lambda: OutputLayer(w, logit_scale=HUGE)),
+        ("beta", lambda: Divergence("jsd", HUGE)),
+        ("beta", lambda: Divergence.from_trl_beta(HUGE)),
+        ("entropy_coeff", lambda: PolicyLoss(entropy_coeff=HUGE)),
+        ("kl_coef", lambda: PolicyLoss(kl_coef=HUGE)),
+        ("loss_scale_factor", lambda: Aggregation("token-mean", HUGE)),
+        ("batch_num_tokens", lambda: Aggregation("token-mean", None, 1, HUGE)),
+        ("temperature", lambda: log_probs_and_entropy(x, y, temperature=HUGE)),
+        ("temperature", lambda: ce.linear_log_probs_and_entropy(h, w, y, temperature=HUGE)),
+        ("temperature", lambda: ce.linear_policy_loss(h, w, y, f, f, m, temperature=HUGE)),
+        ("temperature", lambda: ce.policy_loss_from_logits(x, y, f, f, m, temperature=HUGE)),
+        ("temperature", lambda: ce.linear_divergence(h, w, h, w, temperature=HUGE)),
+        ("temperature", lambda: ce.linear_divergence_loss(h, w, h, w, temperature=HUGE)),
+        ("temperature", lambda: ce.divergence_from_logits(x, x, temperature=HUGE)),
+        ("temperature", lambda: ChunkedEntropyConfig(temperature=HUGE)),
+        ("normalizer", lambda: ce.linear_divergence_loss(h, w, h, w, normalizer=HUGE)),
+        ("ignore_index", lambda: log_probs_and_entropy(x, y, ignore_index=HUGE)),
+        ("top_p", lambda: log_probs_and_entropy(x, y, keep={"top_p": HUGE})),
+        ("entropy_coeff", lambda: ChunkedEntropyConfig.from_actor_config({"entropy_coeff": HUGE})),
+    ]
+    for field in dataclasses.fields(PolicyOptions):
+        if field.name not in ("loss_type", "rollout_is", "rollout_is_batch_normalize", "rollout_rs",
+                              "rollout_is_threshold", "rollout_rs_threshold"):  # the thresholds: read at use
+            cases.append((field.name, lambda k=field.name: PolicyOptions(**{k: HUGE})))
+            cases.append((field.name, lambda k=field.name: PolicyLoss(options={k: HUGE})))
+    from chunked_entropy.integrations import trl
+
+    cases.append(("temperature", lambda: trl.selective_log_softmax(x, y, temperature=HUGE)))
+    cases.append(("rollout_is_threshold", lambda: ce.policy_loss_from_logits(
+        x, y, f, f, m, rollout_log_probs=f, loss=PolicyLoss(options={"rollout_is_threshold": HUGE}))))
+    return cases
+
+
+def test_an_int_too_large_for_a_float_is_named_as_every_other_bad_value():
+    """Issue 45 item 7: ``10**400`` gave ``OverflowError: int too large to convert to float``, naming nothing."""
+    cases = _huge_cases()
+    assert len(cases) >= 40
+    for field, call in cases:
+        with pytest.raises(ValueError, match=rf"{field}\b.*(an int of 401 digits|{HUGE % 10**6})"):
+            call()

@@ -41,14 +41,13 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import math
-import numbers
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
 import torch
 from einops import rearrange
 
+from .._checks import is_finite_real, value_repr
 from .._outputs import LogProbsEntropy
 from ..config import ChunkedEntropyConfig
 from ..head import ChunkedVocabParallelHead
@@ -115,8 +114,8 @@ def _supports_hook(model) -> bool:
 
 
 def _check_temperature(value, name="temperature"):
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{name} must be a finite float > 0, got {value!r}")
+    if not (is_finite_real(value) and value > 0):
+        raise ValueError(f"{name} must be a finite float > 0, got {value_repr(value)}")
     return float(value)
 
 

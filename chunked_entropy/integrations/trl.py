@@ -39,7 +39,7 @@ from typing import Optional
 
 import torch
 
-from .._checks import check_chunk
+from .._checks import check_chunk, is_finite_real, value_repr
 from ..divergence import linear_divergence_loss
 from ..linear import linear_log_probs_and_entropy
 from ..logits import log_probs_and_entropy
@@ -92,6 +92,8 @@ def _temperature(temperature) -> float:
             and not temperature.dtype.is_complex:
         value = float(temperature)
     elif isinstance(temperature, numbers.Real) and not isinstance(temperature, bool):
+        if not is_finite_real(temperature) and temperature > 0:  # an int too large for a float: named here
+            raise ValueError(f"temperature must be a finite float > 0, got {value_repr(temperature)}")
         value = float(temperature)
     else:
         got = (f"a tensor of shape {tuple(temperature.shape)} and dtype {temperature.dtype}"

@@ -9,12 +9,11 @@ checked on construction (naming the field), and
 
 from __future__ import annotations
 
-import math
 import zlib
 from dataclasses import dataclass, fields, replace
 from typing import Optional, Union
 
-from .._checks import check_real, is_real
+from .._checks import check_real, is_finite_real, value_repr
 from ..config import config_entry, config_section
 
 #: Rollout-correction IS levels and loss types of verl's ``RolloutCorrectionConfig``.
@@ -25,8 +24,9 @@ LOSS_TYPES = ("ppo_clip", "reinforce")
 def _positive(name: str, value, *, optional: bool = False) -> Optional[float]:
     if value is None and optional:
         return None
-    if not (is_real(value) and math.isfinite(value) and value > 0):
-        raise ValueError(f"{name} must be a finite number > 0{' or None' if optional else ''}, got {value!r}")
+    if not (is_finite_real(value) and value > 0):
+        raise ValueError(f"{name} must be a finite number > 0{' or None' if optional else ''}, got "
+                         f"{value_repr(value)}")
     return float(value)
 
 
@@ -82,8 +82,9 @@ class PolicyOptions:
             raise ValueError(f"clip_ratio_low must be in [0, 1] (the ratio's lower bound is 1 - clip_ratio_low), "
                              f"got {self.low!r}")
         c = self.clip_ratio_c
-        if c is not None and not (is_real(c) and math.isfinite(c) and c > 1):
-            raise ValueError(f"clip_ratio_c must be a finite number > 1 (the dual-clip bound) or None, got {c!r}")
+        if c is not None and not (is_finite_real(c) and c > 1):
+            raise ValueError(f"clip_ratio_c must be a finite number > 1 (the dual-clip bound) or None, got "
+                             f"{value_repr(c)}")
         set_("clip_ratio_c", None if c is None else float(c))
         for k in ("tau_pos", "tau_neg", "clip_cov_ratio", "kl_cov_ratio"):
             set_(k, _positive(k, getattr(self, k)))

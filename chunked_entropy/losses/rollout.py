@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .._checks import checked_call, is_real, require
+from .._checks import checked_call, is_finite_real, is_int, is_real, require, value_repr
 from ._common import check_mask, check_same_shape, check_tensor
 
 #: verl's bound on log-ratios before ``exp`` (``SAFETY_BOUND``).
@@ -58,6 +58,8 @@ def parse_is_threshold(spec) -> tuple[float, Optional[float]]:
             raise ValueError(f"rollout_is_threshold {spec!r} is not a number or 'lower_upper'") from None
         lower, upper = (None, values[0]) if len(values) == 1 else values
     else:
+        if is_int(spec) and not is_finite_real(spec):  # no float holds it: named, not float()'s OverflowError
+            raise ValueError(f"rollout_is_threshold must be a number a float holds, got {value_repr(spec)}")
         upper = float(spec)
     if not upper > 0 or (lower is not None and not 0 < lower <= upper):
         raise ValueError(f"rollout_is_threshold needs 0 < lower <= upper, got {spec!r}")

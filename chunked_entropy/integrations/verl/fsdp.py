@@ -52,14 +52,13 @@ from __future__ import annotations
 
 import inspect
 import logging
-import math
 import threading
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
-from ..._checks import require
+from ..._checks import is_finite_real, require, value_repr
 from ...linear import linear_log_probs_and_entropy
 from ...logits import log_probs_and_entropy
 from ...options import OutputLayer
@@ -113,10 +112,9 @@ def _check_temperature(temperature) -> None:
 
         found.summary = 'micro_batch["temperature"] must be finite and > 0 for every sample'
         require(~bad.any(), found)  # one read on an accelerator (a ValueError, never a device-side assert)
-    elif isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(
-            float(temperature)) or float(temperature) <= 0:
+    elif not isinstance(temperature, (int, float)) or not is_finite_real(temperature) or temperature <= 0:
         raise ValueError(f'micro_batch["temperature"] must be a finite float > 0 (or one per sample), got '
-                         f"{temperature!r}")
+                         f"{value_repr(temperature)}")
 
 
 # ----------------------------------------------------------------------------- what a fused micro-batch needs
