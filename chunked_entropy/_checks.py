@@ -38,6 +38,37 @@ def is_int(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+def plain_str(value):
+    """A ``str`` subclass (``numpy.str_``, an enum's str) as the plain ``str`` of the same text; anything else as it
+    is. Option objects keep their names plain: equal settings then have equal fingerprints on every rank."""
+    return str.__str__(value) if isinstance(value, str) and type(value) is not str else value
+
+
+class ByValue:
+    """Equality and hashing of a frozen option object by its settings, as a dataclass's: ``_key()`` gives them
+    (numbers and names by value, tensors and process groups by identity: the same settings over the same
+    weight are equal, the same settings over another weight are not)."""
+
+    __slots__ = ()
+
+    def _key(self) -> tuple:  # pragma: no cover - each option class defines it
+        raise NotImplementedError
+
+    def __eq__(self, other):
+        if type(other) is not type(self):
+            return NotImplemented
+        return self._key() == other._key()
+
+    def __hash__(self):
+        return hash((type(self).__name__, self._key()))
+
+
+def same(obj) -> tuple:
+    """An object in a :meth:`ByValue._key` by identity (a tensor, a process group; None as None): its id, which
+    the option object holding it keeps valid."""
+    return ("is", None if obj is None else id(obj))
+
+
 def is_finite_real(value) -> bool:
     """A real number (:func:`is_real`) that is finite as a float: NaN, the infinities and an int too large for a
     float (``10**400``, where ``math.isfinite`` itself raises ``OverflowError``) are not."""

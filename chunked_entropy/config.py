@@ -15,7 +15,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Optional, Union
 
-from ._checks import is_finite_real, is_int, value_repr
+from ._checks import is_finite_real, is_int, plain_str, value_repr
 
 #: Bytes per element of the per-chunk buffers (they are float32).
 _BUFFER_ITEMSIZE = 4
@@ -110,7 +110,9 @@ def _get(cfg, key: str, path: str):
 
 
 def check_field(name: str, key: str, value):
-    """Check one field's value; ``key`` names it in the error (a field or a config path)."""
+    """Check one field's value; ``key`` names it in the error (a field or a config path). A name comes back a
+    plain ``str`` (``numpy.str_`` normalized)."""
+    value = plain_str(value)
     if name == "chunk_size":
         if value == "auto" and isinstance(value, str):
             return value

@@ -34,7 +34,18 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
-from ._checks import FLOAT_DTYPES, check_flag, check_float, check_positive, check_real, float_bits, is_int
+from ._checks import (
+    FLOAT_DTYPES,
+    ByValue,
+    check_flag,
+    check_float,
+    check_positive,
+    check_real,
+    float_bits,
+    is_int,
+    plain_str,
+    same,
+)
 from ._divergence import DivergenceSpec
 from ._keep import ENTROPY_OF
 from ._stats import Transform
@@ -81,7 +92,7 @@ def model_reader(name: str):
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class OutputLayer:
+class OutputLayer(ByValue):
     """An output layer: what turns hidden states into (this rank's shard of) the logits.
 
     ``logits = softcap * tanh(logit_scale * (hidden @ weight.T + bias) / softcap)``
@@ -119,8 +130,11 @@ class OutputLayer:
         >>> layer = OutputLayer.from_linear(lm_head, softcap=30.0)
         >>> layer.weight.shape, layer.softcap
         (torch.Size([50, 16]), 30.0)
-        >>> OutputLayer(lm_head.weight).fingerprint() == OutputLayer(lm_head.weight).fingerprint()
+        >>> OutputLayer(lm_head.weight, softcap=30.0) == layer.replace(softcap=30)
         True
+
+    Layers compare and hash by their settings, the tensors and the group by identity: the same settings
+    over the same weight are equal (a dict key, a cache key), over another weight of the same shape not.
     """
 
     weight: Optional[torch.Tensor] = None
@@ -131,6 +145,10 @@ class OutputLayer:
     process_group: object = None
     sequence_parallel: bool = False
     gradient_accumulation_fusion: Optional[bool] = None
+
+    def _key(self) -> tuple:
+        return (same(self.weight), same(self.bias), self.softcap, self.logit_scale, self.logits_dtype,
+                same(self.process_group), self.sequence_parallel, self.gradient_accumulation_fusion)
 
     def __post_init__(self):
         p = _PREFIX.get()
@@ -385,7 +403,7 @@ def _aggregation(value) -> Aggregation:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class PolicyLoss:
+class PolicyLoss(ByValue):
     """The RL loss of the fused policy ops: ``pg - entropy_coeff * agg(entropy) + kl_coef * agg(kl_penalty)``.
 
     Attributes:
@@ -418,8 +436,14 @@ class PolicyLoss:
     aggregation: Aggregation = dataclasses.field(default_factory=Aggregation)
     entropy_of: str = "full"
 
+    def _key(self) -> tuple:  # compared and hashed by every field, as fingerprint() covers them
+        return (self.mode, self.options, self.entropy_coeff, self.kl_coef, self.kl_kind, self.aggregation,
+                self.entropy_of)
+
     def __post_init__(self):
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731
+        for k in ("mode", "kl_kind", "entropy_of"):  # numpy.str_ and the like: plain names
+            set_(k, plain_str(getattr(self, k)))
         opts = self.options
         if isinstance(opts, dict):
             opts = _policy_options(opts)
@@ -525,7 +549,8 @@ class Divergence:
             ``"jsd"`` (the generalized Jensen-Shannon divergence with mixture ``beta * p_t + (1 - beta) * p_s``).
         beta: the JSD's mixture weight in (0, 1); None for the KLs.
 
-    ``replace(**changes)`` gives a copy, checked again, as the other option objects' does.
+    ``replace(**changes)`` gives a copy, checked again, as the other option objects' does. Option objects
+    compare and hash by value, as dataclasses do (``Divergence("jsd", 0.5) == Divergence("jsd", 0.5)``).
 
     TRL's ``GKDTrainer`` names the same three with one number, its ``beta``:
     0 the forward KL, 1 the reverse KL, in between the JSD; :meth:`from_trl_beta` maps it.
@@ -541,6 +566,7 @@ class Divergence:
     beta: Optional[float] = None
 
     def __post_init__(self):
+        object.__setattr__(self, "kind", plain_str(self.kind))
         object.__setattr__(self, "beta", DivergenceSpec(self.kind, self.beta).beta)  # checked (and named) there
 
     def replace(self, **changes) -> "Divergence":

@@ -13,7 +13,7 @@ from typing import Optional, Union
 
 import torch
 
-from .._checks import check_real, checked_call, float_bits, is_int, require
+from .._checks import ByValue, check_real, checked_call, float_bits, is_int, plain_str, require
 from ..parallel import fingerprint_floats
 from ._common import check_mask, check_tensor, masked_sum, safe_div
 
@@ -53,7 +53,7 @@ def require_count(name: str, value) -> None:
 
 
 @dataclass(frozen=True, eq=False)
-class Aggregation:
+class Aggregation(ByValue):
     """How a per-token loss becomes one number: verl 0.9.1's ``agg_loss`` arguments, checked.
 
     Attributes:
@@ -77,7 +77,16 @@ class Aggregation:
     batch_num_tokens: Union[None, float, torch.Tensor] = None
     global_batch_size: Union[None, float, torch.Tensor] = None
 
+    def _key(self) -> tuple:
+        # a count given as a tensor: by the data it views (kept as a 0-d view of the caller's tensor; its value
+        # is read at use, never here: no host sync)
+        count = lambda v: (  # noqa: E731
+            ("data", v.data_ptr(), v.dtype, v.device) if isinstance(v, torch.Tensor) else v)
+        return (self.mode, self.loss_scale_factor, self.dp_size, count(self.batch_num_tokens),
+                count(self.global_batch_size))
+
     def __post_init__(self):
+        object.__setattr__(self, "mode", plain_str(self.mode))
         check_mode("loss_agg_mode", self.mode)
         if self.loss_scale_factor is not None:
             object.__setattr__(self, "loss_scale_factor", check_real("loss_scale_factor", self.loss_scale_factor,

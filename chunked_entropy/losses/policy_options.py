@@ -13,7 +13,7 @@ import zlib
 from dataclasses import dataclass, fields, replace
 from typing import Optional, Union
 
-from .._checks import check_real, is_finite_real, value_repr
+from .._checks import ByValue, check_real, is_finite_real, plain_str, value_repr
 from ..config import config_entry, config_section
 
 #: Rollout-correction IS levels and loss types of verl's ``RolloutCorrectionConfig``.
@@ -31,7 +31,7 @@ def _positive(name: str, value, *, optional: bool = False) -> Optional[float]:
 
 
 @dataclass(frozen=True, eq=False)
-class PolicyOptions:
+class PolicyOptions(ByValue):
     """An objective's settings: verl 0.9.1's ``ActorConfig`` / ``PolicyLossConfig`` / ``RolloutCorrectionConfig``
     fields, with verl's defaults.
 
@@ -72,8 +72,13 @@ class PolicyOptions:
     rollout_rs: Optional[str] = None
     rollout_rs_threshold: Union[None, float, str] = None
 
+    def _key(self) -> tuple:  # every field, as fingerprint() covers them
+        return tuple(getattr(self, f.name) for f in fields(self))
+
     def __post_init__(self):
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731
+        for f in fields(self):  # numpy.str_ and the like: plain names
+            set_(f.name, plain_str(getattr(self, f.name)))
         set_("clip_ratio", check_real("clip_ratio", self.clip_ratio, low=0.0))
         for k in ("clip_ratio_low", "clip_ratio_high"):
             v = getattr(self, k)
