@@ -10,7 +10,8 @@ gradients equal with the skipped rows' upstream gradients zero), over a
 cross-product of the options, the twelve objectives and the three
 divergences. The policy loss with ``[B, T]`` rows (sequence-level objectives).
 Bad input. TP 2 with sequence parallelism over gloo (rows of the gathered
-sequence, ranks that differ refused on every rank). Tree packing: a tree of
+sequence, ranks that differ refused on every rank); at TP 2 and 3 under
+sequence parallelism, rows refused on one rank only refused on every rank. Tree packing: a tree of
 rollouts packed once against each root-to-leaf rollout on its own. bf16 with
 rows repeated many times against float64, no worse than plain bf16 autograd.
 """
@@ -353,6 +354,57 @@ def _tp_sp(rank, world):
 
 def test_tensor_and_sequence_parallel_2():
     run_distributed(_tp_sp, 2, timeout_s=60)
+
+
+def _refused_on_one_rank_sp(rank, world):
+    """Issue 45 item 1 under sequence parallelism: rank 1's rows refused before the op's agreement (reading
+    ``rows``, building the kept rows) reach every rank, each naming rank 1, and the next call works."""
+    import re
+    import time
+
+    group = dist.group.WORLD
+    g = torch.Generator().manual_seed(0)
+    s, b, v = 6, 2, 16
+    h_full, w_full = torch.randn(s, b, H, generator=g, dtype=F64), torch.randn(v, H, generator=g, dtype=F64)
+    labels = torch.randint(0, v, (s, b), generator=g)
+    sl, vl = s // world, v // world
+    h, w = h_full[rank * sl:(rank + 1) * sl], w_full[rank * vl:(rank + 1) * vl]
+    sp, plain = OutputLayer(w, process_group=group, sequence_parallel=True), OutputLayer(w, process_group=group)
+    lab2 = labels.t().contiguous()  # the policy loss's [B, T] of the gathered sequence
+    f2, m2 = torch.zeros(b, s, dtype=F64), torch.ones(b, s)
+    idx = torch.tensor([3, 0, 0, 2])  # rows every rank holds, with and without sequence parallelism
+    lin = lambda layer=sp, lab=labels, **kw: linear_log_probs_and_entropy(h, layer, lab, **kw)  # noqa: E731
+    pol = lambda mask=m2, **kw: linear_policy_loss(h, sp, lab2, f2, f2, mask, **kw)  # noqa: E731
+    cases = [  # (what, rank 1's call, the others' call)
+        ("rows='kep'", lambda: lin(rows="kep"), lambda: lin(rows="kept")),
+        ("('kept', n) above the rows", lambda: lin(rows=("kept", 10**3)), lambda: lin(rows="kept")),
+        ("'kept' without labels", lambda: lin(lab=None, rows="kept", log_probs_at=labels[..., None]),
+         lambda: lin(rows="kept", log_probs_at=labels[..., None])),
+        ("'kept' with labels of another shape", lambda: lin(lab=labels[:-1], rows="kept"),
+         lambda: lin(rows="kept")),
+        ("1-D rows of the policy loss", lambda: pol(rows=idx), lambda: pol(rows=idx.view(2, 2))),
+        ("('kept', T + 1) of the policy loss", lambda: pol(rows=("kept", s + 1)), lambda: pol(rows=("kept", s))),
+        ("'kept' with a 1-D loss_mask", lambda: pol(mask=m2.reshape(-1), rows="kept"), lambda: pol(rows="kept")),
+        ("the same index with sequence_parallel on this rank only",  # it alone would gather the sequence
+         lambda: lin(lab=labels.reshape(-1)[idx], rows=idx), lambda: lin(layer=plain, lab=labels.reshape(-1)[idx],
+                                                                          rows=idx)),
+    ]
+    want = lin(rows="kept").log_probs
+    for what, mine, theirs in cases:
+        t0 = time.monotonic()
+        with pytest.raises((ValueError, TypeError)) as e:
+            (mine if rank == 1 else theirs)()
+        took = time.monotonic() - t0
+        every = [None] * world
+        dist.all_gather_object(every, re.sub(r"this is rank \d", "", str(e.value)))
+        assert len(set(every)) == 1 and "rank 1" in every[0], (what, every)
+        assert took < 10, (what, took)
+        torch.testing.assert_close(lin(rows="kept").log_probs, want, rtol=0, atol=0)  # the group still works
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_rows_refused_on_one_rank_under_sequence_parallelism_reach_every_rank(world):
+    run_distributed(_refused_on_one_rank_sp, world, timeout_s=20, deadline_s=180)
 
 
 # ---------------------------------------------------------------- tree packing
