@@ -39,6 +39,7 @@ from ._autograd import hand_over, once_differentiable
 from ._call import agree_objects, apply_or_forward, group_of, plan_for, refused_together, zeros_connected
 from ._checks import check_device, check_flag, check_float, float_bits, is_finite_real, value_repr
 from ._divergence import PairRows
+from ._dtensor import dtensor_hidden_op, dtensor_logits_op
 from ._inputs import (
     Rows,
     Tokens,
@@ -426,6 +427,7 @@ def _linear_call(student_hidden, student: OutputLayer, teacher_hidden, teacher: 
 
 
 @accepts_01_keywords("linear_divergence", chunking=Chunking(PAIR_CHUNK))
+@dtensor_hidden_op(pairs=(("student_hidden", "student_layer"), ("teacher_hidden", "teacher_layer")))
 def linear_divergence(
     student_hidden: torch.Tensor,
     student_layer: Union[OutputLayer, torch.Tensor],
@@ -588,6 +590,7 @@ def _not_sequence_parallel(a: dict) -> None:
 
 
 @accepts_01_keywords("linear_divergence_loss", chunking=Chunking(PAIR_CHUNK))
+@dtensor_hidden_op(pairs=(("student_hidden", "student_layer"), ("teacher_hidden", "teacher_layer")), scalar=True)
 def linear_divergence_loss(
     student_hidden: torch.Tensor,
     student_layer: Union[OutputLayer, torch.Tensor],
@@ -698,6 +701,7 @@ class _LogitsDivergenceFunction(torch.autograd.Function):
 
 
 @accepts_01_keywords("divergence_from_logits")
+@dtensor_logits_op(logits=("student_logits", "teacher_logits"), layers=("student_layer", "teacher_layer"))
 def divergence_from_logits(
     student_logits: torch.Tensor,
     teacher_logits: torch.Tensor,

@@ -19,6 +19,7 @@ import torch
 from ._autograd import once_differentiable
 from ._call import agree_objects, group_of, plan_for, refused_together, settings
 from ._checks import check_flag
+from ._dtensor import dtensor_hidden_op
 from ._inputs import Rows, Tokens, check_ignore_index, compute_dtype, prepare_tokens
 from ._logit_blocks import (
     check_linear_args,
@@ -96,6 +97,7 @@ class _HeadFunction(torch.autograd.Function):
 
 
 @accepts_01_keywords("linear_log_probs_and_entropy")
+@dtensor_hidden_op()
 def linear_log_probs_and_entropy(
     hidden: torch.Tensor,
     layer: Union[OutputLayer, torch.Tensor],
@@ -121,9 +123,12 @@ def linear_log_probs_and_entropy(
 
     Args:
         hidden: ``[..., H]`` hidden states (``[S/P, B, H]``, this rank's
-            slice, with ``layer.sequence_parallel``), the weight's dtype.
+            slice, with ``layer.sequence_parallel``), the weight's dtype. With
+            a DTensor weight, also a DTensor (then the outputs are DTensors).
         layer: the :class:`~chunked_entropy.OutputLayer` (or its bare
-            ``[V_local, H]`` weight): this rank's vocabulary shard (Megatron's
+            ``[V_local, H]`` weight; or a column-parallel DTensor weight
+            ``[V, H]`` placed ``Shard(0)`` on the TP mesh dim, whose mesh gives
+            the group: :mod:`chunked_entropy._dtensor`): this rank's vocabulary shard (Megatron's
             output layer, a tied embedding, or an ``nn.Linear`` lm_head), its
             bias and logit transform. Under its ``process_group`` the weight is
             sharded by rows and ``hidden`` replicated, so the hidden gradient

@@ -14,6 +14,7 @@ import torch
 from ._autograd import once_differentiable
 from ._call import agree_objects, group_of, refused_together, settings
 from ._checks import check_flag, check_float
+from ._dtensor import dtensor_logits_op
 from ._inputs import Tokens, compute_dtype, dtype_code, prepare_tokens
 from ._kernels import use_compiled
 from ._logit_blocks import logits_plan, logits_row_stats, logits_source
@@ -72,6 +73,7 @@ class _LogitsFunction(torch.autograd.Function):
 
 
 @accepts_01_keywords("log_probs_and_entropy")
+@dtensor_logits_op()
 def log_probs_and_entropy(
     logits: torch.Tensor,
     labels: torch.Tensor,
@@ -104,7 +106,11 @@ def log_probs_and_entropy(
     Args:
         logits: ``[..., V_local]`` float32/bfloat16/float16 (float64 for
             gradcheck), any strides. Never written: no in-place op, no
-            version-counter bump; it may feed other ops and other calls.
+            version-counter bump; it may feed other ops and other calls. Or
+            a DTensor ``[..., V]`` placed ``Shard(-1)`` on the TP mesh dim:
+            the group comes from its mesh, the outputs are DTensors
+            replicated over that dim, the gradient keeps the logits'
+            placements (:mod:`chunked_entropy._dtensor`).
         labels: ``[...]`` int64 *global* vocabulary ids, or None when only
             ``log_probs_at`` / ``top_k`` are wanted (``log_probs`` is then None).
         layer: the :class:`~chunked_entropy.OutputLayer` that made the

@@ -38,6 +38,7 @@ import torch
 from ._autograd import connected, hand_over, once_differentiable
 from ._call import agree_objects, group_of, plan_for, refused_together, settings
 from ._checks import check_float, require
+from ._dtensor import dtensor_hidden_op, dtensor_logits_op
 from ._inputs import Rows, Tokens, compute_dtype, dtype_code, prepare_tokens
 from ._kernels import use_compiled
 from ._logit_blocks import (
@@ -268,6 +269,7 @@ class _HeadLossFunction(torch.autograd.Function):
 
 
 @accepts_01_keywords("linear_policy_loss", policy_fields=True)
+@dtensor_hidden_op(scalar=True)
 def linear_policy_loss(
     hidden: torch.Tensor,
     layer: Union[OutputLayer, torch.Tensor],
@@ -563,6 +565,7 @@ class _LogitsLossFunction(torch.autograd.Function):
 
 
 @accepts_01_keywords("policy_loss_from_logits", policy_fields=True)
+@dtensor_logits_op(scalar=True)
 def policy_loss_from_logits(
     logits: torch.Tensor,
     labels: torch.Tensor,

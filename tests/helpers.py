@@ -68,7 +68,7 @@ def require(*modules: str) -> None:
             pytest.skip(
                 f"{name} is not importable ({type(e).__name__}: {e}); the README's first command installs it "
                 "(pip install -e '.[megatron,test,plot,docs,frameworks]' && pip install --no-deps verl==0.9.1 "
-                "openrlhf==0.11.2 areal==1.0.4)",
+                "openrlhf==0.11.2 areal==1.0.4 torchtitan==0.3.0)",
                 allow_module_level=True,
             )
 

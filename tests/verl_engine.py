@@ -162,16 +162,19 @@ def combined_1f1b_on_cpu():
             setattr(holder, name, value)
 
 
-def gpt_model(tp: int, *, tied: bool, seed: int = 0, mtp_layers: int = 0, sequence_parallel: bool = False):
-    """A one-layer megatron-core GPTModel with RoPE, its weights the same at every TP size (CPU initialisation)."""
+def gpt_model(tp: int, *, tied: bool, seed: int = 0, mtp_layers: int = 0, sequence_parallel: bool = False,
+              config_class=None, config_fields=None):
+    """A one-layer megatron-core GPTModel with RoPE, its weights the same at every TP size (CPU initialisation).
+
+    ``config_class`` (a ``TransformerConfig`` subclass) and ``config_fields`` build another config."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    extra = {}
+    extra = dict(config_fields or {})
     if mtp_layers:
-        extra = dict(mtp_num_layers=mtp_layers, mtp_loss_scaling_factor=0.3)
-    cfg = TransformerConfig(
+        extra.update(mtp_num_layers=mtp_layers, mtp_loss_scaling_factor=0.3)
+    cfg = (config_class or TransformerConfig)(
         num_layers=1, hidden_size=HID, num_attention_heads=HEADS, tensor_model_parallel_size=tp,
         use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0, sequence_parallel=sequence_parallel,
         **extra,

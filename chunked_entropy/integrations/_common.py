@@ -100,6 +100,43 @@ def check_id_range(name: str, ids: torch.Tensor, num_classes: int) -> None:
     require(~bad.any(), found)
 
 
+# ----------------------------------------------------------------------------- megatron-core's FP8 output layer
+
+#: megatron-core >= 0.19's class of the output layer under ``TransformerConfig.fp8_output_proj``.
+FP8_OUTPUT_LAYER = "TELMHeadColumnParallelLinear"
+
+
+def fp8_output_layer(config=None, output_layer=None) -> bool:
+    """Whether megatron-core computes the output layer in MXFP8: ``config.fp8_output_proj`` truthy (on the
+    model's config or the layer's own), or the layer is Transformer Engine's ``TELMHeadColumnParallelLinear``.
+
+    megatron-core >= 0.19 (``TransformerConfig.fp8_output_proj``, validated to come with ``fp8`` set and
+    ``fp8_recipe='mxfp8'``) builds the output layer as ``TELMHeadColumnParallelLinear`` and runs it under
+    Transformer Engine's MXFP8 autocast: both operands quantized in blocks of 32 with a shared power-of-two
+    scale. Earlier megatron-core has no such field; duck-typed, so any config carrying it counts.
+    """
+    configs = (config, getattr(output_layer, "config", None))
+    return (any(c is not None and bool(getattr(c, "fp8_output_proj", False)) for c in configs)
+            or type(output_layer).__name__ == FP8_OUTPUT_LAYER)
+
+
+def refuse_fp8_output_layer(config=None, output_layer=None, *, advice: str) -> None:
+    """A ValueError when :func:`fp8_output_layer` holds, saying why and ``advice`` (what to do instead).
+
+    The fused head computes the logits from the layer's weight in the weight's dtype (bf16), not in MXFP8 as
+    the model does: the log-probs, the entropy and every gradient would belong to another head than the one
+    the model runs (and samples with), without a word. Raised where an adapter would build the fused head
+    (before any of its work); the config is the same object on every rank, so every rank raises.
+    """
+    if fp8_output_layer(config, output_layer):
+        raise ValueError(
+            "megatron-core's TransformerConfig.fp8_output_proj is set (megatron-core >= 0.19): the model computes "
+            f"its output layer in MXFP8 ({FP8_OUTPUT_LAYER} under Transformer Engine's MXFP8 autocast), and the "
+            "fused head would compute it in bf16 from the weight instead, so the log-probs, entropy and gradients "
+            f"would not be the model's. {advice}"
+        )
+
+
 # ----------------------------------------------------------------------------- one head per model
 
 
@@ -117,6 +154,10 @@ class MegatronHeads:
 
     Held by weak reference to the output layer: a model that is freed frees
     its head. Memory: a head holds references only (no copy of the weight).
+
+    An output layer that megatron-core computes in MXFP8 (``fp8_output_proj``,
+    megatron-core >= 0.19) is refused (:func:`refuse_fp8_output_layer`): every
+    adapter that builds a head here serves the bf16 layer only.
     """
 
     def __init__(self):
@@ -131,6 +172,9 @@ class MegatronHeads:
                 id(getattr(output_layer, "tp_group", None)))
 
     def head(self, output_layer, *, weight=None, chunking: Chunking, detach: bool = False) -> ChunkedVocabParallelHead:
+        refuse_fp8_output_layer(output_layer=output_layer, advice=(
+            "Keep megatron-core's logits: on this adapter's logits route the library reads the MXFP8 layer's "
+            "logits (chunked); or set fp8_output_proj=False to have the fused head compute the bf16 output layer."))
         weight = output_layer.weight if weight is None else weight
         key = self._key(output_layer, weight, chunking, detach)
         with self._lock:

@@ -27,6 +27,13 @@ loss is computed inside the post-processing from the logits), combined-1F1B
 need a tensor). Calls that are not slime's policy forward run megatron-core's
 own code silently: labels given, inference, a stage without the output
 layer, a critic's value head (``output_size=1``, not a vocabulary layer).
+
+An output layer that megatron-core computes in MXFP8 (``fp8_output_proj``,
+megatron-core >= 0.19) is refused, with a ValueError saying to take the
+logits route: at install when the trainer's arguments carry the flag (Megatron's
+``--fp8-output-proj``), else at the model's first call on the route. The fused
+head would compute that layer in bf16 from its weight: other logits than the
+model's, without a word.
 """
 
 from __future__ import annotations
@@ -40,7 +47,7 @@ import torch
 
 from ..head import ChunkedVocabParallelHead
 from ..options import Chunking
-from ._common import Adapter, MegatronHeads, Patch, Target, logger
+from ._common import Adapter, MegatronHeads, Patch, Target, logger, refuse_fp8_output_layer
 
 __all__ = ["ROUTES", "HiddenStates", "RoutedAdapter", "check_mamba_forward", "check_postprocess", "mamba_route",
            "postprocess_patch", "route", "warn_once", "why_not"]
@@ -135,8 +142,25 @@ def why_not(model, labels, inference_context, mtp_in_postprocess, runtime_gather
     return None
 
 
-def route(original, model, args, kwargs):
-    """``GPTModel._postprocess(*args, **kwargs)``: :class:`HiddenStates` for slime's calls, else ``original``."""
+def _refuse_fp8(model, framework) -> None:
+    """The route's call on a model whose output layer megatron-core computes in MXFP8: refused, saying what to do."""
+    refuse_fp8_output_layer(getattr(model, "config", None), getattr(model, "output_layer", None),
+                            advice=_fp8_advice(framework))
+
+
+def _fp8_advice(framework, env=None) -> str:
+    where = f" ({env}=logits)" if env else ""
+    return (f"Install the {framework or 'trainer'} plugin with route='logits'{where}: megatron-core computes the "
+            "MXFP8 logits and the library reads them chunked; or leave fp8_output_proj off (no --fp8-output-proj) to "
+            "have the fused head compute the bf16 output layer.")
+
+
+def route(original, model, args, kwargs, framework=None):
+    """``GPTModel._postprocess(*args, **kwargs)``: :class:`HiddenStates` for slime's calls, else ``original``.
+
+    A call the route would serve on a model whose output layer megatron-core computes in MXFP8 is a
+    ValueError naming ``fp8_output_proj`` and the logits route (``framework`` names the plugin in it).
+    """
     bound = inspect.signature(original).bind(model, *args, **kwargs).arguments
     why = why_not(model, bound.get("labels"), bound.get("inference_context"), bound.get("mtp_in_postprocess"),
                   bound.get("runtime_gather_output"))
@@ -146,6 +170,7 @@ def route(original, model, args, kwargs):
         if why[1]:
             warn_once(why[0])
         return original(model, *args, **kwargs)
+    _refuse_fp8(model, framework)
     return HiddenStates(bound["hidden_states"], model)
 
 
@@ -173,7 +198,7 @@ class _Transposed:
         return self.states
 
 
-def mamba_route(original, model, args, kwargs):
+def mamba_route(original, model, args, kwargs, framework=None):
     """``MambaModel.forward`` (megatron-core 0.16 - 0.18) / ``HybridModel.forward`` (>= 0.19, the same inline code).
 
     Its post-processing is inline (no ``_postprocess``): for the calls the
@@ -198,6 +223,7 @@ def mamba_route(original, model, args, kwargs):
         if why[1]:
             warn_once(why[0])
         return original(model, *args, **kwargs)
+    _refuse_fp8(model, framework)
     layer = model.output_layer
 
     def forward(hidden_states, weight=None, runtime_gather_output=None):
@@ -254,15 +280,15 @@ def postprocess_patch(framework: str) -> Patch:
 
     def _postprocess(self, *args, **kwargs):
         """megatron-core's ``GPTModel._postprocess``, handing on the hidden states for the framework's calls."""
-        return route(patch.original("_postprocess"), self, args, kwargs)
+        return route(patch.original("_postprocess"), self, args, kwargs, framework)
 
     def hybrid_forward(self, *args, **kwargs):
         """megatron-core's ``HybridModel.forward`` (>= 0.19), handing on the hidden states."""
-        return mamba_route(patch._own[("forward", hybrid_forward)], self, args, kwargs)
+        return mamba_route(patch._own[("forward", hybrid_forward)], self, args, kwargs, framework)
 
     def mamba_forward(self, *args, **kwargs):
         """megatron-core's ``MambaModel.forward`` (0.16 - 0.18), handing on the hidden states."""
-        return mamba_route(patch._own[("forward", mamba_forward)], self, args, kwargs)
+        return mamba_route(patch._own[("forward", mamba_forward)], self, args, kwargs, framework)
 
     patch = Patch(
         f"{framework} (hidden-state route)",
@@ -290,12 +316,16 @@ class RoutedAdapter(Adapter):
     pairs) whose test holds turns it into the logits route, with one logged
     warning naming the reason. ``"logits"`` removes a post-processing patch
     left from an earlier install; a failed post-processing patch leaves the
-    functions' patch uninstalled too.
+    functions' patch uninstalled too. Arguments that say the output layer
+    runs in MXFP8 (``args.fp8_output_proj``, Megatron's ``--fp8-output-proj``,
+    megatron-core >= 0.19) refuse the hidden-state route: a ValueError naming
+    the flag and the logits route, before anything is patched.
     """
 
-    def __init__(self, patch: Patch, hidden: Patch, *, route_env: str, fallbacks=()):
+    def __init__(self, patch: Patch, hidden: Patch, *, route_env: str, fallbacks=(), framework: str = "trainer"):
         super().__init__(patch)
         self.hidden, self.route_env, self.fallbacks = hidden, route_env, tuple(fallbacks)
+        self.framework = framework
 
     def install(self, args=None, *, route=None) -> None:
         import os
@@ -308,6 +338,11 @@ class RoutedAdapter(Adapter):
             if reason is not None:
                 warn_once(reason)
                 route = "logits"
+        if route == "hidden" and getattr(args, "fp8_output_proj", False):
+            raise ValueError("args.fp8_output_proj is set (Megatron's --fp8-output-proj, megatron-core >= 0.19): the "
+                             "model computes its output layer in MXFP8, and the hidden-state route's fused head would "
+                             "compute it in bf16 from the weight, so the log-probs, entropy and gradients would not be "
+                             "the model's. " + _fp8_advice(self.framework, self.route_env))
         self.patch.install()
         if route != "hidden":
             self.hidden.uninstall()

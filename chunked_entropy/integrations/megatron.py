@@ -53,6 +53,7 @@ from ..config import ChunkedEntropyConfig
 from ..head import ChunkedVocabParallelHead
 from ..options import Chunking, OutputLayer
 from ..parallel import agreed_call, default_tp_group
+from ._common import refuse_fp8_output_layer
 
 __all__ = [
     "FusedLogProbsOptions",
@@ -189,8 +190,10 @@ def enable_fused_log_probs(model, config=None, **head_kwargs) -> ChunkedVocabPar
 
     Raises:
         TypeError: ``model`` is not a ``GPTModel``, or an unknown keyword argument.
-        ValueError: a bad value (named), a stage without the output layer, or
-            multi-token prediction.
+        ValueError: a bad value (named), a stage without the output layer,
+            multi-token prediction, or an output layer megatron-core computes
+            in MXFP8 (``fp8_output_proj``, megatron-core >= 0.19: the fused
+            head would compute it in bf16; the error says what to do).
     """
     gpt = _unwrap(model)
     if not hasattr(gpt, "output_layer") or not (hasattr(gpt, "_postprocess") or _inline_postprocess(gpt)):
@@ -207,6 +210,10 @@ def enable_fused_log_probs(model, config=None, **head_kwargs) -> ChunkedVocabPar
         raise ValueError(
             "model uses multi-token prediction (config.mtp_num_layers); the fused head does not support it"
         )
+    refuse_fp8_output_layer(getattr(gpt, "config", None), gpt.output_layer, advice=(
+        "Keep the model's logits: call it without labels and pass its [S, B, V/tp] logits to "
+        "chunked_entropy.log_probs_and_entropy (layer=OutputLayer(process_group=<the TP group>)); or set "
+        "fp8_output_proj=False to have the fused head compute the bf16 output layer."))
 
     weight = None
     if getattr(gpt, "share_embeddings_and_output_weights", False):

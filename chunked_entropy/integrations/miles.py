@@ -254,7 +254,7 @@ _PATCH = Patch(
 
 
 _ADAPTER = _hidden_route.RoutedAdapter(
-    _PATCH, _HIDDEN, route_env=_ROUTE_ENV,
+    _PATCH, _HIDDEN, route_env=_ROUTE_ENV, framework="Miles",
     fallbacks=[(lambda args: getattr(args, "true_on_policy_mode", False),
                 "Miles's true_on_policy mode (bit-exact with the rollout engine on the logits)"),
                (lambda args: getattr(args, "loss_type", None) == "custom_loss",
@@ -271,11 +271,13 @@ def install(args=None, *, route: Optional[str] = None) -> None:
     hand on the hidden states instead of the logits. ``true_on_policy`` mode
     (bit-exact with the rollout engine: Miles's own arithmetic on the logits)
     and a custom loss (which may read the logits) get the logits route, with
-    one logged warning.
+    one logged warning. On the hidden-state route, ``--fp8-output-proj``
+    (megatron-core >= 0.19's MXFP8 output layer) is a ValueError saying to take
+    the logits route (the fused head would compute that layer in bf16).
 
     Idempotent. Checks every target already imported first; on a mismatch it
     raises RuntimeError and leaves Miles as it was. ``args`` are read per
-    call, except ``true_on_policy_mode`` and ``loss_type``.
+    call, except ``true_on_policy_mode``, ``loss_type`` and ``fp8_output_proj``.
     """
     _ADAPTER.install(args, route=route)
 

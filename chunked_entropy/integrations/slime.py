@@ -333,7 +333,7 @@ _PATCH = Patch(
 
 
 _ADAPTER = _hidden_route.RoutedAdapter(
-    _PATCH, _HIDDEN, route_env=_ROUTE_ENV,
+    _PATCH, _HIDDEN, route_env=_ROUTE_ENV, framework="slime",
     fallbacks=[(lambda args: getattr(args, "loss_type", None) == "custom_loss",
                 "--loss-type custom_loss (a custom loss may read the logits itself)")],
 )
@@ -349,12 +349,16 @@ def install(args=None, *, route: Optional[str] = None) -> None:
     variable ``CHUNKED_ENTROPY_SLIME_ROUTE``, else ``"hidden"``) is one of
     :data:`ROUTES`; ``"logits"`` keeps megatron-core's logits and chunks
     them. A custom loss (``--loss-type custom_loss``) may read the logits
-    itself: it gets the logits route, with one logged warning.
+    itself: it gets the logits route, with one logged warning. On the
+    hidden-state route, ``--fp8-output-proj`` (megatron-core >= 0.19's MXFP8
+    output layer) is a ValueError saying to take the logits route (the fused
+    head would compute that layer in bf16).
 
     Checks the signature of every target already imported, then replaces
     them all, and the rest as soon as they are imported. On a mismatch it
     raises RuntimeError and leaves slime as it was. ``args`` (slime's
-    arguments, passed by the hook) are read per call, except ``loss_type``.
+    arguments, passed by the hook) are read per call, except ``loss_type`` and
+    ``fp8_output_proj``.
     """
     _ADAPTER.install(args, route=route)
 

@@ -59,6 +59,7 @@ from typing import Optional
 import torch
 
 from ..._checks import is_finite_real, require, value_repr
+from ..._dtensor import is_dtensor, vocab_shard
 from ...linear import linear_log_probs_and_entropy
 from ...logits import log_probs_and_entropy
 from ...options import OutputLayer
@@ -337,31 +338,25 @@ def _unfused_reason(engine, output, micro_batch, logits_processor_func) -> Optio
 
 
 def _shard_reason(logits) -> Optional[str]:
-    from torch.distributed.tensor import DTensor
-
-    if not isinstance(logits, DTensor):
+    """Why the logits cannot be read in place (then verl's own route runs), or None: the core's DTensor reading
+    (:func:`chunked_entropy._dtensor.vocab_shard`), on a 1-D mesh (verl's packed rows are the whole batch)."""
+    if not is_dtensor(logits):
         return None
     if logits.device_mesh.ndim != 1:
         return f"logits as a DTensor on a {logits.device_mesh.ndim}-D mesh"
-    p = logits.placements[0]
-    if p.is_replicate():
-        return None
-    if not (p.is_shard() and p.dim % logits.ndim == logits.ndim - 1):
-        return f"logits as a DTensor placed {p} (only vocabulary shards, or replicas, are read in place)"
-    if logits.shape[-1] % logits.device_mesh.size():
-        return (f"logits as a DTensor with a vocabulary of {logits.shape[-1]} split unevenly over "
-                f"{logits.device_mesh.size()} ranks")
+    try:
+        vocab_shard(logits)
+    except ValueError as e:
+        return str(e)
     return None
 
 
 def _local(logits):
-    """``(tensor, process group)``: a DTensor's local vocabulary shard and its group, else the logits and None."""
-    from torch.distributed.tensor import DTensor
-
-    if not isinstance(logits, DTensor):
+    """``(tensor, process group)``: a DTensor's local vocabulary shard and its mesh's group (None for a replica),
+    else the logits and None."""
+    if not is_dtensor(logits):
         return logits, None
-    group = None if logits.placements[0].is_replicate() else logits.device_mesh.get_group()
-    return logits.to_local(), group
+    return logits.to_local(), vocab_shard(logits).group
 
 
 def _unfused(engine, output, output_args, micro_batch, logits_processor_func) -> dict:

@@ -52,6 +52,11 @@ Only the rows verl reads are projected (:func:`read_rows`: each RL sequence's
 response positions; every row of an SFT micro-batch), unless
 ``CHUNKED_ENTROPY_VERL_ROWS=0`` (:data:`ROWS_ENV`).
 
+A model whose output layer megatron-core computes in MXFP8 (``fp8_output_proj``,
+megatron-core >= 0.19) is refused on the fused route, with a ValueError saying
+to set ``use_fused_kernels=False``: the fused head (and verl's own fused
+kernel) would compute that layer in bf16 from its weight.
+
 What it cannot serve (a vision model, a model whose forward is not ours, a
 megatron-core GPTModel without ``output_layer``, a ``MambaModel`` /
 ``HybridModel``, whose post-processing is inline) goes to verl's own route, with
@@ -76,7 +81,7 @@ from typing import Optional, Union
 import torch
 
 from ...options import Chunking
-from .._common import MegatronHeads, Target, check_parameters, engine_chunk_size
+from .._common import MegatronHeads, Target, check_parameters, engine_chunk_size, refuse_fp8_output_layer
 from ._distill import distillation_keys, teacher_topk
 from .megatron import PADDING_TEMPERATURE
 
@@ -444,6 +449,7 @@ def fused_forward_model_engine(vision_model: bool = False):
                     temperature=temperature, calculate_entropy=calculate_entropy, pad_token_id=pad_token_id,
                     cp_layout=cp_layout, local_cp_size=local_cp_size, router_padding_mask=router_padding_mask,
                     pad_to_length_bucket=pad_to_length_bucket)
+        _refuse_fp8(model)
         why = _unserved(model, multi_modal_inputs)
         request = _BATCH.get()
         if why is None:
@@ -460,6 +466,21 @@ def fused_forward_model_engine(vision_model: bool = False):
         return own(**args)
 
     return fused_forward
+
+
+def _refuse_fp8(model) -> None:
+    """megatron-core >= 0.19's MXFP8 output layer (``fp8_output_proj``) on the fused route: a ValueError.
+
+    Neither the plugin's fused head nor verl's own Triton ``linear_cross_entropy`` computes that layer as the
+    model does (both multiply its weight in bf16); verl's unfused route reads the model's MXFP8 logits.
+    """
+    from verl.utils.megatron_utils import unwrap_model
+
+    inner = unwrap_model(model)
+    gpt = getattr(inner, "language_model", inner)
+    refuse_fp8_output_layer(getattr(gpt, "config", None), getattr(gpt, "output_layer", None), advice=(
+        "Set actor_rollout_ref.model.use_fused_kernels=False: verl's unfused route reads the model's MXFP8 logits "
+        "(the plugin serves it chunked); verl's own fused route would compute the bf16 head as well."))
 
 
 def _unserved(model, multi_modal_inputs):
