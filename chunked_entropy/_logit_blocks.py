@@ -274,8 +274,10 @@ def linear_grads(blocks, rows: Rows, weight, *, n: int, hidden_dtype, chunk_size
     Memory, beyond the gradients themselves: chunks outermost (float32
     weights), a ``[chunk_size, H]`` accumulator of the chunk's hidden-state
     gradient, and the weight gradient accumulated in place (half-precision
-    weights are walked so only by a caller that passes no ``vocab_block``:
-    then a float32 ``[V, H]`` accumulator);
+    weights are walked so by the fused loss's three-pass walk,
+    :func:`three_pass_plan`, with a float32 ``weight_grad_dtype``: the
+    float32 ``[V, H]`` gradient is the accumulator, each chunk's share added
+    by :func:`_acc_weight_mm_`, never rounded on the way);
     vocabulary blocks outermost (half-precision weights), a float32
     ``[n, H]`` hidden-state accumulator and one ``[n, vocab_block]`` gradient
     buffer in the weight's dtype (64 MiB at most), no ``[V, H]``
