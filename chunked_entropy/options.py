@@ -318,7 +318,8 @@ class Chunking:
             (a statistics pass first; the weight gradient of half-precision
             weights one matmul per vocabulary block, no ``[V_local, H]``
             float32 tensor). ``vocab_chunk_size`` set below ``V_local``
-            always takes four.
+            always takes four. ``chunked-entropy plan`` prints both walks
+            and which one a call takes.
 
     Example:
         >>> Chunking(512).chunk_size

@@ -360,6 +360,40 @@ def test_the_plan_states_the_working_memory_the_walk_allocates(dtype):
     assert abs(measured - planned) <= 0.1 * planned + per_token, (measured, planned)
 
 
+def test_plan_shows_both_walks(capsys):
+    from chunked_entropy.cli import main
+
+    assert main(["plan", "--tokens", "8192", "--vocab", "151936", "--hidden", "4096", "--dtype", "bfloat16",
+                 "--tp", "8", "--chunk-sizes", "1024"]) == 0
+    out = capsys.readouterr().out
+    assert "fused loss, chunk 1024, 3 GEMM passes" in out and "fused loss, chunk 1024, 4 GEMM passes" in out
+    assert "linear_policy_loss at chunk 1024 takes 3 GEMM passes" in out
+    assert "a float32 weight-gradient accumulator of 296.8 MiB, fits max_working_bytes=1.00 GiB" in out  # 0.29 GiB
+    assert main(["plan", "--tokens", "8192", "--vocab", "151936", "--hidden", "4096", "--dtype", "bfloat16",
+                 "--chunk-sizes", "1024"]) == 0
+    assert "linear_policy_loss at chunk 1024 takes 4 GEMM passes" in capsys.readouterr().out  # 2.3 GiB at TP 1
+    assert main(["plan", "--tokens", "8192", "--vocab", "151936", "--hidden", "4096", "--dtype", "bfloat16",
+                 "--tp", "8", "--chunk-sizes", "1024", "--max-working-bytes", "256MiB"]) == 0
+    assert "linear_policy_loss at chunk 1024 takes 4 GEMM passes" in capsys.readouterr().out
+
+
+def test_the_plan_takes_the_walk_a_call_takes(monkeypatch):
+    """The plan's rule is the call's: for shapes either side of the budget, its passes are those the call
+    dispatches (a CPU, eager: two float32 chunk buffers)."""
+    from chunked_entropy.cli.plan import Shape, loss_walk
+
+    for dtype, name in ((torch.bfloat16, "bfloat16"), (torch.float16, "float16"), (torch.float32, "float32")):
+        d = _data(dtype)  # 48 tokens, V 300, H 64, chunks of 8
+        shape = Shape(48, 300, 64, dtype=name, bias=True, device="cpu")
+        for budget in (20_000, 50_000, 76_800, 110_000, BIG):
+            assert loss_walk(shape, 8, budget) == _run(d, budget)[-1], (name, budget)
+    monkeypatch.setattr(config, "CHUNK_BUFFER_BYTES", 8 * 128 * 4)  # float32: blocked by default now
+    d = _data(torch.float32)
+    shape = Shape(48, 300, 64, dtype="float32", bias=True, device="cpu")
+    for budget in (20_000, BIG):
+        assert loss_walk(shape, 8, budget) == _run(d, budget)[-1], budget
+
+
 def test_cuda_branch_weight_gradient_in_bounded_slices(monkeypatch):
     """On CUDA a chunk's weight-gradient share is a half-precision matmul into float32 (``out_dtype``) in row
     slices of at most GRAD_BUFFER_BYTES, added into the accumulator: the same sums as the CPU branch, bit for
