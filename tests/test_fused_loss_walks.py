@@ -259,20 +259,29 @@ def _tp(rank, world):
     shard = dict(d, weight=d["weight"][rank * v_local:(rank + 1) * v_local],
                  bias=d["bias"][rank * v_local:(rank + 1) * v_local])
     results = {}
-    for name, budget in (("three", BIG), ("four", SMALL)):
-        leaves = {k: shard[k].clone().requires_grad_() for k in ("hidden", "weight", "bias")}
-        with _GemmWork() as work:
-            layer = OutputLayer(leaves["weight"], leaves["bias"], process_group=dist.group.WORLD)
-            loss = linear_policy_loss(leaves["hidden"], layer, d["labels"], d["old"], d["adv"], d["mask"],
-                                      loss=PolicyLoss(entropy_coeff=0.01, kl_coef=0.1), ref_log_probs=d["ref"],
-                                      chunking=Chunking(8, max_working_bytes=budget))[0]
-            (loss * d["up"]).backward()
-        results[name] = (loss.detach(), leaves["hidden"].grad, leaves["weight"].grad, leaves["bias"].grad,
-                         work.work / (d["labels"].numel() * v_local * 64))
-    three, four = results["three"], results["four"]
-    assert (three[-1], four[-1]) == (3.0, 4.0)
-    assert torch.equal(three[0], four[0]) and torch.equal(three[1], four[1]) and torch.equal(three[3], four[3])
-    assert _ulps(three[2], four[2]) <= 1
+    t = d["labels"].shape[1] // world
+    for sp in (False, True):  # sequence parallel: hidden is this rank's [T/P, B, H] slice
+        hidden = d["hidden"].transpose(0, 1)[rank * t:(rank + 1) * t].contiguous() if sp else d["hidden"]
+        for name, budget in (("three", BIG), ("four", SMALL)):
+            leaves = {"hidden": hidden.clone().requires_grad_(),
+                      **{k: shard[k].clone().requires_grad_() for k in ("weight", "bias")}}
+            with _GemmWork() as work:
+                layer = OutputLayer(leaves["weight"], leaves["bias"], process_group=dist.group.WORLD,
+                                    sequence_parallel=sp)
+                loss = linear_policy_loss(leaves["hidden"], layer, d["labels"], d["old"], d["adv"], d["mask"],
+                                          loss=PolicyLoss(entropy_coeff=0.01, kl_coef=0.1), ref_log_probs=d["ref"],
+                                          chunking=Chunking(8, max_working_bytes=budget))[0]
+                (loss * d["up"]).backward()
+            results[name, sp] = (loss.detach(), leaves["hidden"].grad, leaves["weight"].grad, leaves["bias"].grad,
+                                 work.work / (d["labels"].numel() * v_local * 64))
+        three, four = results["three", sp], results["four", sp]
+        assert (three[-1], four[-1]) == (3.0, 4.0)
+        assert torch.equal(three[0], four[0]) and torch.equal(three[1], four[1]) and torch.equal(three[3], four[3])
+        assert _ulps(three[2], four[2]) <= 1
+    sp_three = results["three", True]
+    three = results["three", False]
+    assert torch.equal(sp_three[1], three[1].transpose(0, 1)[rank * t:(rank + 1) * t])
+    assert torch.equal(sp_three[0], three[0]) and torch.equal(sp_three[2], three[2])
     exact_loss, exact = _plain(d, torch.float64)
     _, plain = _plain(d, torch.bfloat16)
     rows = slice(rank * v_local, (rank + 1) * v_local)
