@@ -426,3 +426,55 @@ def test_cuda_branch_weight_gradient_in_bounded_slices(monkeypatch):
     assert wgrad and max(s[0] for s in wgrad) == 100, shapes
     for a, b in zip(cpu[1:4], (leaves["hidden"].grad, leaves["weight"].grad, leaves["bias"].grad), strict=True):
         assert torch.equal(a, b)
+
+
+# ----------------------------------------------------------------------------- the divergence's loss form
+
+
+def _divergence_run(d, budget, kind, up=1.0):
+    from chunked_entropy import Divergence, linear_divergence_loss
+
+    h, w = d["hidden"].clone().requires_grad_(), d["weight"].clone().requires_grad_()
+    n, (v, hd) = d["labels"].numel(), w.shape
+    div = Divergence("jsd", 0.4) if kind == "jsd" else Divergence(kind)
+    with _GemmWork() as work:
+        out = linear_divergence_loss(h, w, d["teacher_hidden"], d["teacher_weight"], divergence=div,
+                                     chunking=Chunking(8, max_working_bytes=budget))
+        (out.loss * up).backward()
+    return out.loss.detach(), h.grad, w.grad, work.work / (n * v * hd)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("kind", ["reverse_kl", "jsd"])
+def test_divergence_loss_takes_the_walk_where_its_accumulator_fits(dtype, kind):
+    """linear_divergence_loss with a half-precision student: its loss walk (the student's and the teacher's
+    projections, ``g @ W``, ``g.T @ h``: four) where the float32 accumulator fits, else the statistics walk
+    and the gradient walk (six); the same loss bit for bit, the gradients within one unit in the last place,
+    and against float64 no worse than plain half-precision autograd."""
+    d = _data(dtype, seed=13)
+    g = torch.Generator().manual_seed(14)
+    d["teacher_hidden"] = torch.randn(d["hidden"].shape, generator=g).to(dtype)
+    d["teacher_weight"] = (torch.randn(d["weight"].shape, generator=g) / 8).to(dtype)
+    four, six = _divergence_run(d, BIG, kind), _divergence_run(d, SMALL, kind)
+    assert (four[-1], six[-1]) == (4.0, 6.0)
+    # the loss bit for bit; the gradients to the rounding of their largest entry: the held blocks' logit
+    # gradient reuses the terms of the divergence's sums (grad_from_parts), the refilled ones' forms them again,
+    # so a logit gradient may differ by an ulp before it is rounded for the matmuls
+    assert torch.equal(four[0], six[0])
+    for a, b in zip(four[1:3], six[1:3], strict=True):
+        assert (a.double() - b.double()).abs().max() <= 2**-10 * b.double().abs().max()
+    if kind != "reverse_kl":
+        return
+
+    def plain(dt):  # mean over tokens of KL(student || teacher), the logits rounded as the layers round them
+        h, w = d["hidden"].to(dt).clone().requires_grad_(), d["weight"].to(dt).clone().requires_grad_()
+        wide = torch.promote_types(dt, torch.float32)
+        ls = torch.log_softmax((h @ w.t()).to(wide), -1)
+        lt = torch.log_softmax((d["teacher_hidden"].to(dt) @ d["teacher_weight"].to(dt).t()).to(wide), -1)
+        (ls.exp() * (ls - lt)).sum(-1).mean().backward()
+        return h.grad.double(), w.grad.double()
+
+    exact, theirs = plain(torch.float64), plain(dtype)
+    for name, m, e, t in zip(("hidden", "weight"), four[1:3], exact, theirs, strict=True):
+        err, err_plain = (m.double() - e).abs().max().item(), (t - e).abs().max().item()
+        assert err <= 3 * err_plain + 1e-6 * e.abs().max().item(), (name, err, err_plain)
