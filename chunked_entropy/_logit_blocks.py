@@ -12,6 +12,7 @@ and the bias (:func:`linear_grads`). Both hand the chunk loop
 from __future__ import annotations
 
 import weakref
+from dataclasses import replace
 from typing import Optional
 
 import torch
@@ -22,7 +23,7 @@ from ._inputs import Rows, Tokens, compute_dtype, dtype_code
 from ._kernels import Kernels
 from ._loop import Plan, row_stats
 from ._stats import Want
-from .config import grad_vocab_block_for, vocab_block_for
+from .config import GRAD_BUFFER_BYTES, grad_vocab_block_for, three_pass_bytes, vocab_block_for
 from .parallel import all_gather_dim0, all_reduce_sum_, reduce_scatter_dim0
 
 # ----------------------------------------------------------------------------- given logits
@@ -216,6 +217,41 @@ def grad_vocab_block(n: int, weight: torch.Tensor, plan: Plan, need_w: bool) -> 
     return grad_vocab_block_for(n, v, 4 if plan.float32_logits else weight.element_size())
 
 
+def three_pass_plan(n: int, weight: torch.Tensor, plan: Plan, *, budget: int, vocab_chunk_size: Optional[int],
+                    need_w: bool, main_grad: bool, softcap: bool, teacher: bool = False) -> Optional[Plan]:
+    """The plan of the fused loss's three-GEMM-pass walk, or None where it takes four passes.
+
+    Three passes (:func:`chunked_entropy._loop.loss_grad_blocks` over the whole shard, one block a chunk:
+    logits, ``g @ W``, ``g.T @ h``; :func:`linear_grads` chunks outermost) where the walk's working memory,
+    :func:`chunked_entropy.config.three_pass_bytes`, fits ``budget`` (``Chunking.max_working_bytes``): a
+    float32 ``[V_local, H]`` accumulator of a half-precision weight's gradient (the weight's own float32
+    gradient otherwise, or with ``main_grad``), the ``[chunk, V_local]`` buffers and the chunk's
+    temporaries. The walk holds the whole shard a chunk, so the forward's default vocabulary block
+    (:data:`~chunked_entropy.config.CHUNK_BUFFER_BYTES`) gives way to it; ``vocab_chunk_size`` below
+    ``V_local`` (blocks the caller asked for) takes four. Float32 weights (or no weight gradient) whose
+    shard is one block already take three passes, which then hold nothing the four-pass walk does not.
+    Decided from shapes, dtypes and the agreed settings alone: every rank of a group takes the same walk.
+    ``teacher``: the loss form of a divergence (:func:`chunked_entropy.linear_divergence_loss`), whose walk
+    holds a teacher's block (and, eager, its scratch) beside the student's: four passes there are the
+    student's and the teacher's projections and the two gradient matmuls, against six.
+    """
+    v, hdim = weight.shape
+    if vocab_chunk_size is not None and vocab_chunk_size < v:
+        return None
+    half = weight.dtype in (torch.bfloat16, torch.float16)
+    accumulator = need_w and half and not main_grad
+    if plan.vocab_chunk_size >= v and not accumulator:
+        return plan
+    # the student's block (eager: and its exp scratch, and a soft-cap's derivative); a teacher's block and scratch
+    buffers = (1 if plan.compiled else 2 + softcap) + (0 if not teacher else 1 if plan.compiled else 2)
+    need = three_pass_bytes(max(1, min(plan.chunk_size, n)), v, hdim, weight.element_size(),
+                            accumulator=accumulator, buffers=buffers, native=half_mm_native(weight.device),
+                            float32_logits=plan.float32_logits and half)
+    if need > budget:
+        return None
+    return plan if plan.vocab_chunk_size >= v else replace(plan, vocab_chunk_size=v)
+
+
 def linear_grads(blocks, rows: Rows, weight, *, n: int, hidden_dtype, chunk_size: int, need, main_grad=None,
                  float32: bool = False, vocab_block: Optional[int] = None, weight_grad_dtype=None):
     """Turn the logit-gradient blocks of the chunk loop into gradients of hidden, weight and bias.
@@ -242,8 +278,10 @@ def linear_grads(blocks, rows: Rows, weight, *, n: int, hidden_dtype, chunk_size
     Memory, beyond the gradients themselves: chunks outermost (float32
     weights), a ``[chunk_size, H]`` accumulator of the chunk's hidden-state
     gradient, and the weight gradient accumulated in place (half-precision
-    weights are walked so only by a caller that passes no ``vocab_block``:
-    then a float32 ``[V, H]`` accumulator);
+    weights are walked so by the fused loss's three-pass walk,
+    :func:`three_pass_plan`, with a float32 ``weight_grad_dtype``: the
+    float32 ``[V, H]`` gradient is the accumulator, each chunk's share added
+    by :func:`_acc_weight_mm_`, never rounded on the way);
     vocabulary blocks outermost (half-precision weights), a float32
     ``[n, H]`` hidden-state accumulator and one ``[n, vocab_block]`` gradient
     buffer in the weight's dtype (64 MiB at most), no ``[V, H]``
@@ -275,10 +313,10 @@ def linear_grads(blocks, rows: Rows, weight, *, n: int, hidden_dtype, chunk_size
         gq = g if (w.dtype == cdt or float32) else g.to(w.dtype)  # rounded as half-precision autograd rounds it
         if need_h:
             _acc_mm_(gh_c, gq, w, whole=v1 - v0 == v)
-        if need_w:
-            _acc_mm_(acc_w[v0:v1], gq.t(), h)
         if need_b:
             gb[v0:v1].add_(g.sum(dim=0))
+        if need_w:
+            _acc_weight_mm_(acc_w[v0:v1], g, gq, h)
         if need_h and v1 == v:  # the chunk's last block
             grad_h[a:b].copy_(gh_c)
     if need_w and acc_w is not gw and acc_w is not main_grad:
@@ -340,6 +378,31 @@ def _acc_mm_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, whole: bool = 
         acc.add_(torch.mm(a, b))
     else:
         acc.add_(_half_mm(a, b, acc.dtype))
+
+
+def _acc_weight_mm_(acc: torch.Tensor, g: torch.Tensor, gq: torch.Tensor, h: torch.Tensor) -> None:
+    """``acc += gq.T @ h``: a chunk's share of the weight gradient, summed into a float32 ``acc`` (chunks
+    outermost: the fused loss's three-pass walk), never rounded on the way. ``g`` is the chunk's float32
+    logit gradient (a buffer of the walk's, read by nothing after this), ``gq`` it as the matmuls take it
+    (rounded to the weight's dtype, or ``g`` itself).
+
+    Half-precision operands: each product is exact in float32, summed in float32 inside the matmul. On CUDA
+    ``out_dtype=torch.float32`` in row slices of ``acc`` (a float32 temporary of at most
+    :data:`~chunked_entropy.config.GRAD_BUFFER_BYTES`, never one of ``acc``'s size); a CPU has no such
+    kernel, and multiplies float32 copies: ``gq``'s values written back into ``g`` (no new buffer) and the
+    chunk's rows ``h`` widened (``[rows, H]``). A float32 ``gq`` beside half-precision rows
+    (``logits_dtype=torch.float32``): the rows widened."""
+    if gq.dtype == acc.dtype and h.dtype == acc.dtype:
+        acc.addmm_(gq.t(), h)
+    elif gq.dtype != h.dtype:
+        acc.addmm_(gq.t(), h.to(acc.dtype))
+    elif half_mm_native(acc.device):
+        step = max(1, GRAD_BUFFER_BYTES // (4 * max(1, h.shape[1])))
+        for r in range(0, acc.shape[0], step):
+            acc[r:r + step].add_(torch.mm(gq[:, r:r + step].t(), h, out_dtype=acc.dtype))
+    else:
+        g.copy_(gq)
+        acc.addmm_(g.t(), h.to(acc.dtype))
 
 
 def _half_mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, widen: bool = False) -> torch.Tensor:

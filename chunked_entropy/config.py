@@ -41,6 +41,11 @@ CHUNK_BUFFER_BYTES = 128 * 2**20
 #: ``[tokens, block]`` gradient buffer.
 GRAD_BUFFER_BYTES = 64 * 2**20
 
+#: The default working-memory budget of a call (``Chunking.max_working_bytes``): what the fused loss's
+#: three-GEMM-pass walk (:func:`three_pass_bytes`) may hold beyond the inputs and their gradients. 1 GiB: at
+#: 8192 tokens x H 4096 x a 151936 vocabulary, TP 8 takes three passes (0.30 GiB of accumulator), TP 1 four.
+WORKING_BYTES = 1 << 30
+
 
 def vocab_block_for(vocab_chunk_size: Optional[int], chunk_size: int, n: int, v_local: int) -> int:
     """The vocabulary block of an op over hidden states: ``vocab_chunk_size`` when given (at most ``V_local``);
@@ -90,6 +95,40 @@ def config_entry(cfg, key: str, path: str, default=None):
     return default if value is _ABSENT else value
 
 
+def three_pass_bytes(rows: int, v_local: int, hidden: int, itemsize: int, *, accumulator: bool, buffers: int,
+                     native: bool, float32_logits: bool = False) -> int:
+    """The working memory of the fused loss's three-GEMM-pass walk, beyond its inputs and their gradients.
+
+    Each chunk of ``rows`` tokens is filled once over the whole ``v_local``-column shard and its gradient
+    formed from the same block (:func:`chunked_entropy._loop.loss_grad_blocks`), the weight's gradient summed
+    chunk by chunk into a float32 ``[v_local, hidden]`` accumulator. Live at the walk's peak (a chunk's
+    gradient matmuls):
+
+    - the accumulator, ``v_local * hidden * 4`` (``accumulator``: half-precision weights whose gradient is
+      wanted, without ``main_grad``; float32 weights sum into their gradient itself, and with ``main_grad``
+      the call keeps its weight gradient in float32 anyway);
+    - ``buffers`` float32 ``[rows, v_local]`` chunk buffers (eager: the block and its ``exp`` scratch, a third
+      with a soft-cap; compiled and Triton kernels: the block);
+    - half-precision weights: one ``[rows, v_local]`` block of their dtype (the matmul's output, then the
+      gradient rounded for the matmuls);
+    - the chunk's hidden-state gradient: a float32 ``[rows, hidden]`` accumulator and the matmul's output;
+    - the weight-gradient matmul's float32 result: on CUDA (``native``) in row slices of at most
+      :data:`GRAD_BUFFER_BYTES`; on a CPU the chunk's hidden rows widened to float32, ``[rows, hidden]``;
+    - ``float32_logits`` (``logits_dtype=torch.float32`` with half-precision weights): the weight widened to
+      float32 for the chunk's float32 matmuls, ``v_local * hidden * 4``.
+    """
+    half = itemsize != 4
+    out = buffers * rows * v_local * _BUFFER_ITEMSIZE
+    out += v_local * hidden * 4 if accumulator else 0
+    out += rows * v_local * itemsize if half and not float32_logits else 0
+    out += rows * hidden * (4 + itemsize)
+    if half:
+        out += min(v_local * hidden * 4, GRAD_BUFFER_BYTES) if native else rows * hidden * 4
+    if float32_logits:
+        out += v_local * hidden * 4
+    return out
+
+
 def _get(cfg, key: str, path: str):
     """``cfg[key]``, or ``_ABSENT``; works on dicts, OmegaConf configs and verl's BaseConfig dataclasses.
 
@@ -119,7 +158,7 @@ def check_field(name: str, key: str, value):
         if not (is_int(value) and value >= 1):
             raise ValueError(f"{key} must be an int >= 1 or 'auto', got {value!r}")
         return int(value)
-    if name in ("max_chunk_bytes", "vocab_chunk_size"):
+    if name in ("max_chunk_bytes", "max_working_bytes", "vocab_chunk_size"):
         if name == "vocab_chunk_size" and value is None:
             return None
         if not (is_int(value) and value >= 1):
@@ -166,6 +205,11 @@ class ChunkedEntropyConfig:
         backend: the per-block kernels: ``"auto"`` (default: by device),
             ``"eager"``, ``"compile"`` or ``"triton"`` (see
             :func:`~chunked_entropy.log_probs_and_entropy`).
+        max_working_bytes: the working-memory budget of a call, beyond its
+            inputs and their gradients (default 1 GiB): the fused loss takes
+            three GEMM passes where its walk, a float32 weight-gradient
+            accumulator included, fits it, else four (see
+            :class:`~chunked_entropy.Chunking`).
 
     Raises:
         ValueError: a field has a bad value; the message names the field.
@@ -183,6 +227,7 @@ class ChunkedEntropyConfig:
     temperature: float = 1.0
     compute_entropy: bool = True
     backend: str = "auto"
+    max_working_bytes: int = WORKING_BYTES
 
     def __post_init__(self):
         for f in dataclasses.fields(self):

@@ -62,6 +62,7 @@ from ._logit_blocks import (
     main_grad_of,
     main_grad_result,
     reduce_hidden_grad,
+    three_pass_plan,
     token_shape,
     weak_group,
 )
@@ -305,7 +306,8 @@ def _scaled_grad(t: Optional[torch.Tensor], g: torch.Tensor, dtype) -> Optional[
 
 class _LinearDivergenceLossFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, teacher: _Teacher, tok: Tokens, plan: Plan, spec, weights, main_grad=None):
+    def forward(ctx, hidden, weight, bias, teacher: _Teacher, tok: Tokens, plan: Plan, spec, weights, main_grad=None,
+                three_pass: Optional[Plan] = None):
         need = ctx.needs_input_grad[:3]
         h_full = full_hidden(hidden, plan)
         rows = Rows(h_full)
@@ -313,8 +315,12 @@ class _LinearDivergenceLossFunction(torch.autograd.Function):
         dev = weight.device
         fill, teacher_fill = linear_filler(rows, weight, bias, plan.float32_logits), _teacher_fill(teacher, plan)
         # half-precision weights: the statistics walk, then the gradients over vocabulary blocks outermost (as
-        # the backward of linear_divergence walks them); else the loss walk, the gradients formed in it
-        vocab_block = grad_vocab_block(tok.n, weight, plan, need[1])
+        # the backward of linear_divergence walks them); else, or where the walk with a float32 weight-gradient
+        # accumulator fits the budget (three_pass, see three_pass_plan), the loss walk, the gradients formed in it
+        if three_pass is not None:
+            plan, vocab_block = three_pass, None
+        else:
+            vocab_block = grad_vocab_block(tok.n, weight, plan, need[1])
         width, tf_t = weight.shape[0], teacher.transform
         if any(need) and vocab_block is None:
             stats, pair = new_row_stats(tok.n, plan.want, cdt, dev), new_pair_rows(tok.n, spec, cdt, dev)
@@ -326,11 +332,13 @@ class _LinearDivergenceLossFunction(torch.autograd.Function):
             blocks = () if vocab_block is None else pair_grad_blocks(
                 tok, tf_t, spec, fill, teacher_fill, plan, width=width, block=vocab_block, stats=stats, pair=pair,
                 grads=(weights, None, None), dtype=cdt, device=dev, vocab_outer=True)
-        # With main_grad (Megatron's float32 accumulator) the weight gradient is kept in float32 until the
-        # upstream gradient scales it in backward; else in the weight's dtype.
+        # With main_grad (Megatron's float32 accumulator), or summed chunk by chunk (three_pass), the weight
+        # gradient is kept in float32 until the upstream gradient scales it in backward, rounded once there;
+        # else in the weight's dtype.
+        f32_weight_grad = main_grad is not None or three_pass is not None
         grad_h, gw, gb = linear_grads(blocks, rows, weight, n=tok.n, hidden_dtype=hidden.dtype,
                                       chunk_size=plan.chunk_size, need=need, float32=plan.float32_logits,
-                                      vocab_block=vocab_block, weight_grad_dtype=None if main_grad is None else cdt)
+                                      vocab_block=vocab_block, weight_grad_dtype=cdt if f32_weight_grad else None)
         if grad_h is not None:
             grad_h = reduce_hidden_grad(grad_h, h_full.shape, plan)
         # Saved: the gradients themselves (the hidden states' and the weight's in their dtypes, or the weight's
@@ -349,7 +357,7 @@ class _LinearDivergenceLossFunction(torch.autograd.Function):
     def backward(ctx, g, _d, _e):
         grad_h, gw, gb = ctx.saved_tensors
         if g is None:
-            return (None,) * 9
+            return (None,) * 10
         grad_w = None
         if gw is not None:
             if ctx.main_grad is None:
@@ -358,7 +366,7 @@ class _LinearDivergenceLossFunction(torch.autograd.Function):
                 ctx.main_grad.add_(_scaled_grad(gw, g, ctx.main_grad.dtype))
                 grad_w = main_grad_result(ctx.weight_param, ctx.main_grad)
         return (_scaled_grad(grad_h, g, None if grad_h is None else grad_h.dtype), grad_w,
-                _scaled_grad(gb, g, ctx.dtypes[1]), None, None, None, None, None, None)
+                _scaled_grad(gb, g, ctx.dtypes[1]), None, None, None, None, None, None, None)
 
 
 def _linear_call(student_hidden, student: OutputLayer, teacher_hidden, teacher: OutputLayer, *,
@@ -624,14 +632,19 @@ def linear_divergence_loss(
     the divergence's sums, then the student's logit gradient from the blocks still held and its two
     gradient matmuls (``g @ W_s`` and ``g.T @ h_s``): four projection-sized matmuls per step, where a
     per-token form and its backward take six. With ``vocab_chunk_size`` each block is filled twice for a KL
-    (its value folds online in the statistics' pass), three times for the JSD. Under a process group, three
+    (its value folds online in the statistics' pass), three times for the JSD. A bf16/fp16 student weight
+    takes this walk where it fits ``chunking.max_working_bytes`` with a float32 ``[V_local, H]`` accumulator
+    of its gradient (summed chunk by chunk, rounded once after backward scales it; none with ``main_grad``);
+    otherwise the statistics walk, then the gradients over vocabulary blocks outermost: six matmuls, no
+    float32 ``[V_local, H]`` tensor. Under a process group, three
     collectives per chunk (two for a KL with ``vocab_chunk_size``). Backward only scales the stored
     gradients by the loss's upstream gradient (half-precision ones in float32 rows of at most 64 MiB, rounded
     once).
 
     Memory:
         Holds the student's gradients (``[tokens, H_s]`` in the hidden states' dtype, ``[V_local, H_s]`` in
-        the weight's, float32 with ``main_grad``, and a float32 ``[V_local]``) from forward to backward
+        the weight's, float32 with ``main_grad`` or the accumulator's walk, and a float32 ``[V_local]``) from
+        forward to backward
         instead of references to the inputs, plus what
         :func:`linear_divergence` holds per chunk (a fifth buffer with a student soft-cap).
     """
@@ -653,8 +666,12 @@ def linear_divergence_loss(
         z = zeros_connected((), cdt, student_hidden.device, grads, student_hidden, student_weight, student_bias)
         e = torch.zeros(shape, dtype=cdt, device=student_hidden.device)
         return DivergenceLoss(z, e, e if compute_entropy else None)
+    three_pass = None if not grads else three_pass_plan(
+        tok.n, student_weight, plan, budget=chunking.max_working_bytes, vocab_chunk_size=chunking.vocab_chunk_size,
+        need_w=student_weight.requires_grad, main_grad=main_grad is not None,
+        softcap=tok.transform.softcap is not None, teacher=True)
     loss, div, ent = apply_or_forward(_LinearDivergenceLossFunction, student_hidden, student_weight, student_bias,
-                                      teacher, tok, plan, spec, w, main_grad, grads=grads)
+                                      teacher, tok, plan, spec, w, main_grad, three_pass, grads=grads)
     div = torch.where(valid, div, 0.0).view(shape)  # masked rows: 0, whatever their states held
     return DivergenceLoss(loss, div, torch.where(valid, ent, 0.0).view(shape) if compute_entropy else None)
 

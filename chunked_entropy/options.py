@@ -49,7 +49,7 @@ from ._checks import (
 from ._divergence import DivergenceSpec
 from ._keep import ENTROPY_OF
 from ._stats import Transform
-from .config import ChunkedEntropyConfig, auto_chunk_size, check_field, config_entry, config_section
+from .config import WORKING_BYTES, ChunkedEntropyConfig, auto_chunk_size, check_field, config_entry, config_section
 from .losses.aggregation import Aggregation
 from .losses.kl import KL_KINDS
 from .losses.policy_options import PolicyOptions
@@ -323,6 +323,21 @@ class Chunking:
             ``"auto"`` (CUDA: Triton, else compiled, else eager, each probed
             once; elsewhere eager), ``"eager"``, ``"compile"``, ``"triton"``.
         max_chunk_bytes: the budget of ``chunk_size="auto"`` (default 1 GiB).
+        max_working_bytes: the working-memory budget of a call, beyond its
+            inputs and their gradients (default 1 GiB,
+            :data:`~chunked_entropy.config.WORKING_BYTES`). The fused loss
+            over hidden states (:func:`~chunked_entropy.linear_policy_loss`)
+            takes three GEMM passes (logits, ``g @ W``, ``g.T @ h``, each
+            chunk's logits formed once over the whole shard) where that
+            walk fits it: its float32 ``[V_local, H]`` weight-gradient
+            accumulator (half-precision weights), its ``[chunk_size,
+            V_local]`` buffers and the rest of
+            :func:`~chunked_entropy.config.three_pass_bytes`; otherwise four
+            (a statistics pass first; the weight gradient of half-precision
+            weights one matmul per vocabulary block, no ``[V_local, H]``
+            float32 tensor). ``vocab_chunk_size`` set below ``V_local``
+            always takes four. ``chunked-entropy plan`` prints both walks
+            and which one a call takes.
 
     Example:
         >>> Chunking(512).chunk_size
@@ -335,6 +350,7 @@ class Chunking:
     vocab_chunk_size: Optional[int] = None
     backend: str = "auto"
     max_chunk_bytes: int = 1 << 30
+    max_working_bytes: int = WORKING_BYTES
 
     def __post_init__(self):
         # the same rules as ChunkedEntropyConfig's fields, each error naming Chunking.<field>
@@ -362,6 +378,7 @@ class Chunking:
             "vocab_chunk_size": -1 if self.vocab_chunk_size is None else self.vocab_chunk_size,
             "backend": _crc(self.backend),
             "max_chunk_bytes": self.max_chunk_bytes,
+            "max_working_bytes": self.max_working_bytes,
         }
 
     @classmethod
@@ -371,12 +388,13 @@ class Chunking:
         ``actor_rollout_ref.actor``, with its ``chunked_entropy:`` sub-key or ``entropy_from_logits_chunk_size``).
 
         Example:
-            >>> Chunking.from_config({"chunked_entropy": {"chunk_size": 512, "vocab_chunk_size": 8192}})
-            Chunking(chunk_size=512, vocab_chunk_size=8192, backend='auto', max_chunk_bytes=1073741824)
+            >>> c = Chunking.from_config({"chunked_entropy": {"chunk_size": 512, "vocab_chunk_size": 8192}})
+            >>> c.chunk_size, c.vocab_chunk_size, c.backend
+            (512, 8192, 'auto')
         """
         if not isinstance(cfg, ChunkedEntropyConfig):
             cfg = ChunkedEntropyConfig.from_actor_config(cfg)
-        return cls(cfg.chunk_size, cfg.vocab_chunk_size, cfg.backend, cfg.max_chunk_bytes)
+        return cls(cfg.chunk_size, cfg.vocab_chunk_size, cfg.backend, cfg.max_chunk_bytes, cfg.max_working_bytes)
 
 
 def as_chunking(value, name: str = "chunking", *, default: Optional[Chunking] = None) -> Chunking:

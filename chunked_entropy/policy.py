@@ -55,6 +55,7 @@ from ._logit_blocks import (
     main_grad_of,
     main_grad_result,
     reduce_hidden_grad,
+    three_pass_plan,
     token_major,
     token_major_grad,
     token_shape,
@@ -223,24 +224,33 @@ def _token_results(tok: Tokens, stats: RowStats):
 
 class _HeadLossFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, tok: Tokens, plan: Plan, objective: _Objective, main_grad):
+    def forward(ctx, hidden, weight, bias, tok: Tokens, plan: Plan, objective: _Objective, main_grad,
+                three_pass: Optional[Plan] = None):
         need = ctx.needs_input_grad[:3]
         cdt = compute_dtype(weight.dtype)
         h_full = full_hidden(hidden, plan)
         rows = Rows(token_major(h_full, plan))
         n = tok.n
         stats = new_row_stats(n, Want(), cdt, weight.device, tok.keep)
-        vocab_block = grad_vocab_block(n, weight, plan, need[1])
+        # three_pass (the plan of the three-GEMM-pass walk, see three_pass_plan): the whole shard a chunk, the
+        # weight gradient summed chunk by chunk in float32; else four passes, half-precision weights' gradient
+        # over vocabulary blocks outermost
+        if three_pass is not None:
+            plan, vocab_block = three_pass, None
+        else:
+            vocab_block = grad_vocab_block(n, weight, plan, need[1])
         blocks = loss_grad_blocks(
             tok, linear_filler(rows, weight, bias, plan.float32_logits), plan, width=weight.shape[0],
             token_grads=objective.token_grads, span=objective.span, grad_block=vocab_block, stats=stats, dtype=cdt,
             device=weight.device,
         )
-        # With main_grad (Megatron's float32 accumulator) the weight gradient is kept in float32 until the
-        # upstream gradient scales it in backward; else in the weight's dtype.
+        # With main_grad (Megatron's float32 accumulator), or summed chunk by chunk (three passes), the weight
+        # gradient is kept in float32 until the upstream gradient scales it in backward, rounded once there;
+        # else in the weight's dtype.
+        f32_weight_grad = main_grad is not None or three_pass is not None
         grad_h, gw, gb = linear_grads(blocks, rows, weight, n=n, hidden_dtype=hidden.dtype,
                                       chunk_size=plan.chunk_size, need=need, float32=plan.float32_logits,
-                                      vocab_block=vocab_block, weight_grad_dtype=None if main_grad is None else cdt)
+                                      vocab_block=vocab_block, weight_grad_dtype=cdt if f32_weight_grad else None)
         if grad_h is not None:
             grad_h = reduce_hidden_grad(token_major_grad(grad_h, h_full.shape, plan), h_full.shape, plan)
         loss = objective.finish(tok, stats)
@@ -265,7 +275,7 @@ class _HeadLossFunction(torch.autograd.Function):
                 ctx.main_grad.add_(hand_over(gw, g).to(ctx.main_grad.dtype))
                 grad_weight = main_grad_result(ctx.weight_param, ctx.main_grad)
         grad_bias = None if gb is None else hand_over(gb, g).to(ctx.dtypes[1])
-        return hand_over(grad_h, g), grad_weight, grad_bias, None, None, None, None
+        return hand_over(grad_h, g), grad_weight, grad_bias, None, None, None, None, None
 
 
 @accepts_01_keywords("linear_policy_loss", policy_fields=True)
@@ -301,10 +311,10 @@ def linear_policy_loss(
 
     but forms the gradients in the chunk loop. A token-local ``loss.mode``
     (vanilla, dppo_tv, dppo_kl, sapo, gpg, dro, cispo) forms them in the
-    forward pass: three matmul passes instead of four when the vocabulary is
-    not blocked (with ``vocab_chunk_size`` a row's statistics are complete
-    only after its last block, and the logits are computed twice as in the
-    fused head). A row-local one (gspo, geo_mean, bypass_mode without
+    forward pass: three matmul passes instead of four where the walk fits
+    ``chunking.max_working_bytes`` (see Memory; with ``vocab_chunk_size`` a
+    row's statistics are complete only after its last block, and the logits
+    are computed twice as in the fused head). A row-local one (gspo, geo_mean, bypass_mode without
     rejection or batch normalization) does the same when whole rows fit a
     chunk (``chunk_size >= T``); with longer rows each row's chunks are walked
     forward for their statistics and back for the gradients, all but the last
@@ -339,7 +349,8 @@ def linear_policy_loss(
             whole distribution) or ``"kept"``.
         chunking: a :class:`~chunked_entropy.Chunking` or an int (the chunk
             size), as in :func:`~chunked_entropy.linear_log_probs_and_entropy`
-            (vocabulary blocks cost the fourth matmul pass).
+            (vocabulary blocks cost the fourth matmul pass); its
+            ``max_working_bytes`` chooses between three and four passes.
         temperature: as in :func:`~chunked_entropy.linear_log_probs_and_entropy`.
         ref_log_probs: ``[B, T]`` reference log-probs (needed when ``loss.kl_coef != 0``).
         rollout_is_weights: ``[B, T]`` rollout-correction weights, as in
@@ -382,18 +393,33 @@ def linear_policy_loss(
     Memory:
         Saved between forward and backward: the gradients of ``hidden``
         (``[B, T, H]``, its dtype), ``weight`` (``[V_local, H]`` in its dtype;
-        float32 with ``main_grad``) and ``bias``, allocated in forward instead
-        of backward; nothing else (no reference to the inputs, no per-token
-        statistics). Per chunk, two float32 ``[chunk_size, V_local]`` buffers
-        (``vocab_chunk_size`` columns with blocks, by default when that
-        buffer would exceed 128 MiB; three with ``softcap``). bf16/fp16
-        weights take a statistics pass, then the gradient pass over
-        vocabulary blocks outermost, as the fused head's backward does (each
-        block's weight gradient one half-precision matmul over all tokens; a
-        ``[tokens, block]`` buffer of at most 64 MiB and a float32
-        ``[tokens, H]`` accumulator; no float32 ``[V_local, H]`` tensor): four
-        matmul passes instead of three. Nothing of size ``[tokens, V]`` ever
-        exists. Under ``torch.no_grad()`` only the loss
+        float32 with ``main_grad`` and in the three-pass walk) and ``bias``,
+        allocated in forward instead of backward; nothing else (no reference
+        to the inputs, no per-token statistics). Two walks, chosen by
+        ``chunking.max_working_bytes`` (default 1 GiB):
+
+        - **three GEMM passes** (logits, ``g @ W``, ``g.T @ h``) where the
+          walk fits the budget
+          (:func:`~chunked_entropy.config.three_pass_bytes`): each chunk's
+          logits formed once over the whole shard, two float32
+          ``[chunk_size, V_local]`` buffers (one with the compiled or Triton
+          kernels, three with ``softcap``) plus, for bf16/fp16 weights, one
+          of their dtype, and a float32 ``[V_local, H]`` accumulator of a
+          bf16/fp16 weight's gradient (none with ``main_grad``, none for
+          float32 weights: their gradient itself), summed chunk by chunk
+          and rounded once into the weight's dtype after the upstream
+          gradient scales it;
+        - **four** otherwise, or with ``vocab_chunk_size`` below
+          ``V_local``: per chunk two float32 ``[chunk_size, block]``
+          buffers (``vocab_chunk_size`` columns, by default the whole shard
+          while such a buffer is at most 128 MiB), a statistics pass first;
+          bf16/fp16 weights then take the gradient pass over vocabulary
+          blocks outermost, as the fused head's backward does (each block's
+          weight gradient one half-precision matmul over all tokens; a
+          ``[tokens, block]`` buffer of at most 64 MiB and a float32
+          ``[tokens, H]`` accumulator; no float32 ``[V_local, H]`` tensor).
+
+        Nothing of size ``[tokens, V]`` ever exists. Under ``torch.no_grad()`` only the loss
         and metrics are computed (one matmul pass, no gradient buffers).
         ``loss.backward()`` scales the stored gradients by its upstream
         gradient (any scalar: e.g. ``1 / grad_accum_steps``; half-precision
@@ -459,7 +485,10 @@ def linear_policy_loss(
         if grads:  # zero tokens: a zero loss still connected to the inputs
             loss = connected(loss, hidden, weight, bias)
         return loss, metrics
-    loss = _HeadLossFunction.apply(hidden, weight, bias, tok, plan, objective, main_grad)
+    three_pass = three_pass_plan(tok.n, weight, plan, budget=chunking.max_working_bytes,
+                                 vocab_chunk_size=chunking.vocab_chunk_size, need_w=weight.requires_grad,
+                                 main_grad=main_grad is not None, softcap=tok.transform.softcap is not None)
+    loss = _HeadLossFunction.apply(hidden, weight, bias, tok, plan, objective, main_grad, three_pass)
     return loss, objective.result[1]
 
 

@@ -648,16 +648,24 @@ def _confident_case(who, kind, beta, zs, zt, up):
 
 
 @pytest.mark.parametrize("retain", [False, True])
-def test_a_scaled_half_precision_loss_form_rounds_its_gradient_once(retain):
-    """As the fused policy loss: ``(loss / 3).backward()`` scales the stored bf16 gradients in float32, once."""
+@pytest.mark.parametrize("budget", [1 << 30, 1], ids=["accumulator", "vocabulary_outer"])
+def test_a_scaled_half_precision_loss_form_rounds_its_gradient_once(retain, budget):
+    """As the fused policy loss: ``(loss / 3).backward()`` scales the stored bf16 gradients in float32, once.
+    Where the float32 weight-gradient accumulator fits the budget the weight's stored gradient is that float32
+    sum (``main_grad`` receives it), rounded once after the scaling."""
     p, _ = _linear_problem(3, n=(12,), hs=16, ht=8, v=40)
     grads = {}
-    for c in (1.0, 1.0 / 3.0):
+    for c in (1.0, 1.0 / 3.0, "main_grad"):
         hs, ws = (p[k].to(torch.bfloat16).requires_grad_() for k in ("hs", "ws"))
+        if c == "main_grad":
+            ws.main_grad = torch.zeros(ws.shape)
         res = linear_divergence_loss(hs, ws, p["ht"].to(torch.bfloat16), p["wt"].to(torch.bfloat16),
-                                     divergence=Divergence("jsd", beta=0.5), chunking=4)
-        (res.loss * c).backward(retain_graph=retain)
-        grads[c] = [hs.grad, ws.grad]
+                                     divergence=Divergence("jsd", beta=0.5),
+                                     chunking=Chunking(4, max_working_bytes=budget))
+        (res.loss * (1.0 if c == "main_grad" else c)).backward(retain_graph=retain)
+        grads[c] = [hs.grad, ws.grad if c != "main_grad" else ws.main_grad]
+    if budget == 1 << 30:
+        grads[1.0][1] = grads["main_grad"][1]
     upstream = torch.tensor(1.0 / 3.0, dtype=torch.float32)
     for one, third in zip(grads[1.0], grads[1.0 / 3.0], strict=True):
         torch.testing.assert_close(third, (one.float() * upstream).to(torch.bfloat16), rtol=0, atol=0)

@@ -299,10 +299,13 @@ def test_gradients_handed_out_are_the_callers_own(path):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("retain", [False, True])
-def test_a_scaled_half_precision_loss_rounds_its_gradient_once(dtype, retain):
+@pytest.mark.parametrize("budget", [1 << 30, 1], ids=["three_passes", "four_passes"])
+def test_a_scaled_half_precision_loss_rounds_its_gradient_once(dtype, retain, budget):
     """The fused loss stores its half-precision gradients in forward; ``(loss / 3).backward()`` scaled them by
     the upstream gradient rounded to half precision first, a bias of up to 2**-9 on every entry alike. Scaling
-    a loss by ``c`` now scales its gradients by ``c`` in float32 with one rounding (with the graph kept, too)."""
+    a loss by ``c`` now scales its gradients by ``c`` in float32 with one rounding (with the graph kept, too).
+    The three-pass walk (``Chunking.max_working_bytes`` holds its float32 accumulator) stores the weight's
+    gradient as that float32 sum, rounded once after the scaling: ``main_grad`` receives the sum itself."""
     g = torch.Generator().manual_seed(0)
     b, t, h, v = 2, 5, 16, 64
     hidden = torch.randn(b, t, h, generator=g).to(dtype)
@@ -311,11 +314,15 @@ def test_a_scaled_half_precision_loss_rounds_its_gradient_once(dtype, retain):
     old, adv = torch.randn(b, t, generator=g) * 0.1 - 3.0, torch.randn(b, t, generator=g)
     mask = torch.ones(b, t, dtype=torch.bool)
     grads = {}
-    for c in (1.0, 1.0 / 3.0):
+    for c in (1.0, 1.0 / 3.0, "main_grad"):
         leaves = [hidden.clone().requires_grad_(), weight.clone().requires_grad_()]
-        loss, _ = linear_policy_loss(*leaves, labels, old, adv, mask)
-        (loss * c).backward(retain_graph=retain)
-        grads[c] = [x.grad for x in leaves]
+        if c == "main_grad":
+            leaves[1].main_grad = torch.zeros(v, h)
+        loss, _ = linear_policy_loss(*leaves, labels, old, adv, mask, chunking=Chunking(max_working_bytes=budget))
+        (loss * (1.0 if c == "main_grad" else c)).backward(retain_graph=retain)
+        grads[c] = [x.grad for x in leaves] if c != "main_grad" else [None, leaves[1].main_grad]
+    if budget == 1 << 30:  # the weight's: the float32 sum, scaled, rounded once
+        grads[1.0][1] = grads["main_grad"][1]
     for one, third in zip(grads[1.0], grads[1.0 / 3.0], strict=True):
         assert third.dtype == dtype
         upstream = torch.tensor(1.0 / 3.0, dtype=torch.float32)  # what (loss * c).backward() hands over

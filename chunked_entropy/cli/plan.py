@@ -58,6 +58,25 @@ Two figures per approach:
       (a CPU has no half-precision matmul into float32). No ``[N, V]``
       tensor ever exists.
 
+    - fused loss (``linear_policy_loss``), two walks (``Chunking.max_working_bytes``
+      chooses, :func:`chunked_entropy.config.three_pass_bytes`):
+
+      * 3 GEMM passes (logits, ``g @ W``, ``g.T @ h``; each chunk's logits
+        over the whole shard): working memory ``2*c*V*4 + c*V*B + c*H*(4+B)``
+        plus, for bf16/fp16, the float32 weight-gradient accumulator
+        ``V*H*4`` and the weight-gradient matmul's float32 result (CUDA: row
+        slices of at most 64 MiB; CPU: ``c*H*4``); total that plus ``Hg``,
+        or the accumulator beside the weight gradient in its dtype
+        (``V*H*B``) when backward rounds it, whichever is larger. Float32
+        weights sum into their own gradient (``Wg``, counted as a gradient).
+      * 4 GEMM passes: a statistics pass, then the fused head's backward
+        walk: the fused head's figures.
+
+      A call takes three passes where that working memory fits the budget
+      (default 1 GiB) and ``vocab_chunk_size`` is not set below the shard
+      (with ``main_grad`` the accumulator is the float32 gradient the call
+      keeps anyway: not counted there).
+
 Not counted: a few float32 and int64 vectors per token (tens of bytes per
 token), and what the matmul library keeps for the life of the process (about
 10 MiB with MKL on CPU). ``tests/test_cli.py`` holds these formulas within 15%
@@ -77,7 +96,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from chunked_entropy.config import grad_vocab_block_for, vocab_block_for
+from chunked_entropy.config import WORKING_BYTES, grad_vocab_block_for, three_pass_bytes, vocab_block_for
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 MiB = 2**20
@@ -114,7 +133,7 @@ class Shape:
 
 @dataclass(frozen=True)
 class Estimate:
-    approach: str  # "plain", "clone", "chunked", "head"
+    approach: str  # "plain", "clone", "chunked", "head", "loss3", "loss4" (the fused loss's two walks)
     chunk: int  # 0 where there is none
     over_logits: Optional[int]  # None for the fused head: it has no logits input
     total: int
@@ -128,6 +147,8 @@ class Estimate:
             "clone": "clone workaround",
             "chunked": f"chunked logits path, chunk {self.chunk}",
             "head": f"fused head, chunk {self.chunk}" + (f", rows='kept' ({self.read}% read)" if self.read else ""),
+            "loss3": f"fused loss, chunk {self.chunk}, 3 GEMM passes",
+            "loss4": f"fused loss, chunk {self.chunk}, 4 GEMM passes",
         }[self.approach]
 
 
@@ -160,7 +181,29 @@ def estimate(approach: str, shape: Shape, chunk: int = 0) -> Estimate:
         if shape.device != "cuda":  # no half-precision matmul into float32: float32 copies of its operands
             bwd += vg * h * 4 + c * vg * 4
         return Estimate("head", chunk, None, max(fwd, bwd), max(fwd, bwd - grads))
+    if approach == "loss4":  # a statistics pass, then the fused head's backward walk
+        from dataclasses import replace
+
+        return replace(estimate("head", shape, chunk), approach="loss4")
+    if approach == "loss3":
+        working = three_pass_bytes(c, v, h, b, accumulator=half, buffers=2, native=shape.device == "cuda")
+        hg, wb = n * h * b, v * 4 if shape.bias else 0
+        total = working + hg + wb + (0 if half else v * h * 4)
+        if half:  # backward: the float32 sum beside the weight gradient it is rounded into
+            total = max(total, v * h * 4 + v * h * b + hg + wb)
+        return Estimate("loss3", chunk, None, total, working)
     raise ValueError(f"unknown approach {approach!r}")
+
+
+def loss_walk(shape: Shape, chunk: int, budget: int = WORKING_BYTES) -> int:
+    """The GEMM passes ``linear_policy_loss`` takes at ``chunk`` under a working-memory ``budget``
+    (``Chunking.max_working_bytes``), without ``vocab_chunk_size`` or ``main_grad`` (the rule of
+    :func:`chunked_entropy._logit_blocks.three_pass_plan`): 3 where the three-pass walk fits (float32 weights
+    whose shard is one forward block always), else 4."""
+    c = min(chunk, shape.tokens)
+    if shape.b == 4 and vocab_block_for(None, c, shape.tokens, shape.v_local) >= shape.v_local:
+        return 3
+    return 3 if estimate("loss3", shape, chunk).working <= budget else 4
 
 
 def estimate_rows(shape: Shape, chunk: int, read: int) -> Estimate:
@@ -183,6 +226,7 @@ def estimates(shape: Shape, chunks=DEFAULT_CHUNKS) -> list:
     out += [estimate("chunked", shape, c) for c in chunks]
     if shape.hidden:
         out += [estimate("head", shape, c) for c in chunks]
+        out += [estimate(a, shape, c) for c in chunks for a in ("loss3", "loss4")]
     return out
 
 
@@ -264,6 +308,10 @@ def add_arguments(p: argparse.ArgumentParser, positive_int, int_list) -> None:
                         "head's backward holds float32 copies of its operands there (default cuda)")
     p.add_argument("--chunk-sizes", type=int_list, default=list(DEFAULT_CHUNKS), metavar="C1,C2,...",
                    help="chunk sizes to list (default " + ",".join(map(str, DEFAULT_CHUNKS)) + ")")
+    p.add_argument("--max-working-bytes", type=parse_size, default=WORKING_BYTES, metavar="SIZE",
+                   help="with --hidden: the fused loss's working-memory budget, Chunking.max_working_bytes: it "
+                        "takes 3 GEMM passes where that walk (a float32 weight-gradient accumulator included) "
+                        "fits, else 4 (default 1GiB)")
     p.add_argument("--read", type=positive_int, default=None, metavar="PERCENT",
                    help="with --hidden: only that percent of the rows is read (rows='kept'); adds the fused head "
                         "on those rows to the table, and its share of the all-rows head's time")
@@ -293,10 +341,19 @@ def run(args) -> int:
     print()
     print("'over the logits': peak on top of logits that already exist (includes their gradient).")
     print("'total': peak when the lm_head matmul runs in the step (includes the logits it makes).")
-    heads = [e for e in rows if e.working is not None and not e.read]
+    heads = [e for e in rows if e.working is not None and not e.read and e.approach == "head"]
     if heads:
         print("Fused head's working memory, beyond its inputs and their gradients: "
               + ", ".join(f"chunk {e.chunk}: {fmt_bytes(e.working)}" for e in heads) + ".")
+    budget = getattr(args, "max_working_bytes", WORKING_BYTES)
+    for e in (e for e in rows if e.approach == "loss3"):
+        passes = loss_walk(shape, e.chunk, budget)
+        why = (f"its working memory, {fmt_bytes(e.working)}" + (" with a float32 weight-gradient accumulator of "
+               f"{fmt_bytes(shape.v_local * shape.hidden * 4)}" if shape.b != 4 else "")
+               + f", {'fits' if e.working <= budget else 'exceeds'} max_working_bytes={fmt_bytes(budget)}")
+        if shape.b == 4 and e.working > budget:
+            why = "float32 weights whose shard is one vocabulary block: the walk holds nothing more"
+        print(f"linear_policy_loss at chunk {e.chunk} takes {passes} GEMM passes (the three-pass walk: {why}).")
     if read is not None:
         print(f"rows='kept' with {read}% of the rows read: every matmul pass over {read}% of the tokens, so about "
               f"{read / 100:.2f} of the all-rows head's time (plus an [M, H] gather and an index_add_ into the "
