@@ -263,3 +263,127 @@ def test_the_kernels_compile_for_a_gpu(half):
         # every maximum propagates NaN as eager's (maximumf); maxnumf, tl.max's own, would skip it on the GPU
         assert "arith.maxnumf" not in k.asm["ttir"] and "arith.maximumf" in k.asm["ttir"]
     assert "__nv_tanhf" in stats.asm["ttir"]  # libdevice's tanh, not the interpreter's formula
+
+
+def _auto_on_the_cpu(monkeypatch):
+    """``backend="auto"`` as on a fast device, with the compiled kernels (the CPU stands in for CUDA)."""
+    monkeypatch.setattr(_kernels, "_auto", {})
+    monkeypatch.setattr(_kernels, "_auto_pair", {}, raising=False)
+    monkeypatch.setattr(_kernels, "AUTO_FAST", ("cpu",))
+    monkeypatch.setattr(_kernels.TRITON, "compiled_for", lambda device: False)
+
+
+def _eager_pair_kernels(monkeypatch, wrong: str = "", kind: str = ""):
+    """The divergence kernels as their own functions run eagerly (no compile: these tests are about the probe),
+    ``wrong``: that one of them off by 1% (for the divergence ``kind`` only, where it takes the kind's math)."""
+    from chunked_entropy import _divergence
+
+    def off(fn):
+        def call(*args):
+            out = fn(*args)
+            if wrong != "cross" and args[0].kind != kind:
+                return out
+            if isinstance(out, tuple):
+                return tuple(t * 1.01 for t in out)
+            if out is None:  # grad_of_blocks_ writes over its second argument
+                args[1].mul_(1.01)
+            return None if out is None else out * 1.01
+        return call
+
+    fns = {"terms": _divergence.terms_of_blocks, "grad": _divergence.grad_of_blocks_,
+           "cross": _divergence.cross_of_blocks}
+    fns = tuple(off(f) if name == wrong else f for name, f in fns.items())
+    monkeypatch.setattr(_kernels.PAIR, "fns", lambda: fns)
+
+
+def _faulty_stats(fault):
+    right = _kernels.COMPILED.stats
+
+    def stats(z, tf, k, target, v0, want_w, want_q, dtype):
+        st = right(z, tf, k, target, v0, want_w, want_q, dtype)
+        if fault == "sum_pi_squared" and st.q is not None:
+            return st._replace(q=st.q * 1.01)
+        if fault == "several tiles" and z.shape[1] > 8192:  # a merge of tiles gone wrong
+            return st._replace(rest=st.rest * 1.01)
+        if fault == "per-row temperature" and isinstance(k, torch.Tensor):
+            return st._replace(rest=st.rest * 1.01)
+        return st
+
+    return stats
+
+
+@pytest.mark.parametrize("fault", ["sum_pi_squared", "several tiles", "per-row temperature", "softcap"])
+def test_auto_probes_what_runs(fault, monkeypatch):
+    """Kernels wrong only with ``sum_pi_squared``, only on rows of several tiles, only with a per-row temperature
+    or only with a soft-cap (the cases of real calls a one-tile probe never ran) are found and skipped."""
+    _auto_on_the_cpu(monkeypatch)
+    if fault == "softcap":
+        right = _kernels.COMPILED.grad
+
+        def grad(z, out, tf, *args):
+            g = right(z, out, tf, *args)
+            return g.mul_(1.01) if tf.softcap is not None else g
+
+        monkeypatch.setattr(_kernels.COMPILED, "grad", grad)
+    else:
+        monkeypatch.setattr(_kernels.COMPILED, "stats", _faulty_stats(fault))
+    with pytest.warns(RuntimeWarning, match=r"could not run its compiled kernels on cpu \(ArithmeticError: its "
+                                           r"results differ from the eager kernels' on a float32 test block\)"):
+        assert _kernels.use_compiled("auto", torch.device("cpu")) is None
+
+
+def test_auto_probe_reads_the_device_once(monkeypatch):
+    """The probe's verdict is one read of the device, in the first call only (beside the call's own value check);
+    a divergence's kernels are probed at its first call, again with one read."""
+    from chunked_entropy import Divergence, _stats, divergence_from_logits
+    from tests.test_host_syncs import _HostSyncs
+
+    _auto_on_the_cpu(monkeypatch)
+    _eager_pair_kernels(monkeypatch)
+    # the compiled kernels' functions run as they are: dynamo compiles no frame under a dispatch mode
+    monkeypatch.setattr(_kernels.COMPILED, "fns",
+                        lambda: (_stats.stats_of_block, _stats.grad_of_block, _stats.grad_of_block_))
+    g = torch.Generator().manual_seed(0)
+    z, zt, labels = torch.randn(6, 40, generator=g), torch.randn(6, 40, generator=g), torch.randint(0, 40, (6,))
+    counts = []
+    for _ in range(2):
+        with _HostSyncs() as syncs:
+            log_probs_and_entropy(z, labels)
+        counts.append(sum(syncs.ops.values()))
+    for kind in ("reverse_kl", "reverse_kl", Divergence("jsd", 0.5)):
+        with _HostSyncs() as syncs:
+            divergence_from_logits(z, zt, labels=labels, divergence=kind)
+        counts.append(sum(syncs.ops.values()))
+    assert counts == [2, 1, 2, 1, 2], counts
+    assert _kernels._auto["cpu"] is _kernels.COMPILED
+
+
+@pytest.mark.parametrize("wrong", ["terms", "grad", "cross"])
+def test_auto_never_runs_divergence_kernels_that_compute_wrongly(wrong, monkeypatch):
+    """A divergence's own kernels wrong on this device: found by its probe at its first call; that divergence
+    runs the eager kernels (the same results as backend="eager"), the others and the one-head ops keep theirs."""
+    from chunked_entropy import Divergence, divergence_from_logits
+
+    _auto_on_the_cpu(monkeypatch)
+    _eager_pair_kernels(monkeypatch, wrong, kind="jsd")
+    g = torch.Generator().manual_seed(0)
+    z, zt, labels = torch.randn(6, 40, generator=g), torch.randn(6, 40, generator=g), torch.randint(0, 40, (6,))
+    assert _kernels.use_compiled("auto", torch.device("cpu")) is _kernels.COMPILED
+    kind = Divergence("jsd", 0.5) if wrong != "cross" else "forward_kl"  # the cross sum: a KL's only
+    with pytest.warns(RuntimeWarning, match=r"could not run its (JSD|ForwardKL) divergence kernels on cpu "
+                                           r"\(ArithmeticError: .* float32 divergence test block\); trying the "
+                                           r"eager kernels for it"):
+        got = divergence_from_logits(z, zt, labels=labels, divergence=kind)
+    want = divergence_from_logits(z, zt, labels=labels, divergence=kind, chunking=Chunking(backend="eager"))
+    assert torch.equal(got.divergence, want.divergence)
+    assert _kernels.use_compiled("auto", torch.device("cpu"), pair=_pair_math(kind)) is None
+    other = "reverse_kl" if wrong != "cross" else Divergence("jsd", 0.5)  # right kernels, or no cross sum
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _kernels.use_compiled("auto", torch.device("cpu"), pair=_pair_math(other)) is _kernels.COMPILED
+
+
+def _pair_math(kind):
+    from chunked_entropy import Divergence
+
+    return (kind if isinstance(kind, Divergence) else Divergence(kind)).spec.math
