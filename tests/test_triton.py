@@ -45,7 +45,7 @@ def _python(code: str, **env) -> subprocess.CompletedProcess:
     e = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     e["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), e.get("PYTHONPATH")) if p)
     e.update(env)
-    return subprocess.run([sys.executable, *code], cwd=ROOT, env=e, capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, *code], cwd=ROOT, env=e, capture_output=True, text=True, timeout=600)
 
 
 _PROBE = """
@@ -222,7 +222,7 @@ except RuntimeError as e:
     assert "pip install triton" in r.stdout
 
 
-def _compile_for_sm90(kernel, types: dict, consts: dict):
+def _compile_for_sm90(kernel, types: dict, consts: dict, warps: int = 8):
     """Triton's compiler, run ahead of time for an H100/H200 (sm_90) on this machine, no GPU needed: it checks
     what the interpreter does not (types in the loops, constexpr branches, lowering to PTX and a cubin)."""
     import triton
@@ -231,7 +231,7 @@ def _compile_for_sm90(kernel, types: dict, consts: dict):
 
     sig = {name: "constexpr" if name in consts else types[name] for name in kernel.arg_names}
     return triton.compile(ASTSource(kernel, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": 8, "enable_fp_fusion": True})
+                          options={"num_warps": warps, "enable_fp_fusion": True})
 
 
 @needs_triton
@@ -239,30 +239,94 @@ def _compile_for_sm90(kernel, types: dict, consts: dict):
 @pytest.mark.parametrize("half", ["bf16", "fp16"])
 def test_the_kernels_compile_for_a_gpu(half):
     """The richest variant of each kernel (a half-precision block, the soft-cap, every statistic and gradient
-    term) through the whole compiler, down to a cubin."""
+    term) through the whole compiler, down to a cubin, at the widest tile and warps the launches use; and the
+    second stage of a split row."""
     from chunked_entropy import _triton
 
     if _triton.INTERPRETED:
         pytest.skip("Triton was imported with TRITON_INTERPRET set in this process")
     f32 = "*fp32"
+    stats_tile, stats_warps = _triton._stats_config(1 << 20, 2)
+    grad_tile, grad_warps = _triton._grad_config(1 << 20, 2)
     stats = _compile_for_sm90(
         _triton._stats_kernel,
-        dict(z_ptr=f"*{half}", stride_zr="i64", stride_zc="i32", width="i32", cap_ptr=f32, k_ptr=f32, stride_k="i32",
-             target_ptr="*i64", v0="i32", m_ptr=f32, ones_ptr=f32, rest_ptr=f32, w_ptr=f32, q_ptr=f32, zl_ptr=f32),
-        dict(HAS_CAP=True, WANT_W=True, WANT_Q=True, TILE=4096, COMPUTE=_triton.tl.float32,
-             NEG_FLOOR=_triton._NEG_FLOOR))
+        dict(z_ptr=f"*{half}", stride_zr="i64", stride_zc="i32", width="i32", span="i32", cap_ptr=f32, k_ptr=f32,
+             stride_k="i32", target_ptr="*i64", v0="i32", m_ptr=f32, ones_ptr=f32, rest_ptr=f32, w_ptr=f32,
+             q_ptr=f32, zl_ptr=f32, n="i32", span_class="i32"),
+        dict(HAS_CAP=True, WANT_W=True, WANT_Q=True, TILE=stats_tile, COMPUTE=_triton.tl.float32,
+             NEG_FLOOR=_triton._NEG_FLOOR), stats_warps)
+    merge = _compile_for_sm90(
+        _triton._merge_parts_kernel,
+        dict(pm_ptr=f32, pones_ptr=f32, prest_ptr=f32, pw_ptr=f32, pq_ptr=f32, parts="i32", n="i32", k_ptr=f32,
+             stride_k="i32", m_ptr=f32, ones_ptr=f32, rest_ptr=f32, w_ptr=f32, q_ptr=f32),
+        dict(WANT_W=True, WANT_Q=True, PARTS=_triton.MAX_PARTS, COMPUTE=_triton.tl.float32,
+             NEG_FLOOR=_triton._NEG_FLOOR), 1)
     grad = _compile_for_sm90(
         _triton._grad_kernel,
         dict(z_ptr=f"*{half}", stride_zr="i64", stride_zc="i32", out_ptr=f"*{half}", stride_or="i64",
-             stride_oc="i32", width="i32", cap_ptr=f32, k_ptr=f32, stride_k="i32", m_ptr=f32, ls_ptr=f32,
-             ws_ptr=f32, s2_ptr=f32, target_ptr="*i64", v0="i32", c_ptr=f32, b_ptr=f32, a_ptr=f32),
-        dict(HAS_CAP=True, HAS_C=True, HAS_B=True, HAS_A=True, OUT_BF16=half == "bf16", TILE=4096,
-             COMPUTE=_triton.tl.float32, NEG_FLOOR=_triton._NEG_FLOOR))
-    for k in (stats, grad):
+             stride_oc="i32", width="i32", span="i32", cap_ptr=f32, k_ptr=f32, stride_k="i32", m_ptr=f32,
+             ls_ptr=f32, ws_ptr=f32, s2_ptr=f32, target_ptr="*i64", v0="i32", c_ptr=f32, b_ptr=f32, a_ptr=f32,
+             span_class="i32"),
+        dict(HAS_CAP=True, HAS_C=True, HAS_B=True, HAS_A=True, OUT_BF16=half == "bf16", TILE=grad_tile,
+             COMPUTE=_triton.tl.float32, NEG_FLOOR=_triton._NEG_FLOOR), grad_warps)
+    for k in (stats, merge, grad):
         assert k.asm["cubin"] and "ld.global" in k.asm["ptx"]
+    for k in (stats, merge):
         # every maximum propagates NaN as eager's (maximumf); maxnumf, tl.max's own, would skip it on the GPU
         assert "arith.maxnumf" not in k.asm["ttir"] and "arith.maximumf" in k.asm["ttir"]
     assert "__nv_tanhf" in stats.asm["ttir"]  # libdevice's tanh, not the interpreter's formula
+    # the lanes' statistics stay in registers: no spill to local memory at the widest tile (read from the
+    # cubin by the cuobjdump Triton ships)
+    usage = _resource_usage(stats)
+    if usage is not None:
+        assert " LOCAL:0 " in usage, usage
+
+
+def _resource_usage(kernel):
+    """``cuobjdump -res-usage`` of a compiled kernel's cubin (registers, local memory), or None without the tool."""
+    import tempfile
+
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not tool.exists():
+        return None
+    with tempfile.TemporaryDirectory() as d:
+        cubin = Path(d) / "kernel.cubin"
+        cubin.write_bytes(kernel.asm["cubin"])
+        out = subprocess.run([str(tool), "-res-usage", str(cubin)], capture_output=True, text=True, timeout=60)
+    lines = [line.strip() for line in out.stdout.splitlines() if "REG:" in line]
+    return f" {lines[0]} " if lines else None
+
+
+@needs_triton
+@pytest.mark.skipif(INTERPRETING, reason="this process interprets Triton kernels")
+def test_tiles_and_warps_by_dtype_and_width_and_split_rows():
+    """The launch configuration: 8 KiB of logits a statistics tile (4096 bf16 columns, 2048 float32, 1024
+    float64) at 8 columns a thread, twice that for the gradient; a narrow block its own width; a row split
+    across programs only where rows are too few to fill the device and each part still reads several tiles;
+    the autotuner's configurations pruned to the part's width class."""
+    from chunked_entropy import _triton
+
+    assert _triton._stats_config(151936, 2) == (4096, 16)
+    assert _triton._stats_config(151936, 4) == (2048, 8)
+    assert _triton._stats_config(151936, 8) == (1024, 4)
+    assert _triton._stats_config(300, 2) == (512, 2)
+    assert _triton._grad_config(151936, 2) == (8192, 16) and _triton._grad_config(151936, 4) == (4096, 8)
+    cpu = torch.device("cpu")
+    programs = _triton._device_programs(cpu)
+    assert _triton._parts(programs, 1 << 20, 4096, cpu) == 1  # enough rows
+    assert _triton._parts(1, 4096 * 3, 4096, cpu) == 1  # too short to split
+    assert _triton._parts(1, 1 << 20, 4096, cpu) == programs  # one long row: the device filled
+    assert _triton._parts(2, 4096 * 8, 4096, cpu) == 2  # each part at least MIN_SPLIT_TILES tiles
+    assert _triton._parts(1, 1 << 30, 4096, cpu) <= _triton.MAX_PARTS
+    for kind in ("stats", "grad"):
+        configs = _triton._autotune_configs(kind)
+        assert 4 <= len(configs) <= 8
+        small = _triton._prune(configs, {"span_class": 512})
+        assert [c.kwargs["TILE"] for c in small] == [1024] * len(small)
+        wide = _triton._prune(configs, {"span_class": 1 << 17})
+        assert len(wide) == len(configs)
 
 
 def _auto_on_the_cpu(monkeypatch):
