@@ -418,6 +418,8 @@ def _prune(configs, named_args, **kwargs):
 #: bits run to run). Either way the sums are the float32 reassociation of the eager kernels'.
 AUTOTUNE = not INTERPRETED and os.environ.get("CHUNKED_ENTROPY_TRITON_AUTOTUNE", "1") != "0"
 _tuned = {}
+#: The autotuner's timer (None: Triton's own, which needs a GPU); tests time the interpreter's runs instead.
+_BENCH = None
 
 
 def _launcher(kernel, kind: str):
@@ -427,6 +429,8 @@ def _launcher(kernel, kind: str):
         kw = dict(configs=_autotune_configs(kind), key=["span_class"], prune_configs_by={"early_config_prune": _prune})
         if kind == "grad":
             kw["restore_value"] = ["out_ptr"]
+        if _BENCH is not None:
+            kw["do_bench"] = _BENCH
         _tuned[kind] = triton.autotune(**kw)(kernel)
     return _tuned[kind]
 

@@ -578,3 +578,40 @@ def test_auto_probe_passes_the_kernels(monkeypatch):
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="chunked_entropy")  # not numpy's, of the interpreter's inf - inf
         assert _kernels._probe(_kernels.TRITON, "Triton", torch.device("cpu"), "the compiled kernels")
+
+
+def test_autotuned_launches_match_and_restore_an_overwritten_block(monkeypatch):
+    """The GPU's launch path, ``triton.autotune`` over the configurations (timed here by the clock around the
+    interpreter's runs, as Triton's timer needs a GPU): the same statistics as the fixed configuration, and the
+    gradient written over its own block restored between the timed runs (else each run would differentiate
+    the previous one's output)."""
+    import time
+
+    def bench(kernel_call, quantiles):
+        start = time.perf_counter()
+        kernel_call()
+        t = time.perf_counter() - start
+        return [t, t, t]
+
+    monkeypatch.setattr(_triton, "MAX_TILE", 8192)
+    g = torch.Generator().manual_seed(23)
+    z = torch.randn(6, 3000, generator=g) * 3
+    target = torch.tensor([0, 2999, 1500, -1, 7, 2000])
+    tf, k = TRANSFORMS["capped"], torch.linspace(0.5, 2.0, 6).unsqueeze(1)
+    co = _stats.Coefficients(*(torch.randn(6, generator=g) for _ in range(3)))
+    results = []
+    for tuned in (False, True):
+        monkeypatch.setattr(_triton, "AUTOTUNE", tuned)
+        monkeypatch.setattr(_triton, "_tuned", {})
+        monkeypatch.setattr(_triton, "_BENCH", bench)
+        st = _triton.stats(z, tf, k, target, 0, True, True, torch.float32)
+        rows = _stats.RowStats.from_block(st, k)
+        buf = z.clone()
+        _triton.grad(buf, buf, tf, k, rows, target, 0, co, torch.float32)
+        results.append((rows, buf))
+    assert set(_triton._tuned) == {"stats", "grad"}
+    assert len(_triton._tuned["stats"].cache) == 1 and len(_triton._tuned["grad"].cache) == 1
+    (rows_fixed, g_fixed), (rows_tuned, g_tuned) = results
+    for a, b in zip(rows_tuned[:5], rows_fixed[:5], strict=True):
+        torch.testing.assert_close(a, b, rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(g_tuned, g_fixed, rtol=1e-5, atol=1e-7)
