@@ -233,7 +233,7 @@ def _stats_kernel(
     col = tl.load(target_ptr + row) - v0
     has = (col >= 0) & (col < width)
     zl = _u(tl.load(z_row + tl.where(has, col, 0) * stride_zc), cap, HAS_CAP, COMPUTE)
-    if (has & (col >= lo) & (col < hi)) | ((not has) & (part == 0)):
+    if (has & (col >= lo) & (col < hi)) | ((has == 0) & (part == 0)):
         tl.store(zl_ptr + row, tl.where(has, zl, 0.0))
 
 
