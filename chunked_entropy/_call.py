@@ -37,13 +37,14 @@ def settings(layer, chunking, *, logits: bool = False, default: Optional[Chunkin
 
 
 def plan_for(layer: OutputLayer, chunking: Chunking, *, lead, want: Want, device, buffers: Optional[int] = None,
-             compiled: bool = True) -> Plan:
+             compiled: bool = True, pair=None) -> Plan:
     """How an op over hidden states walks ``lead``'s tokens and the layer's vocabulary shard.
 
     The chunk size is ``chunking``'s (``"auto"`` resolved for ``buffers`` float32 buffers of the vocabulary
     block; by default one, two with a scratch output); the vocabulary block its ``vocab_chunk_size``, or the
     default of :func:`~chunked_entropy.config.vocab_block_for`; the kernels its ``backend`` (``compiled=False``:
-    the eager ones, for a walk without compiled kernels)."""
+    the eager ones, for a walk without compiled kernels; ``pair``: a divergence's math, whose kernels are
+    probed too: :func:`~chunked_entropy._kernels.use_compiled`)."""
     v_local = layer.weight.shape[0]
     buffers = 1 + want.scratch if buffers is None else buffers
     chunk_size = chunking.resolve(min(chunking.vocab_chunk_size or v_local, v_local), buffers=buffers)
@@ -53,7 +54,7 @@ def plan_for(layer: OutputLayer, chunking: Chunking, *, lead, want: Want, device
         group=layer.process_group,
         sequence_parallel=layer.sequence_parallel,
         want=want,
-        compiled=use_compiled(chunking.backend, device) if compiled else None,
+        compiled=use_compiled(chunking.backend, device, pair=pair) if compiled else None,
         float32_logits=layer.float32_logits,
     )
 

@@ -13,8 +13,13 @@ imported on first use: the library works without Triton).
 
 ``"auto"`` (every op's default) chooses by device: on CUDA, the Triton
 kernels when Triton is importable, else the compiled ones, each tried once on
-a tiny float32 block and a bf16 one first (a failure, or results that differ
-from the eager kernels', warns once and moves on to the next, down to eager);
+float32 and bf16 test blocks first (:func:`_probe_block`: several tiles a row,
+a soft-cap, per-row temperatures, every statistic and gradient term; a
+failure, or results that differ from the eager kernels', warns once and moves
+on to the next, down to eager), and a divergence's kernels (:data:`PAIR`) at
+that divergence's first call (:func:`_probe_pair`; where they fail, it runs
+eagerly). Each probe reads the device once, for its verdict, in the first
+call only;
 on the CPU and other devices, eager. On a CPU tensor ``backend="triton"``
 runs only through Triton's interpreter (opt-in: ``TRITON_INTERPRET=1`` in
 the environment before Triton is first imported; slow, for tests).
@@ -243,46 +248,157 @@ Kernels = Optional[Union[_Compiled, _Triton]]
 #: Device types where ``backend="auto"`` tries the fast kernels (elsewhere it is eager).
 AUTO_FAST = ("cuda",)
 _auto = {}  # device type -> the kernels backend="auto" chose there (None: eager)
+_auto_pair = {}  # (device type, divergence math) -> whether its kernels passed the probe there
 
 
-def _probe_block(kernels, device: torch.device, dtype) -> None:
-    """Both kernels on a small ``[3, 300]`` block of ``dtype`` (a label at each end and none), held to the eager
-    kernels on the same values; the gradient written in ``dtype``, compared within one rounding of it.
-    Raises ArithmeticError where they differ."""
-    g = torch.Generator(device="cpu").manual_seed(0)
-    z = (torch.randn(3, 300, generator=g) * 4).to(device=device, dtype=dtype)
-    target = torch.tensor([0, 299, -1], device=device)
-    tf = _stats.Transform()
-    co = _stats.Coefficients(torch.ones(3, device=device), torch.full((3,), 0.5, device=device), None)
-    st = kernels.stats(z, tf, None, target, 0, True, False, torch.float32)
-    row = _stats.RowStats.from_block(st, None)
-    grad = kernels.grad(z, torch.empty_like(z), tf, None, row, target, 0, co, torch.float32)
-    zf = z.float()
-    ref_st = _stats.block_stats(zf.clone(), tf, None, target, 0, torch.empty_like(zf), want_w=True, want_q=False)
-    ref_row = _stats.RowStats.from_block(ref_st, None)
-    ref_grad = _stats.block_grad(zf.clone(), tf, None, ref_row, target, 0, co, torch.empty_like(zf), None)
+#: The width of the probe's wide block: several tiles of the widest tile any kernel here reads at once (the
+#: multi-tile merge of every real width, and a row split across programs where the kernels split few long rows).
+PROBE_WIDTH = 3 * 8192 + 37
+
+
+def _probe_data(device: torch.device, dtype, n: int, width: int, seed: int):
+    """A probe block: random logits of ``dtype`` with a large offset on one row and one confident row, labels at
+    both ends of the block, none, and inside (``v0 = 100``: the block is not the vocabulary's first), and the
+    gradient's three per-row coefficients. Made on the device (a copy from the host would wait for it)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    z = torch.randn(n, width, generator=g, device=device).mul_(4.0)
+    z[1].add_(1000.0)  # a large logit offset (the statistics are offsets to the row's maximum)
+    z[2, width // 3].add_(60.0)  # a confident row
+    v0 = 100
+    target = torch.full((n,), v0 + width // 2, dtype=torch.int64, device=device)
+    target[0].fill_(v0)
+    target[1].fill_(v0 + width - 1)
+    target[2].fill_(-1)
+    co = [torch.randn(n, generator=g, device=device) for _ in range(3)]
+    return (z.to(dtype), target, v0, *co)
+
+
+def _column(values, device: torch.device) -> torch.Tensor:
+    """An ``[n, 1]`` float32 column of ``values``, filled on the device (no copy from the host)."""
+    col = torch.empty(len(values), 1, device=device)
+    for i, v in enumerate(values):
+        col[i].fill_(v)
+    return col
+
+
+def _held(pairs, checks: list) -> None:
+    """Append to ``checks`` one 0-d bool tensor: every ``(got, want, rtol)`` of ``pairs`` close (no read back)."""
+    ok = [torch.isclose(a.float(), b.float(), rtol=r, atol=1e-5).all() for a, b, r in pairs]
+    checks.append(torch.stack(ok).all())
+
+
+def _probe_block(kernels, device: torch.device, dtype, checks: list) -> None:
+    """Both kernels on two blocks of ``dtype``, held to the eager kernels on the same values; each block's verdict
+    a 0-d bool tensor appended to ``checks`` (read by the caller, once). The wide block: several tiles a row, a
+    per-row temperature (a small one among them), every statistic (the entropy's ``w`` and the ``q`` of
+    ``sum_pi_squared``) and every gradient term, written into a new block. The narrow block: the soft-cap with
+    a ``logit_scale``, the log-prob and entropy terms only, written over the block itself (the fused head's
+    buffer). The gradient is written in ``dtype`` and compared within one rounding of it."""
     ulp = 1e-4 if dtype == torch.float32 else 2.0 ** -7  # the gradient rounded once to a bf16 (8-bit) mantissa
-    pairs = [(row.log_probs(), ref_row.log_probs(), 1e-4), (row.entropy(), ref_row.entropy(), 1e-4),
-             (grad.float(), ref_grad.to(dtype).float(), ulp)]
-    if grad.dtype != dtype or not all(torch.allclose(a, b, rtol=r, atol=1e-5) for a, b, r in pairs):
-        raise ArithmeticError(f"its results differ from the eager kernels' on a {str(dtype)[6:]} test block")
+    cases = (
+        (4, PROBE_WIDTH, _stats.Transform(), True),
+        (5, 300, _stats.Transform(softcap=30.0, logit_scale=0.5), False),
+    )
+    for seed, (n, width, tf, wide) in enumerate(cases):
+        z, target, v0, c, b, a = _probe_data(device, dtype, n, width, seed)
+        if wide:  # per-row temperatures 0.7, 1.3, 0.05 and 1: k = logit_scale / t as a column
+            k = _column([1 / 0.7, 1 / 1.3, 1 / 0.05, 1.0], device)
+            co = _stats.Coefficients(c, b, a)
+        else:
+            k, co = tf.k(None), _stats.Coefficients(c, b, None)
+        st = kernels.stats(z, tf, k, target, v0, True, wide, torch.float32)
+        row = _stats.RowStats.from_block(st, k)
+        if wide:  # into a new block
+            grad = kernels.grad(z, torch.empty_like(z), tf, k, row, target, v0, co, torch.float32)
+        else:  # over the block itself, as the fused head's buffer
+            x = z.clone()
+            grad = kernels.grad(x, x, tf, k, row, target, v0, co, torch.float32)
+        zf = z.float()
+        aux = torch.empty_like(zf)
+        ref_st = _stats.block_stats(zf.clone(), tf, k, target, v0, torch.empty_like(zf), want_w=True, want_q=wide,
+                                    aux=None)
+        ref_row = _stats.RowStats.from_block(ref_st, k)
+        ref_grad = _stats.block_grad(zf.clone(), tf, k, ref_row, target, v0, co, torch.empty_like(zf), aux)
+        if grad.dtype != dtype:
+            raise ArithmeticError(f"its gradient is {grad.dtype}, not the block's {dtype}")
+        pairs = [(row.log_probs(), ref_row.log_probs(), 1e-4), (row.entropy(), ref_row.entropy(), 1e-4),
+                 (grad, ref_grad.to(dtype), ulp)]
+        if wide:
+            pairs.append((row.sum_pi_squared(), ref_row.sum_pi_squared(), 1e-4))
+        _held(pairs, checks)
+
+
+def _verdict(checks: list, names: list) -> None:
+    """The probe's one read: raises ArithmeticError naming the first test block whose results differ."""
+    failed = [name for name, ok in zip(names, torch.stack(checks).tolist(), strict=True) if not ok]
+    if failed:
+        raise ArithmeticError(f"its results differ from the eager kernels' on a {failed[0]} test block")
+
+
+def _warn_skip(name: str, device: torch.device, e: Exception, then: str) -> None:
+    warnings.warn(
+        f"chunked_entropy: backend='auto' could not run its {name} kernels on {device.type} "
+        f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); trying {then}",
+        RuntimeWarning, stacklevel=5,
+    )
 
 
 def _probe(kernels, name: str, device: torch.device, then: str) -> bool:
-    """Run both kernels once on a small float32 block and a bfloat16 one (the logits and gradient dtype of most
-    GPU runs: read and written in bf16) and hold their results to the eager kernels'; False (and one warning
-    saying what runs ``then``) if they fail or differ: a kernel that compiles but computes wrongly on this
-    device is never chosen silently."""
+    """Run both kernels on float32 blocks and bfloat16 ones (the logits and gradient dtype of most GPU runs: read
+    and written in bf16; see :func:`_probe_block`) and hold their results to the eager kernels'; False (and one
+    warning saying what runs ``then``) if they fail or differ: a kernel that compiles but computes wrongly on
+    this device is never chosen silently. One read of the device in all (the verdict), once per device type
+    and process."""
     try:
+        checks, names = [], []
         for dtype in (torch.float32, torch.bfloat16):
-            _probe_block(kernels, device, dtype)
+            _probe_block(kernels, device, dtype, checks)
+            names += [str(dtype)[6:]] * (len(checks) - len(names))
+        _verdict(checks, names)
         return True
     except Exception as e:  # noqa: BLE001 - any failure of the compiler means: use the next kernels
-        warnings.warn(
-            f"chunked_entropy: backend='auto' could not run its {name} kernels on {device.type} "
-            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); trying {then}",
-            RuntimeWarning, stacklevel=4,
-        )
+        _warn_skip(name, device, e, then)
+        return False
+
+
+def _probe_pair(math_, device: torch.device) -> bool:
+    """The divergence kernels of ``math_`` (:data:`PAIR`: its per-row sums, its gradient and, for a KL, the
+    cross sum folded online) on float32 blocks as the pair walk hands them (several tiles a row, a soft-capped
+    student with per-row temperatures, a plain teacher), held to the same functions run eagerly; False (and
+    one warning: that divergence then runs the eager kernels) if they fail or differ. One read of the device."""
+    dtype = torch.float32
+    try:
+        n, width = 4, PROBE_WIDTH
+        z_s, target, v0, c, b, scale = _probe_data(device, dtype, n, width, 7)
+        z_t = _probe_data(device, dtype, n, width, 8)[0]
+        tf_s, tf_t = _stats.Transform(softcap=30.0), _stats.Transform()
+        k_s = tf_s.k(_column([1 / 0.7, 1 / 1.3, 1 / 0.05, 1.0], device))
+        k_t = torch.full((n, 1), 1.0 / 0.9, device=device)
+        cap_s, cap_t = _cap_factor(tf_s, dtype, device), _cap_factor(tf_t, dtype, device)
+        st_s = _stats.stats_of_block(z_s, cap_s, k_s, target, v0, dtype)
+        st_t = _stats.stats_of_block(z_t, cap_t, k_t, target, v0, dtype)
+        row = _stats.RowStats.from_block(st_s, k_s)
+        ls_t = _stats.RowStats.from_block(st_t, k_t).ls
+        d, aux = PAIR.terms(math_, z_s, z_t, tf_s, k_s, row.m, row.ls, tf_t, k_t, st_t.m, ls_t, dtype)
+        ref_d, ref_aux = _divergence.terms_of_blocks(math_, z_s, z_t, cap_s, k_s, row.m, row.ls, cap_t, k_t,
+                                                     st_t.m, ls_t, dtype)
+        co = _stats.Coefficients(c, b, None)
+        grad = PAIR.grad_(math_, z_s.clone(), z_t, tf_s, k_s, row, target, v0, co, tf_t, k_t, st_t.m, ls_t, ref_aux,
+                          scale, dtype)
+        ref_grad = z_s.clone()
+        _divergence.grad_of_blocks_(math_, ref_grad, z_t, cap_s, k_s, row.m, row.ls, row.ws, target, v0, c, b,
+                                    cap_t, k_t, st_t.m, ls_t, ref_aux, scale, dtype)
+        pairs = [(d, ref_d, 1e-4), (aux, ref_aux, 1e-4), (grad, ref_grad, 1e-4)]
+        if math_.weighs is not None:  # a KL: its cross sum, folded online over vocabulary blocks
+            pairs.append((PAIR.cross(z_s, z_t, tf_s, k_s, st_s.m, tf_t, k_t, st_t.m, dtype),
+                          _divergence.cross_of_blocks(z_s, z_t, cap_s, k_s, st_s.m, cap_t, k_t, st_t.m, dtype),
+                          1e-4))
+        checks = []
+        _held(pairs, checks)
+        _verdict(checks, ["float32 divergence"])
+        return True
+    except Exception as e:  # noqa: BLE001 - any failure of the compiler means: the eager kernels
+        _warn_skip(f"{type(math_).__name__} divergence", device, e, "the eager kernels for it")
         return False
 
 
@@ -298,8 +414,12 @@ def _choose(device: torch.device):
     return None
 
 
-def use_compiled(backend: str, device: torch.device):
+def use_compiled(backend: str, device: torch.device, pair=None):
     """The kernels this call runs (:data:`COMPILED`, :data:`TRITON`), or None for the eager ones.
+
+    ``pair``: a divergence's math (:class:`chunked_entropy._divergence.DivergenceMath`), whose own kernels
+    (:data:`PAIR`) the call runs beside the chosen ones: under ``"auto"`` they are probed too, once per device
+    type and divergence (:func:`_probe_pair`), and where they fail the call runs the eager kernels.
 
     Raises:
         RuntimeError: ``backend="triton"`` without an importable Triton.
@@ -316,4 +436,11 @@ def use_compiled(backend: str, device: torch.device):
         return TRITON
     if device.type not in _auto:
         _auto[device.type] = _choose(device)
-    return _auto[device.type]
+    chosen = _auto[device.type]
+    if chosen is not None and pair is not None:
+        key = (device.type, pair)
+        if key not in _auto_pair:
+            _auto_pair[key] = _probe_pair(pair, device)
+        if not _auto_pair[key]:
+            return None
+    return chosen

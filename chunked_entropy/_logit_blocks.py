@@ -11,6 +11,7 @@ and the bias (:func:`linear_grads`). Both hand the chunk loop
 
 from __future__ import annotations
 
+import functools
 import weakref
 from dataclasses import replace
 from typing import Optional
@@ -165,9 +166,10 @@ def _logits_block(h, w, bias, out, float32: bool = False):
 
     Half-precision ``h`` and ``w``: by default the matmul's output is rounded
     to their dtype, as the model's own layer (and a vLLM rollout) computes it,
-    then widened; with ``float32`` it is accumulated and kept in float32 (CUDA:
-    ``torch.mm(..., out_dtype=torch.float32)``; elsewhere the block's rows are
-    cast to float32 first, a ``[rows + cols, H]`` float32 temporary).
+    then widened; with ``float32`` it is accumulated and kept in float32
+    (:func:`half_mm_native`: ``torch.mm(..., out_dtype=torch.float32)`` on CUDA
+    with torch >= 2.8; elsewhere the block's rows are cast to float32 first, a
+    ``[rows + cols, H]`` float32 temporary).
     """
     if h.dtype == out.dtype:
         torch.mm(h, w.t(), out=out)
@@ -269,9 +271,10 @@ def linear_grads(blocks, rows: Rows, weight, *, n: int, hidden_dtype, chunk_size
 
     Every matmul of half-precision weights takes half-precision operands, as
     half-precision autograd does: ``g`` is rounded to the weight's dtype, and
-    each product is accumulated in float32 inside the matmul (CUDA:
-    ``out_dtype=torch.float32``; a CPU, which has no such kernel, forms the
-    same exact sum of products from float32 copies of the operands). With
+    each product is accumulated in float32 inside the matmul (CUDA with torch
+    >= 2.8: ``out_dtype=torch.float32``; a CPU, or an older torch, which has no
+    such kernel (:func:`half_mm_native`), forms the same exact products from
+    float32 copies of the operands). With
     ``float32`` (``logits_dtype=torch.float32``) ``g`` stays float32 and the
     weight rows are widened: the backward of a float32 matmul, as documented.
 
@@ -407,8 +410,9 @@ def _acc_weight_mm_(acc: torch.Tensor, g: torch.Tensor, gq: torch.Tensor, h: tor
 
 def _half_mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, widen: bool = False) -> torch.Tensor:
     """``a @ b`` of half-precision operands, with a ``out_dtype`` (float32) result: the product a
-    half-precision matmul forms before it rounds its output. On CUDA the operands stay half precision
-    (``out_dtype``: tensor cores); a CPU has no such kernel, and multiplies float32 copies (each product of
+    half-precision matmul forms before it rounds its output. On CUDA (torch >= 2.8: :func:`half_mm_native`) the
+    operands stay half precision (``out_dtype``: tensor cores); a CPU, or an older torch, has no such kernel,
+    and multiplies float32 copies (each product of
     two half-precision numbers is exact in float32, so the sum is the same). ``widen``: a float32 ``a``
     (``logits_dtype=torch.float32``): ``b`` widened, a float32 matmul as documented."""
     if a.dtype == out_dtype and b.dtype == out_dtype:
@@ -420,10 +424,40 @@ def _half_mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, widen: bo
     return torch.mm(a.to(out_dtype), b.to(out_dtype))
 
 
+#: Device types whose half-precision matmuls may write a float32 result (``torch.mm(..., out_dtype=...)``), where
+#: the installed torch has that kernel (:func:`mm_out_dtype_kernel`). A CPU is not one: torch has no CPU kernel.
+HALF_MM_DEVICES = {"cuda": "CUDA"}
+
+
+@functools.lru_cache(maxsize=None)
+def mm_out_dtype_kernel(dispatch_key: str) -> bool:
+    """Whether the installed torch has ``torch.mm(a, b, out_dtype=...)`` for ``dispatch_key`` (``"CUDA"``): both
+    overloads the library calls, ``aten::mm.dtype`` and ``aten::mm.dtype_out``, exist and have a kernel there.
+
+    A feature test, not a version test: the overloads came with torch 2.8 (CUDA only), and a torch
+    without them (2.4-2.7, which ``torch>=2.4`` admits) or without their kernel on the device gets False, and
+    with it the fallback of :func:`half_mm_native`. Asked once per key (cached)."""
+    packet = torch.ops.aten.mm
+    if not {"dtype", "dtype_out"} <= set(packet.overloads()):
+        return False
+    has = getattr(torch._C, "_dispatch_has_kernel_for_dispatch_key", None)
+    if has is None:
+        return False
+    try:
+        return all(has(f"aten::mm.{overload}", dispatch_key) for overload in ("dtype", "dtype_out"))
+    except RuntimeError:  # a dispatch key this torch does not know
+        return False
+
+
 def half_mm_native(device: torch.device) -> bool:
     """Whether this device multiplies half-precision operands into a float32 result (``torch.mm(...,
-    out_dtype=torch.float32)``): CUDA does; a CPU does not."""
-    return device.type == "cuda"
+    out_dtype=torch.float32)``): CUDA with torch >= 2.8 does (:func:`mm_out_dtype_kernel`); a CPU does not,
+    nor CUDA under an older torch. Where it does not, the library multiplies float32 copies of the operands
+    instead: the same values (each product of two half-precision numbers is exact in float32, and the sums
+    are float32 sums either way; TF32, where allowed, holds bf16 and fp16 values exactly too), at the float32
+    matmul's speed and with the copies' memory."""
+    key = HALF_MM_DEVICES.get(device.type)
+    return key is not None and mm_out_dtype_kernel(key)
 
 
 def reduce_hidden_grad(grad_h: torch.Tensor, full_shape, plan: Plan) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""The per-block math as Triton kernels (``backend="triton"``): one program per row, the row walked in tiles.
+"""The per-block math as Triton kernels (``backend="triton"``): rows walked in tiles, few long rows split.
 
 The same statistics and gradient as :func:`chunked_entropy._stats.stats_of_block`
 and :func:`~chunked_entropy._stats.grad_of_block` (see :mod:`chunked_entropy._stats`
@@ -8,19 +8,32 @@ block ``z`` (any float dtype, any strides: bf16/fp16 logits are read directly,
 never copied to float32) and compute in the compute dtype (float32, or float64
 for float64 blocks).
 
-- **Statistics** (:func:`stats`): each program reads its row once, tile by
-  tile; each tile's ``(m, ones, rest, w, q)`` relative to the tile's own
-  maximum is merged into the row's running ones exactly as
-  :func:`~chunked_entropy._stats.merge_stats` merges two vocabulary blocks (an
-  online softmax), so a row's statistics are the same sums as the eager
-  reference's, reassociated. Writes six per-row values.
-- **Gradient** (:func:`grad`): each program reads its row once more and
-  writes the gradient row into ``out`` in ``out``'s dtype (the logits' own
+- **Statistics** (:func:`stats`): each program reads its row (or its part of
+  the row) once, tile by tile. Each of the tile's lanes keeps running
+  statistics ``(m, ones, rest, w, q)`` of the columns it has read, relative
+  to its own maximum, updated column by column with one ``exp`` and no
+  reduction across lanes (:func:`_lane_step`); the lanes are merged once, at
+  the end (:func:`_merge_lanes`), as :func:`~chunked_entropy._stats.merge_stats`
+  merges vocabulary blocks (an online softmax). A row's statistics are the
+  same sums as the eager reference's, reassociated. Writes six per-row values.
+- **Split rows.** Where the rows are too few to fill the device (fewer than
+  twice its multiprocessors) and long (each part at least
+  :data:`MIN_SPLIT_TILES` tiles), a row is split across programs
+  (:func:`_parts`): each writes its part's statistics, and a second launch
+  merges the parts as the lanes are (:func:`_merge_parts_kernel`).
+- **Gradient** (:func:`grad`): each program reads its row (or part) once more
+  and writes the gradient into ``out`` in ``out``'s dtype (the logits' own
   gradient, bf16 for bf16 logits: computed in float32, rounded once), which
   may be the block itself (the fused head's buffer, overwritten).
+- **Tiles and warps** by the logits' dtype and the part's width: 8 KiB of
+  logits a statistics tile (4096 bf16 columns, 2048 float32) at 8 columns a
+  thread, 16 KiB a gradient tile at 16; on a GPU chosen by ``triton.autotune``
+  among a few configurations, once per shape class (the part's power-of-2
+  width, the dtypes and the variant); :data:`AUTOTUNE`.
 
 Memory: no buffer beyond the outputs (six ``[n]`` vectors; the gradient block
-is the caller's ``out``). Offsets are int64, so a block may exceed 2**31
+is the caller's ``out``), and for split rows ``5 * parts`` floats a row (at
+most :data:`MAX_PARTS` parts). Offsets are int64, so a block may exceed 2**31
 elements.
 
 This module imports Triton and is imported only on first use of the backend
@@ -54,9 +67,6 @@ def _interpreting() -> bool:
 
 #: Whether these kernels run through Triton's interpreter (``TRITON_INTERPRET=1`` when this module was imported).
 INTERPRETED = _interpreting()
-
-#: The widest column tile a program reads at once (a power of 2); tests lower it to walk several tiles.
-MAX_TILE = 4096
 
 _NEG_FLOOR = _stats.NEG_FLOOR
 _COMPUTE = {torch.float32: tl.float32, torch.float64: tl.float64}
@@ -128,75 +138,150 @@ def _shift(m_from, m_to, k, NEG_FLOOR: tl.constexpr):
 
 
 @triton.jit
+def _lane_step(m, ones, rest, w, q, u, k, WANT_W: tl.constexpr, WANT_Q: tl.constexpr, NEG_FLOOR: tl.constexpr):
+    """One column more in each lane's running statistics ``(m, ones, rest, w, q)`` (vectors, one entry a lane,
+    relative to the lane's own maximum ``m``): the column ``u`` (-inf where masked) merged as
+    :func:`chunked_entropy._stats.merge_stats` merges a block of one column, in one ``exp``: of the two
+    sides, the one with the larger maximum is scaled by 1 (0 where that maximum is -inf) and the other by
+    ``exp(k * (lo - hi))``. No reduction across lanes."""
+    hi = _max_nan(m, u)
+    lo = tl.minimum(m, u)
+    d = _shift(lo, hi, k, NEG_FLOOR)
+    f_small = tl.exp(d)
+    f_big = tl.where(hi == -float("inf"), 0.0, 1.0)
+    d_big = tl.where(hi == -float("inf"), NEG_FLOOR, 0.0)
+    new = u > m  # the column is the lane's new maximum: the lane's sums are the ones scaled
+    f_a = tl.where(new, f_small, f_big)
+    d_a = tl.where(new, d, d_big)
+    f_b = tl.where(new, f_big, f_small)
+    d_b = tl.where(new, d_big, d)
+    one = tl.where(u == -float("inf"), 0.0, 1.0)  # the column's own statistics: ones = s = q = 1, rest = w = 0
+    s_a = ones + rest
+    ones_new = tl.where(f_a == 1.0, ones, 0.0) + tl.where(f_b == 1.0, one, 0.0)
+    rest = tl.where(f_a == 1.0, rest, s_a * f_a) + tl.where(f_b == 1.0, 0.0, one * f_b)
+    if WANT_W:
+        w = w * f_a + s_a * f_a * d_a + one * f_b * d_b
+    if WANT_Q:
+        q = q * (f_a * f_a) + one * (f_b * f_b)
+    return hi, ones_new, rest, w, q
+
+
+@triton.jit
+def _merge_lanes(m, ones, rest, w, q, k, WANT_W: tl.constexpr, WANT_Q: tl.constexpr, NEG_FLOOR: tl.constexpr):
+    """The lanes' statistics (vectors, each relative to its own maximum) merged into the row's, relative to the
+    largest maximum: each lane rescaled once (one ``exp`` a lane) and summed, the merge of
+    :func:`chunked_entropy._stats.merge_stats` over every lane at once. Returns five scalars."""
+    mr = tl.reduce(m, 0, _max_nan)  # NaN where a lane has one, as the eager kernels' row max
+    d = _shift(m, mr, k, NEG_FLOOR)
+    f = tl.exp(d)
+    s = ones + rest
+    ones_r = tl.sum(tl.where(f == 1.0, ones, 0.0), axis=0)
+    rest_r = tl.sum(tl.where(f == 1.0, rest, s * f), axis=0)
+    w_r = 0.0
+    q_r = 0.0
+    if WANT_W:
+        w_r = tl.sum(w * f + s * f * d, axis=0)
+    if WANT_Q:
+        q_r = tl.sum(q * (f * f), axis=0)
+    return mr, ones_r, rest_r, w_r, q_r
+
+
+@triton.jit
 def _stats_kernel(
-    z_ptr, stride_zr, stride_zc, width, cap_ptr, k_ptr, stride_k, target_ptr, v0,
-    m_ptr, ones_ptr, rest_ptr, w_ptr, q_ptr, zl_ptr,
+    z_ptr, stride_zr, stride_zc, width, span, cap_ptr, k_ptr, stride_k, target_ptr, v0,
+    m_ptr, ones_ptr, rest_ptr, w_ptr, q_ptr, zl_ptr, n, span_class,
     HAS_CAP: tl.constexpr, WANT_W: tl.constexpr, WANT_Q: tl.constexpr,
     TILE: tl.constexpr, COMPUTE: tl.constexpr, NEG_FLOOR: tl.constexpr,
 ):
+    """Program ``(row, part)``: the statistics of columns ``[part * span, (part + 1) * span)`` of the row, written
+    at ``part * n + row`` (the row's own, when the row is one part; else the second stage merges the parts).
+    Each of the ``TILE`` lanes keeps running statistics over its columns (:func:`_lane_step`, no reduction
+    inside the loop); they are merged once, at the end (:func:`_merge_lanes`). ``span_class`` only keys the
+    autotuner's choice of ``TILE`` and warps."""
     row = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1).to(tl.int64)
+    lo = part * span
+    hi = tl.minimum(lo + span, width)
     z_row = z_ptr + row * stride_zr
     k = tl.load(k_ptr + row * stride_k).to(COMPUTE)
     cap = 0.0
     if HAS_CAP:
         cap = tl.load(cap_ptr).to(COMPUTE)
-    neg_inf = -float("inf")
-    m = tl.full((), neg_inf, COMPUTE)
-    ones = tl.zeros((), COMPUTE)
-    rest = tl.zeros((), COMPUTE)
-    w = tl.zeros((), COMPUTE)
-    q = tl.zeros((), COMPUTE)
+    m = tl.full((TILE,), -float("inf"), COMPUTE)
+    ones = tl.zeros((TILE,), COMPUTE)
+    rest = tl.zeros((TILE,), COMPUTE)
+    w = tl.zeros((TILE,), COMPUTE)
+    q = tl.zeros((TILE,), COMPUTE)
     cols0 = tl.arange(0, TILE).to(tl.int64)
-    for start in range(0, width, TILE):
+    for start in range(lo, hi, TILE):
         cols = start + cols0
-        inside = cols < width
+        inside = cols < hi
         u = _u(tl.load(z_row + cols * stride_zc, mask=inside, other=0.0), cap, HAS_CAP, COMPUTE)
-        u = tl.where(inside, u, neg_inf)
-        # the tile's statistics relative to its own maximum mt (a tile of -inf shifts by 0: offsets NEG_FLOOR)
-        mt = tl.reduce(u, 0, _max_nan)  # NaN where the tile has one, as the eager kernels' row max
-        y = _max_nan((u - tl.where(mt == neg_inf, 0.0, mt)) * k, NEG_FLOOR)
-        e = tl.exp(y)
-        top = y == 0.0
-        t_ones = tl.sum(top.to(COMPUTE), axis=0)
-        t_rest = tl.sum(tl.where(top, 0.0, e), axis=0)
-        # merged into the running statistics: both re-expressed relative to the larger maximum (_stats.rescale)
-        m_new = _max_nan(m, mt)
-        d_a = _shift(m, m_new, k, NEG_FLOOR)
-        d_b = _shift(mt, m_new, k, NEG_FLOOR)
-        f_a = tl.exp(d_a)
-        f_b = tl.exp(d_b)
-        s_a = ones + rest
-        s_b = t_ones + t_rest
-        ones_new = tl.where(f_a == 1.0, ones, 0.0) + tl.where(f_b == 1.0, t_ones, 0.0)
-        rest = tl.where(f_a == 1.0, rest, s_a * f_a) + tl.where(f_b == 1.0, t_rest, s_b * f_b)
-        ones = ones_new
-        if WANT_W:
-            w = w * f_a + s_a * f_a * d_a + tl.sum(e * y, axis=0) * f_b + s_b * f_b * d_b
-        if WANT_Q:
-            q = q * (f_a * f_a) + tl.sum(e * e, axis=0) * (f_b * f_b)
-        m = m_new
-    # the label's u, where the label is in this block (0 elsewhere, and for -1)
+        u = tl.where(inside, u, -float("inf"))
+        m, ones, rest, w, q = _lane_step(m, ones, rest, w, q, u, k, WANT_W, WANT_Q, NEG_FLOOR)
+    mr, ones_r, rest_r, w_r, q_r = _merge_lanes(m, ones, rest, w, q, k, WANT_W, WANT_Q, NEG_FLOOR)
+    out = part * n + row
+    tl.store(m_ptr + out, mr)
+    tl.store(ones_ptr + out, ones_r)
+    tl.store(rest_ptr + out, rest_r)
+    if WANT_W:
+        tl.store(w_ptr + out, w_r)
+    if WANT_Q:
+        tl.store(q_ptr + out, q_r)
+    # the label's u, where the label is in this block (0 elsewhere, and for -1): written by the part holding
+    # it, or by the first part where the block does not hold it
     col = tl.load(target_ptr + row) - v0
     has = (col >= 0) & (col < width)
     zl = _u(tl.load(z_row + tl.where(has, col, 0) * stride_zc), cap, HAS_CAP, COMPUTE)
-    tl.store(m_ptr + row, m)
-    tl.store(ones_ptr + row, ones)
-    tl.store(rest_ptr + row, rest)
-    tl.store(zl_ptr + row, tl.where(has, zl, 0.0))
+    if (has & (col >= lo) & (col < hi)) | ((has == 0) & (part == 0)):
+        tl.store(zl_ptr + row, tl.where(has, zl, 0.0))
+
+
+@triton.jit
+def _merge_parts_kernel(
+    pm_ptr, pones_ptr, prest_ptr, pw_ptr, pq_ptr, parts, n, k_ptr, stride_k,
+    m_ptr, ones_ptr, rest_ptr, w_ptr, q_ptr,
+    WANT_W: tl.constexpr, WANT_Q: tl.constexpr, PARTS: tl.constexpr, COMPUTE: tl.constexpr,
+    NEG_FLOOR: tl.constexpr,
+):
+    """The second stage of a row split across programs: its ``parts`` partial statistics (at ``part * n +
+    row``) merged into the row's, as lanes are (:func:`_merge_lanes`)."""
+    row = tl.program_id(0).to(tl.int64)
+    k = tl.load(k_ptr + row * stride_k).to(COMPUTE)
+    idx = tl.arange(0, PARTS).to(tl.int64)
+    inside = idx < parts
+    at = idx * n + row
+    m = tl.load(pm_ptr + at, mask=inside, other=-float("inf")).to(COMPUTE)
+    ones = tl.load(pones_ptr + at, mask=inside, other=0.0).to(COMPUTE)
+    rest = tl.load(prest_ptr + at, mask=inside, other=0.0).to(COMPUTE)
+    w = tl.zeros((PARTS,), COMPUTE)
+    q = tl.zeros((PARTS,), COMPUTE)
     if WANT_W:
-        tl.store(w_ptr + row, w)
+        w = tl.load(pw_ptr + at, mask=inside, other=0.0).to(COMPUTE)
     if WANT_Q:
-        tl.store(q_ptr + row, q)
+        q = tl.load(pq_ptr + at, mask=inside, other=0.0).to(COMPUTE)
+    mr, ones_r, rest_r, w_r, q_r = _merge_lanes(m, ones, rest, w, q, k, WANT_W, WANT_Q, NEG_FLOOR)
+    tl.store(m_ptr + row, mr)
+    tl.store(ones_ptr + row, ones_r)
+    tl.store(rest_ptr + row, rest_r)
+    if WANT_W:
+        tl.store(w_ptr + row, w_r)
+    if WANT_Q:
+        tl.store(q_ptr + row, q_r)
 
 
 @triton.jit
 def _grad_kernel(
-    z_ptr, stride_zr, stride_zc, out_ptr, stride_or, stride_oc, width, cap_ptr, k_ptr, stride_k,
-    m_ptr, ls_ptr, ws_ptr, s2_ptr, target_ptr, v0, c_ptr, b_ptr, a_ptr,
+    z_ptr, stride_zr, stride_zc, out_ptr, stride_or, stride_oc, width, span, cap_ptr, k_ptr, stride_k,
+    m_ptr, ls_ptr, ws_ptr, s2_ptr, target_ptr, v0, c_ptr, b_ptr, a_ptr, span_class,
     HAS_CAP: tl.constexpr, HAS_C: tl.constexpr, HAS_B: tl.constexpr, HAS_A: tl.constexpr, OUT_BF16: tl.constexpr,
     TILE: tl.constexpr, COMPUTE: tl.constexpr, NEG_FLOOR: tl.constexpr,
 ):
+    """Program ``(row, part)``: the gradient of columns ``[part * span, (part + 1) * span)`` of the row."""
     row = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1).to(tl.int64)
+    lo = part * span
+    hi = tl.minimum(lo + span, width)
     z_row = z_ptr + row * stride_zr
     out_row = out_ptr + row * stride_or
     k = tl.load(k_ptr + row * stride_k).to(COMPUTE)
@@ -221,9 +306,9 @@ def _grad_kernel(
         s2 = tl.load(s2_ptr + row).to(COMPUTE)
     label = tl.load(target_ptr + row) - v0  # -1 - v0 < 0 for no label: no column matches
     cols0 = tl.arange(0, TILE).to(tl.int64)
-    for start in range(0, width, TILE):
+    for start in range(lo, hi, TILE):
         cols = start + cols0
-        inside = cols < width
+        inside = cols < hi
         u = _u(tl.load(z_row + cols * stride_zc, mask=inside, other=0.0), cap, HAS_CAP, COMPUTE)
         y = _max_nan((u - shift) * k, NEG_FLOOR)
         p = tl.exp(y - ls)
@@ -244,11 +329,118 @@ def _grad_kernel(
         tl.store(out_row + cols * stride_oc, g.to(out_ptr.dtype.element_ty), mask=inside)
 
 
-def _tile(width: int) -> tuple:
-    """The column tile and warps for a row of ``width`` columns. (Both launches also state
-    ``enable_fp_fusion=True``, Triton's default until 3.9, which warns that 3.10 changes it.)"""
-    tile = min(triton.next_power_of_2(max(width, 1)), MAX_TILE)
-    return tile, (8 if tile >= 2048 else 4)
+# ----------------------------------------------------------------------------- launch configuration
+
+#: The widest column tile a program reads at once (a power of 2); tests lower it to walk several tiles.
+MAX_TILE = 8192
+#: Columns a thread handles per tile of the statistics' kernel (the lanes' running statistics live in
+#: registers: 8 keep them there), and the widest tile by the logits' bytes: 8 KiB of bf16, float32 or float64.
+_STATS_THREAD_COLUMNS = 8
+_STATS_TILE = {2: 4096, 4: 2048, 8: 1024}
+#: Columns a thread writes per tile of the gradient's kernel (no state: wider tiles, fewer loop trips).
+_GRAD_THREAD_COLUMNS = 16
+#: A row is split across programs only where each part still reads this many tiles (the second stage and
+#: the parts' partial statistics cost a launch and ``5 * parts`` floats a row).
+MIN_SPLIT_TILES = 4
+#: At most this many parts a row (the second stage merges them as one vector).
+MAX_PARTS = 64
+#: Programs to keep the device busy (None: twice its streaming multiprocessors, read on first use; 8 on a CPU,
+#: the interpreter's).
+PROGRAMS = None
+_programs = {}
+
+
+def _device_programs(device: torch.device) -> int:
+    if PROGRAMS is not None:
+        return PROGRAMS
+    key = (device.type, device.index)
+    if key not in _programs:
+        count = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+        _programs[key] = 2 * count
+    return _programs[key]
+
+
+def _warps(tile: int, columns_per_thread: int) -> int:
+    return max(1, min(16, tile // (32 * columns_per_thread)))
+
+
+def _stats_config(width: int, elem: int) -> tuple:
+    """``(TILE, warps)`` of the statistics' kernel for a part of ``width`` columns of ``elem``-byte logits: the
+    part's own width, at most 8 KiB of logits a tile (:data:`_STATS_TILE`) and :data:`MAX_TILE`; 8 columns a
+    thread."""
+    tile = min(triton.next_power_of_2(max(width, 1)), _STATS_TILE.get(elem, 2048), MAX_TILE)
+    return tile, _warps(tile, _STATS_THREAD_COLUMNS)
+
+
+def _grad_config(width: int, elem: int) -> tuple:
+    """``(TILE, warps)`` of the gradient's kernel: the part's own width, at most 16 KiB of logits a tile and
+    :data:`MAX_TILE`; 16 columns a thread, up to 16 warps."""
+    tile = min(triton.next_power_of_2(max(width, 1)), 2 * _STATS_TILE.get(elem, 2048), MAX_TILE)
+    return tile, _warps(tile, _GRAD_THREAD_COLUMNS)
+
+
+def _parts(n: int, width: int, tile: int, device: torch.device) -> int:
+    """How many programs share a row: 1, unless the rows are too few to fill the device and each part would
+    still read :data:`MIN_SPLIT_TILES` tiles; then enough parts to fill it (at most :data:`MAX_PARTS`)."""
+    programs = _device_programs(device)
+    if n >= programs:
+        return 1
+    by_width = width // (tile * MIN_SPLIT_TILES)
+    return max(1, min(MAX_PARTS, -(-programs // max(n, 1)), by_width))
+
+
+def _span_class(span: int) -> int:
+    """The autotuner's shape class of a part of ``span`` columns: its power of 2 (at most 2**20)."""
+    return min(triton.next_power_of_2(max(span, 1)), 1 << 20)
+
+
+def _autotune_configs(kind: str):
+    tiles = (1024, 2048, 4096, 8192) if kind == "grad" else (1024, 2048, 4096)
+    per_thread = _GRAD_THREAD_COLUMNS if kind == "grad" else _STATS_THREAD_COLUMNS
+    configs = []
+    for tile in tiles:
+        for warps in sorted({_warps(tile, per_thread), max(1, _warps(tile, per_thread) // 2)}):
+            configs.append(triton.Config({"TILE": tile}, num_warps=warps))
+    return configs
+
+
+def _prune(configs, named_args, **kwargs):
+    """Configurations whose tile fits the part (the smallest one always stays)."""
+    span = named_args["span_class"]
+    fit = [c for c in configs if c.kwargs["TILE"] <= span]
+    return fit or [min(configs, key=lambda c: c.kwargs["TILE"])]
+
+
+#: Whether launches pick their tile and warps with ``triton.autotune`` (compiled kernels on a GPU: once per
+#: shape class, the part's width class, and per dtype and variant; the benchmark synchronizes the host those
+#: few times) or from :func:`_stats_config` / :func:`_grad_config` (the interpreter, which cannot time a
+#: kernel, or ``CHUNKED_ENTROPY_TRITON_AUTOTUNE=0``: the same configuration in every process, so the same
+#: bits run to run). Either way the sums are the float32 reassociation of the eager kernels'.
+AUTOTUNE = not INTERPRETED and os.environ.get("CHUNKED_ENTROPY_TRITON_AUTOTUNE", "1") != "0"
+_tuned = {}
+#: The autotuner's timer (None: Triton's own, which needs a GPU); tests time the interpreter's runs instead.
+_BENCH = None
+
+
+def _launcher(kernel, kind: str):
+    """``kernel`` as autotuned (:data:`AUTOTUNE`), built once; the gradient's restores its output between the
+    timed runs (it may overwrite its own input)."""
+    if kind not in _tuned:
+        kw = dict(configs=_autotune_configs(kind), key=["span_class"], prune_configs_by={"early_config_prune": _prune})
+        if kind == "grad":
+            kw["restore_value"] = ["out_ptr"]
+        if _BENCH is not None:
+            kw["do_bench"] = _BENCH
+        _tuned[kind] = triton.autotune(**kw)(kernel)
+    return _tuned[kind]
+
+
+def _launch(kernel, kind: str, grid, args: tuple, consts: dict, config: tuple):
+    if AUTOTUNE:
+        _launcher(kernel, kind)[grid](*args, **consts, enable_fp_fusion=True)
+    else:
+        tile, warps = config
+        kernel[grid](*args, **consts, TILE=tile, num_warps=warps, enable_fp_fusion=True)
 
 
 def _per_row(t, n: int, dtype, device):
@@ -274,21 +466,32 @@ def _vec(t):
 
 def stats(z, tf: _stats.Transform, k, target, v0: int, want_w: bool, want_q: bool, dtype) -> _stats.BlockStats:
     """:func:`chunked_entropy._stats.stats_of_block` of the raw ``[n, width]`` block ``z`` (read only), with
-    ``w`` and ``q`` None unless wanted. Allocates the six ``[n]`` results."""
+    ``w`` and ``q`` None unless wanted. Allocates the six ``[n]`` results; where a row is split across
+    programs (few long rows: :func:`_parts`), also ``5 * parts`` floats a row of partial statistics, merged by
+    a second launch."""
     n, width = z.shape
     out = torch.empty((6, n), dtype=dtype, device=z.device)
     m, ones, rest, w, q, zl = out.unbind(0)
-    if n:
-        z = z.detach()
-        kt, sk = _per_row(k, n, dtype, z.device)
-        cap = _cap(tf, dtype, z.device)
-        tile, warps = _tile(width)
-        _stats_kernel[(n,)](
-            z, z.stride(0), z.stride(1), width, kt if cap is None else cap, kt, sk, _vec(target), v0,
-            m, ones, rest, w, q, zl,
-            HAS_CAP=cap is not None, WANT_W=bool(want_w), WANT_Q=bool(want_q),
-            TILE=tile, COMPUTE=_COMPUTE[dtype], NEG_FLOOR=_NEG_FLOOR, num_warps=warps, enable_fp_fusion=True,
-        )
+    if not n:
+        return _stats.BlockStats(m, ones, rest, w if want_w else None, q if want_q else None, zl)
+    z = z.detach()
+    kt, sk = _per_row(k, n, dtype, z.device)
+    cap = _cap(tf, dtype, z.device)
+    config = _stats_config(width, z.element_size())
+    parts = _parts(n, width, config[0], z.device)
+    span = -(-width // parts)
+    if parts > 1:
+        config = _stats_config(span, z.element_size())
+    part = torch.empty((5, parts * n), dtype=dtype, device=z.device) if parts > 1 else None
+    dst = (m, ones, rest, w, q) if part is None else part.unbind(0)
+    flags = dict(WANT_W=bool(want_w), WANT_Q=bool(want_q), COMPUTE=_COMPUTE[dtype], NEG_FLOOR=_NEG_FLOOR)
+    _launch(_stats_kernel, "stats", (n, parts),
+            (z, z.stride(0), z.stride(1), width, span, kt if cap is None else cap, kt, sk, _vec(target), v0,
+             *dst, zl, n, _span_class(span)),
+            dict(HAS_CAP=cap is not None, **flags), config)
+    if part is not None:
+        _merge_parts_kernel[(n,)](*part.unbind(0), parts, n, kt, sk, m, ones, rest, w, q,
+                                  PARTS=triton.next_power_of_2(parts), num_warps=1, **flags)
     return _stats.BlockStats(m, ones, rest, w if want_w else None, q if want_q else None, zl)
 
 
@@ -296,7 +499,9 @@ def grad(z, out, tf: _stats.Transform, k, row: _stats.RowStats, target, v0: int,
     """:func:`chunked_entropy._stats.grad_of_block` of the raw ``[n, width]`` block ``z`` (read only) written
     into ``out`` (``[n, width]``, any float dtype, any strides; it may be ``z`` itself) and returned.
     ``row`` holds the rows' statistics (``ws`` needed with ``co.b``, ``s2`` with ``co.a``); an absent
-    coefficient costs nothing. Allocates nothing beyond a contiguous copy of a strided per-row input."""
+    coefficient costs nothing. Few long rows are split across programs as the statistics' are (no second
+    stage: each column's gradient is its own). Allocates nothing beyond a contiguous copy of a strided per-row
+    input."""
     n, width = z.shape
     if not n:
         return out
@@ -305,15 +510,18 @@ def grad(z, out, tf: _stats.Transform, k, row: _stats.RowStats, target, v0: int,
     c, b, a = co
     dummy = row.ls  # pointer arguments of absent terms (never read)
     vec = lambda t: dummy if t is None else _vec(t)  # noqa: E731
-    tile, warps = _tile(width)
-    _grad_kernel[(n,)](
-        z.detach(), z.stride(0), z.stride(1), out, out.stride(0), out.stride(1), width,
-        kt if cap is None else cap, kt, sk,
-        _vec(row.m), _vec(row.ls), vec(row.ws if b is not None else None), vec(row.s2 if a is not None else None),
-        _vec(target), v0, vec(c), vec(b), vec(a),
-        HAS_CAP=cap is not None, HAS_C=c is not None, HAS_B=b is not None, HAS_A=a is not None,
-        OUT_BF16=out.dtype == torch.bfloat16 and dtype == torch.float32,
-        TILE=tile, COMPUTE=_COMPUTE[dtype], NEG_FLOOR=_NEG_FLOOR, num_warps=warps, enable_fp_fusion=True,
-    )
+    config = _grad_config(width, z.element_size())
+    parts = _parts(n, width, config[0], z.device)
+    span = -(-width // parts)
+    if parts > 1:
+        config = _grad_config(span, z.element_size())
+    _launch(_grad_kernel, "grad", (n, parts),
+            (z.detach(), z.stride(0), z.stride(1), out, out.stride(0), out.stride(1), width, span,
+             kt if cap is None else cap, kt, sk,
+             _vec(row.m), _vec(row.ls), vec(row.ws if b is not None else None),
+             vec(row.s2 if a is not None else None), _vec(target), v0, vec(c), vec(b), vec(a), _span_class(span)),
+            dict(HAS_CAP=cap is not None, HAS_C=c is not None, HAS_B=b is not None, HAS_A=a is not None,
+                 OUT_BF16=out.dtype == torch.bfloat16 and dtype == torch.float32, COMPUTE=_COMPUTE[dtype],
+                 NEG_FLOOR=_NEG_FLOOR),
+            config)
     return out
-

@@ -408,7 +408,7 @@ def _linear_call(student_hidden, student: OutputLayer, teacher_hidden, teacher: 
                 call.require(_all_finite(t), f"{name} must be finite (no NaN or inf): a teacher's NaN would poison "
                              "every divergence")
         plan = plan_for(student, chunking, lead=lead, want=Want(compute_entropy, False), device=student_hidden.device,
-                        buffers=4)
+                        buffers=4, pair=spec.math)
         main_grad = main_grad_of(student_weight, student.gradient_accumulation_fusion)
         grads = torch.is_grad_enabled() and any(
             t is not None and t.requires_grad for t in (student_hidden, student_weight, student_bias))
@@ -786,7 +786,7 @@ def divergence_from_logits(
         agree_objects(call, student_layer=student_layer, teacher_layer=teacher_layer, chunking=chunking,
                       divergence=divergence)
     plan = logits_plan(chunk_size, v_local, process_group, Want(compute_entropy, False),
-                       use_compiled(chunking.backend, student_logits.device))
+                       use_compiled(chunking.backend, student_logits.device, pair=spec.math))
     teacher = _Teacher(teacher_logits.detach(), None, None, tf_t)
     shape = tuple(lead)
     if tok.n == 0:

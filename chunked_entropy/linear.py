@@ -144,8 +144,8 @@ def linear_log_probs_and_entropy(
             layer rounds it (and as a vLLM rollout does, which widens the bf16
             logits to float32 only for sampling), then widened for the float32
             statistics. ``torch.float32``: the matmul is kept in float32
-            (``out_dtype`` on CUDA; elsewhere each block's rows are cast to
-            float32 first), and so is ``grad @ weight`` in backward: as exact
+            (``out_dtype`` on CUDA with torch >= 2.8; elsewhere each block's
+            rows are cast to float32 first), and so is ``grad @ weight`` in backward: as exact
             as plain float32 PyTorch on the same bf16 inputs.
         labels: ``[...]`` int64 *global* vocabulary ids; with sequence
             parallelism, for the full gathered sequence. None when only

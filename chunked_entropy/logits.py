@@ -128,8 +128,10 @@ def log_probs_and_entropy(
             budget). Memory per chunk is ``chunk_size * V_local * 4`` bytes
             per buffer. Its ``backend`` chooses the kernels of each block:
             ``"auto"`` (Triton on CUDA when importable, else compiled, each
-            tried once per process on a float32 and a bf16 test block and
-            skipped with one warning where it fails or differs from eager;
+            tried once per process on float32 and bf16 test blocks (several
+            tiles a row, soft-cap, per-row temperatures, ``sum_pi_squared``;
+            one read of the device) and skipped with one warning where it
+            fails or differs from eager;
             eager on the CPU), ``"eager"`` (the reference: in-place
             PyTorch ops per block), ``"compile"`` (each block's statistics and
             gradient as one ``torch.compile``d pass reading the logits

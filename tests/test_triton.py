@@ -45,7 +45,7 @@ def _python(code: str, **env) -> subprocess.CompletedProcess:
     e = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     e["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), e.get("PYTHONPATH")) if p)
     e.update(env)
-    return subprocess.run([sys.executable, *code], cwd=ROOT, env=e, capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, *code], cwd=ROOT, env=e, capture_output=True, text=True, timeout=600)
 
 
 _PROBE = """
@@ -222,7 +222,7 @@ except RuntimeError as e:
     assert "pip install triton" in r.stdout
 
 
-def _compile_for_sm90(kernel, types: dict, consts: dict):
+def _compile_for_sm90(kernel, types: dict, consts: dict, warps: int = 8):
     """Triton's compiler, run ahead of time for an H100/H200 (sm_90) on this machine, no GPU needed: it checks
     what the interpreter does not (types in the loops, constexpr branches, lowering to PTX and a cubin)."""
     import triton
@@ -231,7 +231,7 @@ def _compile_for_sm90(kernel, types: dict, consts: dict):
 
     sig = {name: "constexpr" if name in consts else types[name] for name in kernel.arg_names}
     return triton.compile(ASTSource(kernel, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": 8, "enable_fp_fusion": True})
+                          options={"num_warps": warps, "enable_fp_fusion": True})
 
 
 @needs_triton
@@ -239,27 +239,215 @@ def _compile_for_sm90(kernel, types: dict, consts: dict):
 @pytest.mark.parametrize("half", ["bf16", "fp16"])
 def test_the_kernels_compile_for_a_gpu(half):
     """The richest variant of each kernel (a half-precision block, the soft-cap, every statistic and gradient
-    term) through the whole compiler, down to a cubin."""
+    term) through the whole compiler, down to a cubin, at the widest tile and warps the launches use; and the
+    second stage of a split row."""
     from chunked_entropy import _triton
 
     if _triton.INTERPRETED:
         pytest.skip("Triton was imported with TRITON_INTERPRET set in this process")
     f32 = "*fp32"
+    stats_tile, stats_warps = _triton._stats_config(1 << 20, 2)
+    grad_tile, grad_warps = _triton._grad_config(1 << 20, 2)
     stats = _compile_for_sm90(
         _triton._stats_kernel,
-        dict(z_ptr=f"*{half}", stride_zr="i64", stride_zc="i32", width="i32", cap_ptr=f32, k_ptr=f32, stride_k="i32",
-             target_ptr="*i64", v0="i32", m_ptr=f32, ones_ptr=f32, rest_ptr=f32, w_ptr=f32, q_ptr=f32, zl_ptr=f32),
-        dict(HAS_CAP=True, WANT_W=True, WANT_Q=True, TILE=4096, COMPUTE=_triton.tl.float32,
-             NEG_FLOOR=_triton._NEG_FLOOR))
+        dict(z_ptr=f"*{half}", stride_zr="i64", stride_zc="i32", width="i32", span="i32", cap_ptr=f32, k_ptr=f32,
+             stride_k="i32", target_ptr="*i64", v0="i32", m_ptr=f32, ones_ptr=f32, rest_ptr=f32, w_ptr=f32,
+             q_ptr=f32, zl_ptr=f32, n="i32", span_class="i32"),
+        dict(HAS_CAP=True, WANT_W=True, WANT_Q=True, TILE=stats_tile, COMPUTE=_triton.tl.float32,
+             NEG_FLOOR=_triton._NEG_FLOOR), stats_warps)
+    merge = _compile_for_sm90(
+        _triton._merge_parts_kernel,
+        dict(pm_ptr=f32, pones_ptr=f32, prest_ptr=f32, pw_ptr=f32, pq_ptr=f32, parts="i32", n="i32", k_ptr=f32,
+             stride_k="i32", m_ptr=f32, ones_ptr=f32, rest_ptr=f32, w_ptr=f32, q_ptr=f32),
+        dict(WANT_W=True, WANT_Q=True, PARTS=_triton.MAX_PARTS, COMPUTE=_triton.tl.float32,
+             NEG_FLOOR=_triton._NEG_FLOOR), 1)
     grad = _compile_for_sm90(
         _triton._grad_kernel,
         dict(z_ptr=f"*{half}", stride_zr="i64", stride_zc="i32", out_ptr=f"*{half}", stride_or="i64",
-             stride_oc="i32", width="i32", cap_ptr=f32, k_ptr=f32, stride_k="i32", m_ptr=f32, ls_ptr=f32,
-             ws_ptr=f32, s2_ptr=f32, target_ptr="*i64", v0="i32", c_ptr=f32, b_ptr=f32, a_ptr=f32),
-        dict(HAS_CAP=True, HAS_C=True, HAS_B=True, HAS_A=True, OUT_BF16=half == "bf16", TILE=4096,
-             COMPUTE=_triton.tl.float32, NEG_FLOOR=_triton._NEG_FLOOR))
-    for k in (stats, grad):
+             stride_oc="i32", width="i32", span="i32", cap_ptr=f32, k_ptr=f32, stride_k="i32", m_ptr=f32,
+             ls_ptr=f32, ws_ptr=f32, s2_ptr=f32, target_ptr="*i64", v0="i32", c_ptr=f32, b_ptr=f32, a_ptr=f32,
+             span_class="i32"),
+        dict(HAS_CAP=True, HAS_C=True, HAS_B=True, HAS_A=True, OUT_BF16=half == "bf16", TILE=grad_tile,
+             COMPUTE=_triton.tl.float32, NEG_FLOOR=_triton._NEG_FLOOR), grad_warps)
+    for k in (stats, merge, grad):
         assert k.asm["cubin"] and "ld.global" in k.asm["ptx"]
+    for k in (stats, merge):
         # every maximum propagates NaN as eager's (maximumf); maxnumf, tl.max's own, would skip it on the GPU
         assert "arith.maxnumf" not in k.asm["ttir"] and "arith.maximumf" in k.asm["ttir"]
     assert "__nv_tanhf" in stats.asm["ttir"]  # libdevice's tanh, not the interpreter's formula
+    # the lanes' statistics stay in registers: no spill to local memory at the widest tile (read from the
+    # cubin by the cuobjdump Triton ships)
+    usage = _resource_usage(stats)
+    if usage is not None:
+        assert " LOCAL:0 " in usage, usage
+
+
+def _resource_usage(kernel):
+    """``cuobjdump -res-usage`` of a compiled kernel's cubin (registers, local memory), or None without the tool."""
+    import tempfile
+
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not tool.exists():
+        return None
+    with tempfile.TemporaryDirectory() as d:
+        cubin = Path(d) / "kernel.cubin"
+        cubin.write_bytes(kernel.asm["cubin"])
+        out = subprocess.run([str(tool), "-res-usage", str(cubin)], capture_output=True, text=True, timeout=60)
+    lines = [line.strip() for line in out.stdout.splitlines() if "REG:" in line]
+    return f" {lines[0]} " if lines else None
+
+
+@needs_triton
+@pytest.mark.skipif(INTERPRETING, reason="this process interprets Triton kernels")
+def test_tiles_and_warps_by_dtype_and_width_and_split_rows():
+    """The launch configuration: 8 KiB of logits a statistics tile (4096 bf16 columns, 2048 float32, 1024
+    float64) at 8 columns a thread, twice that for the gradient; a narrow block its own width; a row split
+    across programs only where rows are too few to fill the device and each part still reads several tiles;
+    the autotuner's configurations pruned to the part's width class."""
+    from chunked_entropy import _triton
+
+    assert _triton._stats_config(151936, 2) == (4096, 16)
+    assert _triton._stats_config(151936, 4) == (2048, 8)
+    assert _triton._stats_config(151936, 8) == (1024, 4)
+    assert _triton._stats_config(300, 2) == (512, 2)
+    assert _triton._grad_config(151936, 2) == (8192, 16) and _triton._grad_config(151936, 4) == (4096, 8)
+    cpu = torch.device("cpu")
+    programs = _triton._device_programs(cpu)
+    assert _triton._parts(programs, 1 << 20, 4096, cpu) == 1  # enough rows
+    assert _triton._parts(1, 4096 * 3, 4096, cpu) == 1  # too short to split
+    assert _triton._parts(1, 1 << 20, 4096, cpu) == programs  # one long row: the device filled
+    assert _triton._parts(2, 4096 * 8, 4096, cpu) == 2  # each part at least MIN_SPLIT_TILES tiles
+    assert _triton._parts(1, 1 << 30, 4096, cpu) <= _triton.MAX_PARTS
+    for kind in ("stats", "grad"):
+        configs = _triton._autotune_configs(kind)
+        assert 4 <= len(configs) <= 8
+        small = _triton._prune(configs, {"span_class": 512})
+        assert [c.kwargs["TILE"] for c in small] == [1024] * len(small)
+        wide = _triton._prune(configs, {"span_class": 1 << 17})
+        assert len(wide) == len(configs)
+
+
+def _auto_on_the_cpu(monkeypatch):
+    """``backend="auto"`` as on a fast device, with the compiled kernels (the CPU stands in for CUDA)."""
+    monkeypatch.setattr(_kernels, "_auto", {})
+    monkeypatch.setattr(_kernels, "_auto_pair", {}, raising=False)
+    monkeypatch.setattr(_kernels, "AUTO_FAST", ("cpu",))
+    monkeypatch.setattr(_kernels.TRITON, "compiled_for", lambda device: False)
+
+
+def _eager_pair_kernels(monkeypatch, wrong: str = "", kind: str = ""):
+    """The divergence kernels as their own functions run eagerly (no compile: these tests are about the probe),
+    ``wrong``: that one of them off by 1% (for the divergence ``kind`` only, where it takes the kind's math)."""
+    from chunked_entropy import _divergence
+
+    def off(fn):
+        def call(*args):
+            out = fn(*args)
+            if wrong != "cross" and args[0].kind != kind:
+                return out
+            if isinstance(out, tuple):
+                return tuple(t * 1.01 for t in out)
+            if out is None:  # grad_of_blocks_ writes over its second argument
+                args[1].mul_(1.01)
+            return None if out is None else out * 1.01
+        return call
+
+    fns = {"terms": _divergence.terms_of_blocks, "grad": _divergence.grad_of_blocks_,
+           "cross": _divergence.cross_of_blocks}
+    fns = tuple(off(f) if name == wrong else f for name, f in fns.items())
+    monkeypatch.setattr(_kernels.PAIR, "fns", lambda: fns)
+
+
+def _faulty_stats(fault):
+    right = _kernels.COMPILED.stats
+
+    def stats(z, tf, k, target, v0, want_w, want_q, dtype):
+        st = right(z, tf, k, target, v0, want_w, want_q, dtype)
+        if fault == "sum_pi_squared" and st.q is not None:
+            return st._replace(q=st.q * 1.01)
+        if fault == "several tiles" and z.shape[1] > 8192:  # a merge of tiles gone wrong
+            return st._replace(rest=st.rest * 1.01)
+        if fault == "per-row temperature" and isinstance(k, torch.Tensor):
+            return st._replace(rest=st.rest * 1.01)
+        return st
+
+    return stats
+
+
+@pytest.mark.parametrize("fault", ["sum_pi_squared", "several tiles", "per-row temperature", "softcap"])
+def test_auto_probes_what_runs(fault, monkeypatch):
+    """Kernels wrong only with ``sum_pi_squared``, only on rows of several tiles, only with a per-row temperature
+    or only with a soft-cap (the cases of real calls a one-tile probe never ran) are found and skipped."""
+    _auto_on_the_cpu(monkeypatch)
+    if fault == "softcap":
+        right = _kernels.COMPILED.grad
+
+        def grad(z, out, tf, *args):
+            g = right(z, out, tf, *args)
+            return g.mul_(1.01) if tf.softcap is not None else g
+
+        monkeypatch.setattr(_kernels.COMPILED, "grad", grad)
+    else:
+        monkeypatch.setattr(_kernels.COMPILED, "stats", _faulty_stats(fault))
+    with pytest.warns(RuntimeWarning, match=r"could not run its compiled kernels on cpu \(ArithmeticError: its "
+                                           r"results differ from the eager kernels' on a float32 test block\)"):
+        assert _kernels.use_compiled("auto", torch.device("cpu")) is None
+
+
+def test_auto_probe_reads_the_device_once(monkeypatch):
+    """The probe's verdict is one read of the device, in the first call only (beside the call's own value check);
+    a divergence's kernels are probed at its first call, again with one read."""
+    from chunked_entropy import Divergence, _stats, divergence_from_logits
+    from tests.test_host_syncs import _HostSyncs
+
+    _auto_on_the_cpu(monkeypatch)
+    _eager_pair_kernels(monkeypatch)
+    # the compiled kernels' functions run as they are: dynamo compiles no frame under a dispatch mode
+    monkeypatch.setattr(_kernels.COMPILED, "fns",
+                        lambda: (_stats.stats_of_block, _stats.grad_of_block, _stats.grad_of_block_))
+    g = torch.Generator().manual_seed(0)
+    z, zt, labels = torch.randn(6, 40, generator=g), torch.randn(6, 40, generator=g), torch.randint(0, 40, (6,))
+    counts = []
+    for _ in range(2):
+        with _HostSyncs() as syncs:
+            log_probs_and_entropy(z, labels)
+        counts.append(sum(syncs.ops.values()))
+    for kind in ("reverse_kl", "reverse_kl", Divergence("jsd", 0.5)):
+        with _HostSyncs() as syncs:
+            divergence_from_logits(z, zt, labels=labels, divergence=kind)
+        counts.append(sum(syncs.ops.values()))
+    assert counts == [2, 1, 2, 1, 2], counts
+    assert _kernels._auto["cpu"] is _kernels.COMPILED
+
+
+@pytest.mark.parametrize("wrong", ["terms", "grad", "cross"])
+def test_auto_never_runs_divergence_kernels_that_compute_wrongly(wrong, monkeypatch):
+    """A divergence's own kernels wrong on this device: found by its probe at its first call; that divergence
+    runs the eager kernels (the same results as backend="eager"), the others and the one-head ops keep theirs."""
+    from chunked_entropy import Divergence, divergence_from_logits
+
+    _auto_on_the_cpu(monkeypatch)
+    _eager_pair_kernels(monkeypatch, wrong, kind="jsd")
+    g = torch.Generator().manual_seed(0)
+    z, zt, labels = torch.randn(6, 40, generator=g), torch.randn(6, 40, generator=g), torch.randint(0, 40, (6,))
+    assert _kernels.use_compiled("auto", torch.device("cpu")) is _kernels.COMPILED
+    kind = Divergence("jsd", 0.5) if wrong != "cross" else "forward_kl"  # the cross sum: a KL's only
+    with pytest.warns(RuntimeWarning, match=r"could not run its (JSD|ForwardKL) divergence kernels on cpu "
+                                           r"\(ArithmeticError: .* float32 divergence test block\); trying the "
+                                           r"eager kernels for it"):
+        got = divergence_from_logits(z, zt, labels=labels, divergence=kind)
+    want = divergence_from_logits(z, zt, labels=labels, divergence=kind, chunking=Chunking(backend="eager"))
+    assert torch.equal(got.divergence, want.divergence)
+    assert _kernels.use_compiled("auto", torch.device("cpu"), pair=_pair_math(kind)) is None
+    other = "reverse_kl" if wrong != "cross" else Divergence("jsd", 0.5)  # right kernels, or no cross sum
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _kernels.use_compiled("auto", torch.device("cpu"), pair=_pair_math(other)) is _kernels.COMPILED
+
+
+def _pair_math(kind):
+    from chunked_entropy import Divergence
+
+    return (kind if isinstance(kind, Divergence) else Divergence(kind)).spec.math

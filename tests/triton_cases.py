@@ -51,6 +51,13 @@ def _small_tiles(monkeypatch):
     monkeypatch.setattr(_triton, "MAX_TILE", 16)
 
 
+def _split_rows(monkeypatch, on: bool = True):
+    """Few long rows as the kernels see them on a large device: every row split across programs (each part at
+    least one tile), merged by the second stage; ``on=False``: one program a row."""
+    monkeypatch.setattr(_triton, "MIN_SPLIT_TILES", 1)
+    monkeypatch.setattr(_triton, "PROGRAMS", 64 if on else 1)
+
+
 def test_the_kernels_are_interpreted():
     assert _triton.INTERPRETED
     assert _kernels.use_compiled("triton", torch.device("cpu")) is _kernels.TRITON
@@ -249,9 +256,12 @@ def _check(got, ref, dtype, tol):
         torch.testing.assert_close(got.double(), ref, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["rows", "split"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("extra", [{}, {"softcap": 4.0, "logit_scale": 0.5}], ids=["plain", "softcap"])
-def test_logits_path_matches_float64(dtype, extra):
+def test_logits_path_matches_float64(dtype, extra, split, monkeypatch):
+    if split:
+        _split_rows(monkeypatch)
     g = torch.Generator().manual_seed(0)
     base = torch.randn(2, 5, W + 3, generator=g) * 4
     z = base[..., :W].to(dtype)  # rows of a wider tensor (any strides)
@@ -426,11 +436,15 @@ def test_the_interpreted_tanh_is_within_an_ulp():
         assert ((a - b).abs() <= ulp).all(), (a - b).abs().max()
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["rows", "split"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_edge_rows_match_eager(dtype):
+def test_edge_rows_match_eager(dtype, split, monkeypatch):
     """End to end, values and gradients (random upstream ones) equal to eager's where eager's are NaN or
     infinite too: a padded vocabulary (-inf columns), a row of -inf, a label on -inf, NaN and +inf logits,
-    an offset of 1e4, a confident row, a tie; per-row temperatures, one tiny, as a stride-0 column."""
+    an offset of 1e4, a confident row, a tie; per-row temperatures, one tiny, as a stride-0 column. ``split``:
+    each row across programs, its statistics merged by the second stage (a NaN, an inf in one part only)."""
+    if split:
+        _split_rows(monkeypatch)
     g = torch.Generator().manual_seed(12)
     z = torch.randn(9, W, generator=g, dtype=torch.float64) * 3
     labels = torch.randint(0, W - 4, (9,), generator=g)
@@ -476,3 +490,128 @@ def test_padded_columns_at_a_tiny_temperature_pass_no_nan():
     assert torch.isfinite(grad).all() and (grad[:, -5:] == 0).all()
     for a, b in zip(outs + [grad], eager_outs + [eager_grad], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- the launch: lanes, split rows
+
+
+@pytest.mark.parametrize("dtype,tf", [("f32", "plain"), ("f32", "capped"), ("bf16", "capped"), ("f64", "plain")])
+def test_split_rows_match_one_program_a_row(dtype, tf, monkeypatch):
+    """A row split across programs (partial statistics merged by the second stage) against one program a row and
+    against eager, on rows of 120 columns (7 parts of 18: a tile of 16 and a partial one each) with a NaN in one
+    part, a +inf, a row of -inf, an offset of 1e4, a confident row, a tie at the maximum in two parts; labels
+    in several parts, before the block and none. The label's ``u`` is written once, by the part holding it."""
+    dtype, tf = DTYPES[dtype], TRANSFORMS[tf]
+    cdt = torch.float64 if dtype == torch.float64 else torch.float32
+    g = torch.Generator().manual_seed(21)
+    width, v0 = 120, 5
+    z = torch.randn(7, width, generator=g, dtype=torch.float64) * 3
+    z[0, 100] = math.nan
+    z[1, 40] = math.inf
+    z[2] = -math.inf
+    z[3] += 1e4
+    z[4, 77] += 40
+    z[5, 3] = z[5, 110] = z[5].max() + 1
+    z = z.to(dtype)
+    target = torch.tensor([v0 + 119, v0 + 100, v0 + 7, v0, 2, -1, v0 + 31])
+    k = torch.linspace(0.5, 2.0, 7, dtype=cdt).unsqueeze(1)
+    results = []
+    for on in (False, True):
+        _split_rows(monkeypatch, on)
+        assert _triton._parts(7, width, 16, z.device) == (7 if on else 1)
+        st = _triton.stats(z, tf, k, target, v0, True, True, cdt)
+        rows = _stats.RowStats.from_block(st, k)
+        co = _stats.Coefficients(*(torch.randn(7, generator=g, dtype=cdt) for _ in range(3)))
+        grad = _triton.grad(z, torch.full(z.shape, math.nan, dtype=dtype), tf, k, rows, target, v0, co, cdt)
+        results.append((st, rows, grad))
+    (st1, rows1, _), (st2, rows2, _) = results
+    torch.testing.assert_close(st2.zl, st1.zl, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(st2.m, st1.m, rtol=0, atol=0, equal_nan=True)
+    eager = _stats.RowStats.from_block(
+        _stats.block_stats(z.to(cdt, copy=True), tf, k, target, v0, torch.empty(z.shape, dtype=cdt), want_w=True,
+                           want_q=True), k)
+    tight = dict(rtol=1e-12, atol=1e-12) if cdt == torch.float64 else dict(rtol=2e-6, atol=2e-6)
+    for a, b, e in zip(rows2[:5], rows1[:5], eager[:5], strict=True):
+        torch.testing.assert_close(a, b, equal_nan=True, **tight)
+        torch.testing.assert_close(a, e, equal_nan=True, **tight)
+    # the gradient of each column is its own: the same bits from the same statistics, however the row is split
+    _split_rows(monkeypatch, True)
+    co = _stats.Coefficients(*(torch.randn(7, generator=g, dtype=cdt) for _ in range(3)))
+    one = _triton.grad(z, torch.empty_like(z), tf, k, rows1, target, v0, co, cdt)
+    _split_rows(monkeypatch, False)
+    assert torch.equal(one.isnan(), _triton.grad(z, torch.empty_like(z), tf, k, rows1, target, v0, co, cdt).isnan())
+    torch.testing.assert_close(one, _triton.grad(z, torch.empty_like(z), tf, k, rows1, target, v0, co, cdt),
+                               rtol=0, atol=0, equal_nan=True)
+
+
+def test_lanes_hold_many_columns():
+    """Rows of 1000 columns in tiles of 16: each lane's running statistics over 63 columns, rescaled as its
+    maximum rises (columns sorted ascending: every column a new maximum; descending: none after the first),
+    against float64 from the definitions."""
+    g = torch.Generator().manual_seed(22)
+    base = torch.randn(3, 1000, generator=g, dtype=torch.float64) * 4
+    z = torch.cat([base.sort(dim=1).values, base.sort(dim=1, descending=True).values, base])
+    width = z.shape[1]
+    target = torch.tensor([0, 999, 500] * 3)
+    k = torch.full((9, 1), 1.3)
+    got = _stats.RowStats.from_block(_triton.stats(z.float(), TRANSFORMS["plain"], k, target, 0, True, True,
+                                                   torch.float32), k)
+    u = z
+    y = 1.3 * (u - u.amax(dim=1, keepdim=True))
+    lse = torch.logsumexp(y, dim=1)
+    p = torch.exp(y - lse.unsqueeze(1))
+    ws = (p * y).sum(dim=1)
+    yl = y.gather(1, target.unsqueeze(1)).squeeze(1)
+    for a, b in zip((got.ls, got.ws, got.s2, got.yl), (lse, ws, (p * p).sum(dim=1), yl), strict=True):
+        torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-5)
+    assert width == 1000
+
+
+def test_auto_probe_passes_the_kernels(monkeypatch):
+    """``backend="auto"``'s probe (several tiles a row, soft-cap, per-row temperatures, ``sum_pi_squared``; its
+    few long rows split across programs) holds these kernels, at their own tiles, to eager's: they pass, with
+    no warning."""
+    import warnings
+
+    monkeypatch.setattr(_triton, "MAX_TILE", 8192)
+    assert _triton._parts(4, _kernels.PROBE_WIDTH, 2048, torch.device("cpu")) > 1
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="chunked_entropy")  # not numpy's, of the interpreter's inf - inf
+        assert _kernels._probe(_kernels.TRITON, "Triton", torch.device("cpu"), "the compiled kernels")
+
+
+def test_autotuned_launches_match_and_restore_an_overwritten_block(monkeypatch):
+    """The GPU's launch path, ``triton.autotune`` over the configurations (timed here by the clock around the
+    interpreter's runs, as Triton's timer needs a GPU): the same statistics as the fixed configuration, and the
+    gradient written over its own block restored between the timed runs (else each run would differentiate
+    the previous one's output)."""
+    import time
+
+    def bench(kernel_call, quantiles):
+        start = time.perf_counter()
+        kernel_call()
+        t = time.perf_counter() - start
+        return [t, t, t]
+
+    monkeypatch.setattr(_triton, "MAX_TILE", 8192)
+    g = torch.Generator().manual_seed(23)
+    z = torch.randn(6, 3000, generator=g) * 3
+    target = torch.tensor([0, 2999, 1500, -1, 7, 2000])
+    tf, k = TRANSFORMS["capped"], torch.linspace(0.5, 2.0, 6).unsqueeze(1)
+    co = _stats.Coefficients(*(torch.randn(6, generator=g) for _ in range(3)))
+    results = []
+    for tuned in (False, True):
+        monkeypatch.setattr(_triton, "AUTOTUNE", tuned)
+        monkeypatch.setattr(_triton, "_tuned", {})
+        monkeypatch.setattr(_triton, "_BENCH", bench)
+        st = _triton.stats(z, tf, k, target, 0, True, True, torch.float32)
+        rows = _stats.RowStats.from_block(st, k)
+        buf = z.clone()
+        _triton.grad(buf, buf, tf, k, rows, target, 0, co, torch.float32)
+        results.append((rows, buf))
+    assert set(_triton._tuned) == {"stats", "grad"}
+    assert len(_triton._tuned["stats"].cache) == 1 and len(_triton._tuned["grad"].cache) == 1
+    (rows_fixed, g_fixed), (rows_tuned, g_tuned) = results
+    for a, b in zip(rows_tuned[:5], rows_fixed[:5], strict=True):
+        torch.testing.assert_close(a, b, rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(g_tuned, g_fixed, rtol=1e-5, atol=1e-7)
