@@ -353,32 +353,50 @@ def test_plan_formulas_by_hand():
 # --------------------------------------------------------------------------- the formulas against bench
 
 
-def test_plan_formulas_within_15_percent_of_bench(capsys, tmp_path):
-    """Moderate shapes (64-256 MiB of logits), so that page-level noise is small."""
+def test_allocation_log_peak_is_the_tensors_live_at_once():
+    """The bench's allocation log: the largest sum of the tensors alive at once, over what was held on entry."""
+    from chunked_entropy.cli._measure import AllocationLog
+
+    MiB = 2**20
+    before = torch.empty(MiB // 4)  # held on entry: not counted
+    with AllocationLog() as log:
+        a = torch.empty(MiB // 4)  # 1 MiB
+        b = torch.empty(MiB // 2)  # 2 MiB: 3 live
+        del a
+        c = torch.empty(MiB // 2)  # 4 live
+        del b, c
+        d = torch.empty(3 * MiB // 4)  # 3 live
+        del d
+    assert log.peak == 4 * MiB and log.net == 0
+    x = torch.randn(256, 1024, requires_grad=True)  # 1 MiB
+    with AllocationLog() as log:  # exp's output (saved for backward), the product, its gradient, x.grad
+        (x.exp() * 2).sum().backward()
+    assert 3 * MiB <= log.peak <= 3 * MiB + 4096, log.peak
+    del before
+
+
+def test_plan_formulas_within_5_percent_of_bench_allocations(capsys, tmp_path):
+    """The plan's formulas against the bench's allocation log (``--allocations``): the peak of the memory torch
+    allocates over the inputs, which does not depend on how busy the machine is, nor on the sizes (small shapes
+    suffice). The resident set did: on a busy 2-core machine the fused head at chunk 256 (4096 x 8192, hidden 512)
+    measured 51.1 MB against 42.5 MB predicted, 2 runs of 4."""
     out_dir = tmp_path / "res"
-    code, _, err = _run(capsys, "bench", "--path", "logits", "--tokens", "2048", "--vocab", "16384",
-                        "--chunk-sizes", "256,1024", "--repeats", "1", "--no-progress", "--out", str(out_dir))
-    assert code == 0, err
-    rows = json.load(open(out_dir / "results.json"))["results"]
-    code, _, err = _run(capsys, "bench", "--path", "logits", "--tokens", "2048", "--vocab", "16384",
-                        "--dtype", "bfloat16", "--methods", "chunked,clone", "--chunk-sizes", "512",
-                        "--repeats", "1", "--no-progress", "--out", str(out_dir))
-    assert code == 0, err
-    rows += json.load(open(out_dir / "results.json"))["results"]
-    code, _, err = _run(capsys, "bench", "--path", "head", "--tokens", "4096", "--vocab", "8192", "--hidden",
-                        "512", "--methods", "head", "--chunk-sizes", "256,1024", "--repeats", "1",
-                        "--no-progress", "--out", str(out_dir))
-    assert code == 0, err
-    rows += json.load(open(out_dir / "results.json"))["results"]
-    code, _, err = _run(capsys, "bench", "--path", "head", "--tokens", "4096", "--vocab", "8192", "--hidden",
-                        "512", "--methods", "head", "--chunk-sizes", "512", "--dtype", "bfloat16", "--repeats", "1",
-                        "--no-progress", "--out", str(out_dir))
-    assert code == 0, err
-    rows += json.load(open(out_dir / "results.json"))["results"]
+    common = ("--repeats", "1", "--allocations", "--no-progress", "--out", str(out_dir))
+    rows = []
+    for argv in (("--path", "logits", "--tokens", "1024", "--vocab", "8192", "--chunk-sizes", "256,1024"),
+                 ("--path", "logits", "--tokens", "1024", "--vocab", "8192", "--dtype", "bfloat16",
+                  "--methods", "chunked,clone", "--chunk-sizes", "512"),
+                 ("--path", "head", "--tokens", "2048", "--vocab", "4096", "--hidden", "256", "--methods", "head",
+                  "--chunk-sizes", "256,1024"),
+                 ("--path", "head", "--tokens", "2048", "--vocab", "4096", "--hidden", "256", "--methods", "head",
+                  "--chunk-sizes", "512", "--dtype", "bfloat16")):
+        code, _, err = _run(capsys, "bench", *argv, *common)
+        assert code == 0, err
+        rows += json.load(open(out_dir / "results.json"))["results"]
     assert len(rows) == 4 + 2 + 2 + 1 and all(r["status"] == "ok" for r in rows), rows
     for r in rows:
         shape = plan_mod.Shape(r["tokens"], r["vocab"], r["hidden"], 1, r["dtype"], device="cpu")
         e = plan_mod.estimate(r["method"], shape, r["chunk"])
         predicted = e.over_logits if r["path"] == "logits" else e.total
-        assert abs(r["peak_bytes"] - predicted) <= 0.15 * predicted, (
-            r["label"], r["dtype"], r["peak_bytes"], predicted)
+        assert abs(r["alloc_peak_bytes"] - predicted) <= 0.05 * predicted, (
+            r["label"], r["dtype"], r["alloc_peak_bytes"], predicted)

@@ -125,6 +125,7 @@ class Case:
     topk: int = 0  # distillation: the teacher's top-k per token (the distill methods)
     seq_len: int = 0  # the loss methods' [B, T] layout: tokens per sequence (0: one sequence of them all)
     read: int = 0  # percent of the rows whose label is read (the rest -100, as prompts are); 0: every row
+    allocations: bool = False  # also report alloc_peak_bytes (CPU: a second, logged forward+backward)
 
     @property
     def spec(self) -> Method:
@@ -671,6 +672,42 @@ class CudaMemory:
         return torch.cuda.max_memory_allocated(self.device) - self.base
 
 
+class AllocationLog:
+    """The peak of the bytes torch's CPU allocator holds inside a ``with`` block, over those it held on entry.
+
+    Every allocation and free of tensor memory inside the block is logged, in order, by the profiler
+    (``profile_memory=True``: one event per allocation or free, with its size), on the thread that enters
+    the block (a CPU backward runs there too; other threads are not logged); the peak is the largest running
+    sum. A free of a block allocated before entry is not logged (the profiler warns once): such memory counts
+    as held throughout, so free the tensors of an earlier pass before entering. The figure depends only on
+    the tensors the code creates and frees, not on what the C library keeps or returns, on page faults, or on
+    other processes: the same call gives the same figure on a busy machine as on an idle one. It leaves out
+    what the libraries underneath allocate themselves (the matmul library's packing workspace: a few MiB)
+    and Python objects.
+    The profiler slows the block down: time it separately.
+    """
+
+    def __enter__(self):
+        from torch.profiler import ProfilerActivity, profile
+
+        self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        self._prof.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._prof.__exit__(*exc)
+        if exc[0] is not None:
+            return
+        cpu = torch._C._autograd.DeviceType.CPU
+        events = [e for e in self._prof.profiler.kineto_results.events()
+                  if e.name() == "[memory]" and e.device_type() == cpu]
+        live = self.peak = 0
+        for e in sorted(events, key=lambda e: e.start_ns()):
+            live += e.nbytes()
+            self.peak = max(self.peak, live)
+        self.net = live
+
+
 def _sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -775,6 +812,15 @@ def measure(case: Case, group=None, rank: int = 0, world: int = 1) -> dict:
         with _Clock(device) as clock:
             loss_of(case, inp, group).backward()
         res.update(time_first_s=res["time_s"], time_s=clock.seconds)
+    if case.allocations:
+        if device.type == "cuda":
+            res["alloc_peak_bytes"] = res["peak_bytes"]
+        else:  # logged apart from the timed run (the log slows it down), from the same state: no gradients yet
+            inp.clear_grads()
+            gc.collect()
+            with AllocationLog() as log:
+                loss_of(case, inp, group).backward()
+            res["alloc_peak_bytes"] = log.peak
     if case.spec.floor and group is None:
         inp.clear_grads()
         res["floor_s"] = floor_seconds(case, inp)
@@ -799,6 +845,8 @@ def _worker(rank, world, port, case_json, out_file):
                 "time_s": max(r["time_s"] for r in every),
                 "peak_bytes_ranks": [r["peak_bytes"] for r in every],
             }
+            if case.allocations:
+                out["alloc_peak_bytes"] = max(r["alloc_peak_bytes"] for r in every)
             with open(out_file, "w") as f:
                 json.dump(out, f)
         dist.barrier()

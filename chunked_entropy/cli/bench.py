@@ -204,6 +204,9 @@ def add_arguments(p, positive_int, int_list, name_list) -> None:
     r.add_argument("--warm", action="store_true",
                    help="time a second forward+backward in each case's process (a training loop's later steps: "
                         "kernels loaded, memory reused); the memory columns stay those of the first")
+    r.add_argument("--allocations", action="store_true",
+                   help="also report alloc_peak_bytes: on CPU the peak of torch's allocations over the inputs, "
+                        "from a log of a second, untimed forward+backward (the same on a busy machine)")
     r.add_argument("--force", action="store_true",
                    help="run cases even when the plan's estimate exceeds the memory available")
     r.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
@@ -262,7 +265,8 @@ def build_cases(s: dict, device: str) -> list:
                                         group += [Case(path=path, method=name, tokens=n, vocab=v, hidden=h, chunk=c,
                                                        dtype=s["dtype"], device=device, backend=be,
                                                        warm=bool(s.get("warm")), keep=kk, loss_mode=lm, topk=topk,
-                                                       seq_len=seq_len, tp=tp, read=r) for r in reads]
+                                                       seq_len=seq_len, tp=tp, read=r,
+                                                       allocations=bool(s.get("allocations"))) for r in reads]
                     groups.append(group)
     return groups
 
@@ -399,7 +403,8 @@ def _summarise(case: Case, results: list) -> dict:
     lb = case.tokens * case.vocab * plan.DTYPE_BYTES[case.dtype]
     row = dataclasses.asdict(case)
     row.update(label=case.label, logits_bytes=lb, plan_bytes=plan_bytes(case), repeats=len(results),
-               peak_bytes=None, peak_bytes_ranks=None, peak_x_logits=None, time_s=None, time_min=None, time_max=None,
+               peak_bytes=None, peak_bytes_ranks=None, alloc_peak_bytes=None, peak_x_logits=None, time_s=None,
+               time_min=None, time_max=None,
                cpu_user_s=None, cpu_sys_s=None, speed_vs_plain=None, floor_s=None,
                status="ok" if ok else results[-1]["status"],
                error="" if ok else results[-1].get("error", ""))
@@ -411,6 +416,8 @@ def _summarise(case: Case, results: list) -> dict:
         if all("peak_bytes_ranks" in r for r in ok):  # tp > 1: each rank's peak (median over rounds)
             ranks = zip(*(r["peak_bytes_ranks"] for r in ok), strict=True)
             row.update(peak_bytes_ranks=[int(statistics.median(p)) for p in ranks])
+        if all("alloc_peak_bytes" in r for r in ok):  # --allocations
+            row.update(alloc_peak_bytes=int(statistics.median(r["alloc_peak_bytes"] for r in ok)))
         if all("floor_s" in r for r in ok):
             row.update(floor_s=statistics.median(r["floor_s"] for r in ok))
         if all("cpu_user_s" in r for r in ok):  # not reported over several ranks
@@ -566,6 +573,7 @@ def run(args) -> int:
         return gpu.run(args)
     s = _settings(args)
     s["warm"] = args.warm
+    s["allocations"] = args.allocations
     _check_device(args.device)
     check_out_dir(args.out)
     if args.plot:
