@@ -108,13 +108,15 @@ class _SelectRows(torch.autograd.Function):
 
 
 def select_rows(rows, hidden: torch.Tensor, *, process_group=None, sequence_parallel: bool = False,
-                name: str = "hidden", tails=("log_probs_at", "keep"), require=None, **per_row) -> torch.Tensor:
+                name: str = "hidden", tails=("log_probs_at", "keep"), require=None, layer_name: str = "layer",
+                **per_row) -> torch.Tensor:
     """``hidden``'s rows at ``rows`` (``[*rows.shape, H]``), checked; the op then runs on them without
     sequence parallelism.
 
     Checks (before any work, naming ``rows``; under a process group every rank
-    agrees on ``rows``' shape and a digest of its entries, and refuses
-    together): an integer tensor on ``hidden``'s device, every entry in range,
+    agrees on ``rows``' shape and a digest of its entries, and on
+    ``sequence_parallel`` (the gather below), named as ``layer_name``'s field,
+    and refuses together): an integer tensor on ``hidden``'s device, every entry in range,
     every per-row input in ``per_row`` (``name=tensor``) of shape
     ``rows.shape`` (those named in ``tails``: ``[*rows.shape, K]``), and
     ``require`` (``(ok, message)`` from :func:`kept_rows`, or None) holds.
@@ -129,7 +131,8 @@ def select_rows(rows, hidden: torch.Tensor, *, process_group=None, sequence_para
         lead = hidden.shape[:-1]
         n_rows = lead.numel() * (call.world if sequence_parallel else 1)
         # The layout decides the collectives below (the gather of the sequence-parallel slices): agreed here.
-        call.agree("layer.sequence_parallel", int(bool(sequence_parallel)), shown=repr(bool(sequence_parallel)))
+        sp = bool(sequence_parallel)
+        call.agree(f"{layer_name}.sequence_parallel", int(sp), shown=repr(sp))
         flat = _check_index(rows, n_rows, hidden.device, call)
         if rows.dim() == 0:
             raise ValueError("rows must have at least one dimension ([M] row indices), got a 0-d tensor")

@@ -556,7 +556,8 @@ def _rows_call(op, a: dict):
     if kept is None:
         a["student_hidden"] = select_rows(
             rows, a["student_hidden"], process_group=group, sequence_parallel=sp, name="student_hidden",
-            tails=("teacher_hidden",), teacher_hidden=a["teacher_hidden"], **{k: a[k] for k in per_token})
+            layer_name="student_layer", tails=("teacher_hidden",), teacher_hidden=a["teacher_hidden"],
+            **{k: a[k] for k in per_token})
         _not_sequence_parallel(a)
         return op(**a)
     s, t = a["student_hidden"], a["teacher_hidden"]
@@ -581,8 +582,8 @@ def _rows_call(op, a: dict):
         for k in per_token + ["temperature"]:
             a[k] = take_rows(a[k], lead, idx)
     a["student_hidden"] = select_rows(
-        idx, s, process_group=group, sequence_parallel=sp, name="student_hidden", tails=("teacher_hidden",),
-        require=require, teacher_hidden=a["teacher_hidden"], **{k: a[k] for k in per_token})
+        idx, s, process_group=group, sequence_parallel=sp, name="student_hidden", layer_name="student_layer",
+        tails=("teacher_hidden",), require=require, teacher_hidden=a["teacher_hidden"], **{k: a[k] for k in per_token})
     _not_sequence_parallel(a)
     out = op(**a)
     per = lambda x: put_rows(x, lead, idx)  # noqa: E731
