@@ -109,7 +109,14 @@ class VocabShard:
 
         if t.dim() == 0:
             return DTensor.from_local(t, self.mesh, [Replicate()] * self.mesh.ndim, run_check=False)
-        shape = tuple(lead_global[:t.dim()]) + tuple(t.shape[len(lead_global):])
+        # the global shape: a token dim sharded over a mesh dim has the input's global size; every other dim is
+        # the local one (with ``rows=`` the outputs are per selected row: refused with sharded rows)
+        shape = list(t.shape)
+        for p in self.out_placements:
+            d = _shard_dim(p, len(lead_global) + 1)
+            if d is not None and d < t.dim():
+                shape[d] = lead_global[d]
+        shape = tuple(shape)
         stride = torch.empty(shape, device="meta").stride()
         return DTensor.from_local(t, self.mesh, self.out_placements, run_check=False, shape=torch.Size(shape),
                                   stride=stride)
@@ -177,6 +184,13 @@ def _wrap_result(res, shard: VocabShard, lead: tuple, *, scalar_ok: bool):
     return res
 
 
+def _check_rows(shard: VocabShard, name: str, rows) -> None:
+    if shard.rows_sharded and rows is not None:
+        raise ValueError(f"rows= with {name} a DTensor whose rows are sharded over another mesh dim: the selected "
+                         "rows of each rank are its own; pass the local tensors (.to_local()) and the vocabulary's "
+                         "group instead")
+
+
 def _check_scalar(shard: VocabShard, name: str, op: str) -> None:
     if shard.rows_sharded:
         raise ValueError(f"{name} is a DTensor whose rows are sharded over another mesh dim; {op} returns one "
@@ -210,6 +224,7 @@ def dtensor_logits_op(*, logits=("logits",), layers=("layer",), scalar: bool = F
             shard = vocab_shard(main, logits[0])
             if scalar:
                 _check_scalar(shard, logits[0], fn.__name__)
+            _check_rows(shard, logits[0], a.get("rows"))
             lead = tuple(main.shape[:-1])
             a[logits[0]] = main.to_local()
             for name in logits[1:]:
@@ -321,6 +336,7 @@ def dtensor_hidden_op(*, pairs=(("hidden", "layer"),), scalar: bool = False):
                 if hs is not None:
                     if scalar:
                         _check_scalar(hs, hidden_name, fn.__name__)
+                    _check_rows(hs, hidden_name, a.get("rows"))
                     if out_shard is None:
                         out_shard, lead = hs, tuple(h.shape[:-1])
                     h = h.to_local()

@@ -85,6 +85,17 @@ def _one_d(rank, world):
     ours = d.grad.full_tensor()
     _close(ours, xr.grad, "d(log_probs, entropy)/d logits")
 
+    # ---- rows=: the selected rows' outputs, a DTensor of their shape; the gradient zero on the other rows
+    d = distribute_tensor(x64.float(), mesh, [Shard(1)]).requires_grad_()
+    rows = torch.tensor([4, 1, 4])
+    sel = log_probs_and_entropy(d, labels[rows], temperature=T, rows=rows)
+    assert sel.entropy.shape == (3,) and sel.entropy.placements == (Replicate(),)
+    lp_r, h_r = _ref_entropy_lp(x64[rows], labels[rows], T)
+    _close(sel.log_probs.full_tensor(), lp_r, "rows= log_probs")
+    _close(sel.entropy.full_tensor(), h_r, "rows= entropy")
+    sel.entropy.sum().backward()
+    assert (d.grad.full_tensor()[[0, 2, 3, 5]] == 0).all()
+
     # ---- the entropy alone, next to loss_parallel's (pytorch #190746)
     xr = x64.clone().requires_grad_()
     (_ref_entropy_lp(xr, labels, T)[1] * g_h).sum().backward()
@@ -224,6 +235,8 @@ def _two_d(rank, world):
     with pytest.raises(ValueError, match=r"rows are sharded over another mesh dim"):
         policy_loss_from_logits(d, labels[:2], torch.zeros(2, s), torch.ones(2, s), torch.ones(2, s, dtype=torch.bool))
     assert isinstance(out.log_probs, DTensor)
+    with pytest.raises(ValueError, match=r"rows= with logits a DTensor whose rows are sharded"):
+        log_probs_and_entropy(d, lab, rows=torch.tensor([0]))
 
 
 def test_dtensor_on_the_tp_dim_of_a_2d_mesh_rows_sharded_over_dp():
