@@ -65,11 +65,12 @@ def _data(dtype, *, b=4, t=12, h=64, v=300, seed=0, offset=0.0, scale=1.0):
     return d
 
 
-def _loss_of(d, leaves, budget, *, chunk=8, loss=None, vocab_chunk_size=None, temperature=1.0, main_grad=None):
+def _loss_of(d, leaves, budget, *, chunk=8, loss=None, vocab_chunk_size=None, temperature=1.0, main_grad=None,
+             layer=None):
     weight = leaves["weight"]
     if main_grad is not None:
         weight.main_grad = main_grad
-    layer = OutputLayer(weight, leaves.get("bias"))
+    layer = OutputLayer(weight, leaves.get("bias"), **(layer or {}))
     return linear_policy_loss(leaves["hidden"], layer, d["labels"], d["old"], d["adv"], d["mask"],
                               loss=loss or PolicyLoss(entropy_coeff=0.01, kl_coef=0.1), ref_log_probs=d["ref"],
                               temperature=temperature,
@@ -188,12 +189,15 @@ def _ulps(a: torch.Tensor, b: torch.Tensor) -> int:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_three_and_four_passes_agree(dtype):
+@pytest.mark.parametrize("layer", [{}, {"softcap": 20.0, "logits_dtype": torch.float32}], ids=["plain", "capped"])
+def test_three_and_four_passes_agree(dtype, layer):
     """The same math: the loss, the hidden and the bias gradients bit for bit; the weight gradient (one float32
     sum over 12 chunks against one matmul over every token, each rounded once) within one unit in the last
-    place. A walk that rounded each chunk's share (a half-precision matmul per chunk) drifts by several."""
+    place. A walk that rounded each chunk's share (a half-precision matmul per chunk) drifts by several. Also
+    with a soft-cap, float32 logits (``logits_dtype``) and a temperature."""
     d = _data(dtype, b=8, t=12, seed=6)  # 96 tokens, 12 chunks
-    three, four = _run(d, BIG, up=1.0), _run(d, SMALL, up=1.0)
+    kw = dict(layer=layer, temperature=0.7) if layer else {}
+    three, four = _run(d, BIG, up=1.0, **kw), _run(d, SMALL, up=1.0, **kw)
     assert (three[-1], four[-1]) == (3.0, 4.0)
     for name, a, b in zip(("loss", "hidden", "bias"), (three[0], three[1], three[3]), (four[0], four[1], four[3]),
                           strict=True):
