@@ -389,8 +389,9 @@ def _acc_weight_mm_(acc: torch.Tensor, g: torch.Tensor, gq: torch.Tensor, h: tor
     Half-precision operands: each product is exact in float32, summed in float32 inside the matmul. On CUDA
     ``out_dtype=torch.float32`` in row slices of ``acc`` (a float32 temporary of at most
     :data:`~chunked_entropy.config.GRAD_BUFFER_BYTES`, never one of ``acc``'s size); a CPU has no such
-    kernel, and multiplies float32 copies: ``gq``'s values written back into ``g`` (no new buffer) and the
-    chunk's rows ``h`` widened (``[rows, H]``). A float32 ``gq`` beside half-precision rows
+    kernel, and multiplies float32 copies: ``gq``'s values written back into ``g`` (no new buffer; a
+    ``[rows, block]`` float32 copy where ``g`` has the weight's dtype itself) and the chunk's rows ``h``
+    widened (``[rows, H]``). A float32 ``gq`` beside half-precision rows
     (``logits_dtype=torch.float32``): the rows widened."""
     if gq.dtype == acc.dtype and h.dtype == acc.dtype:
         acc.addmm_(gq.t(), h)
@@ -400,9 +401,11 @@ def _acc_weight_mm_(acc: torch.Tensor, g: torch.Tensor, gq: torch.Tensor, h: tor
         step = max(1, GRAD_BUFFER_BYTES // (4 * max(1, h.shape[1])))
         for r in range(0, acc.shape[0], step):
             acc[r:r + step].add_(torch.mm(gq[:, r:r + step].t(), h, out_dtype=acc.dtype))
-    else:
+    elif g.dtype == acc.dtype:
         g.copy_(gq)
         acc.addmm_(g.t(), h.to(acc.dtype))
+    else:  # the walk's gradient in the weight's dtype already: a float32 copy
+        acc.addmm_(gq.t().to(acc.dtype), h.to(acc.dtype))
 
 
 def _half_mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, widen: bool = False) -> torch.Tensor:

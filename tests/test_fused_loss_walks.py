@@ -482,3 +482,29 @@ def test_divergence_loss_takes_the_walk_where_its_accumulator_fits(dtype, kind):
     for name, m, e, t in zip(("hidden", "weight"), four[1:3], exact, theirs, strict=True):
         err, err_plain = (m.double() - e).abs().max().item(), (t - e).abs().max().item()
         assert err <= 3 * err_plain + 1e-6 * e.abs().max().item(), (name, err, err_plain)
+
+
+@pytest.mark.parametrize("branch", ["float32", "float32_logits", "cpu", "cpu_half_gradient", "cuda"])
+def test_a_chunks_weight_share_is_summed_in_float32(branch, monkeypatch):
+    """``_acc_weight_mm_``, each branch: ``acc += gq.T @ h`` with the products of half-precision values summed
+    in float32 (never a half-precision result): the float64 sum to float32 rounding, where a bf16 result
+    would be off by up to 2**-9."""
+    g = torch.Generator().manual_seed(15)
+    rows, v, hd = 8, 300, 64
+    g32 = torch.randn(rows, v, generator=g)
+    h = torch.randn(rows, hd, generator=g).to(torch.bfloat16)
+    acc0 = torch.randn(v, hd, generator=g)
+    gq = g32 if branch.startswith("float32") else g32.to(torch.bfloat16)
+    if branch == "float32":
+        h = h.float()
+    grad = gq if branch == "cpu_half_gradient" else g32.clone()
+    if branch == "cuda":
+        monkeypatch.setattr(blocks, "half_mm_native", lambda device: True)
+        monkeypatch.setattr(blocks, "GRAD_BUFFER_BYTES", 4 * hd * 128)  # slices of 128 rows
+    acc = acc0.clone()
+    with _GemmWork():
+        blocks._acc_weight_mm_(acc, grad, gq, h)
+    want = acc0.double() + gq.double().t() @ h.double()
+    torch.testing.assert_close(acc.double(), want, rtol=1e-6, atol=1e-5)
+    if branch == "cpu":  # the walk's own float32 buffer holds the rounded gradient now: no new one
+        assert torch.equal(grad, gq.float())
