@@ -218,7 +218,7 @@ def grad_vocab_block(n: int, weight: torch.Tensor, plan: Plan, need_w: bool) -> 
 
 
 def three_pass_plan(n: int, weight: torch.Tensor, plan: Plan, *, budget: int, vocab_chunk_size: Optional[int],
-                    need_w: bool, main_grad: bool, softcap: bool, teacher: bool = False) -> Optional[Plan]:
+                    need_w: bool, main_grad: bool, softcap: bool, teacher: int = 0) -> Optional[Plan]:
     """The plan of the fused loss's three-GEMM-pass walk, or None where it takes four passes.
 
     Three passes (:func:`chunked_entropy._loop.loss_grad_blocks` over the whole shard, one block a chunk:
@@ -232,8 +232,10 @@ def three_pass_plan(n: int, weight: torch.Tensor, plan: Plan, *, budget: int, vo
     shard is one block already take three passes, which then hold nothing the four-pass walk does not.
     Decided from shapes, dtypes and the agreed settings alone: every rank of a group takes the same walk.
     ``teacher``: the loss form of a divergence (:func:`chunked_entropy.linear_divergence_loss`), whose walk
-    holds a teacher's block (and, eager, its scratch) beside the student's: four passes there are the
-    student's and the teacher's projections and the two gradient matmuls, against six.
+    holds a teacher's block (and, eager, its scratch) beside the student's, and this many more float32
+    ``[chunk, V_local]`` temporaries of the divergence's terms (measured on the CPU, eager: about 3 for a KL, 6
+    for the JSD): four passes there are the student's and the teacher's projections and the two gradient
+    matmuls, against six.
     """
     v, hdim = weight.shape
     if vocab_chunk_size is not None and vocab_chunk_size < v:
@@ -243,7 +245,7 @@ def three_pass_plan(n: int, weight: torch.Tensor, plan: Plan, *, budget: int, vo
     if plan.vocab_chunk_size >= v and not accumulator:
         return plan
     # the student's block (eager: and its exp scratch, and a soft-cap's derivative); a teacher's block and scratch
-    buffers = (1 if plan.compiled else 2 + softcap) + (0 if not teacher else 1 if plan.compiled else 2)
+    buffers = (1 if plan.compiled else 2 + softcap) + (0 if not teacher else (1 if plan.compiled else 2) + teacher)
     need = three_pass_bytes(max(1, min(plan.chunk_size, n)), v, hdim, weight.element_size(),
                             accumulator=accumulator, buffers=buffers, native=half_mm_native(weight.device),
                             float32_logits=plan.float32_logits and half)

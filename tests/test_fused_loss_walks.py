@@ -461,6 +461,11 @@ def test_divergence_loss_takes_the_walk_where_its_accumulator_fits(dtype, kind):
     d["teacher_weight"] = (torch.randn(d["weight"].shape, generator=g) / 8).to(dtype)
     four, six = _divergence_run(d, BIG, kind), _divergence_run(d, SMALL, kind)
     assert (four[-1], six[-1]) == (4.0, 6.0)
+    # the budget check counts both heads' buffers and the divergence's temporaries (3 for a KL, 6 for the JSD;
+    # test_the_divergence_walk_stays_within_what_its_budget_counts measures them)
+    counted = config.three_pass_bytes(8, 300, 64, 2, accumulator=True, buffers=4 + (3 if kind == "reverse_kl" else 6),
+                                      native=False)
+    assert _divergence_run(d, counted, kind)[-1] == 4.0 and _divergence_run(d, counted - 1, kind)[-1] == 6.0
     # the loss bit for bit; the gradients to the rounding of their largest entry: the held blocks' logit
     # gradient reuses the terms of the divergence's sums (grad_from_parts), the refilled ones' forms them again,
     # so a logit gradient may differ by an ulp before it is rounded for the matmuls
@@ -508,3 +513,27 @@ def test_a_chunks_weight_share_is_summed_in_float32(branch, monkeypatch):
     torch.testing.assert_close(acc.double(), want, rtol=1e-6, atol=1e-5)
     if branch == "cpu":  # the walk's own float32 buffer holds the rounded gradient now: no new one
         assert torch.equal(grad, gq.float())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("kind", ["reverse_kl", "jsd"])
+def test_the_divergence_walk_stays_within_what_its_budget_counts(dtype, kind):
+    """linear_divergence_loss's walk with the accumulator, forward measured on the CPU (eager): what it
+    allocates beyond its gradients is at most the bytes its budget check counts (the student's and the
+    teacher's buffers and the divergence's temporaries: 3 for a KL, 6 for the JSD), and not far below."""
+    from chunked_entropy import Divergence, linear_divergence_loss
+
+    n, h, v, chunk = 64, 64, 2048, 16
+    g = torch.Generator().manual_seed(16)
+    hs, ht = (torch.randn(n, h, generator=g).to(dtype) for _ in range(2))
+    ws, wt = ((torch.randn(v, h, generator=g) / 8).to(dtype) for _ in range(2))
+    hs.requires_grad_()
+    ws.requires_grad_()
+    with _LivePeak() as peak:
+        linear_divergence_loss(hs, ws, ht, wt, divergence=Divergence("jsd", 0.4) if kind == "jsd" else kind,
+                               chunking=Chunking(chunk))
+    grads = n * h * hs.element_size() + (v * h * 4 if dtype == torch.float32 else 0)
+    measured = peak.peak - grads
+    counted = config.three_pass_bytes(chunk, v, h, ws.element_size(), accumulator=dtype != torch.float32,
+                                      buffers=4 + (3 if kind == "reverse_kl" else 6), native=False)
+    assert 0.8 * counted <= measured <= counted + n * 256, (measured, counted)
