@@ -220,7 +220,7 @@ def grad_vocab_block(n: int, weight: torch.Tensor, plan: Plan, need_w: bool) -> 
 
 
 def three_pass_plan(n: int, weight: torch.Tensor, plan: Plan, *, budget: int, vocab_chunk_size: Optional[int],
-                    need_w: bool, main_grad: bool, softcap: bool, teacher: bool = False) -> Optional[Plan]:
+                    need_w: bool, main_grad: bool, softcap: bool, teacher: int = 0) -> Optional[Plan]:
     """The plan of the fused loss's three-GEMM-pass walk, or None where it takes four passes.
 
     Three passes (:func:`chunked_entropy._loop.loss_grad_blocks` over the whole shard, one block a chunk:
@@ -234,8 +234,10 @@ def three_pass_plan(n: int, weight: torch.Tensor, plan: Plan, *, budget: int, vo
     shard is one block already take three passes, which then hold nothing the four-pass walk does not.
     Decided from shapes, dtypes and the agreed settings alone: every rank of a group takes the same walk.
     ``teacher``: the loss form of a divergence (:func:`chunked_entropy.linear_divergence_loss`), whose walk
-    holds a teacher's block (and, eager, its scratch) beside the student's: four passes there are the
-    student's and the teacher's projections and the two gradient matmuls, against six.
+    holds a teacher's block (and, eager, its scratch) beside the student's, and this many more float32
+    ``[chunk, V_local]`` temporaries of the divergence's terms (measured on the CPU, eager: about 3 for a KL, 6
+    for the JSD): four passes there are the student's and the teacher's projections and the two gradient
+    matmuls, against six.
     """
     v, hdim = weight.shape
     if vocab_chunk_size is not None and vocab_chunk_size < v:
@@ -245,7 +247,7 @@ def three_pass_plan(n: int, weight: torch.Tensor, plan: Plan, *, budget: int, vo
     if plan.vocab_chunk_size >= v and not accumulator:
         return plan
     # the student's block (eager: and its exp scratch, and a soft-cap's derivative); a teacher's block and scratch
-    buffers = (1 if plan.compiled else 2 + softcap) + (0 if not teacher else 1 if plan.compiled else 2)
+    buffers = (1 if plan.compiled else 2 + softcap) + (0 if not teacher else (1 if plan.compiled else 2) + teacher)
     need = three_pass_bytes(max(1, min(plan.chunk_size, n)), v, hdim, weight.element_size(),
                             accumulator=accumulator, buffers=buffers, native=half_mm_native(weight.device),
                             float32_logits=plan.float32_logits and half)
@@ -392,8 +394,9 @@ def _acc_weight_mm_(acc: torch.Tensor, g: torch.Tensor, gq: torch.Tensor, h: tor
     Half-precision operands: each product is exact in float32, summed in float32 inside the matmul. On CUDA
     ``out_dtype=torch.float32`` in row slices of ``acc`` (a float32 temporary of at most
     :data:`~chunked_entropy.config.GRAD_BUFFER_BYTES`, never one of ``acc``'s size); a CPU has no such
-    kernel, and multiplies float32 copies: ``gq``'s values written back into ``g`` (no new buffer) and the
-    chunk's rows ``h`` widened (``[rows, H]``). A float32 ``gq`` beside half-precision rows
+    kernel, and multiplies float32 copies: ``gq``'s values written back into ``g`` (no new buffer; a
+    ``[rows, block]`` float32 copy where ``g`` has the weight's dtype itself) and the chunk's rows ``h``
+    widened (``[rows, H]``). A float32 ``gq`` beside half-precision rows
     (``logits_dtype=torch.float32``): the rows widened."""
     if gq.dtype == acc.dtype and h.dtype == acc.dtype:
         acc.addmm_(gq.t(), h)
@@ -403,9 +406,11 @@ def _acc_weight_mm_(acc: torch.Tensor, g: torch.Tensor, gq: torch.Tensor, h: tor
         step = max(1, GRAD_BUFFER_BYTES // (4 * max(1, h.shape[1])))
         for r in range(0, acc.shape[0], step):
             acc[r:r + step].add_(torch.mm(gq[:, r:r + step].t(), h, out_dtype=acc.dtype))
-    else:
+    elif g.dtype == acc.dtype:
         g.copy_(gq)
         acc.addmm_(g.t(), h.to(acc.dtype))
+    else:  # the walk's gradient in the weight's dtype already: a float32 copy
+        acc.addmm_(gq.t().to(acc.dtype), h.to(acc.dtype))
 
 
 def _half_mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, widen: bool = False) -> torch.Tensor:

@@ -670,7 +670,7 @@ def linear_divergence_loss(
     three_pass = None if not grads else three_pass_plan(
         tok.n, student_weight, plan, budget=chunking.max_working_bytes, vocab_chunk_size=chunking.vocab_chunk_size,
         need_w=student_weight.requires_grad, main_grad=main_grad is not None,
-        softcap=tok.transform.softcap is not None, teacher=True)
+        softcap=tok.transform.softcap is not None, teacher=3 if spec.math.weighs is not None else 6)
     loss, div, ent = apply_or_forward(_LinearDivergenceLossFunction, student_hidden, student_weight, student_bias,
                                       teacher, tok, plan, spec, w, main_grad, three_pass, grads=grads)
     div = torch.where(valid, div, 0.0).view(shape)  # masked rows: 0, whatever their states held

@@ -65,11 +65,12 @@ def _data(dtype, *, b=4, t=12, h=64, v=300, seed=0, offset=0.0, scale=1.0):
     return d
 
 
-def _loss_of(d, leaves, budget, *, chunk=8, loss=None, vocab_chunk_size=None, temperature=1.0, main_grad=None):
+def _loss_of(d, leaves, budget, *, chunk=8, loss=None, vocab_chunk_size=None, temperature=1.0, main_grad=None,
+             layer=None):
     weight = leaves["weight"]
     if main_grad is not None:
         weight.main_grad = main_grad
-    layer = OutputLayer(weight, leaves.get("bias"))
+    layer = OutputLayer(weight, leaves.get("bias"), **(layer or {}))
     return linear_policy_loss(leaves["hidden"], layer, d["labels"], d["old"], d["adv"], d["mask"],
                               loss=loss or PolicyLoss(entropy_coeff=0.01, kl_coef=0.1), ref_log_probs=d["ref"],
                               temperature=temperature,
@@ -188,12 +189,15 @@ def _ulps(a: torch.Tensor, b: torch.Tensor) -> int:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_three_and_four_passes_agree(dtype):
+@pytest.mark.parametrize("layer", [{}, {"softcap": 20.0, "logits_dtype": torch.float32}], ids=["plain", "capped"])
+def test_three_and_four_passes_agree(dtype, layer):
     """The same math: the loss, the hidden and the bias gradients bit for bit; the weight gradient (one float32
     sum over 12 chunks against one matmul over every token, each rounded once) within one unit in the last
-    place. A walk that rounded each chunk's share (a half-precision matmul per chunk) drifts by several."""
+    place. A walk that rounded each chunk's share (a half-precision matmul per chunk) drifts by several. Also
+    with a soft-cap, float32 logits (``logits_dtype``) and a temperature."""
     d = _data(dtype, b=8, t=12, seed=6)  # 96 tokens, 12 chunks
-    three, four = _run(d, BIG, up=1.0), _run(d, SMALL, up=1.0)
+    kw = dict(layer=layer, temperature=0.7) if layer else {}
+    three, four = _run(d, BIG, up=1.0, **kw), _run(d, SMALL, up=1.0, **kw)
     assert (three[-1], four[-1]) == (3.0, 4.0)
     for name, a, b in zip(("loss", "hidden", "bias"), (three[0], three[1], three[3]), (four[0], four[1], four[3]),
                           strict=True):
@@ -457,6 +461,11 @@ def test_divergence_loss_takes_the_walk_where_its_accumulator_fits(dtype, kind):
     d["teacher_weight"] = (torch.randn(d["weight"].shape, generator=g) / 8).to(dtype)
     four, six = _divergence_run(d, BIG, kind), _divergence_run(d, SMALL, kind)
     assert (four[-1], six[-1]) == (4.0, 6.0)
+    # the budget check counts both heads' buffers and the divergence's temporaries (3 for a KL, 6 for the JSD;
+    # test_the_divergence_walk_stays_within_what_its_budget_counts measures them)
+    counted = config.three_pass_bytes(8, 300, 64, 2, accumulator=True, buffers=4 + (3 if kind == "reverse_kl" else 6),
+                                      native=False)
+    assert _divergence_run(d, counted, kind)[-1] == 4.0 and _divergence_run(d, counted - 1, kind)[-1] == 6.0
     # the loss bit for bit; the gradients to the rounding of their largest entry: the held blocks' logit
     # gradient reuses the terms of the divergence's sums (grad_from_parts), the refilled ones' forms them again,
     # so a logit gradient may differ by an ulp before it is rounded for the matmuls
@@ -478,3 +487,53 @@ def test_divergence_loss_takes_the_walk_where_its_accumulator_fits(dtype, kind):
     for name, m, e, t in zip(("hidden", "weight"), four[1:3], exact, theirs, strict=True):
         err, err_plain = (m.double() - e).abs().max().item(), (t - e).abs().max().item()
         assert err <= 3 * err_plain + 1e-6 * e.abs().max().item(), (name, err, err_plain)
+
+
+@pytest.mark.parametrize("branch", ["float32", "float32_logits", "cpu", "cpu_half_gradient", "cuda"])
+def test_a_chunks_weight_share_is_summed_in_float32(branch, monkeypatch):
+    """``_acc_weight_mm_``, each branch: ``acc += gq.T @ h`` with the products of half-precision values summed
+    in float32 (never a half-precision result): the float64 sum to float32 rounding, where a bf16 result
+    would be off by up to 2**-9."""
+    g = torch.Generator().manual_seed(15)
+    rows, v, hd = 8, 300, 64
+    g32 = torch.randn(rows, v, generator=g)
+    h = torch.randn(rows, hd, generator=g).to(torch.bfloat16)
+    acc0 = torch.randn(v, hd, generator=g)
+    gq = g32 if branch.startswith("float32") else g32.to(torch.bfloat16)
+    if branch == "float32":
+        h = h.float()
+    grad = gq if branch == "cpu_half_gradient" else g32.clone()
+    if branch == "cuda":
+        monkeypatch.setattr(blocks, "half_mm_native", lambda device: True)
+        monkeypatch.setattr(blocks, "GRAD_BUFFER_BYTES", 4 * hd * 128)  # slices of 128 rows
+    acc = acc0.clone()
+    with _GemmWork():
+        blocks._acc_weight_mm_(acc, grad, gq, h)
+    want = acc0.double() + gq.double().t() @ h.double()
+    torch.testing.assert_close(acc.double(), want, rtol=1e-6, atol=1e-5)
+    if branch == "cpu":  # the walk's own float32 buffer holds the rounded gradient now: no new one
+        assert torch.equal(grad, gq.float())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("kind", ["reverse_kl", "jsd"])
+def test_the_divergence_walk_stays_within_what_its_budget_counts(dtype, kind):
+    """linear_divergence_loss's walk with the accumulator, forward measured on the CPU (eager): what it
+    allocates beyond its gradients is at most the bytes its budget check counts (the student's and the
+    teacher's buffers and the divergence's temporaries: 3 for a KL, 6 for the JSD), and not far below."""
+    from chunked_entropy import Divergence, linear_divergence_loss
+
+    n, h, v, chunk = 64, 64, 2048, 16
+    g = torch.Generator().manual_seed(16)
+    hs, ht = (torch.randn(n, h, generator=g).to(dtype) for _ in range(2))
+    ws, wt = ((torch.randn(v, h, generator=g) / 8).to(dtype) for _ in range(2))
+    hs.requires_grad_()
+    ws.requires_grad_()
+    with _LivePeak() as peak:
+        linear_divergence_loss(hs, ws, ht, wt, divergence=Divergence("jsd", 0.4) if kind == "jsd" else kind,
+                               chunking=Chunking(chunk))
+    grads = n * h * hs.element_size() + (v * h * 4 if dtype == torch.float32 else 0)
+    measured = peak.peak - grads
+    counted = config.three_pass_bytes(chunk, v, h, ws.element_size(), accumulator=dtype != torch.float32,
+                                      buffers=4 + (3 if kind == "reverse_kl" else 6), native=False)
+    assert 0.8 * counted <= measured <= counted + n * 256, (measured, counted)
