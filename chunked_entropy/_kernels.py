@@ -253,7 +253,7 @@ _auto_pair = {}  # (device type, divergence math) -> whether its kernels passed 
 
 #: The width of the probe's wide block: several tiles of the widest tile any kernel here reads at once (the
 #: multi-tile merge of every real width, and a row split across programs where the kernels split few long rows).
-PROBE_WIDTH = 3 * 8192 + 37
+PROBE_WIDTH = 4 * 8192 + 37
 
 
 def _probe_data(device: torch.device, dtype, n: int, width: int, seed: int):
