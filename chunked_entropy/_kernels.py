@@ -253,7 +253,7 @@ _auto_pair = {}  # (device type, divergence math) -> whether its kernels passed 
 
 #: The width of the probe's wide block: several tiles of the widest tile any kernel here reads at once (the
 #: multi-tile merge of every real width, and a row split across programs where the kernels split few long rows).
-PROBE_WIDTH = 3 * 8192 + 37
+PROBE_WIDTH = 4 * 8192 + 37
 
 
 def _probe_data(device: torch.device, dtype, n: int, width: int, seed: int):
@@ -361,41 +361,50 @@ def _probe(kernels, name: str, device: torch.device, then: str) -> bool:
         return False
 
 
+#: The block dtypes the pair walk hands the divergence kernels (its buffers are in the compute dtype), and so
+#: the ones :func:`_probe_pair` tries them on.
+PAIR_PROBE_DTYPES = (torch.float32,)
+
+
 def _probe_pair(math_, device: torch.device) -> bool:
     """The divergence kernels of ``math_`` (:data:`PAIR`: its per-row sums, its gradient and, for a KL, the
-    cross sum folded online) on float32 blocks as the pair walk hands them (several tiles a row, a soft-capped
-    student with per-row temperatures, a plain teacher), held to the same functions run eagerly; False (and
-    one warning: that divergence then runs the eager kernels) if they fail or differ. One read of the device."""
-    dtype = torch.float32
+    cross sum folded online) on blocks as the pair walk hands them (:data:`PAIR_PROBE_DTYPES`; several tiles a
+    row, a soft-capped student with per-row temperatures, a plain teacher), held to the same functions run
+    eagerly; False (and one warning: that divergence then runs the eager kernels) if they fail or differ. One
+    read of the device."""
+    cdt = torch.float32
     try:
-        n, width = 4, PROBE_WIDTH
-        z_s, target, v0, c, b, scale = _probe_data(device, dtype, n, width, 7)
-        z_t = _probe_data(device, dtype, n, width, 8)[0]
-        tf_s, tf_t = _stats.Transform(softcap=30.0), _stats.Transform()
-        k_s = tf_s.k(_column([1 / 0.7, 1 / 1.3, 1 / 0.05, 1.0], device))
-        k_t = torch.full((n, 1), 1.0 / 0.9, device=device)
-        cap_s, cap_t = _cap_factor(tf_s, dtype, device), _cap_factor(tf_t, dtype, device)
-        st_s = _stats.stats_of_block(z_s, cap_s, k_s, target, v0, dtype)
-        st_t = _stats.stats_of_block(z_t, cap_t, k_t, target, v0, dtype)
-        row = _stats.RowStats.from_block(st_s, k_s)
-        ls_t = _stats.RowStats.from_block(st_t, k_t).ls
-        d, aux = PAIR.terms(math_, z_s, z_t, tf_s, k_s, row.m, row.ls, tf_t, k_t, st_t.m, ls_t, dtype)
-        ref_d, ref_aux = _divergence.terms_of_blocks(math_, z_s, z_t, cap_s, k_s, row.m, row.ls, cap_t, k_t,
-                                                     st_t.m, ls_t, dtype)
-        co = _stats.Coefficients(c, b, None)
-        grad = PAIR.grad_(math_, z_s.clone(), z_t, tf_s, k_s, row, target, v0, co, tf_t, k_t, st_t.m, ls_t, ref_aux,
-                          scale, dtype)
-        ref_grad = z_s.clone()
-        _divergence.grad_of_blocks_(math_, ref_grad, z_t, cap_s, k_s, row.m, row.ls, row.ws, target, v0, c, b,
-                                    cap_t, k_t, st_t.m, ls_t, ref_aux, scale, dtype)
-        pairs = [(d, ref_d, 1e-4), (aux, ref_aux, 1e-4), (grad, ref_grad, 1e-4)]
-        if math_.weighs is not None:  # a KL: its cross sum, folded online over vocabulary blocks
-            pairs.append((PAIR.cross(z_s, z_t, tf_s, k_s, st_s.m, tf_t, k_t, st_t.m, dtype),
-                          _divergence.cross_of_blocks(z_s, z_t, cap_s, k_s, st_s.m, cap_t, k_t, st_t.m, dtype),
-                          1e-4))
-        checks = []
-        _held(pairs, checks)
-        _verdict(checks, ["float32 divergence"])
+        checks, names = [], []
+        for dtype in PAIR_PROBE_DTYPES:
+            n, width = 4, PROBE_WIDTH
+            z_s, target, v0, c, b, scale = _probe_data(device, dtype, n, width, 7)
+            z_t = _probe_data(device, dtype, n, width, 8)[0]
+            tf_s, tf_t = _stats.Transform(softcap=30.0), _stats.Transform()
+            k_s = tf_s.k(_column([1 / 0.7, 1 / 1.3, 1 / 0.05, 1.0], device))
+            k_t = torch.full((n, 1), 1.0 / 0.9, device=device)
+            cap_s, cap_t = _cap_factor(tf_s, cdt, device), _cap_factor(tf_t, cdt, device)
+            st_s = _stats.stats_of_block(z_s, cap_s, k_s, target, v0, cdt)
+            st_t = _stats.stats_of_block(z_t, cap_t, k_t, target, v0, cdt)
+            row = _stats.RowStats.from_block(st_s, k_s)
+            ls_t = _stats.RowStats.from_block(st_t, k_t).ls
+            d, aux = PAIR.terms(math_, z_s, z_t, tf_s, k_s, row.m, row.ls, tf_t, k_t, st_t.m, ls_t, cdt)
+            ref_d, ref_aux = _divergence.terms_of_blocks(math_, z_s, z_t, cap_s, k_s, row.m, row.ls, cap_t, k_t,
+                                                         st_t.m, ls_t, cdt)
+            co = _stats.Coefficients(c, b, None)
+            grad = PAIR.grad_(math_, z_s.clone(), z_t, tf_s, k_s, row, target, v0, co, tf_t, k_t, st_t.m, ls_t,
+                              ref_aux, scale, cdt)
+            ref_grad = z_s.clone()
+            _divergence.grad_of_blocks_(math_, ref_grad, z_t, cap_s, k_s, row.m, row.ls, row.ws, target, v0, c, b,
+                                        cap_t, k_t, st_t.m, ls_t, ref_aux, scale, cdt)
+            ulp = 1e-4 if dtype == cdt else 2.0 ** -7  # a gradient written in bf16: one rounding of it
+            pairs = [(d, ref_d, 1e-4), (aux, ref_aux, 1e-4), (grad, ref_grad, ulp)]
+            if math_.weighs is not None:  # a KL: its cross sum, folded online over vocabulary blocks
+                pairs.append((PAIR.cross(z_s, z_t, tf_s, k_s, st_s.m, tf_t, k_t, st_t.m, cdt),
+                              _divergence.cross_of_blocks(z_s, z_t, cap_s, k_s, st_s.m, cap_t, k_t, st_t.m, cdt),
+                              1e-4))
+            _held(pairs, checks)
+            names.append(f"{str(dtype)[6:]} divergence")
+        _verdict(checks, names)
         return True
     except Exception as e:  # noqa: BLE001 - any failure of the compiler means: the eager kernels
         _warn_skip(f"{type(math_).__name__} divergence", device, e, "the eager kernels for it")

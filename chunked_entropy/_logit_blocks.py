@@ -374,9 +374,12 @@ def _acc_mm_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, whole: bool = 
     operands: their product, accumulated in float32 inside the matmul (:func:`_half_mm`); ``whole``: this is the
     entire sum (one vocabulary block), rounded to the operands' dtype first as half-precision autograd rounds its
     ``g @ W`` (a partial sum over blocks is kept in float32, where it cannot overflow). Mixed (``float32``
-    logits: a float32 ``a``, half ``b``): ``b`` widened."""
+    logits: a float32 ``a``, half ``b``): the float32 product, on half-precision operands where the device has
+    that kernel (:func:`_split_mm`), else with ``b`` widened."""
     if a.dtype == acc.dtype and b.dtype == acc.dtype:
         acc.addmm_(a, b)
+    elif a.dtype != b.dtype and half_mm_native(a.device):
+        acc.add_(_split_mm(a, b, acc.dtype))
     elif a.dtype != b.dtype:
         acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
     elif whole:
@@ -417,16 +420,53 @@ def _half_mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, widen: bo
     """``a @ b`` of half-precision operands, with a ``out_dtype`` (float32) result: the product a
     half-precision matmul forms before it rounds its output. On CUDA (torch >= 2.8: :func:`half_mm_native`) the
     operands stay half precision (``out_dtype``: tensor cores); a CPU, or an older torch, has no such kernel,
-    and multiplies float32 copies (each product of
-    two half-precision numbers is exact in float32, so the sum is the same). ``widen``: a float32 ``a``
-    (``logits_dtype=torch.float32``): ``b`` widened, a float32 matmul as documented."""
+    and multiplies float32 copies (each product of two half-precision numbers is exact in float32, so the sum
+    is the same). One float32 operand and one half-precision (``logits_dtype=torch.float32``: the float32
+    logit gradient against hidden states or weight rows; ``widen`` says so): the float32 matmul's values, on
+    half-precision operands where the device has that kernel (:func:`_split_mm`), else from a float32 copy of
+    the half-precision one."""
     if a.dtype == out_dtype and b.dtype == out_dtype:
         return torch.mm(a, b)
-    if widen or a.dtype != b.dtype:
-        return torch.mm(a.to(out_dtype), b.to(out_dtype))
-    if half_mm_native(a.device):
+    native = half_mm_native(a.device)
+    if a.dtype != b.dtype:
+        return _split_mm(a, b, out_dtype) if native else torch.mm(a.to(out_dtype), b.to(out_dtype))
+    if native:
         return torch.mm(a, b, out_dtype=out_dtype)
     return torch.mm(a.to(out_dtype), b.to(out_dtype))
+
+
+#: The power of 2 :func:`_split_mm` scales each row's largest entry to (below float16's largest, 65504).
+SPLIT_TOP = 14
+
+
+def _split_mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """``a @ b`` for one float32 operand and one half-precision one, on half-precision operands with a float32
+    result (``torch.mm(..., out_dtype=...)``: tensor cores): the float32 operand is split into three pieces of
+    the other's dtype, ``x = x1 + x2 + x3`` (each the rounding of what the previous ones left: 3 x 8 bits of
+    bf16 cover float32's 24, 3 x 11 of fp16 more), and the three products summed in float32. Each product of
+    two half-precision numbers is exact in float32, so this is the float32 matmul of the two operands (the
+    half-precision one widened) up to the order of the sums and one rounding of the split operand's entries:
+    within float32 summation error, on the tensor cores (three half-precision GEMMs against a float32 GEMM:
+    about 5x faster on an H100). Each row of the split operand (the result's rows) is first scaled by a power
+    of 2 that brings its largest entry to ``2**SPLIT_TOP`` (exact; undone on the result), so that fp16's narrow
+    exponent range holds every piece.
+
+    Allocates, beyond the ``[m, n]`` float32 result: a float32 and a half-precision copy of the split operand,
+    and one ``[m, n]`` float32 product at a time."""
+    if b.dtype == out_dtype:  # a half, b float32: (b.T @ a.T).T, b.T's rows the result's columns
+        return _split_mm(b.t(), a.t(), out_dtype).t()
+    half = b.dtype
+    exponent = torch.frexp(a.abs().amax(dim=1, keepdim=True)).exponent
+    scale = torch.exp2((SPLIT_TOP - exponent).clamp_(-126, 126).to(out_dtype))
+    rest = a * scale
+    out = None
+    for i in range(3):
+        piece = rest.to(half)
+        part = torch.mm(piece, b, out_dtype=out_dtype)
+        out = part if out is None else out.add_(part)
+        if i < 2:
+            rest.sub_(piece)  # exact: the piece is the rest's leading bits
+    return out.div_(scale)
 
 
 #: Device types whose half-precision matmuls may write a float32 result (``torch.mm(..., out_dtype=...)``), where

@@ -426,7 +426,9 @@ def _launcher(kernel, kind: str):
     """``kernel`` as autotuned (:data:`AUTOTUNE`), built once; the gradient's restores its output between the
     timed runs (it may overwrite its own input)."""
     if kind not in _tuned:
-        kw = dict(configs=_autotune_configs(kind), key=["span_class"], prune_configs_by={"early_config_prune": _prune})
+        variant = ["HAS_CAP", "WANT_W", "WANT_Q"] if kind == "stats" else ["HAS_CAP", "HAS_C", "HAS_B", "HAS_A"]
+        kw = dict(configs=_autotune_configs(kind), key=["span_class", *variant],  # and the tensors' dtypes
+                  prune_configs_by={"early_config_prune": _prune})
         if kind == "grad":
             kw["restore_value"] = ["out_ptr"]
         if _BENCH is not None:

@@ -143,10 +143,13 @@ def linear_log_probs_and_entropy(
             (the default): their own dtype, rounded as the model's own output
             layer rounds it (and as a vLLM rollout does, which widens the bf16
             logits to float32 only for sampling), then widened for the float32
-            statistics. ``torch.float32``: the matmul is kept in float32
-            (``out_dtype`` on CUDA with torch >= 2.8; elsewhere each block's
-            rows are cast to float32 first), and so is ``grad @ weight`` in backward: as exact
-            as plain float32 PyTorch on the same bf16 inputs.
+            statistics. ``torch.float32``: the matmul's float32 sums are
+            kept (``F.linear`` of the upcast operands), and the backward's
+            matmuls take the float32 logit gradient: as exact as plain float32
+            PyTorch on the same bf16 inputs. On half-precision operands where
+            torch has that kernel (CUDA, torch >= 2.8: ``out_dtype``; the
+            gradient split into three half-precision pieces), else on float32
+            copies (see docs/concepts.md).
         labels: ``[...]`` int64 *global* vocabulary ids; with sequence
             parallelism, for the full gathered sequence. None when only
             ``log_probs_at`` / ``top_k`` are wanted (``log_probs`` is then None).

@@ -110,7 +110,10 @@ class OutputLayer(ByValue):
         logit_scale: Cohere's ``logit_scale``, Granite's ``1 / logits_scaling`` (> 0), or None.
         logits_dtype: the dtype each block's matmul produces for a bf16/fp16
             weight: None (the weight's own, rounded as the model's layer and a
-            vLLM rollout round it) or ``torch.float32`` (kept in float32).
+            vLLM rollout round it) or ``torch.float32`` (kept in float32:
+            ``F.linear`` of the upcast operands, on half-precision operands
+            with float32 sums where torch has that kernel, CUDA with torch
+            >= 2.8, both directions).
         process_group: the tensor-parallel group the vocabulary is sharded
             over (rows of ``weight``), or None.
         sequence_parallel: the hidden states arrive split along dim 0

@@ -9,8 +9,8 @@ overloads that CPU torch lacks from a ``TorchDispatchMode``, which logs the
 dtypes of the operands of every matmul dispatched. ``tests/test_cuda.py``
 runs the same log on a GPU without the stand-in.
 
-Asserted: no matmul of a half-precision call has two float32 operands (save
-``logits_dtype=torch.float32``, which asks for float32 matmuls), and the
+Asserted: no matmul of a half-precision call has two float32 operands (nor
+with ``logits_dtype=torch.float32``: :mod:`tests.test_half_mm`), and the
 results equal, bit for bit, those of the CPU branch.
 """
 
@@ -128,9 +128,10 @@ def test_no_float32_matmul_in_a_half_precision_call(op, dtype, vocab_chunk_size,
         assert got.dtype == dtype and torch.equal(got, want)
 
 
-def test_float32_logits_ask_for_float32_matmuls(monkeypatch):
-    mode, _ = _grads("head", torch.bfloat16, True, monkeypatch, logits_dtype=torch.float32)
-    assert mode.float32_pairs(), "logits_dtype=torch.float32 keeps its float32 matmuls"
+def test_float32_logits_multiply_float32_copies_without_the_kernel(monkeypatch):
+    # with the half-operand kernel, logits_dtype=torch.float32 takes half operands too (tests/test_half_mm.py)
+    mode, _ = _grads("head", torch.bfloat16, False, monkeypatch, logits_dtype=torch.float32)
+    assert mode.float32_pairs(), "logits_dtype=torch.float32 without the kernel: float32 matmuls"
 
 
 def test_weight_gradient_is_one_matmul_per_vocabulary_block(monkeypatch):

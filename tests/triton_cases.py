@@ -574,7 +574,10 @@ def test_auto_probe_passes_the_kernels(monkeypatch):
     import warnings
 
     monkeypatch.setattr(_triton, "MAX_TILE", 8192)
-    assert _triton._parts(4, _kernels.PROBE_WIDTH, 2048, torch.device("cpu")) > 1
+    monkeypatch.setattr(_triton, "PROGRAMS", 264)  # an H100's 132 multiprocessors, twice
+    for elem in (2, 4):  # bf16 and float32 blocks: each probe row split across programs
+        assert _triton._parts(4, _kernels.PROBE_WIDTH, _triton._stats_config(_kernels.PROBE_WIDTH, elem)[0],
+                              torch.device("cpu")) > 1
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="chunked_entropy")  # not numpy's, of the interpreter's inf - inf
         assert _kernels._probe(_kernels.TRITON, "Triton", torch.device("cpu"), "the compiled kernels")
