@@ -210,7 +210,8 @@ def prepare_tokens(
     kept = parse_keep(keep, lead_shape=lead_shape, v_local=v_local, labels=flat, valid=valid, entropy_of=entropy_of,
                       device=device, call=call, rows=None if logits is None else Rows(logits),
                       scale=(transform, k_rows, dtype))
-    at = parse_at(log_probs_at, top_k, lead_shape=lead_shape, v_local=v_local, device=device, call=call, keep=keep)
+    at = parse_at(log_probs_at, top_k, lead_shape=lead_shape, v_local=v_local, device=device, call=call, keep=keep,
+                  capped=transform.softcap is not None)
     return Tokens(lead_shape, valid, target, inv_t, transform, kept, at)
 
 

@@ -8,9 +8,17 @@ Layer: per-token inputs (with :mod:`chunked_entropy._inputs`). With
 
 so forward only has to *read* each requested id's raw logit, in whichever
 block (and rank) holds it, before the block is overwritten; no ``[T, V]``
-tensor is formed. The top-k is that of the raw logits (the transform is
-increasing), merged over blocks and, once per call, over ranks; its
-log-probs are then log-probs at its ids.
+tensor is formed. With a soft-cap, ``u_j`` is formed here (``tanh``, eager)
+while the kernels formed ``m`` from their own ``tanh`` (compiled and Triton
+ones differ from eager's by an ulp now and then, which ``k = softcap / t``
+magnifies: 1.8e-3 nats at ``t = 1e-3``, a confident token's log-prob above
+0); so ``m`` is taken here too, as ``u`` of the row's largest raw logit (the
+top-k's first, or a running maximum of the blocks), formed the same way as
+``u_j``: the row's own top token gets ``-log s <= 0`` exactly, as with eager.
+
+The top-k is that of the raw logits (the transform is increasing), merged
+over blocks and, once per call, over ranks; its log-probs are then
+log-probs at its ids.
 
 **Gradient.** With upstream ``g_k`` at the ids ``j_k`` of a row,
 
@@ -22,10 +30,13 @@ carries is taken back, and the ids' one-hots are added, at those entries
 only (times ``dx/dz``, the cap's derivative included).
 
 Memory: per call, ``[N, K]`` float32 raw logits and, with ``top_k=k``,
-``[N, k]`` float32 and int64; per block a ``topk`` of the block. Every
-shape is static (gathers and scatters with masked values, clamped columns):
-no host sync per chunk; under a process group one all-reduce and two
-all-gathers per call, after the loop.
+``[N, k]`` float32 and int64; per block a ``topk`` of the block. With a
+soft-cap and no ``top_k``: an ``[N]`` float32 row maximum, per block an
+``amax`` of the block (one more read of it). Every shape is static
+(gathers and scatters with masked values, clamped columns): no host sync
+per chunk; under a process group one all-reduce and two all-gathers per
+call, after the loop (with a soft-cap and no ``top_k``, one more
+all-reduce: the row maximum's).
 """
 
 from __future__ import annotations
@@ -39,7 +50,7 @@ import torch.distributed as dist
 
 from ._checks import check_device, is_int
 from ._stats import Transform
-from .parallel import all_gather_dim0, all_reduce_sum_, fingerprint
+from .parallel import all_gather_dim0, all_reduce_max_, all_reduce_sum_, fingerprint
 
 
 @dataclass(eq=False)
@@ -54,6 +65,8 @@ class At:
     raw: Optional[torch.Tensor] = None  # [N, K] the ids' raw logits (after the loop: from every rank)
     top_raw: Optional[torch.Tensor] = None  # [N, k] the row's top-k raw logits, descending
     top_ids: Optional[torch.Tensor] = None  # [N, k] their global ids
+    capped: bool = False  # a soft-cap: the log-probs are relative to u of the row's largest raw logit (see above)
+    row_max: Optional[torch.Tensor] = None  # [N] the row's largest raw logit (capped, without top_k)
 
     @property
     def k_ids(self) -> int:
@@ -67,6 +80,8 @@ class At:
         if self.top_k:
             self.top_raw = torch.empty(n, self.top_k, dtype=dtype, device=device)
             self.top_ids = torch.empty(n, self.top_k, dtype=torch.int64, device=device)
+        elif self.capped:
+            self.row_max = torch.full((n,), -math.inf, dtype=dtype, device=device)
 
     def block(self, z: torch.Tensor, a: int, b: int, v0: int, cand):
         """Read a block of raw logits (rows ``[a, b)``, shard columns from ``v0``) before it is overwritten;
@@ -77,6 +92,8 @@ class At:
             inside = (local >= 0) & (local < width)
             got = z.gather(1, local.clamp(0, width - 1)).to(self.raw.dtype)
             self.raw[a:b] = torch.where(inside, got, self.raw[a:b])
+        if self.row_max is not None:  # NaN propagates, as into the kernels' m
+            self.row_max[a:b] = torch.maximum(self.row_max[a:b], z.amax(dim=1).to(self.row_max.dtype))
         if not self.top_k:
             return None
         vals, idx = z.topk(min(self.top_k, width), dim=1)
@@ -102,6 +119,8 @@ class At:
             return
         if self.raw is not None:
             all_reduce_sum_(self.raw, group)
+        if self.row_max is not None:
+            all_reduce_max_(self.row_max, group)
         if self.top_k:
             world = dist.get_world_size(group)
             vals = all_gather_dim0(self.top_raw.unsqueeze(0).contiguous(), group)  # [world, N, k]
@@ -112,11 +131,17 @@ class At:
             self.top_ids = idx.gather(1, pick)
 
     def outputs(self, m, ls, k, tf: Transform):
-        """``(log_probs_at, top_k_ids, top_k_log_probs)`` (None where not asked) from the rows' statistics."""
+        """``(log_probs_at, top_k_ids, top_k_log_probs)`` (None where not asked) from the rows' statistics
+        (with a soft-cap, ``m`` formed again here from the row's largest raw logit: see the module doc)."""
+        m = m.unsqueeze(1)
+        if tf.softcap is not None:
+            top = self.top_raw[:, :1] if self.top_k else self.row_max.unsqueeze(1)
+            m = tf.to_u_(top.clone())
+
         def lp(raw):
             u = tf.to_u_(raw.clone())
             kk = 1.0 if k is None else k
-            return kk * (u - m.unsqueeze(1)) - ls.unsqueeze(1)
+            return kk * (u - m) - ls.unsqueeze(1)
 
         return (None if self.raw is None else lp(self.raw), self.top_ids,
                 None if not self.top_k else lp(self.top_raw))
@@ -169,9 +194,11 @@ def add_grad_(grad: torch.Tensor, raw, entries, coef: torch.Tensor, total: torch
     grad.scatter_add_(1, label_cols.unsqueeze(1), back.unsqueeze(1).to(grad.dtype))
 
 
-def parse_at(log_probs_at, top_k, *, lead_shape, v_local: int, device, call, keep) -> Optional[At]:
+def parse_at(log_probs_at, top_k, *, lead_shape, v_local: int, device, call, keep, capped: bool = False
+             ) -> Optional[At]:
     """``log_probs_at`` (an int64 ``[..., K]`` tensor of global ids in the labels' leading shape, or None) and
-    ``top_k`` (an int >= 1, or None), checked; None when neither is asked."""
+    ``top_k`` (an int >= 1, or None), checked; None when neither is asked. ``capped``: the call's transform
+    has a soft-cap."""
     if log_probs_at is None and top_k is None:
         call.agree("log_probs_at's K, top_k", (0, 0))
         return None
@@ -200,4 +227,4 @@ def parse_at(log_probs_at, top_k, *, lead_shape, v_local: int, device, call, kee
     if top_k is not None and not (is_int(top_k) and 1 <= top_k <= v_global):
         raise ValueError(f"top_k must be an int in [1, {v_global}] (the vocabulary size), got {top_k!r}")
     call.agree("log_probs_at's K, top_k", (0 if ids is None else ids.shape[1], int(top_k or 0)))
-    return At(ids, int(top_k or 0), call.rank, v_local)
+    return At(ids, int(top_k or 0), call.rank, v_local, capped=bool(capped))

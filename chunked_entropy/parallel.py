@@ -464,6 +464,13 @@ def all_reduce_sum_(t: torch.Tensor, group) -> torch.Tensor:
     return t
 
 
+def all_reduce_max_(t: torch.Tensor, group) -> torch.Tensor:
+    """In-place MAX over ``group`` (a no-op without one)."""
+    if _active(group):
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t
+
+
 def all_reduce_with_grad(t: torch.Tensor, group) -> torch.Tensor:
     """SUM over ``group``, differentiable (the gradient is all-reduced too); ``t`` itself is not written."""
     if not _active(group):

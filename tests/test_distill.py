@@ -207,6 +207,17 @@ def _tp_worker(rank, world):
         _loss(ours, ups).backward()
         _loss(ref, ups).backward()
         torch.testing.assert_close(x.grad, zr.grad[..., shard], rtol=1e-9, atol=1e-9)
+    # a soft-cap without top_k: the ids' log-probs are taken from the row's largest logit over every rank's shard
+    x = z[..., shard].clone().requires_grad_()
+    out = log_probs_and_entropy(x, labels, log_probs_at=ids, layer=OutputLayer(process_group=group, softcap=4.0),
+                                chunking=Chunking(5), temperature=0.6)
+    zr = z.clone().requires_grad_()
+    ref = _reference(zr, labels, ids, 0, temperature=0.6, softcap=4.0)
+    torch.testing.assert_close(out.log_probs_at, ref[2].detach(), rtol=1e-9, atol=1e-9)
+    up = torch.randn(ids.shape, generator=g, dtype=torch.float64)
+    (out.log_probs_at * up).sum().backward()
+    (ref[2] * up).sum().backward()
+    torch.testing.assert_close(x.grad, zr.grad[..., shard], rtol=1e-9, atol=1e-9)
     # the fused head under sequence parallelism: hidden [S/P, B, H], ids over the full [S, B]
     s_len, b, hdim = 2 * world, 3, 4
     hidden = torch.randn(s_len, b, hdim, generator=g, dtype=torch.float64)
@@ -239,3 +250,44 @@ def _tp_worker(rank, world):
 @pytest.mark.parametrize("world", [2, 3])
 def test_tensor_and_sequence_parallel(world):
     run_distributed(_tp_worker, world, timeout_s=120)
+
+
+def _confident_rows(n=8192, v=16, seed=3):
+    """Rows with one confident token (the argmax, by 0 to 60 over a spread of 3) and a soft-cap's worth of range:
+    ``u = tanh(z / 30)`` lands on many float32 values, where compiled ``tanh`` and eager's differ by an ulp at about
+    one in a thousand (Inductor's CPU ``tanh``); ``k = softcap / t = 3e4`` makes an ulp of ``u`` 1.8e-3 nats."""
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(n, v, generator=g) * 3
+    z[torch.arange(n), torch.randint(0, v, (n,), generator=g)] += torch.rand(n, generator=g) * 60
+    top = z.argmax(1)
+    ids = torch.stack([top, torch.randint(0, v, (n,), generator=g), top], 1)
+    return z, top, ids
+
+
+@pytest.mark.parametrize("path", ["logits", "head"])
+@pytest.mark.parametrize("backend", ["eager", "compile"])
+@pytest.mark.parametrize("top_k", [None, 2])
+def test_a_confident_tokens_log_prob_is_never_above_0(path, backend, top_k):
+    """A soft-cap and t = 1e-3: the log-probs at ids and the top-k's are <= 0 on every backend, and within eager's
+    error of float64 (the row's own top token: -log s, as eager gives). The kernels' row maximum came from their
+    own tanh while the ids' u came from eager's: +1.8e-3 with the compiled kernels."""
+    z, top, ids = _confident_rows()
+    kw = dict(temperature=1e-3, log_probs_at=ids, top_k=top_k)
+    if path == "logits":
+        run = lambda be: log_probs_and_entropy(z, top, layer=OutputLayer(softcap=30.0),  # noqa: E731
+                                               chunking=Chunking(1024, backend=be), **kw)
+    else:  # the fused head: hidden states z through an identity weight (the logits are z, exactly)
+        layer = OutputLayer(torch.eye(z.shape[1]), softcap=30.0)
+        run = lambda be: linear_log_probs_and_entropy(z, layer, top, chunking=Chunking(1024, backend=be),  # noqa: E731
+                                                      **kw)
+    out, eager = run(backend), run("eager")
+    ref = _reference(z.double(), top, ids, top_k or 0, temperature=1e-3, softcap=30.0)
+    pairs = [(out.log_probs_at, eager.log_probs_at, ref[2])]
+    if top_k:
+        assert torch.equal(out.top_k_ids[:, 0], top)
+        pairs.append((out.top_k_log_probs, eager.top_k_log_probs, ref[4]))
+    for got, e, r in pairs:
+        assert got.max() <= 0, got.max()
+        err, err_eager = (got.double() - r).abs(), (e.double() - r).abs()
+        assert (err <= err_eager + 1e-6).all(), (err - err_eager).max()
+    torch.testing.assert_close(out.log_probs_at[:, 0], out.log_probs, rtol=0, atol=1e-6)  # the label is the top

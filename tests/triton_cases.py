@@ -618,3 +618,33 @@ def test_autotuned_launches_match_and_restore_an_overwritten_block(monkeypatch):
     for a, b in zip(rows_tuned[:5], rows_fixed[:5], strict=True):
         torch.testing.assert_close(a, b, rtol=2e-6, atol=2e-6)
     torch.testing.assert_close(g_tuned, g_fixed, rtol=1e-5, atol=1e-7)
+@triton.jit
+def _capped_u(z_ptr, cap_ptr, out_ptr, n, B: tl.constexpr):
+    i = tl.program_id(0) * B + tl.arange(0, B)
+    z = tl.load(z_ptr + i, mask=i < n, other=0.0)
+    tl.store(out_ptr + i, _triton._u(z, tl.load(cap_ptr), True, tl.float32), mask=i < n)
+
+
+@pytest.mark.parametrize("top_k", [None, 2])
+def test_a_confident_tokens_log_prob_is_never_above_0(top_k):
+    """Rows whose largest logit is where the kernels' tanh and torch's differ by an ulp (a soft-cap of 30 at
+    t = 1e-3: 1.8e-3 nats): the log-probs at the row's top id and the top-k's are eager's, <= 0 (the kernels'
+    row maximum with the ids' eager u gave +1.8e-3)."""
+    g = torch.Generator().manual_seed(0)
+    cand = torch.rand(1 << 15, generator=g) * 60 + 10
+    cap = torch.tensor([1 / 30.0])
+    u = torch.empty_like(cand)
+    _capped_u[(cand.numel() // 1024,)](cand, cap, u, cand.numel(), B=1024)
+    differ = cand[u != torch.tanh(cand * (1 / 30.0))][:16]
+    assert differ.numel() >= 4  # the kernels' tanh is not torch's everywhere: the case this test is about
+    n, v = differ.numel(), 16
+    z = torch.randn(n, v, generator=g) * 3
+    top = torch.randint(0, v, (n,), generator=g)
+    z[torch.arange(n), top] = differ
+    ids = torch.stack([top, (top + 1) % v], 1)
+    kw = dict(layer=OutputLayer(softcap=30.0), temperature=1e-3, log_probs_at=ids, top_k=top_k)
+    out, eager = (log_probs_and_entropy(z, top, chunking=Chunking(8, backend=be), **kw) for be in ("triton", "eager"))
+    for got, ref in [(out.log_probs_at, eager.log_probs_at)] + (
+            [(out.top_k_log_probs, eager.top_k_log_probs)] if top_k else []):
+        assert got.max() <= 0, got.max()
+        torch.testing.assert_close(got, ref, rtol=0, atol=1e-6)
