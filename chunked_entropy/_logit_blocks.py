@@ -324,6 +324,7 @@ def linear_grads(blocks, rows: Rows, weight, *, n: int, hidden_dtype, chunk_size
             _acc_weight_mm_(acc_w[v0:v1], g, gq, h)
         if need_h and v1 == v:  # the chunk's last block
             grad_h[a:b].copy_(gh_c)
+        gq = None  # freed before the walk makes the next block's (two [rows, block] half blocks otherwise)
     if need_w and acc_w is not gw and acc_w is not main_grad:
         (gw if main_grad is None else main_grad).add_(acc_w)
     return grad_h, gw, gb

@@ -358,7 +358,7 @@ class _LivePeak(TorchDispatchMode):
 def test_the_plan_states_the_working_memory_the_walk_allocates(dtype):
     """The forward (where the fused loss forms every gradient) on the CPU, eager: what it allocates beyond its
     gradients (the hidden states' and the bias's; the weight's float32 accumulator counts, the weight's
-    gradient in its dtype comes in backward) within 10% of the plan's figure for the three-pass walk."""
+    gradient in its dtype comes in backward) within 5% of the plan's figure for the three-pass walk."""
     b, t, h, v, chunk = 2, 32, 64, 2048, 16
     d = _data(dtype, b=b, t=t, h=h, v=v, seed=11)
     leaves = {k: d[k].clone().requires_grad_() for k in ("hidden", "weight", "bias")}
@@ -370,7 +370,8 @@ def test_the_plan_states_the_working_memory_the_walk_allocates(dtype):
     measured = peak.peak - grads
     planned = config.three_pass_bytes(chunk, v, h, d["weight"].element_size(), accumulator=dtype != torch.float32,
                                       buffers=2, native=False)
-    assert abs(measured - planned) <= 0.1 * planned + per_token, (measured, planned)
+    # 5%: a chunk's rounded gradient kept alive into the next chunk's (an extra [chunk, V] half block) is over
+    assert abs(measured - planned) <= 0.05 * planned + per_token, (measured, planned)
 
 
 def test_plan_shows_both_walks(capsys):
