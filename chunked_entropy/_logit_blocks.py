@@ -456,9 +456,13 @@ def _split_mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch
     and one ``[m, n]`` float32 product at a time."""
     if b.dtype == out_dtype:  # a half, b float32: (b.T @ a.T).T, b.T's rows the result's columns
         return _split_mm(b.t(), a.t(), out_dtype).t()
+    if out_dtype != torch.float32:
+        raise AssertionError(f"_split_mm makes float32 results, not {out_dtype}")
     half = b.dtype
     exponent = torch.frexp(a.abs().amax(dim=1, keepdim=True)).exponent
-    scale = torch.exp2((SPLIT_TOP - exponent).clamp_(-126, 126).to(out_dtype))
+    # 2**shift built from its bits (exact on every device, as exp2 of an integer need not be): a normal float32
+    shift = (SPLIT_TOP - exponent).clamp_(-126, 127).to(torch.int32)
+    scale = ((shift + 127) << 23).view(torch.float32)
     rest = a * scale
     out = None
     for i in range(3):

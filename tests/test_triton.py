@@ -451,3 +451,17 @@ def _pair_math(kind):
     from chunked_entropy import Divergence
 
     return (kind if isinstance(kind, Divergence) else Divergence(kind)).spec.math
+
+
+@needs_triton
+@pytest.mark.skipif(INTERPRETING, reason="this process interprets Triton kernels")
+def test_autotune_is_on_for_compiled_kernels_and_can_be_pinned():
+    """Compiled kernels pick their tile and warps with ``triton.autotune`` unless
+    ``CHUNKED_ENTROPY_TRITON_AUTOTUNE=0`` pins the fixed configuration; the interpreter, which cannot time a
+    kernel, always takes the fixed one."""
+    code = "from chunked_entropy import _triton; print('autotune', _triton.AUTOTUNE)"
+    for env, want in (({}, True), ({"CHUNKED_ENTROPY_TRITON_AUTOTUNE": "0"}, False),
+                      ({"TRITON_INTERPRET": "1"}, False)):
+        r = _python(["-c", code], **env)
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert f"autotune {want}" in r.stdout, (env, r.stdout)
