@@ -27,7 +27,9 @@ mesh dimension (every rank holds the same values, as
 ``loss_parallel``'s cross entropy does) and as the input on the others; a
 scalar loss is ``Replicate()`` everywhere. The logits' gradient arrives as a
 DTensor with the logits' own placements (``Shard(-1)``), a weight's as the
-weight's (``Shard(0)``). Another DTensor argument (labels, a mask, a
+weight's (``Shard(0)``), except ``Partial()`` on a mesh dim where the weight
+is replicated and the hidden states' rows are sharded (each rank's part of
+the gradient, as torch's own matmul gives it). Another DTensor argument (labels, a mask, a
 temperature) must sit on the same mesh with the outputs' placements; plain
 tensors are taken as this rank's rows. ``.to_local()`` of an output is the
 plain tensor, identical on every rank of the vocabulary's group.
@@ -249,8 +251,9 @@ def dtensor_logits_op(*, logits=("logits",), layers=("layer",), scalar: bool = F
 
 
 def _local_layer(layer, name: str):
-    """An op's layer whose weight is a DTensor (column-parallel): its local shard, bias and the mesh's group;
-    ``(layer, shard)``, shard None for a plain weight."""
+    """An op's layer whose weight is a DTensor (column-parallel), checked: ``(layer, shard)``, shard None for a
+    plain weight. The weight and bias stay DTensors here: :func:`_to_local_layer` reads them once the hidden
+    states' placements say how their gradients are placed."""
     value = as_layer(layer, name)
     w = value.weight
     if not is_dtensor(w):
@@ -264,12 +267,30 @@ def _local_layer(layer, name: str):
         if b.device_mesh != w.device_mesh or tuple(b.placements) != tuple(w.placements):
             raise ValueError(f"{name}.bias is a DTensor placed {tuple(b.placements)}; expected the weight's "
                              f"{tuple(w.placements)} on the same mesh")
-        b = b.to_local()
     own = value.process_group
     if own is not None and own is not shard.group:
         raise ValueError(f"{name}.process_group must be None or the weight's mesh group for the vocabulary's mesh "
                          "dim (device_mesh.get_group(dim)): the group comes from the mesh")
-    return value.replace(weight=w.to_local(), bias=b, process_group=shard.group), shard
+    return value, shard
+
+
+def _to_local_layer(value, shard: Optional[VocabShard], rows_placements: Optional[tuple]):
+    """The checked layer on its local shards with the mesh's group. ``rows_placements``: the hidden states'
+    placements (None: plain hidden states). On a mesh dim where the weight is replicated and the rows are
+    sharded, each rank's weight (and bias) gradient is the part of its own rows: placed ``Partial()`` there, as
+    torch's own matmul places it, so that ``.grad`` sums the ranks' parts instead of calling one rank's part
+    the whole."""
+    if shard is None:
+        return value
+    from torch.distributed.tensor import Partial, Replicate
+
+    w, b = value.weight, value.bias
+    grad = tuple(w.placements)
+    if rows_placements is not None:
+        grad = tuple(Partial() if isinstance(wp, Replicate) and not isinstance(hp, Replicate) else wp
+                     for wp, hp in zip(grad, rows_placements, strict=True))
+    b = b.to_local(grad_placements=grad) if is_dtensor(b) else b
+    return value.replace(weight=w.to_local(grad_placements=grad), bias=b, process_group=shard.group)
 
 
 def _local_hidden(h, name: str, shard: Optional[VocabShard]):
@@ -331,8 +352,8 @@ def dtensor_hidden_op(*, pairs=(("hidden", "layer"),), scalar: bool = False):
                         raise ValueError(f"{layer_name}.weight is on another mesh (or mesh dim) than "
                                          f"{pairs[0][1]}.weight: the two layers must share the vocabulary's group")
                     weight_shard = weight_shard or shard
-                a[layer_name] = layer
                 h, hs = _local_hidden(a.get(hidden_name), hidden_name, shard)
+                a[layer_name] = _to_local_layer(layer, shard, None if hs is None else hs.out_placements)
                 if hs is not None:
                     if scalar:
                         _check_scalar(hs, hidden_name, fn.__name__)

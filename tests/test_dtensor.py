@@ -238,6 +238,32 @@ def _two_d(rank, world):
     with pytest.raises(ValueError, match=r"rows= with logits a DTensor whose rows are sharded"):
         log_probs_and_entropy(d, lab, rows=torch.tensor([0]))
 
+    # ---- the fused head on the 2-D mesh: a weight replicated over dp, hidden rows sharded over dp. Each dp rank's
+    # weight gradient is its rows' part: a Partial over dp (as torch's own matmul gives), not a Replicate that
+    # differs between the dp ranks
+    from torch.distributed.tensor import Partial
+
+    gw = torch.Generator().manual_seed(6)
+    w64, h64 = torch.randn(V, H, generator=gw, dtype=torch.float64), torch.randn(b, s, H, generator=gw,
+                                                                                 dtype=torch.float64)
+    bias64 = torch.randn(V, generator=gw, dtype=torch.float64)
+    wr, hr, br = (t.clone().requires_grad_() for t in (w64, h64, bias64))
+    lp_ref, h_ref = _ref_entropy_lp((hr @ wr.T + br).reshape(-1, V), labels.reshape(-1), T)
+    (h_ref.reshape(b, s) * g_h - lp_ref.reshape(b, s)).sum().backward()
+    w = distribute_tensor(w64.float(), mesh, [Replicate(), Shard(0)]).requires_grad_()
+    bias = distribute_tensor(bias64.float(), mesh, [Replicate(), Shard(0)]).requires_grad_()
+    hid = distribute_tensor(h64.float(), mesh, [Shard(0), Replicate()]).requires_grad_()
+    out = linear_log_probs_and_entropy(hid, OutputLayer(w, bias=bias), lab, temperature=T, chunking=2)
+    assert out.entropy.placements == (Shard(0), Replicate())
+    _close(out.entropy.full_tensor(), h_ref.detach().reshape(b, s), "2-D mesh fused entropy")
+    ((out.entropy * up).sum() - out.log_probs.sum()).backward()
+    assert w.grad.placements == (Partial(), Shard(0)), w.grad.placements
+    assert bias.grad.placements == (Partial(), Shard(0)), bias.grad.placements
+    _close(w.grad.full_tensor(), wr.grad, "2-D mesh fused d/d weight")
+    _close(bias.grad.full_tensor(), br.grad, "2-D mesh fused d/d bias")
+    assert hid.grad.placements == (Shard(0), Replicate())
+    _close(hid.grad.full_tensor(), hr.grad, "2-D mesh fused d/d hidden")
+
 
 def test_dtensor_on_the_tp_dim_of_a_2d_mesh_rows_sharded_over_dp():
     run_distributed(_two_d, 4, timeout_s=120)
