@@ -25,8 +25,9 @@ FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 def float_bits(x: Optional[float]) -> int:
     """A float's exact bit pattern as an int (None: -1): equal settings on two ranks give equal ints, for the
-    cross-rank agreement (:meth:`~chunked_entropy.parallel.CallCheck.agree`)."""
-    return -1 if x is None else struct.unpack("<q", struct.pack("<d", float(x)))[0]
+    cross-rank agreement (:meth:`~chunked_entropy.parallel.CallCheck.agree`). ``-0.0`` is ``0.0`` here (equal
+    floats, the same setting: ``+ 0.0`` turns the one into the other)."""
+    return -1 if x is None else struct.unpack("<q", struct.pack("<d", float(x) + 0.0))[0]
 
 
 def is_real(value) -> bool:

@@ -21,7 +21,10 @@ from chunked_entropy.losses import Aggregation, PolicyOptions
 def _variants():
     """Groups of objects: equal within a group (built separately, by other routes), different across groups."""
     return [
-        [PolicyLoss(), PolicyLoss(), PolicyLoss("vanilla", {}, aggregation="token-mean")],
+        # -0.0 == 0.0: the same setting, whose fingerprint (float bits) must agree too, or two ranks holding
+        # equal objects were refused as differing
+        [PolicyLoss(), PolicyLoss(), PolicyLoss("vanilla", {}, aggregation="token-mean"),
+         PolicyLoss(entropy_coeff=-0.0, kl_coef=-0.0)],
         [PolicyLoss("gspo"), PolicyLoss(mode="gspo", options=PolicyOptions())],
         [PolicyLoss(entropy_coeff=0.01), PolicyLoss(entropy_coeff=np.float64(0.01))],
         [PolicyLoss(options={"clip_ratio_high": 0.28}), PolicyLoss(options=PolicyOptions(clip_ratio_high=0.28))],
