@@ -43,6 +43,11 @@ the same on every rank): a ``Partial`` placement, the vocabulary sharded on
 two mesh dimensions or unevenly, a weight sharded on a second mesh dimension
 (an FSDP2 shard: run inside the module's forward, where FSDP2 unshards it),
 a ``layer.process_group`` other than the mesh's, arguments on two meshes.
+What one rank alone may refuse (its ``rows=``, its ``layer``, another
+argument's placements) goes through the ranks' agreement
+(:func:`~chunked_entropy.parallel.refused_together`): every rank of the
+vocabulary's group raises it, none is left in the op's next collective, and
+the checks all come before the gather of sequence-parallel hidden states.
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ from typing import Optional
 import torch
 
 from .options import OutputLayer, as_layer
+from .parallel import refused_together
 
 __all__ = ["VocabShard", "dtensor_hidden_op", "dtensor_logits_op", "is_dtensor", "vocab_shard"]
 
@@ -223,25 +229,28 @@ def dtensor_logits_op(*, logits=("logits",), layers=("layer",), scalar: bool = F
                 named = next(k for k, v in a.items() if is_dtensor(v))
                 raise ValueError(f"{named} is a DTensor but {logits[0]} is not: pass {logits[0]} as the "
                                  "vocabulary-sharded DTensor too, or every argument as plain local tensors")
-            shard = vocab_shard(main, logits[0])
-            if scalar:
-                _check_scalar(shard, logits[0], fn.__name__)
-            _check_rows(shard, logits[0], a.get("rows"))
-            lead = tuple(main.shape[:-1])
-            a[logits[0]] = main.to_local()
-            for name in logits[1:]:
-                other = a.get(name)
-                if is_dtensor(other):
-                    if other.device_mesh != shard.mesh or tuple(other.placements) != tuple(main.placements):
-                        raise ValueError(f"{name} is a DTensor placed {tuple(other.placements)} on "
-                                         f"{other.device_mesh}; expected {logits[0]}'s placements "
-                                         f"{tuple(main.placements)} on the same mesh")
-                    a[name] = other.to_local()
-            for name in layers:
-                a[name] = _with_group(a.get(name), name, shard.group, logits=True)
-            for name, v in list(a.items()):
-                if is_dtensor(v):
-                    a[name] = shard.local(name, v)
+            shard = vocab_shard(main, logits[0])  # placements: the same on every rank, refused alike
+            # what may differ between the ranks (rows=, the layer, the other arguments) is refused through the
+            # ranks' agreement, met by the peers' first agreed call in the op (nothing here is a collective)
+            with refused_together(shard.group):
+                if scalar:
+                    _check_scalar(shard, logits[0], fn.__name__)
+                _check_rows(shard, logits[0], a.get("rows"))
+                lead = tuple(main.shape[:-1])
+                a[logits[0]] = main.to_local()
+                for name in logits[1:]:
+                    other = a.get(name)
+                    if is_dtensor(other):
+                        if other.device_mesh != shard.mesh or tuple(other.placements) != tuple(main.placements):
+                            raise ValueError(f"{name} is a DTensor placed {tuple(other.placements)} on "
+                                             f"{other.device_mesh}; expected {logits[0]}'s placements "
+                                             f"{tuple(main.placements)} on the same mesh")
+                        a[name] = other.to_local()
+                for name in layers:
+                    a[name] = _with_group(a.get(name), name, shard.group, logits=True)
+                for name, v in list(a.items()):
+                    if is_dtensor(v):
+                        a[name] = shard.local(name, v)
             return _wrap_result(fn(*bound.args, **bound.kwargs), shard, lead, scalar_ok=scalar)
 
         op.__signature__ = sig
@@ -294,8 +303,9 @@ def _to_local_layer(value, shard: Optional[VocabShard], rows_placements: Optiona
 
 
 def _local_hidden(h, name: str, shard: Optional[VocabShard]):
-    """Hidden states on this rank: a plain tensor as it is; a DTensor gathered over the vocabulary's mesh dim
-    (DTensor's differentiable redistribution) and read locally. Returns ``(local, out_shard or None)``."""
+    """Hidden states on this rank, checked: ``(h, out_shard)``, out_shard None for a plain tensor (returned as
+    it is); a DTensor is returned as it is too, ``out_shard`` placed as it will be once :func:`_gather_hidden`
+    has gathered it over the vocabulary's mesh dim. No collective."""
     if not is_dtensor(h):
         return h, None
     from torch.distributed.tensor import Replicate
@@ -313,13 +323,22 @@ def _local_hidden(h, name: str, shard: Optional[VocabShard]):
             raise ValueError(f"{name} is a DTensor placed {placements}: {p} on mesh dim {i} cannot be served; "
                              "expected Replicate() on the tensor-parallel mesh dim (or a Shard of a token dim, "
                              "gathered here) and Replicate() or a token-dim Shard on the others")
-    if shard.dim is not None and not isinstance(placements[shard.dim], Replicate):
-        gathered = list(placements)
-        gathered[shard.dim] = Replicate()
-        h = h.redistribute(h.device_mesh, gathered)
-    out = VocabShard(shard.mesh, shard.dim, shard.group, tuple(h.placements),
-                     any(not isinstance(p, Replicate) for p in h.placements))
+    gathered = tuple(Replicate() if i == shard.dim else p for i, p in enumerate(placements))
+    out = VocabShard(shard.mesh, shard.dim, shard.group, gathered, any(not isinstance(p, Replicate) for p in gathered))
     return h, out
+
+
+def _gather_hidden(h, out: VocabShard):
+    """DTensor hidden states placed ``out.out_placements``: a ``Shard`` over the vocabulary's mesh dim (sequence
+    parallelism) gathered through DTensor's differentiable redistribution (a collective)."""
+    if tuple(h.placements) != tuple(out.out_placements):
+        h = h.redistribute(h.device_mesh, list(out.out_placements))
+    return h
+
+
+def _weight_of(layer):
+    """The weight an op's ``layer`` argument holds (an OutputLayer's, or a bare tensor), else None; unchecked."""
+    return layer.weight if isinstance(layer, OutputLayer) else layer
 
 
 def _has_dtensor(v) -> bool:
@@ -344,33 +363,46 @@ def dtensor_hidden_op(*, pairs=(("hidden", "layer"),), scalar: bool = False):
                 return fn(*args, **kwargs)
             bound = sig.bind(*args, **kwargs)
             a = bound.arguments
-            out_shard, lead, weight_shard = None, None, None
-            for hidden_name, layer_name in pairs:
-                layer, shard = _local_layer(a.get(layer_name), layer_name)
-                if shard is not None:
-                    if weight_shard is not None and (shard.mesh != weight_shard.mesh or shard.dim != weight_shard.dim):
-                        raise ValueError(f"{layer_name}.weight is on another mesh (or mesh dim) than "
-                                         f"{pairs[0][1]}.weight: the two layers must share the vocabulary's group")
-                    weight_shard = weight_shard or shard
-                h, hs = _local_hidden(a.get(hidden_name), hidden_name, shard)
+            # the weights' placements first (the same on every rank, refused alike): they give the group
+            weight = next(((ln, w) for _, ln in pairs for w in [_weight_of(a.get(ln))] if is_dtensor(w)), None)
+            group = None
+            if weight is not None:
+                group = vocab_shard(weight[1], f"{weight[0]}.weight", vocab_dim=0, kind="weight").group
+            # what may differ between the ranks (rows=, a layer, the other arguments) is refused through the
+            # ranks' agreement, met by the peers' first agreed call in the op: every check before any collective
+            out_shard, lead, weight_shard, checked = None, None, None, []
+            with refused_together(group):
+                for hidden_name, layer_name in pairs:
+                    layer, shard = _local_layer(a.get(layer_name), layer_name)
+                    if shard is not None:
+                        if weight_shard is not None and (shard.mesh != weight_shard.mesh
+                                                         or shard.dim != weight_shard.dim):
+                            raise ValueError(f"{layer_name}.weight is on another mesh (or mesh dim) than "
+                                             f"{pairs[0][1]}.weight: the two layers must share the vocabulary's "
+                                             "group")
+                        weight_shard = weight_shard or shard
+                    h, hs = _local_hidden(a.get(hidden_name), hidden_name, shard)
+                    if hs is not None:
+                        if scalar:
+                            _check_scalar(hs, hidden_name, fn.__name__)
+                        _check_rows(hs, hidden_name, a.get("rows"))
+                        if out_shard is None:
+                            out_shard, lead = hs, tuple(h.shape[:-1])
+                    checked.append((hidden_name, layer_name, layer, shard, h, hs))
+                if out_shard is None:
+                    for name, v in list(a.items()):
+                        if is_dtensor(v):
+                            raise ValueError(f"{name} is a DTensor but the hidden states are not: pass plain "
+                                             "tensors with plain hidden states")
+                else:
+                    for name, v in list(a.items()):
+                        if is_dtensor(v) and name not in {n for pair in pairs for n in pair}:
+                            a[name] = out_shard.local(name, v)
+            for hidden_name, layer_name, layer, shard, h, hs in checked:
                 a[layer_name] = _to_local_layer(layer, shard, None if hs is None else hs.out_placements)
-                if hs is not None:
-                    if scalar:
-                        _check_scalar(hs, hidden_name, fn.__name__)
-                    _check_rows(hs, hidden_name, a.get("rows"))
-                    if out_shard is None:
-                        out_shard, lead = hs, tuple(h.shape[:-1])
-                    h = h.to_local()
-                a[hidden_name] = h
+                a[hidden_name] = h if hs is None else _gather_hidden(h, hs).to_local()
             if out_shard is None:
-                for name, v in list(a.items()):
-                    if is_dtensor(v):
-                        raise ValueError(f"{name} is a DTensor but the hidden states are not: pass plain tensors "
-                                         "with plain hidden states")
                 return fn(*bound.args, **bound.kwargs)
-            for name, v in list(a.items()):
-                if is_dtensor(v):
-                    a[name] = out_shard.local(name, v)
             return _wrap_result(fn(*bound.args, **bound.kwargs), out_shard, lead, scalar_ok=scalar)
 
         op.__signature__ = sig

@@ -267,3 +267,35 @@ def _two_d(rank, world):
 
 def test_dtensor_on_the_tp_dim_of_a_2d_mesh_rows_sharded_over_dp():
     run_distributed(_two_d, 4, timeout_s=120)
+
+
+def _one_rank_refused(rank, world):
+    """A refusal of the DTensor front that only one rank of a TP group makes (its ``rows=``; a bad ``layer``)
+    is shared through the ranks' agreement: every rank raises it within the collective timeout, none waits in
+    the op's next collective, and the group serves the next call."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    tp = mesh.get_local_rank("tp")
+    b, s = 2, 3
+    x = torch.stack([_logits(s, 20 + i) for i in range(b)])
+    labels = torch.randint(0, V, (b, s), generator=torch.Generator().manual_seed(4))
+    d = distribute_tensor(x, mesh, [Shard(0), Shard(2)])
+    lab = distribute_tensor(labels, mesh, [Shard(0), Replicate()])
+    with pytest.raises(ValueError, match=r"rows= with logits a DTensor whose rows are sharded"):
+        log_probs_and_entropy(d, lab, rows=torch.tensor([0]) if tp == 0 else None)
+    with pytest.raises((ValueError, TypeError), match=r"layer"):
+        log_probs_and_entropy(d, lab, layer=OutputLayer() if tp == 0 else "not a layer")
+    w = distribute_tensor(torch.randn(V, H, generator=torch.Generator().manual_seed(1)), mesh, [Replicate(), Shard(0)])
+    hid = distribute_tensor(torch.randn(b, s, H, generator=torch.Generator().manual_seed(2)), mesh,
+                            [Shard(0), Replicate()])
+    with pytest.raises(ValueError, match=r"rows= with hidden a DTensor whose rows are sharded"):
+        linear_log_probs_and_entropy(hid, OutputLayer(w), lab, rows=torch.tensor([0]) if tp == 1 else None)
+    out = log_probs_and_entropy(d, lab)  # the group still serves
+    _close(out.entropy.full_tensor(), _ref_entropy_lp(x.double().reshape(-1, V), labels.reshape(-1), 1.0)[1]
+           .reshape(b, s), "entropy after the refusals")
+
+
+def test_a_refusal_of_one_rank_is_raised_on_every_rank():
+    run_distributed(_one_rank_refused, 4, timeout_s=20, deadline_s=120)
