@@ -194,7 +194,7 @@ def _check_same_tokens(student, teacher, what: str) -> None:
 
 
 def _prepare(call, lead, labels, *, v_local, label_mask, ignore_index, temperature, tf_s, tf_t, device, cdt,
-             spec, teacher_values, teacher_name):
+             teacher_values, teacher_name):
     """Tokens (the student's labels and temperatures, checked as the other ops check them), the rows the
     divergence counts, and the teacher's checks; every rank records what it must agree on."""
     no_labels = labels is None
@@ -212,8 +212,6 @@ def _prepare(call, lead, labels, *, v_local, label_mask, ignore_index, temperatu
                  f"{teacher_name} must be finite (no NaN or inf): a teacher's NaN would poison every divergence")
     call.agree("teacher_softcap", float_bits(tf_t.softcap))
     call.agree("teacher_logit_scale", float_bits(tf_t.logit_scale))
-    call.agree("divergence (0 forward_kl, 1 reverse_kl, 2 jsd)", ("forward_kl", "reverse_kl", "jsd").index(spec.kind))
-    call.agree("beta", float_bits(spec.beta))
     if call.world > 1:
         call.agree("label_mask (the rows the divergence counts)", fingerprint_floats(valid.to(torch.float32)))
     return tok, valid, no_labels
@@ -380,7 +378,6 @@ def _linear_call(student_hidden, student: OutputLayer, teacher_hidden, teacher: 
     student_weight, student_bias, teacher_weight, teacher_bias = student.weight, student.bias, teacher.weight, \
         teacher.bias
     with agreed_call(process_group) as call:
-        spec = divergence.spec
         compute_entropy = check_flag("compute_entropy", compute_entropy)
         float32 = check_head(student_hidden, student_weight, student_bias, "student_", student.logits_dtype)
         float32_t = check_head(teacher_hidden, teacher_weight, teacher_bias, "teacher_", teacher.logits_dtype)
@@ -400,7 +397,7 @@ def _linear_call(student_hidden, student: OutputLayer, teacher_hidden, teacher: 
         tf_s, tf_t = student.transform, teacher.transform
         tok, valid, no_labels = _prepare(
             call, lead, labels, v_local=v_local, label_mask=label_mask, ignore_index=ignore_index,
-            temperature=temperature, tf_s=tf_s, tf_t=tf_t, device=student_hidden.device, cdt=cdt, spec=spec,
+            temperature=temperature, tf_s=tf_s, tf_t=tf_t, device=student_hidden.device, cdt=cdt,
             teacher_values=teacher_hidden, teacher_name="teacher_hidden",
         )
         for name, t in (("teacher_layer.weight", teacher_weight), ("teacher_layer.bias", teacher_bias)):
@@ -408,7 +405,7 @@ def _linear_call(student_hidden, student: OutputLayer, teacher_hidden, teacher: 
                 call.require(_all_finite(t), f"{name} must be finite (no NaN or inf): a teacher's NaN would poison "
                              "every divergence")
         plan = plan_for(student, chunking, lead=lead, want=Want(compute_entropy, False), device=student_hidden.device,
-                        buffers=4, pair=spec.math)
+                        buffers=4, pair=divergence.math)
         main_grad = main_grad_of(student_weight, student.gradient_accumulation_fusion)
         grads = torch.is_grad_enabled() and any(
             t is not None and t.requires_grad for t in (student_hidden, student_weight, student_bias))
@@ -431,7 +428,7 @@ def _linear_call(student_hidden, student: OutputLayer, teacher_hidden, teacher: 
         w = None if loss is None else _loss_weights(call, tok, valid, cdt=cdt, device=student_hidden.device, **loss)
     teacher = _Teacher(full_hidden(teacher_hidden.detach(), plan), teacher_weight.detach(),
                        None if teacher_bias is None else teacher_bias.detach(), tf_t, float32_t)
-    return tok, plan, spec, teacher, valid, no_labels, grads, w, main_grad
+    return tok, plan, divergence, teacher, valid, no_labels, grads, w, main_grad
 
 
 @accepts_01_keywords("linear_divergence", chunking=Chunking(PAIR_CHUNK))
@@ -757,7 +754,6 @@ def divergence_from_logits(
                                            tails=("teacher_logits",), teacher_logits=teacher_logits, labels=labels,
                                            label_mask=label_mask)
     with agreed_call(process_group) as call:
-        spec = divergence.spec
         compute_entropy = check_flag("compute_entropy", compute_entropy)
         check_float("student_logits", student_logits)
         check_float("teacher_logits", teacher_logits)
@@ -779,7 +775,7 @@ def divergence_from_logits(
         tf_s, tf_t = student_layer.transform, teacher_layer.transform
         tok, valid, no_labels = _prepare(
             call, lead, labels, v_local=v_local, label_mask=label_mask, ignore_index=ignore_index,
-            temperature=temperature, tf_s=tf_s, tf_t=tf_t, device=student_logits.device, cdt=cdt, spec=spec,
+            temperature=temperature, tf_s=tf_s, tf_t=tf_t, device=student_logits.device, cdt=cdt,
             teacher_values=teacher_logits, teacher_name="teacher_logits",
         )
         grads = torch.is_grad_enabled() and student_logits.requires_grad
@@ -787,13 +783,13 @@ def divergence_from_logits(
         agree_objects(call, student_layer=student_layer, teacher_layer=teacher_layer, chunking=chunking,
                       divergence=divergence)
     plan = logits_plan(chunk_size, v_local, process_group, Want(compute_entropy, False),
-                       use_compiled(chunking.backend, student_logits.device, pair=spec.math))
+                       use_compiled(chunking.backend, student_logits.device, pair=divergence.math))
     teacher = _Teacher(teacher_logits.detach(), None, None, tf_t)
     shape = tuple(lead)
     if tok.n == 0:
         z = zeros_connected(shape, cdt, student_logits.device, grads, student_logits)
         return DivergenceOutputs(z, None if no_labels else z, z if compute_entropy else None)
-    div, lp, ent = apply_or_forward(_LogitsDivergenceFunction, student_logits, teacher, tok, plan, spec, valid,
+    div, lp, ent = apply_or_forward(_LogitsDivergenceFunction, student_logits, teacher, tok, plan, divergence, valid,
                                     grads=grads)
     return DivergenceOutputs(div.view(shape), None if no_labels else lp.view(shape),
                              ent.view(shape) if compute_entropy else None)

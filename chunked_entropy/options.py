@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import warnings
 import zlib
 from typing import Optional, Union
 
@@ -46,7 +47,7 @@ from ._checks import (
     plain_str,
     same,
 )
-from ._divergence import DivergenceSpec
+from ._divergence import KINDS, DivergenceMath, check_kind, kind_names, math_of, trl_kind
 from ._keep import ENTROPY_OF
 from ._stats import Transform
 from .config import WORKING_BYTES, ChunkedEntropyConfig, auto_chunk_size, check_field, config_entry, config_section
@@ -570,6 +571,11 @@ class Divergence:
             ``"jsd"`` (the generalized Jensen-Shannon divergence with mixture ``beta * p_t + (1 - beta) * p_s``).
         beta: the JSD's mixture weight in (0, 1); None for the KLs.
 
+    The one object that names a divergence, from the ops down to the math: :attr:`math` is the kind's
+    :class:`~chunked_entropy._divergence.DivergenceMath`. The kinds are the subclasses of that class, each
+    registered under its ``kind`` when defined (:data:`~chunked_entropy._divergence.KINDS`): a new divergence
+    is one class, and this one, its errors and the ops accept it by name.
+
     ``replace(**changes)`` gives a copy, checked again, as the other option objects' does. Option objects
     compare and hash by value, as dataclasses do (``Divergence("jsd", 0.5) == Divergence("jsd", 0.5)``).
 
@@ -588,16 +594,29 @@ class Divergence:
 
     def __post_init__(self):
         object.__setattr__(self, "kind", plain_str(self.kind))
-        object.__setattr__(self, "beta", DivergenceSpec(self.kind, self.beta).beta)  # checked (and named) there
+        object.__setattr__(self, "beta", check_kind(self.kind, self.beta))  # checked (and named) there
 
     def replace(self, **changes) -> "Divergence":
         """A copy with ``changes`` (checked again)."""
         return dataclasses.replace(self, **changes)
 
     @property
-    def spec(self) -> DivergenceSpec:
-        """The math's description of this divergence (:mod:`chunked_entropy._divergence`)."""
-        return DivergenceSpec(self.kind, self.beta)
+    def math(self) -> DivergenceMath:
+        """The kind's math (:class:`~chunked_entropy._divergence.DivergenceMath`, registered in
+        :data:`~chunked_entropy._divergence.KINDS`): one object per kind and ``beta`` in the process."""
+        return math_of(self.kind, self.beta)
+
+    @property
+    def needs_aux(self) -> bool:
+        """Whether the gradient reads a per-row sum beyond the log-sum-exps (reverse KL: ``D``; JSD: ``K``)."""
+        return KINDS[self.kind].needs_aux
+
+    @property
+    def spec(self) -> "Divergence":
+        """Deprecated (0.2.0): the divergence itself; ``DivergenceSpec`` folded into :class:`Divergence`."""
+        warnings.warn("Divergence.spec is deprecated and will be removed in 0.3.0: the Divergence is its own "
+                      "spec (DivergenceSpec folded into Divergence)", DeprecationWarning, stacklevel=2)
+        return self
 
     def fingerprint(self) -> dict:
         """What the ranks of a tensor-parallel group must agree on."""
@@ -606,8 +625,7 @@ class Divergence:
     @classmethod
     def from_trl_beta(cls, beta) -> "Divergence":
         """TRL's convention: ``beta`` 0 the forward KL, 1 the reverse KL, in between the generalized JSD."""
-        spec = DivergenceSpec.from_trl_beta(beta)
-        return cls(spec.kind, spec.beta)
+        return cls(*trl_kind(beta))
 
 
 def as_divergence(value, name: str = "divergence") -> Divergence:
@@ -618,5 +636,5 @@ def as_divergence(value, name: str = "divergence") -> Divergence:
         return Divergence()
     if isinstance(value, str):
         return Divergence(value)
-    raise TypeError(f"{name} must be a Divergence or the name of one ('forward_kl', 'reverse_kl', 'jsd'), got "
+    raise TypeError(f"{name} must be a Divergence or the name of one ({kind_names()}), got "
                     f"{type(value).__name__}")
