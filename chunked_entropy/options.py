@@ -50,7 +50,15 @@ from ._checks import (
 from ._divergence import KINDS, DivergenceMath, check_kind, kind_names, math_of, trl_kind
 from ._keep import ENTROPY_OF
 from ._stats import Transform
-from .config import WORKING_BYTES, ChunkedEntropyConfig, auto_chunk_size, check_field, config_entry, config_section
+from .config import (
+    WORKING_BYTES,
+    ChunkedEntropyConfig,
+    auto_chunk_size,
+    check_field,
+    config_entry,
+    config_section,
+    read_actor_config,
+)
 from .losses.aggregation import Aggregation
 from .losses.kl import KL_KINDS
 from .losses.policy_options import PolicyOptions
@@ -357,7 +365,7 @@ class Chunking:
     max_working_bytes: int = WORKING_BYTES
 
     def __post_init__(self):
-        # the same rules as ChunkedEntropyConfig's fields, each error naming Chunking.<field>
+        # config.check_field's rules (an actor section's too), each error naming Chunking.<field>
         for f in dataclasses.fields(self):
             object.__setattr__(self, f.name, check_field(f.name, f"Chunking.{f.name}", getattr(self, f.name)))
 
@@ -387,18 +395,22 @@ class Chunking:
 
     @classmethod
     def from_config(cls, cfg) -> "Chunking":
-        """The chunking of a :class:`~chunked_entropy.ChunkedEntropyConfig`, or of an RL framework's actor
-        section (read by :meth:`~chunked_entropy.ChunkedEntropyConfig.from_actor_config`: verl's
-        ``actor_rollout_ref.actor``, with its ``chunked_entropy:`` sub-key or ``entropy_from_logits_chunk_size``).
+        """The chunking of an RL framework's actor section (verl's ``actor_rollout_ref.actor``: its
+        ``chunked_entropy:`` sub-key or ``entropy_from_logits_chunk_size``; the rules are
+        :func:`~chunked_entropy.config.read_actor_config`'s), or of a deprecated
+        :class:`~chunked_entropy.ChunkedEntropyConfig`. The fields the section does not set keep their
+        defaults; its ``temperature``, ``compute_entropy`` and ``fused_head`` are checked, not held.
 
         Example:
             >>> c = Chunking.from_config({"chunked_entropy": {"chunk_size": 512, "vocab_chunk_size": 8192}})
             >>> c.chunk_size, c.vocab_chunk_size, c.backend
             (512, 8192, 'auto')
         """
-        if not isinstance(cfg, ChunkedEntropyConfig):
-            cfg = ChunkedEntropyConfig.from_actor_config(cfg)
-        return cls(cfg.chunk_size, cfg.vocab_chunk_size, cfg.backend, cfg.max_chunk_bytes, cfg.max_working_bytes)
+        if isinstance(cfg, ChunkedEntropyConfig):
+            fields = dataclasses.asdict(cfg)
+        else:
+            fields = read_actor_config(cfg)
+        return cls(**{f.name: fields[f.name] for f in dataclasses.fields(cls) if f.name in fields})
 
 
 def as_chunking(value, name: str = "chunking", *, default: Optional[Chunking] = None) -> Chunking:
