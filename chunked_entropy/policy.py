@@ -304,7 +304,7 @@ def linear_policy_loss(
     ``bias``, the composition ::
 
         lp, ent = linear_log_probs_and_entropy(hidden, layer, labels, ...)
-        pg, m = losses.policy_loss(lp, old_log_probs, advantages, loss_mask, loss_mode=loss.mode, ...)
+        pg, m = losses.policy_loss(lp, old_log_probs, advantages, loss_mask, loss.replace(entropy_coeff=0, kl_coef=0))
         loss = (pg - loss.entropy_coeff * losses.entropy_bonus(ent, loss_mask, agg_mode)
                 + loss.kl_coef * losses.agg_loss(losses.kl_penalty(lp, ref_log_probs, loss.kl_kind), loss_mask,
                                                  agg_mode))

@@ -349,12 +349,12 @@ def per_token(case: Case, inp: Inputs, group):
 
 def composed_policy_loss(case: Case, inp: Inputs, group):
     """The policy loss composed from the method's outputs and :mod:`chunked_entropy.losses`."""
-    from chunked_entropy import losses
+    from chunked_entropy import PolicyLoss, losses
 
     lp, ent = outputs(case, inp, group)
     o = LOSS
-    pg, _ = losses.policy_loss(lp.view(inp.rows), inp.old, inp.adv, inp.mask, clip_ratio_c=o["clip_ratio_c"],
-                               loss_agg_mode=o["loss_agg_mode"], loss_mode=case.loss_mode)
+    pg, _ = losses.policy_loss(lp.view(inp.rows), inp.old, inp.adv, inp.mask, PolicyLoss(
+        case.loss_mode, options={"clip_ratio_c": o["clip_ratio_c"]}, aggregation=o["loss_agg_mode"]))
     return pg - o["entropy_coeff"] * losses.entropy_bonus(ent.view(inp.rows), inp.mask, o["loss_agg_mode"])
 
 
