@@ -35,8 +35,17 @@ from typing import NamedTuple, Optional, Union
 
 import torch
 
-from ._autograd import hand_over, once_differentiable
-from ._call import agree_objects, apply_or_forward, group_of, plan_for, refused_together, zeros_connected
+from ._autograd import once_differentiable
+from ._call import (
+    agree_objects,
+    apply_or_forward,
+    group_of,
+    loss_grads,
+    plan_for,
+    refused_together,
+    save_loss_grads,
+    zeros_connected,
+)
 from ._checks import check_device, check_flag, check_float, float_bits, is_finite_real, value_repr
 from ._divergence import PairRows
 from ._dtensor import dtensor_hidden_op, dtensor_logits_op
@@ -296,12 +305,6 @@ class _LinearDivergenceFunction(torch.autograd.Function):
                 None, None, None, None, None, None)
 
 
-def _scaled_grad(t: Optional[torch.Tensor], g: torch.Tensor, dtype) -> Optional[torch.Tensor]:
-    """A gradient stored in forward times the scalar upstream ``g`` (:func:`~chunked_entropy._autograd.hand_over`),
-    in ``dtype``."""
-    return None if t is None else hand_over(t, g).to(dtype)
-
-
 class _LinearDivergenceLossFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, teacher: _Teacher, tok: Tokens, plan: Plan, spec, weights, main_grad=None,
@@ -339,13 +342,7 @@ class _LinearDivergenceLossFunction(torch.autograd.Function):
                                       vocab_block=vocab_block, weight_grad_dtype=cdt if f32_weight_grad else None)
         if grad_h is not None:
             grad_h = reduce_hidden_grad(grad_h, h_full.shape, plan)
-        # Saved: the gradients themselves (the hidden states' and the weight's in their dtypes, or the weight's
-        # in float32 with main_grad, the float32 bias gradient), allocated here instead of in backward; no
-        # reference to the inputs.
-        ctx.save_for_backward(grad_h, gw, gb)
-        ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
-        ctx.main_grad = main_grad
-        ctx.weight_param = weight if main_grad is not None else None
+        save_loss_grads(ctx, grad_h, gw, gb, weight, bias, main_grad)  # the gradients; no reference to the inputs
         ent = stats.entropy() if plan.want.entropy else torch.zeros_like(pair.div)
         ctx.mark_non_differentiable(pair.div, ent)
         return (torch.where(weights != 0, pair.div, 0.0) * weights).sum(), pair.div, ent
@@ -353,18 +350,9 @@ class _LinearDivergenceLossFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, g, _d, _e):
-        grad_h, gw, gb = ctx.saved_tensors
         if g is None:
             return (None,) * 10
-        grad_w = None
-        if gw is not None:
-            if ctx.main_grad is None:
-                grad_w = _scaled_grad(gw, g, ctx.dtypes[0])
-            else:
-                ctx.main_grad.add_(_scaled_grad(gw, g, ctx.main_grad.dtype))
-                grad_w = main_grad_result(ctx.weight_param, ctx.main_grad)
-        return (_scaled_grad(grad_h, g, None if grad_h is None else grad_h.dtype), grad_w,
-                _scaled_grad(gb, g, ctx.dtypes[1]), None, None, None, None, None, None, None)
+        return *loss_grads(ctx, g), None, None, None, None, None, None, None
 
 
 def _linear_call(student_hidden, student: OutputLayer, teacher_hidden, teacher: OutputLayer, *,
