@@ -44,6 +44,7 @@ from ._checks import (
     check_real,
     float_bits,
     is_int,
+    logits_in_float32,
     plain_str,
     same,
 )
@@ -185,10 +186,8 @@ class OutputLayer(ByValue):
         if dt is not None:
             if not isinstance(dt, torch.dtype) or dt not in FLOAT_DTYPES:
                 raise ValueError(f"{p}logits_dtype must be None or torch.float32, got {dt!r}")
-            if w is not None and dt != w.dtype and not (dt == torch.float32 and w.dtype in (torch.bfloat16,
-                                                                                          torch.float16)):
-                raise ValueError(f"{p}logits_dtype must be None ({p}weight's dtype, {w.dtype}), {w.dtype} or "
-                                 f"torch.float32, got {dt!r}")
+            if w is not None:
+                logits_in_float32(dt, w.dtype, f"{p}logits_dtype", f"{p}weight")
         check_flag(f"{p}sequence_parallel", self.sequence_parallel)
         gaf = self.gradient_accumulation_fusion
         if gaf is not None and not isinstance(gaf, bool):
@@ -201,8 +200,7 @@ class OutputLayer(ByValue):
     @property
     def float32_logits(self) -> bool:
         """Whether a half-precision weight's blocks are computed in float32 (``logits_dtype=torch.float32``)."""
-        return (self.logits_dtype == torch.float32 and self.weight is not None
-                and self.weight.dtype in (torch.bfloat16, torch.float16))
+        return self.weight is not None and logits_in_float32(self.logits_dtype, self.weight.dtype)
 
     @property
     def transform(self) -> Transform:
