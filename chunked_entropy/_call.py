@@ -6,7 +6,9 @@ the objects of :mod:`chunked_entropy.options` (:func:`settings`), checks and pre
 :func:`~chunked_entropy._logit_blocks.token_shape`; the :class:`~chunked_entropy._loop.Plan`, :func:`plan_for`;
 the per-token inputs, :func:`~chunked_entropy._inputs.prepare_tokens`), has the ranks agree on every object
 whole (:func:`agree_objects`), and then runs: zero tokens give :func:`zeros_connected`, a call without
-gradients the Function's forward bare (:func:`apply_or_forward`).
+gradients the Function's forward bare (:func:`apply_or_forward`). A fused loss's Function keeps the gradients
+its forward formed with :func:`save_loss_grads` and hands them back with :func:`loss_grads` (the one
+``main_grad`` branch of a loss's backward).
 """
 
 from __future__ import annotations
@@ -17,9 +19,9 @@ from typing import Optional
 
 import torch
 
-from ._autograd import connected
+from ._autograd import connected, hand_over
 from ._kernels import use_compiled
-from ._logit_blocks import resolve_vocab_chunk
+from ._logit_blocks import main_grad_result, resolve_vocab_chunk
 from ._loop import Plan
 from ._stats import Want
 from .options import Chunking, OutputLayer, as_chunking, as_layer
@@ -113,3 +115,32 @@ def apply_or_forward(function, *args, grads: bool):
     if grads:
         return function.apply(*args)
     return function.forward(_NoCtx(), *args)
+
+
+def save_loss_grads(ctx, grad_h, gw, gb, weight, bias, main_grad) -> None:
+    """A fused loss's forward keeps the gradients it formed, for :func:`loss_grads`. Saved: the tensors
+    themselves (the hidden states' and the weight's in their dtypes, or the weight's in float32 with
+    ``main_grad``, the float32 bias gradient), allocated in forward instead of in backward; the inputs' dtypes,
+    ``main_grad`` and, with it, the weight (for :func:`~chunked_entropy._logit_blocks.main_grad_result`); no
+    reference to the inputs otherwise."""
+    ctx.save_for_backward(grad_h, gw, gb)
+    ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
+    ctx.main_grad = main_grad
+    ctx.weight_param = weight if main_grad is not None else None
+
+
+def loss_grads(ctx, g: torch.Tensor) -> tuple:
+    """``(grad_hidden, grad_weight, grad_bias)`` of a fused loss's backward: what :func:`save_loss_grads` kept,
+    times the scalar upstream ``g`` (:func:`~chunked_entropy._autograd.hand_over`: the saved tensors handed
+    over, no copy unless the graph is kept), each in its input's dtype. With ``main_grad`` the weight's is added
+    into it (in ``main_grad``'s dtype) and the weight's result is Megatron's
+    (:func:`~chunked_entropy._logit_blocks.main_grad_result`)."""
+    grad_h, gw, gb = ctx.saved_tensors
+    grad_w = None
+    if gw is not None:
+        if ctx.main_grad is None:
+            grad_w = hand_over(gw, g).to(ctx.dtypes[0])
+        else:
+            ctx.main_grad.add_(hand_over(gw, g).to(ctx.main_grad.dtype))
+            grad_w = main_grad_result(ctx.weight_param, ctx.main_grad)
+    return hand_over(grad_h, g), grad_w, None if gb is None else hand_over(gb, g).to(ctx.dtypes[1])

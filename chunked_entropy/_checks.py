@@ -153,6 +153,19 @@ CHECKS_ENV = "CHUNKED_ENTROPY_CHECKS"
 CHECK_MODES = ("sync", "async")
 
 
+def logits_in_float32(logits_dtype, weight_dtype: torch.dtype, name: str = "logits_dtype",
+                      weight: str = "weight") -> bool:
+    """The ``logits_dtype`` rule, the one place it is written: None or the weight's dtype keep the blocks in
+    the weight's dtype (False); ``torch.float32`` beside a bf16/fp16 weight computes them in float32 (True);
+    anything else is an error naming ``name`` and the ``weight``."""
+    if logits_dtype is None or logits_dtype == weight_dtype:
+        return False
+    if logits_dtype == torch.float32 and weight_dtype in (torch.bfloat16, torch.float16):
+        return True
+    raise ValueError(f"{name} must be None ({weight}'s dtype, {weight_dtype}), {weight_dtype} or torch.float32, "
+                     f"got {logits_dtype!r}")
+
+
 def checks_mode() -> str:
     """How a call resolves its value checks (labels in range, temperatures finite, ...), read per call from
     :data:`CHECKS_ENV`:

@@ -51,10 +51,13 @@ subclass (:class:`ForwardKL`, :class:`ReverseKL`, :class:`JSD`) holding its
 per-entry terms (``entries``, differentiable: what the sparse losses of
 :mod:`chunked_entropy.losses.distill` sum), its block sums (``terms``), its
 gradient from the parts the sums kept (``grad_from_parts``) and its gradient
-(``grad``); :data:`KINDS` maps the ops' names to them and
-:class:`DivergenceSpec` (``kind`` + ``beta``, the JSD's mixture weight: the one
-convention; TRL's through :meth:`DivergenceSpec.from_trl_beta`) resolves its
-kind to one. A new divergence is one class.
+(``grad``). Defining the subclass registers it in :data:`KINDS` under its
+``kind``: a new divergence is one class, and every name list (the errors, the
+ops' ``divergence=`` check, :class:`~chunked_entropy.Divergence`) reads
+:data:`KINDS`. :class:`~chunked_entropy.Divergence` (``kind`` + ``beta``) is the
+one object that names a divergence; :func:`check_kind` checks its two fields,
+:func:`trl_kind` maps TRL's ``beta`` onto them and :func:`math_of` gives the
+kind's math.
 
 **Memory.** The functions below read the offsets blocks (never write them) and
 allocate block-sized temporaries: :func:`divergence_terms` two (KL) or five
@@ -76,9 +79,14 @@ import torch.nn.functional as F
 from . import _stats
 from ._checks import check_real
 
+#: The divergences, by the name the ops take: each kind's class (:class:`DivergenceMath`), filled as the
+#: subclasses are defined.
+KINDS: dict = {}
+
 
 class DivergenceMath:
-    """One divergence's math: a new divergence is one subclass, registered in :data:`KINDS` by its ``kind``.
+    """One divergence's math: a new divergence is one subclass, registered in :data:`KINDS` by its ``kind``
+    when the class is defined.
 
     Every method takes log-probability blocks ``lp_s``, ``lp_t`` (``[n, Vb]``, or ``[..., K]`` for
     :meth:`entries`) and sums over the last dimension:
@@ -92,6 +100,7 @@ class DivergenceMath:
     - :meth:`grad`: ``dD / dx_s`` of one block from both (a new block; the blocks are overwritten).
 
     ``needs_aux``: whether the gradient reads ``aux`` (summed over blocks and shards as ``D`` is).
+    ``takes_beta``: whether the kind takes ``beta`` in (0, 1) (the class is then built as ``cls(beta)``).
     ``weighs``: for a KL, the side whose probabilities weigh it (``"t"`` or ``"s"``), None otherwise; such a
     divergence's value also folds online over vocabulary blocks (:meth:`folded`), in the statistics' pass.
     The methods are plain tensor code: :mod:`chunked_entropy._kernels` compiles them into the pair walk's
@@ -101,6 +110,16 @@ class DivergenceMath:
     kind: ClassVar[str]
     needs_aux: ClassVar[bool] = True
     weighs: ClassVar[Optional[str]] = None
+    takes_beta: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        kind = cls.__dict__.get("kind")
+        if kind is not None:
+            if kind in KINDS:
+                raise ValueError(f"divergence kind {kind!r} is registered twice ({KINDS[kind].__name__}, "
+                                 f"{cls.__name__})")
+            KINDS[kind] = cls
 
     @staticmethod
     def folded(cross: torch.Tensor, s_a: torch.Tensor, ls_a: torch.Tensor, ls_b: torch.Tensor) -> torch.Tensor:
@@ -179,6 +198,7 @@ class JSD(DivergenceMath):
 
     beta: float
     kind: ClassVar[str] = "jsd"
+    takes_beta: ClassVar[bool] = True
 
     def entries(self, lp_s, lp_t):
         r_s, r_t = jsd_log_ratios(lp_s, lp_t, self.beta)
@@ -201,62 +221,45 @@ class JSD(DivergenceMath):
         return r_s.sub_(aux.unsqueeze(1)).mul_(lp_s.exp_()).mul_(1.0 - self.beta)
 
 
-#: The divergences, by the name the ops take: each kind's class (:class:`DivergenceMath`).
-KINDS = {cls.kind: cls for cls in (ForwardKL, ReverseKL, JSD)}
+def kind_names() -> str:
+    """The registered kinds, as the errors list them: ``'forward_kl', 'reverse_kl', 'jsd'``."""
+    return ", ".join(map(repr, KINDS))
 
 
-@dataclass(frozen=True)
-class DivergenceSpec:
-    """Which divergence: ``kind`` one of :data:`KINDS`; ``beta`` the JSD's mixture weight in (0, 1).
+def check_kind(kind, beta) -> Optional[float]:
+    """``beta`` checked against ``kind`` (one of :data:`KINDS`; ``beta`` in (0, 1) where the kind takes it,
+    else None), as a float or None; an error naming the field otherwise."""
+    if not isinstance(kind, str) or kind not in KINDS:
+        raise ValueError(f"divergence must be one of {kind_names()}, got {kind!r}")
+    if KINDS[kind].takes_beta:
+        if beta is None:
+            raise ValueError(f"divergence={kind!r} needs beta, the teacher's weight in the mixture, in (0, 1)")
+        return check_real("beta", beta, low=0.0, high=1.0, low_open=True, high_open=True)
+    if beta is not None:
+        raise ValueError(
+            f"beta is the JSD's mixture weight; divergence={kind!r} takes none (got beta={beta!r}). "
+            "TRL's beta 0 is divergence='forward_kl', beta 1 divergence='reverse_kl'"
+        )
+    return None
 
-    The one convention for ``beta`` in this library; TRL's (0 the forward KL, 1 the reverse KL, in
-    between the JSD) maps onto it through :meth:`from_trl_beta` only. :attr:`math` is the kind's
-    :class:`DivergenceMath`.
-    """
 
-    kind: str = "forward_kl"
-    beta: Optional[float] = None
-
-    def __post_init__(self):
-        if not isinstance(self.kind, str) or self.kind not in KINDS:
-            raise ValueError(f"divergence must be one of {', '.join(map(repr, KINDS))}, got {self.kind!r}")
-        if self.kind == "jsd":
-            if self.beta is None:
-                raise ValueError("divergence='jsd' needs beta, the teacher's weight in the mixture, in (0, 1)")
-            beta = check_real("beta", self.beta, low=0.0, high=1.0, low_open=True, high_open=True)
-            object.__setattr__(self, "beta", beta)
-        elif self.beta is not None:
-            raise ValueError(
-                f"beta is the JSD's mixture weight; divergence={self.kind!r} takes none (got beta={self.beta!r}). "
-                "TRL's beta 0 is divergence='forward_kl', beta 1 divergence='reverse_kl'"
-            )
-
-    @staticmethod
-    def from_trl_beta(beta) -> "DivergenceSpec":
-        """TRL's convention: ``beta`` 0 the forward KL, 1 the reverse KL, in between the generalized JSD."""
-        beta = check_real("beta", beta, low=0.0, high=1.0)
-        if beta == 0.0:
-            return DivergenceSpec("forward_kl")
-        if beta == 1.0:
-            return DivergenceSpec("reverse_kl")
-        return DivergenceSpec("jsd", beta)
-
-    @property
-    def math(self) -> DivergenceMath:
-        """The kind's math (:class:`DivergenceMath`): one object per kind and ``beta`` in the process (the
-        compiled kernels compile once per such object)."""
-        return _math_of(self.kind, self.beta)
-
-    @property
-    def needs_aux(self) -> bool:
-        """Whether the gradient reads a per-row sum beyond the log-sum-exps (reverse KL: ``D``; JSD: ``K``)."""
-        return KINDS[self.kind].needs_aux
+def trl_kind(beta) -> tuple:
+    """TRL's convention as ``(kind, beta)``: ``beta`` 0 the forward KL, 1 the reverse KL, in between the
+    generalized JSD (the one place the two conventions meet)."""
+    beta = check_real("beta", beta, low=0.0, high=1.0)
+    if beta == 0.0:
+        return ForwardKL.kind, None
+    if beta == 1.0:
+        return ReverseKL.kind, None
+    return JSD.kind, beta
 
 
 @functools.lru_cache(maxsize=None)
-def _math_of(kind: str, beta: Optional[float]) -> DivergenceMath:
+def math_of(kind: str, beta: Optional[float]) -> DivergenceMath:
+    """The kind's math: one object per kind and ``beta`` in the process (the compiled kernels compile once
+    per such object)."""
     cls = KINDS[kind]
-    return cls(beta) if beta is not None else cls()
+    return cls(beta) if cls.takes_beta else cls()
 
 
 class PairRows(NamedTuple):
@@ -308,26 +311,26 @@ def jsd_log_ratios(lp_s: torch.Tensor, lp_t: torch.Tensor, beta: float):
     return r_s, torch.where(far, r_t, near, out=None if grad else r_t)
 
 
-def divergence_terms(y_s, y_t, ls_s, ls_t, spec: DivergenceSpec):
+def divergence_terms(y_s, y_t, ls_s, ls_t, divergence):
     """Per-row sums of one block, ``(D, aux, parts)``: the divergence's part on these columns, (JSD) ``K``'s,
     and the blocks :func:`grad_from_parts` makes the gradient of (a loss formed in the same pass).
 
     ``y_s``, ``y_t``: ``[n, Vb]`` offsets to the rows' final maxima (read only);
-    ``ls_s``, ``ls_t``: ``[n]`` the rows' final ``log s``.
+    ``ls_s``, ``ls_t``: ``[n]`` the rows' final ``log s``; ``divergence`` a :class:`~chunked_entropy.Divergence`.
     """
-    return spec.math.terms(log_probs(y_s, ls_s), log_probs(y_t, ls_t))
+    return divergence.math.terms(log_probs(y_s, ls_s), log_probs(y_t, ls_t))
 
 
-def grad_from_parts(parts: tuple, y_s, ls_s, aux: Optional[torch.Tensor], spec: DivergenceSpec) -> torch.Tensor:
+def grad_from_parts(parts: tuple, y_s, ls_s, aux: Optional[torch.Tensor], divergence) -> torch.Tensor:
     """``dD / dx_s`` of one block from what :func:`divergence_terms` kept (overwritten), once the rows' ``aux``
     is complete: ``p_s - p_t``, ``p_s (lp_s - lp_t) - p_s D`` or ``(1 - beta) (p_s r_s - p_s K)``."""
-    return spec.math.grad_from_parts(parts, lambda: log_probs(y_s, ls_s), aux)
+    return divergence.math.grad_from_parts(parts, lambda: log_probs(y_s, ls_s), aux)
 
 
-def divergence_grad(y_s, y_t, ls_s, ls_t, aux: Optional[torch.Tensor], spec: DivergenceSpec) -> torch.Tensor:
+def divergence_grad(y_s, y_t, ls_s, ls_t, aux: Optional[torch.Tensor], divergence) -> torch.Tensor:
     """``dD / dx_s`` of one ``[n, Vb]`` block (a new block), from the offsets (read only) and the rows'
     final ``log s`` and ``aux`` (see :class:`PairRows`)."""
-    return spec.math.grad(log_probs(y_s, ls_s), log_probs(y_t, ls_t), aux)
+    return divergence.math.grad(log_probs(y_s, ls_s), log_probs(y_t, ls_t), aux)
 
 
 # ----------------------------------------------------------------------------- the compiled kernels' functions

@@ -1,17 +1,20 @@
 """Settings of the chunked computation, readable from an RL framework's actor config.
 
-:class:`ChunkedEntropyConfig` holds what a framework integration needs: the
-chunk size (fixed, or derived from a memory budget), vocabulary blocking for
-the fused head, the sampling temperature and whether the entropy is computed.
-:meth:`ChunkedEntropyConfig.from_actor_config` builds one from a verl-style
-actor section (a dict or an OmegaConf ``DictConfig``), so that a verl user
-sets it with a Hydra override such as
-``+actor_rollout_ref.actor.chunked_entropy.chunk_size=1024``.
+:func:`read_actor_config` reads this library's settings from a verl-style actor
+section (a dict, an OmegaConf ``DictConfig`` or a verl config dataclass), so
+that a verl user sets them with a Hydra override such as
+``+actor_rollout_ref.actor.chunked_entropy.chunk_size=1024``;
+:meth:`chunked_entropy.Chunking.from_config` builds the chunking from it.
+:func:`check_field` holds the rule of each field, the sizing helpers the
+vocabulary blocks and the ``"auto"`` chunk size. :class:`ChunkedEntropyConfig`
+(the same settings with the temperature and the entropy switch) is deprecated:
+:class:`~chunked_entropy.Chunking` is the one chunk setting.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Mapping
 from typing import Optional, Union
 
@@ -182,9 +185,22 @@ def check_field(name: str, key: str, value):
     raise AssertionError(name)  # pragma: no cover - every field is listed above
 
 
+#: The settings :func:`read_actor_config` reads from an actor section (the fields of the deprecated
+#: :class:`ChunkedEntropyConfig`; :class:`~chunked_entropy.Chunking` takes those of them that chunk).
+ACTOR_FIELDS = ("chunk_size", "max_chunk_bytes", "vocab_chunk_size", "fused_head", "temperature",
+                "compute_entropy", "backend", "max_working_bytes")
+
+
 @dataclasses.dataclass(frozen=True)
 class ChunkedEntropyConfig:
-    """How the library chunks the computation of log-probs and entropy.
+    """Deprecated (0.2.0, removed in 0.3.0): :class:`~chunked_entropy.Chunking` is the one chunk setting.
+
+    ``Chunking(chunk_size, vocab_chunk_size, backend, max_chunk_bytes, max_working_bytes)`` holds its
+    chunking and :meth:`Chunking.from_config <chunked_entropy.Chunking.from_config>` reads an actor
+    section (or one of these); the temperature and whether the entropy is computed are per-call arguments
+    of the ops. Building one warns (``DeprecationWarning``); it keeps working until 0.3.0.
+
+    How the library chunks the computation of log-probs and entropy.
 
     Attributes:
         chunk_size: tokens per chunk (an int >= 1), or ``"auto"``: the largest
@@ -215,7 +231,10 @@ class ChunkedEntropyConfig:
         ValueError: a field has a bad value; the message names the field.
 
     Example:
-        >>> cfg = ChunkedEntropyConfig(chunk_size="auto", max_chunk_bytes=2**28)
+        >>> import warnings
+        >>> with warnings.catch_warnings():
+        ...     warnings.simplefilter("ignore", DeprecationWarning)
+        ...     cfg = ChunkedEntropyConfig(chunk_size="auto", max_chunk_bytes=2**28)
         >>> cfg.resolve_chunk_size(32_000)  # 2**28 // (2 buffers * 4 bytes * 32000)
         1048
     """
@@ -230,6 +249,10 @@ class ChunkedEntropyConfig:
     max_working_bytes: int = WORKING_BYTES
 
     def __post_init__(self):
+        warnings.warn(
+            "ChunkedEntropyConfig is deprecated and will be removed in 0.3.0: Chunking is the one chunk setting "
+            "(Chunking.from_config(actor_section) reads a framework's config); temperature and compute_entropy "
+            "are arguments of the call", DeprecationWarning, stacklevel=3)
         for f in dataclasses.fields(self):
             object.__setattr__(self, f.name, check_field(f.name, f.name, getattr(self, f.name)))
 
@@ -275,85 +298,94 @@ class ChunkedEntropyConfig:
 
     @classmethod
     def from_actor_config(cls, cfg) -> "ChunkedEntropyConfig":
-        """Build the config from an RL framework's actor section.
-
-        ``cfg`` is a dict, an OmegaConf ``DictConfig`` or one of verl's config
-        dataclasses (``McoreActorConfig``, ``McoreEngineConfig``: any
-        mapping) like verl's ``actor_rollout_ref.actor``. The fields of this
-        class are read at that level or under a ``chunked_entropy:`` sub-key
-        (the same field in both places must agree). Without a ``chunk_size``
-        there, verl's own ``entropy_from_logits_chunk_size`` is used. Whether
-        the entropy is computed comes from ``compute_entropy`` if given, else
-        from verl's rule, ``calculate_entropy or entropy_coeff != 0``; it
-        stays True when none is present. Other keys are ignored; an unknown
-        key *under* ``chunked_entropy:`` is an error (a typo would otherwise
-        be silently dropped), and so is an OmegaConf ``???``.
-
-        Args:
-            cfg: the actor section.
-
-        Returns:
-            The config.
-
-        Raises:
-            TypeError: ``cfg`` (or its ``chunked_entropy`` entry) is not a mapping.
-            ValueError: a bad or unknown value; the message names its key,
-                e.g. ``chunked_entropy.chunk_size``.
+        """Deprecated (0.2.0, removed in 0.3.0): the config of an RL framework's actor section, read by
+        :func:`read_actor_config` (the rules are there). ``Chunking.from_config(cfg)`` reads the chunking
+        from the same section.
 
         Example:
-            >>> cfg = ChunkedEntropyConfig.from_actor_config(
-            ...     {"entropy_coeff": 0.0, "chunked_entropy": {"chunk_size": 512}}
-            ... )
+            >>> import warnings
+            >>> with warnings.catch_warnings():
+            ...     warnings.simplefilter("ignore", DeprecationWarning)
+            ...     cfg = ChunkedEntropyConfig.from_actor_config(
+            ...         {"entropy_coeff": 0.0, "chunked_entropy": {"chunk_size": 512}})
             >>> cfg.chunk_size, cfg.compute_entropy
             (512, False)
         """
-        if not isinstance(cfg, Mapping):
-            raise TypeError(
-                "cfg must be a dict, an OmegaConf DictConfig or a verl config dataclass holding an actor "
-                f"section, got {type(cfg).__name__}"
-            )
-        sub = _get(cfg, SECTION, SECTION)
-        if sub is _ABSENT or sub is None:
-            sub = {}
-        if not isinstance(sub, Mapping):
-            raise TypeError(f"{SECTION} must be a mapping of settings, got {type(sub).__name__}")
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(str(k) for k in sub if k not in names | {"calculate_entropy"})
-        if unknown:
-            raise ValueError(
-                f"{SECTION}.{unknown[0]} is not a setting of chunked_entropy; expected one of {sorted(names)}"
-            )
+        return cls(**read_actor_config(cfg))
 
-        def read(name: str, check):
-            """The value of ``name`` at the top level or under the sub-key (checked), or None."""
-            found = {}
-            for where, key in ((cfg, name), (sub, f"{SECTION}.{name}")):
-                value = _get(where, name, key)
-                if value is not _ABSENT:
-                    found[key] = check(key, value)
-            if len(set(found.values())) > 1:
-                (k1, v1), (k2, v2) = found.items()
-                raise ValueError(f"{k1}={v1!r} and {k2}={v2!r} disagree; set one of them")
-            return next(iter(found.items()), None)
 
-        kwargs = {}
-        for name in names:
-            hit = read(name, lambda key, value, name=name: check_field(name, key, value))
-            if hit is not None:
-                kwargs[name] = hit[1]
-        if "chunk_size" not in kwargs:
-            value = _get(cfg, VERL_CHUNK_KEY, VERL_CHUNK_KEY)
-            if value is not _ABSENT and value is not None:
-                kwargs["chunk_size"] = check_field("chunk_size", VERL_CHUNK_KEY, value)
-        if "compute_entropy" not in kwargs:
-            # verl's rule: the entropy is computed when asked for or when it enters the loss.
-            hit = read("calculate_entropy", lambda key, value: check_field("compute_entropy", key, value))
-            coeff = _get(cfg, "entropy_coeff", "entropy_coeff")
-            if coeff is not _ABSENT:
-                if not is_finite_real(coeff):
-                    raise ValueError(f"entropy_coeff must be a finite number, got {value_repr(coeff)}")
-            if hit is not None or coeff is not _ABSENT:
-                kwargs["compute_entropy"] = bool(hit is not None and hit[1]) or (
-                    coeff is not _ABSENT and coeff != 0
-                )
-        return cls(**kwargs)
+def read_actor_config(cfg) -> dict:
+    """The settings of an RL framework's actor section, checked, by field name (only those it sets):
+    what :meth:`~chunked_entropy.Chunking.from_config` reads.
+
+    ``cfg`` is a dict, an OmegaConf ``DictConfig`` or one of verl's config
+    dataclasses (``McoreActorConfig``, ``McoreEngineConfig``: any
+    mapping) like verl's ``actor_rollout_ref.actor``. The fields of
+    :data:`ACTOR_FIELDS` are read at that level or under a ``chunked_entropy:``
+    sub-key (the same field in both places must agree). Without a ``chunk_size``
+    there, verl's own ``entropy_from_logits_chunk_size`` is used. Whether
+    the entropy is computed comes from ``compute_entropy`` if given, else
+    from verl's rule, ``calculate_entropy or entropy_coeff != 0``; absent
+    when none is present. Other keys are ignored; an unknown
+    key *under* ``chunked_entropy:`` is an error (a typo would otherwise
+    be silently dropped), and so is an OmegaConf ``???``.
+
+    Raises:
+        TypeError: ``cfg`` (or its ``chunked_entropy`` entry) is not a mapping.
+        ValueError: a bad or unknown value; the message names its key,
+            e.g. ``chunked_entropy.chunk_size``.
+
+    Example:
+        >>> read_actor_config({"entropy_coeff": 0.0, "chunked_entropy": {"chunk_size": 512}})
+        {'chunk_size': 512, 'compute_entropy': False}
+    """
+    if not isinstance(cfg, Mapping):
+        raise TypeError(
+            "cfg must be a dict, an OmegaConf DictConfig or a verl config dataclass holding an actor "
+            f"section, got {type(cfg).__name__}"
+        )
+    sub = _get(cfg, SECTION, SECTION)
+    if sub is _ABSENT or sub is None:
+        sub = {}
+    if not isinstance(sub, Mapping):
+        raise TypeError(f"{SECTION} must be a mapping of settings, got {type(sub).__name__}")
+    names = set(ACTOR_FIELDS)
+    unknown = sorted(str(k) for k in sub if k not in names | {"calculate_entropy"})
+    if unknown:
+        raise ValueError(
+            f"{SECTION}.{unknown[0]} is not a setting of chunked_entropy; expected one of {sorted(names)}"
+        )
+
+    def read(name: str, check):
+        """The value of ``name`` at the top level or under the sub-key (checked), or None."""
+        found = {}
+        for where, key in ((cfg, name), (sub, f"{SECTION}.{name}")):
+            value = _get(where, name, key)
+            if value is not _ABSENT:
+                found[key] = check(key, value)
+        if len(set(found.values())) > 1:
+            (k1, v1), (k2, v2) = found.items()
+            raise ValueError(f"{k1}={v1!r} and {k2}={v2!r} disagree; set one of them")
+        return next(iter(found.items()), None)
+
+    kwargs = {}
+    for name in ACTOR_FIELDS:
+        hit = read(name, lambda key, value, name=name: check_field(name, key, value))
+        if hit is not None:
+            kwargs[name] = hit[1]
+    if "chunk_size" not in kwargs:
+        value = _get(cfg, VERL_CHUNK_KEY, VERL_CHUNK_KEY)
+        if value is not _ABSENT and value is not None:
+            kwargs["chunk_size"] = check_field("chunk_size", VERL_CHUNK_KEY, value)
+    if "compute_entropy" not in kwargs:
+        # verl's rule: the entropy is computed when asked for or when it enters the loss.
+        hit = read("calculate_entropy", lambda key, value: check_field("compute_entropy", key, value))
+        coeff = _get(cfg, "entropy_coeff", "entropy_coeff")
+        if coeff is not _ABSENT:
+            if not is_finite_real(coeff):
+                raise ValueError(f"entropy_coeff must be a finite number, got {value_repr(coeff)}")
+        if hit is not None or coeff is not _ABSENT:
+            kwargs["compute_entropy"] = bool(hit is not None and hit[1]) or (
+                coeff is not _ABSENT and coeff != 0
+            )
+    return kwargs

@@ -35,8 +35,17 @@ from typing import NamedTuple, Optional, Union
 
 import torch
 
-from ._autograd import hand_over, once_differentiable
-from ._call import agree_objects, apply_or_forward, group_of, plan_for, refused_together, zeros_connected
+from ._autograd import once_differentiable
+from ._call import (
+    agree_objects,
+    apply_or_forward,
+    group_of,
+    loss_grads,
+    plan_for,
+    refused_together,
+    save_loss_grads,
+    zeros_connected,
+)
 from ._checks import check_device, check_flag, check_float, float_bits, is_finite_real, value_repr
 from ._divergence import PairRows
 from ._dtensor import dtensor_hidden_op, dtensor_logits_op
@@ -194,7 +203,7 @@ def _check_same_tokens(student, teacher, what: str) -> None:
 
 
 def _prepare(call, lead, labels, *, v_local, label_mask, ignore_index, temperature, tf_s, tf_t, device, cdt,
-             spec, teacher_values, teacher_name):
+             teacher_values, teacher_name):
     """Tokens (the student's labels and temperatures, checked as the other ops check them), the rows the
     divergence counts, and the teacher's checks; every rank records what it must agree on."""
     no_labels = labels is None
@@ -212,8 +221,6 @@ def _prepare(call, lead, labels, *, v_local, label_mask, ignore_index, temperatu
                  f"{teacher_name} must be finite (no NaN or inf): a teacher's NaN would poison every divergence")
     call.agree("teacher_softcap", float_bits(tf_t.softcap))
     call.agree("teacher_logit_scale", float_bits(tf_t.logit_scale))
-    call.agree("divergence (0 forward_kl, 1 reverse_kl, 2 jsd)", ("forward_kl", "reverse_kl", "jsd").index(spec.kind))
-    call.agree("beta", float_bits(spec.beta))
     if call.world > 1:
         call.agree("label_mask (the rows the divergence counts)", fingerprint_floats(valid.to(torch.float32)))
     return tok, valid, no_labels
@@ -298,12 +305,6 @@ class _LinearDivergenceFunction(torch.autograd.Function):
                 None, None, None, None, None, None)
 
 
-def _scaled_grad(t: Optional[torch.Tensor], g: torch.Tensor, dtype) -> Optional[torch.Tensor]:
-    """A gradient stored in forward times the scalar upstream ``g`` (:func:`~chunked_entropy._autograd.hand_over`),
-    in ``dtype``."""
-    return None if t is None else hand_over(t, g).to(dtype)
-
-
 class _LinearDivergenceLossFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, teacher: _Teacher, tok: Tokens, plan: Plan, spec, weights, main_grad=None,
@@ -341,13 +342,7 @@ class _LinearDivergenceLossFunction(torch.autograd.Function):
                                       vocab_block=vocab_block, weight_grad_dtype=cdt if f32_weight_grad else None)
         if grad_h is not None:
             grad_h = reduce_hidden_grad(grad_h, h_full.shape, plan)
-        # Saved: the gradients themselves (the hidden states' and the weight's in their dtypes, or the weight's
-        # in float32 with main_grad, the float32 bias gradient), allocated here instead of in backward; no
-        # reference to the inputs.
-        ctx.save_for_backward(grad_h, gw, gb)
-        ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
-        ctx.main_grad = main_grad
-        ctx.weight_param = weight if main_grad is not None else None
+        save_loss_grads(ctx, grad_h, gw, gb, weight, bias, main_grad)  # the gradients; no reference to the inputs
         ent = stats.entropy() if plan.want.entropy else torch.zeros_like(pair.div)
         ctx.mark_non_differentiable(pair.div, ent)
         return (torch.where(weights != 0, pair.div, 0.0) * weights).sum(), pair.div, ent
@@ -355,18 +350,9 @@ class _LinearDivergenceLossFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, g, _d, _e):
-        grad_h, gw, gb = ctx.saved_tensors
         if g is None:
             return (None,) * 10
-        grad_w = None
-        if gw is not None:
-            if ctx.main_grad is None:
-                grad_w = _scaled_grad(gw, g, ctx.dtypes[0])
-            else:
-                ctx.main_grad.add_(_scaled_grad(gw, g, ctx.main_grad.dtype))
-                grad_w = main_grad_result(ctx.weight_param, ctx.main_grad)
-        return (_scaled_grad(grad_h, g, None if grad_h is None else grad_h.dtype), grad_w,
-                _scaled_grad(gb, g, ctx.dtypes[1]), None, None, None, None, None, None, None)
+        return *loss_grads(ctx, g), None, None, None, None, None, None, None
 
 
 def _linear_call(student_hidden, student: OutputLayer, teacher_hidden, teacher: OutputLayer, *,
@@ -380,7 +366,6 @@ def _linear_call(student_hidden, student: OutputLayer, teacher_hidden, teacher: 
     student_weight, student_bias, teacher_weight, teacher_bias = student.weight, student.bias, teacher.weight, \
         teacher.bias
     with agreed_call(process_group) as call:
-        spec = divergence.spec
         compute_entropy = check_flag("compute_entropy", compute_entropy)
         float32 = check_head(student_hidden, student_weight, student_bias, "student_", student.logits_dtype)
         float32_t = check_head(teacher_hidden, teacher_weight, teacher_bias, "teacher_", teacher.logits_dtype)
@@ -400,7 +385,7 @@ def _linear_call(student_hidden, student: OutputLayer, teacher_hidden, teacher: 
         tf_s, tf_t = student.transform, teacher.transform
         tok, valid, no_labels = _prepare(
             call, lead, labels, v_local=v_local, label_mask=label_mask, ignore_index=ignore_index,
-            temperature=temperature, tf_s=tf_s, tf_t=tf_t, device=student_hidden.device, cdt=cdt, spec=spec,
+            temperature=temperature, tf_s=tf_s, tf_t=tf_t, device=student_hidden.device, cdt=cdt,
             teacher_values=teacher_hidden, teacher_name="teacher_hidden",
         )
         for name, t in (("teacher_layer.weight", teacher_weight), ("teacher_layer.bias", teacher_bias)):
@@ -408,7 +393,7 @@ def _linear_call(student_hidden, student: OutputLayer, teacher_hidden, teacher: 
                 call.require(_all_finite(t), f"{name} must be finite (no NaN or inf): a teacher's NaN would poison "
                              "every divergence")
         plan = plan_for(student, chunking, lead=lead, want=Want(compute_entropy, False), device=student_hidden.device,
-                        buffers=4, pair=spec.math)
+                        buffers=4, pair=divergence.math)
         main_grad = main_grad_of(student_weight, student.gradient_accumulation_fusion)
         grads = torch.is_grad_enabled() and any(
             t is not None and t.requires_grad for t in (student_hidden, student_weight, student_bias))
@@ -431,7 +416,7 @@ def _linear_call(student_hidden, student: OutputLayer, teacher_hidden, teacher: 
         w = None if loss is None else _loss_weights(call, tok, valid, cdt=cdt, device=student_hidden.device, **loss)
     teacher = _Teacher(full_hidden(teacher_hidden.detach(), plan), teacher_weight.detach(),
                        None if teacher_bias is None else teacher_bias.detach(), tf_t, float32_t)
-    return tok, plan, spec, teacher, valid, no_labels, grads, w, main_grad
+    return tok, plan, divergence, teacher, valid, no_labels, grads, w, main_grad
 
 
 @accepts_01_keywords("linear_divergence", chunking=Chunking(PAIR_CHUNK))
@@ -757,7 +742,6 @@ def divergence_from_logits(
                                            tails=("teacher_logits",), teacher_logits=teacher_logits, labels=labels,
                                            label_mask=label_mask)
     with agreed_call(process_group) as call:
-        spec = divergence.spec
         compute_entropy = check_flag("compute_entropy", compute_entropy)
         check_float("student_logits", student_logits)
         check_float("teacher_logits", teacher_logits)
@@ -779,7 +763,7 @@ def divergence_from_logits(
         tf_s, tf_t = student_layer.transform, teacher_layer.transform
         tok, valid, no_labels = _prepare(
             call, lead, labels, v_local=v_local, label_mask=label_mask, ignore_index=ignore_index,
-            temperature=temperature, tf_s=tf_s, tf_t=tf_t, device=student_logits.device, cdt=cdt, spec=spec,
+            temperature=temperature, tf_s=tf_s, tf_t=tf_t, device=student_logits.device, cdt=cdt,
             teacher_values=teacher_logits, teacher_name="teacher_logits",
         )
         grads = torch.is_grad_enabled() and student_logits.requires_grad
@@ -787,13 +771,13 @@ def divergence_from_logits(
         agree_objects(call, student_layer=student_layer, teacher_layer=teacher_layer, chunking=chunking,
                       divergence=divergence)
     plan = logits_plan(chunk_size, v_local, process_group, Want(compute_entropy, False),
-                       use_compiled(chunking.backend, student_logits.device, pair=spec.math))
+                       use_compiled(chunking.backend, student_logits.device, pair=divergence.math))
     teacher = _Teacher(teacher_logits.detach(), None, None, tf_t)
     shape = tuple(lead)
     if tok.n == 0:
         z = zeros_connected(shape, cdt, student_logits.device, grads, student_logits)
         return DivergenceOutputs(z, None if no_labels else z, z if compute_entropy else None)
-    div, lp, ent = apply_or_forward(_LogitsDivergenceFunction, student_logits, teacher, tok, plan, spec, valid,
+    div, lp, ent = apply_or_forward(_LogitsDivergenceFunction, student_logits, teacher, tok, plan, divergence, valid,
                                     grads=grads)
     return DivergenceOutputs(div.view(shape), None if no_labels else lp.view(shape),
                              ent.view(shape) if compute_entropy else None)

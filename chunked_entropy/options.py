@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import warnings
 import zlib
 from typing import Optional, Union
 
@@ -43,13 +44,22 @@ from ._checks import (
     check_real,
     float_bits,
     is_int,
+    logits_in_float32,
     plain_str,
     same,
 )
-from ._divergence import DivergenceSpec
+from ._divergence import KINDS, DivergenceMath, check_kind, kind_names, math_of, trl_kind
 from ._keep import ENTROPY_OF
 from ._stats import Transform
-from .config import WORKING_BYTES, ChunkedEntropyConfig, auto_chunk_size, check_field, config_entry, config_section
+from .config import (
+    WORKING_BYTES,
+    ChunkedEntropyConfig,
+    auto_chunk_size,
+    check_field,
+    config_entry,
+    config_section,
+    read_actor_config,
+)
 from .losses.aggregation import Aggregation
 from .losses.kl import KL_KINDS
 from .losses.policy_options import PolicyOptions
@@ -176,10 +186,8 @@ class OutputLayer(ByValue):
         if dt is not None:
             if not isinstance(dt, torch.dtype) or dt not in FLOAT_DTYPES:
                 raise ValueError(f"{p}logits_dtype must be None or torch.float32, got {dt!r}")
-            if w is not None and dt != w.dtype and not (dt == torch.float32 and w.dtype in (torch.bfloat16,
-                                                                                          torch.float16)):
-                raise ValueError(f"{p}logits_dtype must be None ({p}weight's dtype, {w.dtype}), {w.dtype} or "
-                                 f"torch.float32, got {dt!r}")
+            if w is not None:
+                logits_in_float32(dt, w.dtype, f"{p}logits_dtype", f"{p}weight")
         check_flag(f"{p}sequence_parallel", self.sequence_parallel)
         gaf = self.gradient_accumulation_fusion
         if gaf is not None and not isinstance(gaf, bool):
@@ -192,8 +200,7 @@ class OutputLayer(ByValue):
     @property
     def float32_logits(self) -> bool:
         """Whether a half-precision weight's blocks are computed in float32 (``logits_dtype=torch.float32``)."""
-        return (self.logits_dtype == torch.float32 and self.weight is not None
-                and self.weight.dtype in (torch.bfloat16, torch.float16))
+        return self.weight is not None and logits_in_float32(self.logits_dtype, self.weight.dtype)
 
     @property
     def transform(self) -> Transform:
@@ -356,7 +363,7 @@ class Chunking:
     max_working_bytes: int = WORKING_BYTES
 
     def __post_init__(self):
-        # the same rules as ChunkedEntropyConfig's fields, each error naming Chunking.<field>
+        # config.check_field's rules (an actor section's too), each error naming Chunking.<field>
         for f in dataclasses.fields(self):
             object.__setattr__(self, f.name, check_field(f.name, f"Chunking.{f.name}", getattr(self, f.name)))
 
@@ -386,18 +393,22 @@ class Chunking:
 
     @classmethod
     def from_config(cls, cfg) -> "Chunking":
-        """The chunking of a :class:`~chunked_entropy.ChunkedEntropyConfig`, or of an RL framework's actor
-        section (read by :meth:`~chunked_entropy.ChunkedEntropyConfig.from_actor_config`: verl's
-        ``actor_rollout_ref.actor``, with its ``chunked_entropy:`` sub-key or ``entropy_from_logits_chunk_size``).
+        """The chunking of an RL framework's actor section (verl's ``actor_rollout_ref.actor``: its
+        ``chunked_entropy:`` sub-key or ``entropy_from_logits_chunk_size``; the rules are
+        :func:`~chunked_entropy.config.read_actor_config`'s), or of a deprecated
+        :class:`~chunked_entropy.ChunkedEntropyConfig`. The fields the section does not set keep their
+        defaults; its ``temperature``, ``compute_entropy`` and ``fused_head`` are checked, not held.
 
         Example:
             >>> c = Chunking.from_config({"chunked_entropy": {"chunk_size": 512, "vocab_chunk_size": 8192}})
             >>> c.chunk_size, c.vocab_chunk_size, c.backend
             (512, 8192, 'auto')
         """
-        if not isinstance(cfg, ChunkedEntropyConfig):
-            cfg = ChunkedEntropyConfig.from_actor_config(cfg)
-        return cls(cfg.chunk_size, cfg.vocab_chunk_size, cfg.backend, cfg.max_chunk_bytes, cfg.max_working_bytes)
+        if isinstance(cfg, ChunkedEntropyConfig):
+            fields = dataclasses.asdict(cfg)
+        else:
+            fields = read_actor_config(cfg)
+        return cls(**{f.name: fields[f.name] for f in dataclasses.fields(cls) if f.name in fields})
 
 
 def as_chunking(value, name: str = "chunking", *, default: Optional[Chunking] = None) -> Chunking:
@@ -570,6 +581,11 @@ class Divergence:
             ``"jsd"`` (the generalized Jensen-Shannon divergence with mixture ``beta * p_t + (1 - beta) * p_s``).
         beta: the JSD's mixture weight in (0, 1); None for the KLs.
 
+    The one object that names a divergence, from the ops down to the math: :attr:`math` is the kind's
+    :class:`~chunked_entropy._divergence.DivergenceMath`. The kinds are the subclasses of that class, each
+    registered under its ``kind`` when defined (:data:`~chunked_entropy._divergence.KINDS`): a new divergence
+    is one class, and this one, its errors and the ops accept it by name.
+
     ``replace(**changes)`` gives a copy, checked again, as the other option objects' does. Option objects
     compare and hash by value, as dataclasses do (``Divergence("jsd", 0.5) == Divergence("jsd", 0.5)``).
 
@@ -588,16 +604,29 @@ class Divergence:
 
     def __post_init__(self):
         object.__setattr__(self, "kind", plain_str(self.kind))
-        object.__setattr__(self, "beta", DivergenceSpec(self.kind, self.beta).beta)  # checked (and named) there
+        object.__setattr__(self, "beta", check_kind(self.kind, self.beta))  # checked (and named) there
 
     def replace(self, **changes) -> "Divergence":
         """A copy with ``changes`` (checked again)."""
         return dataclasses.replace(self, **changes)
 
     @property
-    def spec(self) -> DivergenceSpec:
-        """The math's description of this divergence (:mod:`chunked_entropy._divergence`)."""
-        return DivergenceSpec(self.kind, self.beta)
+    def math(self) -> DivergenceMath:
+        """The kind's math (:class:`~chunked_entropy._divergence.DivergenceMath`, registered in
+        :data:`~chunked_entropy._divergence.KINDS`): one object per kind and ``beta`` in the process."""
+        return math_of(self.kind, self.beta)
+
+    @property
+    def needs_aux(self) -> bool:
+        """Whether the gradient reads a per-row sum beyond the log-sum-exps (reverse KL: ``D``; JSD: ``K``)."""
+        return KINDS[self.kind].needs_aux
+
+    @property
+    def spec(self) -> "Divergence":
+        """Deprecated (0.2.0): the divergence itself; ``DivergenceSpec`` folded into :class:`Divergence`."""
+        warnings.warn("Divergence.spec is deprecated and will be removed in 0.3.0: the Divergence is its own "
+                      "spec (DivergenceSpec folded into Divergence)", DeprecationWarning, stacklevel=2)
+        return self
 
     def fingerprint(self) -> dict:
         """What the ranks of a tensor-parallel group must agree on."""
@@ -606,8 +635,7 @@ class Divergence:
     @classmethod
     def from_trl_beta(cls, beta) -> "Divergence":
         """TRL's convention: ``beta`` 0 the forward KL, 1 the reverse KL, in between the generalized JSD."""
-        spec = DivergenceSpec.from_trl_beta(beta)
-        return cls(spec.kind, spec.beta)
+        return cls(*trl_kind(beta))
 
 
 def as_divergence(value, name: str = "divergence") -> Divergence:
@@ -618,5 +646,5 @@ def as_divergence(value, name: str = "divergence") -> Divergence:
         return Divergence()
     if isinstance(value, str):
         return Divergence(value)
-    raise TypeError(f"{name} must be a Divergence or the name of one ('forward_kl', 'reverse_kl', 'jsd'), got "
+    raise TypeError(f"{name} must be a Divergence or the name of one ({kind_names()}), got "
                     f"{type(value).__name__}")

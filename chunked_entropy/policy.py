@@ -36,7 +36,7 @@ from typing import Optional, Union
 import torch
 
 from ._autograd import connected, hand_over, once_differentiable
-from ._call import agree_objects, group_of, plan_for, refused_together, settings
+from ._call import agree_objects, group_of, loss_grads, plan_for, refused_together, save_loss_grads, settings
 from ._checks import check_float, require
 from ._dtensor import dtensor_hidden_op, dtensor_logits_op
 from ._inputs import Rows, Tokens, compute_dtype, dtype_code, prepare_tokens
@@ -53,7 +53,6 @@ from ._logit_blocks import (
     logits_row_stats,
     logits_source,
     main_grad_of,
-    main_grad_result,
     reduce_hidden_grad,
     three_pass_plan,
     token_major,
@@ -254,28 +253,13 @@ class _HeadLossFunction(torch.autograd.Function):
         if grad_h is not None:
             grad_h = reduce_hidden_grad(token_major_grad(grad_h, h_full.shape, plan), h_full.shape, plan)
         loss = objective.finish(tok, stats)
-        # Saved: the gradients themselves (grad_hidden in hidden's dtype, the weight's in its dtype, or float32
-        # with main_grad, the float32 bias gradient), allocated here instead of in backward; no reference to the
-        # inputs.
-        ctx.save_for_backward(grad_h, gw, gb)
-        ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
-        ctx.main_grad = main_grad
-        ctx.weight_param = weight if main_grad is not None else None
+        save_loss_grads(ctx, grad_h, gw, gb, weight, bias, main_grad)  # the gradients; no reference to the inputs
         return loss
 
     @staticmethod
     @once_differentiable
     def backward(ctx, g):
-        grad_h, gw, gb = ctx.saved_tensors
-        grad_weight = None
-        if gw is not None:
-            if ctx.main_grad is None:
-                grad_weight = hand_over(gw, g).to(ctx.dtypes[0])
-            else:
-                ctx.main_grad.add_(hand_over(gw, g).to(ctx.main_grad.dtype))
-                grad_weight = main_grad_result(ctx.weight_param, ctx.main_grad)
-        grad_bias = None if gb is None else hand_over(gb, g).to(ctx.dtypes[1])
-        return hand_over(grad_h, g), grad_weight, grad_bias, None, None, None, None, None
+        return *loss_grads(ctx, g), None, None, None, None, None
 
 
 @accepts_01_keywords("linear_policy_loss", policy_fields=True)
@@ -304,7 +288,7 @@ def linear_policy_loss(
     ``bias``, the composition ::
 
         lp, ent = linear_log_probs_and_entropy(hidden, layer, labels, ...)
-        pg, m = losses.policy_loss(lp, old_log_probs, advantages, loss_mask, loss_mode=loss.mode, ...)
+        pg, m = losses.policy_loss(lp, old_log_probs, advantages, loss_mask, loss.replace(entropy_coeff=0, kl_coef=0))
         loss = (pg - loss.entropy_coeff * losses.entropy_bonus(ent, loss_mask, agg_mode)
                 + loss.kl_coef * losses.agg_loss(losses.kl_penalty(lp, ref_log_probs, loss.kl_kind), loss_mask,
                                                  agg_mode))

@@ -45,7 +45,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from chunked_entropy import ChunkedVocabParallelHead, Chunking, OutputLayer
+from chunked_entropy import ChunkedVocabParallelHead, Chunking, OutputLayer, PolicyLoss
 from chunked_entropy.losses import agg_loss, entropy_bonus, kl_penalty, policy_loss
 
 
@@ -251,8 +251,8 @@ def grpo_loss(model: TinyCausalLM, batch: Rollout, *, fused: bool = True):
     lp, ent = model.log_probs_entropy(hidden, labels, batch.mask, fused=fused)
     pg, metrics = policy_loss(
         lp, batch.old_log_probs, batch.advantages, batch.mask,
-        clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high,
-        clip_ratio_c=cfg.clip_ratio_c, loss_agg_mode=cfg.loss_agg_mode,
+        PolicyLoss(options={"clip_ratio_low": cfg.clip_ratio_low, "clip_ratio_high": cfg.clip_ratio_high,
+                            "clip_ratio_c": cfg.clip_ratio_c}, aggregation=cfg.loss_agg_mode),
     )
     bonus = entropy_bonus(ent, batch.mask, cfg.loss_agg_mode)
     kl = agg_loss(kl_penalty(lp, batch.ref_log_probs, cfg.kl_kind), batch.mask, cfg.loss_agg_mode)

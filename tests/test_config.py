@@ -1,14 +1,17 @@
-"""ChunkedEntropyConfig: field checks, the "auto" chunk size, and reading a verl actor section."""
+"""Reading a verl actor section (``Chunking.from_config``), and the deprecated ``ChunkedEntropyConfig``: field
+checks, the "auto" chunk size."""
 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import pytest
 import torch
 from omegaconf import OmegaConf
 
-from chunked_entropy import ChunkedEntropyConfig, log_probs_and_entropy
+from chunked_entropy import ChunkedEntropyConfig, Chunking, log_probs_and_entropy
+from chunked_entropy.config import read_actor_config
 
 # A trimmed copy of the keys verl's actor section really has
 # (verl/trainer/config/actor/actor.yaml + megatron_actor.yaml).
@@ -168,8 +171,9 @@ def test_entropy_switch_precedence():
 )
 @pytest.mark.parametrize("wrap", [dict, OmegaConf.create], ids=["dict", "DictConfig"])
 def test_bad_values_name_the_key(actor, key, wrap):
-    with pytest.raises(ValueError, match=rf"^{key}"):
-        ChunkedEntropyConfig.from_actor_config(wrap(actor))
+    for read in (ChunkedEntropyConfig.from_actor_config, Chunking.from_config):
+        with pytest.raises(ValueError, match=rf"^{key}"):
+            read(wrap(actor))
 
 
 def test_bad_section_types():
@@ -208,3 +212,28 @@ def test_backend_key():
     assert ChunkedEntropyConfig.from_actor_config({"chunked_entropy": {"backend": "compile"}}).backend == "compile"
     with pytest.raises(ValueError, match=r"^chunked_entropy\.backend must be"):
         ChunkedEntropyConfig.from_actor_config({"chunked_entropy": {"backend": "fast"}})
+
+
+def test_chunked_entropy_config_is_deprecated_and_keeps_working():
+    with pytest.warns(DeprecationWarning, match="ChunkedEntropyConfig is deprecated .* Chunking is the one chunk"):
+        cfg = ChunkedEntropyConfig(chunk_size=64, vocab_chunk_size=128, backend="eager")
+    with pytest.warns(DeprecationWarning, match="ChunkedEntropyConfig is deprecated"):
+        ChunkedEntropyConfig.from_actor_config({"chunked_entropy": {"chunk_size": 8}})
+    assert Chunking.from_config(cfg) == Chunking(64, 128, "eager")
+
+
+@pytest.mark.parametrize("wrap", [dict, OmegaConf.create], ids=["dict", "DictConfig"])
+def test_chunking_reads_an_actor_section_alone(wrap):
+    """``Chunking.from_config`` reads the section itself (no deprecated object built, no warning), with the
+    same rules: the sub-key, the actor level, verl's own chunk key, the clash of the two places."""
+    actor = dict(VERL_ACTOR, max_chunk_bytes=2**20,
+                 chunked_entropy={"chunk_size": "auto", "vocab_chunk_size": 4096, "fused_head": True})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        assert Chunking.from_config(wrap(actor)) == Chunking("auto", 4096, max_chunk_bytes=2**20)
+        assert Chunking.from_config(wrap(dict(VERL_ACTOR, entropy_from_logits_chunk_size=96))) == Chunking(96)
+        assert Chunking.from_config(wrap({})) == Chunking()
+        with pytest.raises(ValueError, match=r"chunk_size=32 and chunked_entropy\.chunk_size=64 disagree"):
+            Chunking.from_config(wrap({"chunk_size": 32, "chunked_entropy": {"chunk_size": 64}}))
+        assert read_actor_config(wrap({"entropy_coeff": 0.0, "chunked_entropy": {"chunk_size": 512}})) == {
+            "chunk_size": 512, "compute_entropy": False}

@@ -541,6 +541,67 @@ def test_divergence_objects_name_a_bad_kind_and_replace_like_the_others():
         d.replace(beta=1.0)
 
 
+def test_a_new_divergence_is_one_class():
+    """Defining a :class:`DivergenceMath` subclass registers its kind: :class:`Divergence`, its errors and the
+    ops take it by name, with no list to extend. Here half the forward KL (no online fold: ``weighs`` None),
+    values and gradients against float64 autograd of its definition, through both ops and vocabulary blocks."""
+    from chunked_entropy import _divergence
+
+    class HalfForwardKL(_divergence.DivergenceMath):
+        kind = "half_forward_kl_test"
+        needs_aux = False
+
+        def entries(self, lp_s, lp_t):
+            return _divergence.p_times(lp_t, lp_t - lp_s) * 0.5
+
+        def terms(self, lp_s, lp_t):
+            d = lp_s.neg_().add_(lp_t)
+            p_t = lp_t.exp_()
+            return d.mul_(p_t).sum(dim=1).mul_(0.5), None, (p_t,)
+
+        def grad_from_parts(self, parts, lp_s, aux):
+            return lp_s().exp_().sub_(parts[0]).mul_(0.5)
+
+        def grad(self, lp_s, lp_t, aux):
+            return lp_s.exp_().sub_(lp_t.exp_()).mul_(0.5)
+
+    try:
+        assert "'half_forward_kl_test'" in _divergence.kind_names()
+        with pytest.raises(ValueError, match="takes none"):
+            Divergence("half_forward_kl_test", 0.5)
+        with pytest.raises(ValueError, match="registered twice"):
+            type("Again", (_divergence.DivergenceMath,), {"kind": "half_forward_kl_test"})
+        g = torch.Generator().manual_seed(11)
+        hs, ht = torch.randn(7, 6, generator=g), torch.randn(7, 5, generator=g)
+        ws, wt = torch.randn(13, 6, generator=g) * 3, torch.randn(13, 5, generator=g) * 3
+        up = torch.randn(7, generator=g)
+        lp_t = torch.log_softmax((ht @ wt.t()).double(), -1)
+        hs64 = hs.double().requires_grad_()
+        lp_s = torch.log_softmax(hs64 @ ws.double().t(), -1)
+        ref = 0.5 * (lp_t.exp() * (lp_t - lp_s)).sum(-1)
+        (ref_g,) = torch.autograd.grad((ref * up.double()).sum(), hs64)
+        for vocab in (None, 4):
+            h = hs.clone().requires_grad_()
+            d = linear_divergence(h, ws, ht, wt, divergence="half_forward_kl_test",
+                                  chunking=Chunking(3, vocab_chunk_size=vocab, backend="eager")).divergence
+            (d * up).sum().backward()
+            torch.testing.assert_close(d.double(), ref, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(h.grad.double(), ref_g, rtol=1e-4, atol=1e-5)
+            z = (hs @ ws.t()).requires_grad_()
+            d = divergence_from_logits(z, ht @ wt.t(), divergence=Divergence("half_forward_kl_test"),
+                                       chunking=Chunking(3, backend="eager")).divergence
+            torch.testing.assert_close(d.double(), ref, rtol=1e-5, atol=1e-6)
+    finally:
+        _divergence.KINDS.pop("half_forward_kl_test", None)
+
+
+def test_divergence_spec_is_the_divergence_itself_deprecated():
+    d = Divergence("jsd", 0.3)
+    with pytest.warns(DeprecationWarning, match="Divergence.spec is deprecated"):
+        assert d.spec is d
+    assert d.math is Divergence.from_trl_beta(0.3).math and d.needs_aux
+
+
 @pytest.mark.parametrize("kw", [dict(width=0), dict(width=-3), dict(width=2.5), dict(width=8, buffers=0)])
 def test_chunking_resolve_names_a_bad_width(kw):
     for chunking in (Chunking("auto"), Chunking(64)):

@@ -14,7 +14,7 @@ import warnings
 import pytest
 import torch
 
-from chunked_entropy import losses
+from chunked_entropy import Divergence, losses
 from tests.helpers import require
 
 require("verl", "trl")
@@ -122,9 +122,7 @@ def test_each_divergence_class_is_one_math(trl_beta):
     """The fused ops' block form (``terms``, ``grad``, ``grad_from_parts``) and the sparse losses' per-entry
     form (``entries``) of each divergence class agree, and the block gradient is the float64 autograd
     gradient of the entries' sum w.r.t. the student's logits."""
-    from chunked_entropy._divergence import DivergenceSpec
-
-    spec = DivergenceSpec.from_trl_beta(trl_beta)
+    spec = Divergence.from_trl_beta(trl_beta)
     assert spec.kind == {0.0: "forward_kl", 1.0: "reverse_kl"}.get(trl_beta, "jsd")
     math_ = spec.math
     g = torch.Generator().manual_seed(4)

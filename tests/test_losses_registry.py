@@ -18,7 +18,7 @@ import warnings
 import pytest
 import torch
 
-from chunked_entropy import losses
+from chunked_entropy import PolicyLoss, losses
 from chunked_entropy.losses import PolicyOptions
 from tests.helpers import require
 
@@ -75,9 +75,20 @@ def _run_both(mode, agg, norm, dtype, with_weights, seed=0, **over):
     theirs.backward()
     y = lp.clone().requires_grad_()
     torch.manual_seed(123)
-    ours, o_metrics = losses.policy_loss(y, old, adv, mask, loss_mode=mode, rollout_is_weights=weights,
-                                         loss_agg_mode=agg, options=PolicyOptions.from_actor_config(cfg), **norm)
+    loss = PolicyLoss(mode, options=PolicyOptions.from_actor_config(cfg), aggregation=losses.Aggregation(agg, **norm))
+    ours, o_metrics = losses.policy_loss(y, old, adv, mask, loss, rollout_is_weights=weights)
     ours.backward()
+    # the deprecated flat keywords: the same call, bitwise, with a DeprecationWarning naming the new form
+    z = lp.clone().requires_grad_()
+    torch.manual_seed(123)
+    with pytest.warns(DeprecationWarning, match=r"losses.policy_loss: the keyword\(s\) .*loss_mode.* are the flat "
+                      r"form and go in 0.3.0; pass loss=PolicyLoss\("):
+        flat, f_metrics = losses.policy_loss(z, old, adv, mask, loss_mode=mode, rollout_is_weights=weights,
+                                             loss_agg_mode=agg, options=PolicyOptions.from_actor_config(cfg), **norm)
+    flat.backward()
+    assert torch.equal(flat, ours) and set(f_metrics) == set(o_metrics)
+    assert all(torch.equal(torch.as_tensor(f_metrics[k]), torch.as_tensor(o_metrics[k])) for k in o_metrics)
+    assert (z.grad is None and y.grad is None) or torch.equal(z.grad, y.grad)
     return (theirs, t_metrics, x.grad), (ours, o_metrics, y.grad)
 
 
@@ -302,3 +313,23 @@ def test_policy_loss_from_a_config_that_is_not_a_mapping_is_a_type_error(config,
         PolicyLoss.from_actor_config(config)
     with pytest.raises(TypeError, match=rf"^{name} must be a mapping of settings"):
         PolicyOptions.from_actor_config(config)
+
+
+def test_policy_loss_takes_the_ops_policy_loss_and_names_what_it_cannot_take():
+    """``losses.policy_loss`` takes a ``PolicyLoss`` (None: its defaults, no warning); a loss with an entropy
+    bonus or a KL penalty is refused naming the field (it is the objective alone), as are a loss beside the flat
+    keywords and an object of another type."""
+    lp, old, adv, mask, _ = _data(0, torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        default, _ = losses.policy_loss(lp, old, adv, mask)
+        assert torch.equal(default, losses.policy_loss(lp, old, adv, mask, PolicyLoss())[0])
+    with pytest.warns(DeprecationWarning, match="loss_mode"):
+        assert torch.equal(default, losses.policy_loss(lp, old, adv, mask, loss_mode="vanilla")[0])
+    for field in ("entropy_coeff", "kl_coef"):
+        with pytest.raises(ValueError, match=rf"losses.policy_loss is the policy objective alone: loss.{field} must"):
+            losses.policy_loss(lp, old, adv, mask, PolicyLoss(**{field: 0.1}))
+    with pytest.raises(TypeError, match=r"loss= and the flat keyword\(s\) clip_ratio_c both given"):
+        losses.policy_loss(lp, old, adv, mask, PolicyLoss(), clip_ratio_c=3.0)
+    with pytest.raises(TypeError, match="loss must be a chunked_entropy.PolicyLoss or None, got str"):
+        losses.policy_loss(lp, old, adv, mask, "vanilla")

@@ -113,3 +113,24 @@ def test_a_policy_loss_built_from_numpy_names_agrees_with_the_plain_one():
                         aggregation=np.str_("seq-mean-token-mean"))
     plain = PolicyLoss("gspo", {"loss_type": "reinforce"}, kl_kind="k3", aggregation="seq-mean-token-mean")
     assert theirs.fingerprint() == plain.fingerprint() and theirs == plain
+
+
+def test_the_logits_dtype_rule_is_written_once_and_the_layer_reads_it():
+    """``_checks.logits_in_float32`` is the rule (None or the weight's dtype: the weight's dtype; float32 beside
+    a half-precision weight: float32 blocks; anything else refused naming the field and the weight), and an
+    ``OutputLayer``'s check and its ``float32_logits`` are it."""
+    from chunked_entropy._checks import logits_in_float32
+
+    for half in (torch.bfloat16, torch.float16):
+        assert logits_in_float32(torch.float32, half) and not logits_in_float32(None, half)
+        assert not logits_in_float32(half, half)
+        assert OutputLayer(torch.randn(4, 3, dtype=half), logits_dtype=torch.float32).float32_logits
+        assert not OutputLayer(torch.randn(4, 3, dtype=half)).float32_logits
+    assert not logits_in_float32(torch.float32, torch.float32)
+    for dt, w in ((torch.float16, torch.bfloat16), (torch.float32, torch.float64), (torch.bfloat16, torch.float32)):
+        with pytest.raises(ValueError, match=rf"^x.logits_dtype must be None \(x.weight's dtype, {w}\), {w} or "
+                                             rf"torch.float32, got {dt}$"):
+            logits_in_float32(dt, w, "x.logits_dtype", "x.weight")
+    with pytest.raises(ValueError, match=r"OutputLayer.logits_dtype must be None \(OutputLayer.weight's dtype, "
+                                         r"torch.bfloat16\), torch.bfloat16 or torch.float32, got torch.float16"):
+        OutputLayer(torch.randn(4, 3, dtype=torch.bfloat16), logits_dtype=torch.float16)

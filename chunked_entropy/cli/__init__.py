@@ -110,11 +110,11 @@ def main(argv=None) -> int:
     """Entry point of the ``chunked-entropy`` console script; returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "_case":  # internal: one benchmark case, run by bench and demo
-        from ._measure import run_case_main
+        from ._process import run_case_main
 
         return run_case_main(argv[1:])
     if argv and argv[0] == "_serve":  # internal: forks a fresh process per benchmark case
-        from ._measure import serve_main
+        from ._process import serve_main
 
         return serve_main()
     parser = build_parser()

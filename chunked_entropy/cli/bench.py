@@ -24,7 +24,8 @@ import tempfile
 import time
 
 from . import plan
-from ._measure import METHODS, Case, methods, run_fresh
+from ._methods import METHODS, Case, methods
+from ._process import run_fresh
 
 PRESETS = {
     "issue2": dict(

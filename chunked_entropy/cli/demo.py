@@ -217,7 +217,8 @@ def demo_steps(args, rank, world, group, device) -> dict:
 
 def memory_table(args, world, device) -> list:
     """Peak memory over the logits of each approach, each in a fresh process."""
-    from ._measure import Case, run_fresh
+    from ._methods import Case
+    from ._process import run_fresh
 
     n, v, c = args["tokens"], args["vocab"], args["chunk_size"]
     methods = (["plain"] if world == 1 else []) + ["clone", "chunked"]
@@ -288,7 +289,7 @@ def _spawned_rank(rank, world, port, args, result_file):
         dist.barrier()
     finally:
         dist.destroy_process_group()
-    from ._measure import leave_spawned_rank
+    from ._process import leave_spawned_rank
 
     leave_spawned_rank()
 
@@ -307,7 +308,7 @@ def run(args) -> int:
     else:
         import torch.multiprocessing as mp
 
-        from ._measure import free_port
+        from ._process import free_port
 
         with tempfile.TemporaryDirectory() as d:
             out = os.path.join(d, "result.json")

@@ -13,7 +13,8 @@ whatever produced them.
 
 The divergences' per-entry terms are :mod:`chunked_entropy._divergence`'s (one
 implementation of the KLs and the JSD, shared with the fused ops); TRL's
-``beta`` reaches them through :meth:`~chunked_entropy._divergence.DivergenceSpec.from_trl_beta`.
+``beta`` reaches them through :func:`~chunked_entropy._divergence.trl_kind`, as it reaches
+:meth:`chunked_entropy.Divergence.from_trl_beta`.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from .._checks import check_real
-from .._divergence import DivergenceSpec, ForwardKL
+from .._divergence import DivergenceMath, ForwardKL, math_of, trl_kind
 from ._common import check_same_shape, check_tensor
 
 _FORWARD_KL = ForwardKL()
@@ -78,13 +79,13 @@ def topk_forward_kl(student_log_probs: torch.Tensor, teacher_log_probs: torch.Te
     return TopKForwardKL(per_id.sum(dim=-1), student_mass, teacher_mass, per_id)
 
 
-def _terms(spec: DivergenceSpec, s: torch.Tensor, t: torch.Tensor, support: Optional[torch.Tensor]):
+def _terms(math_: DivergenceMath, s: torch.Tensor, t: torch.Tensor, support: Optional[torch.Tensor]):
     """The divergence's per-entry terms (:meth:`~chunked_entropy._divergence.DivergenceMath.entries`), 0 off
     ``support``: the entries there are replaced by 0 on both sides first (finite: no NaN in the gradient)."""
     if support is None:
-        return spec.math.entries(s, t)
+        return math_.entries(s, t)
     zero = torch.zeros_like(s)
-    terms = spec.math.entries(torch.where(support, s, zero), torch.where(support, t, zero))
+    terms = math_.entries(torch.where(support, s, zero), torch.where(support, t, zero))
     return torch.where(support, terms, zero)
 
 
@@ -138,7 +139,7 @@ def sparse_divergence(student_log_probs: torch.Tensor, teacher_log_probs: torch.
     elif renormalize:
         s = s - torch.logsumexp(s, dim=-1, keepdim=True)
         t = t - torch.logsumexp(t, dim=-1, keepdim=True)
-    terms = _terms(DivergenceSpec.from_trl_beta(beta), s, t, support_mask)
+    terms = _terms(math_of(*trl_kind(beta)), s, t, support_mask)
     return terms.sum(dim=-1)
 
 

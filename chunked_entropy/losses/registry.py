@@ -15,6 +15,7 @@ twelve names; each maps here to an :class:`Objective`:
 
 from __future__ import annotations
 
+import warnings
 from typing import Callable, NamedTuple, Optional, Union
 
 import torch
@@ -190,26 +191,76 @@ def check_weights(rollout_is_weights, like: torch.Tensor, like_name: str = "log_
     return rollout_is_weights.detach()
 
 
+#: The flat keywords :func:`policy_loss` took before it took a ``PolicyLoss`` (kept, deprecated, until
+#: :data:`FLAT_REMOVED_IN`), beside an option field by its verl name: ``loss_mode`` is the loss's ``mode``,
+#: ``options`` its ``options``, the others its ``aggregation``'s fields.
+FLAT_KEYWORDS = ("loss_mode", "options", "loss_agg_mode", "loss_scale_factor", "dp_size", "batch_num_tokens",
+                 "global_batch_size")
+FLAT_REMOVED_IN = "0.3.0"
+
+
+def _flat_policy(loss_mode: str = "vanilla", loss_agg_mode: str = "token-mean",
+                 loss_scale_factor: Optional[float] = None, dp_size: int = 1, batch_num_tokens=None,
+                 global_batch_size=None, options: Optional[PolicyOptions] = None, **fields):
+    """``(objective, options, aggregation's arguments)`` of the deprecated flat call, checked as it was."""
+    o = options_of(options, fields)
+    return objective(loss_mode, o), o, (loss_agg_mode, loss_scale_factor, dp_size, batch_num_tokens,
+                                        global_batch_size)
+
+
+def _policy_of(loss, flat: dict):
+    """``(objective, options, aggregation)`` of a :func:`policy_loss` call: from ``loss`` (a
+    :class:`~chunked_entropy.PolicyLoss`, or None for its defaults), or from the deprecated flat keywords
+    (a ``DeprecationWarning`` naming the new form; the aggregation then as its arguments, built after the
+    rollout weights are checked, as that call built it)."""
+    if flat:
+        if loss is not None:
+            raise TypeError(f"losses.policy_loss: loss= and the flat keyword(s) {', '.join(sorted(flat))} both "
+                            "given; pass the loss alone (its mode, options and aggregation)")
+        warnings.warn(
+            f"losses.policy_loss: the keyword(s) {', '.join(sorted(flat))} are the flat form and go in "
+            f"{FLAT_REMOVED_IN}; pass loss=PolicyLoss(mode, options=..., aggregation=Aggregation(loss_agg_mode, "
+            "loss_scale_factor, dp_size, batch_num_tokens, global_batch_size)) (see CHANGELOG.md)",
+            DeprecationWarning, stacklevel=3)
+        return _flat_policy(**flat)
+    if loss is None:
+        o = PolicyOptions()
+        return objective("vanilla", o), o, Aggregation()
+    missing = [a for a in ("mode", "options", "aggregation") if not hasattr(loss, a)]
+    if missing:
+        raise TypeError(f"loss must be a chunked_entropy.PolicyLoss or None, got {type(loss).__name__}")
+    for name in ("entropy_coeff", "kl_coef"):
+        if getattr(loss, name, 0.0) != 0.0:
+            raise ValueError(
+                f"losses.policy_loss is the policy objective alone: loss.{name} must be 0, got "
+                f"{getattr(loss, name)!r} (add losses.entropy_bonus / losses.kl_penalty to it, or use "
+                "linear_policy_loss / policy_loss_from_logits, which take the whole PolicyLoss)")
+    return objective(loss.mode, loss.options), loss.options, loss.aggregation
+
+
 def policy_loss(
     log_probs: torch.Tensor,
     old_log_probs: torch.Tensor,
     advantages: torch.Tensor,
     loss_mask: torch.Tensor,
+    loss=None,
     *,
-    loss_mode: str = "vanilla",
     rollout_is_weights: Optional[torch.Tensor] = None,
-    loss_agg_mode: str = "token-mean",
-    loss_scale_factor: Optional[float] = None,
-    dp_size: int = 1,
-    batch_num_tokens=None,
-    global_batch_size=None,
-    options: Optional[PolicyOptions] = None,
     generator: Optional[torch.Generator] = None,
-    **fields,
+    **flat,
 ):
-    r"""The policy loss named ``loss_mode``, equal to verl 0.9.1's registered function of that name.
+    r"""The policy loss ``loss.mode``, equal to verl 0.9.1's registered function of that name.
 
-    ``loss_mode`` is one of :data:`LOSS_MODES`; the formulas are on the
+    ``loss`` is a :class:`~chunked_entropy.PolicyLoss`, the object the fused
+    ops take: its ``mode`` (one of :data:`LOSS_MODES`), ``options`` and
+    ``aggregation`` are read; its ``entropy_coeff`` and ``kl_coef`` must be 0
+    (this is the objective alone). None: ``PolicyLoss()``, verl's vanilla PPO.
+    The flat keywords (``loss_mode=``, ``options=``, an option by its
+    verl name, ``loss_agg_mode=``, ``loss_scale_factor=``, ``dp_size=``,
+    ``batch_num_tokens=``, ``global_batch_size=``; :data:`FLAT_KEYWORDS`) keep
+    working, with a ``DeprecationWarning``, until 0.3.0.
+
+    ``loss.mode`` is one of :data:`LOSS_MODES`; the formulas are on the
     :doc:`losses page </losses>` and in each objective's docstring
     (:mod:`chunked_entropy.losses.token`, :mod:`chunked_entropy.losses.sequence`).
     The options take verl's config field names and defaults
@@ -230,24 +281,19 @@ def policy_loss(
             the rollout's).
         advantages: ``[B, T]`` per-token advantages.
         loss_mask: ``[B, T]`` bool (or 0/1, or non-negative weights).
-        loss_mode: one of :data:`LOSS_MODES`.
+        loss: a :class:`~chunked_entropy.PolicyLoss` (``mode``, ``options``, ``aggregation``), or None.
         rollout_is_weights: ``[B, T]`` rollout-correction weights (e.g. from
             :func:`~chunked_entropy.losses.rollout_correction`), multiplied into
             every token's loss (``geo_mean``: their geometric mean per sequence;
             ``bypass_mode`` computes its own). No gradient flows through them.
-        loss_agg_mode: one of :data:`~chunked_entropy.losses.AGG_MODES`
-            (``sapo`` always aggregates ``"seq-mean-token-mean"`` and ``geo_mean``
-            takes the mean over sequences, as in verl).
-        loss_scale_factor: as in :func:`~chunked_entropy.losses.agg_loss`.
-        dp_size: as in :func:`~chunked_entropy.losses.agg_loss` (verl's ``global_batch_info``).
-        batch_num_tokens: as in :func:`~chunked_entropy.losses.agg_loss`.
-        global_batch_size: as in :func:`~chunked_entropy.losses.agg_loss`.
-        options: a :class:`~chunked_entropy.losses.PolicyOptions`; keyword
-            ``fields`` replace its fields.
+            The aggregation (``loss.aggregation``, a
+            :class:`~chunked_entropy.losses.Aggregation`): ``sapo`` always
+            aggregates ``"seq-mean-token-mean"`` and ``geo_mean`` takes the mean
+            over sequences, as in verl.
         generator: ``clip_cov``'s draw of the tokens it cuts (default: torch's
             global generator, which is what verl draws from; the same state
             selects the same tokens).
-        **fields: option fields, by verl's names.
+        **flat: deprecated, the flat keywords (:data:`FLAT_KEYWORDS`, and option fields by verl's names).
 
     Returns:
         ``(loss, metrics)``: a 0-dim loss, differentiable w.r.t. ``log_probs``,
@@ -257,7 +303,7 @@ def policy_loss(
         0-dim tensors, where verl calls ``.item()``.
 
     Raises:
-        ValueError / TypeError: an unknown ``loss_mode`` or option, an option out
+        ValueError / TypeError: an unknown ``loss.mode`` or option, an option out
             of range (named), ``dro`` without ``dro_beta``, tensors of another
             shape, before any work.
 
@@ -270,10 +316,9 @@ def policy_loss(
         check_tensor("log_probs", log_probs)
         check_same_shape("log_probs", log_probs, old_log_probs=old_log_probs, advantages=advantages)
         check_mask(loss_mask, log_probs, "log_probs")
-        o = options_of(options, fields)
-        obj = objective(loss_mode, o)
+        obj, o, agg = _policy_of(loss, flat)
         weights = check_weights(rollout_is_weights, log_probs)
-        agg = Aggregation(loss_agg_mode, loss_scale_factor, dp_size, batch_num_tokens, global_batch_size)
+        agg = agg if isinstance(agg, Aggregation) else Aggregation(*agg)
         agg.check_counts()
         if generator is not None and not isinstance(generator, torch.Generator):
             raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
