@@ -295,7 +295,7 @@ def _grads_vocab_outer(blocks, rows: Rows, weight, n, hidden_dtype, need, main_g
     cdt = compute_dtype(weight.dtype)
     gdt = cdt if float32 else weight.dtype
     gh = torch.zeros(n, hdim, dtype=cdt, device=dev) if need_h else None
-    buf = torch.empty(n * min(vocab_block, v), dtype=gdt, device=dev) if need_w else None
+    buf = torch.empty(n, min(vocab_block, v), dtype=gdt, device=dev).view(-1) if need_w else None
     h_all = rows(0, n) if need_w else None
     # Off CUDA a half-precision product is formed from float32 copies (_half_mm): the block's weight rows are
     # widened once per block, not once per chunk ([block, H] float32, on such devices only).

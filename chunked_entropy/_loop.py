@@ -82,8 +82,8 @@ class Buffers:
     """
 
     def __init__(self, rows: int, cols: int, dtype, device, *, work: bool, scratch: bool, aux: bool = False):
-        size = rows * cols
-        new = lambda on: torch.empty(size, dtype=dtype, device=device) if on else None  # noqa: E731
+        # allocated in their [rows, cols] shape (an allocation log sees what each is: chunked_entropy.testing)
+        new = lambda on: torch.empty(rows, cols, dtype=dtype, device=device).view(-1) if on else None  # noqa: E731
         self.bufs = (new(work), new(scratch), new(aux))
 
     def get(self, rows: int, cols: int):
