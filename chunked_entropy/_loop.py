@@ -43,6 +43,19 @@ class Plan:
     want: _stats.Want
     compiled: Kernels = None  # the per-block kernels (None: eager); see _kernels.use_compiled
     float32_logits: bool = False  # half-precision weights: each block's matmul in float32 (logits_dtype=float32)
+    # With ``compiled`` kernels: the dtype of the block buffers the fill's matmul writes and the kernels read
+    # (the weight's half precision: no widening copy); None: the compute dtype. See :func:`block_dtype`.
+    block_dtype: Optional[torch.dtype] = None
+
+
+def block_dtype(plan: Plan, dtype, *, sparse: bool = False):
+    """The dtype of a walk's block buffers: ``plan.block_dtype`` where its compiled kernels read the blocks
+    (they widen each element as they read it, and write a gradient in its buffer's dtype, rounded once) and no
+    sparse term is added to a gradient after the kernel wrote it (``sparse``: sampling replay's kept sets,
+    distillation's ids; those are added in ``dtype`` before the one rounding); else ``dtype``."""
+    if plan.compiled is None or plan.block_dtype is None or sparse:
+        return dtype
+    return plan.block_dtype
 
 
 def _block_view(view: View, compiled: Kernels, tf: _stats.Transform) -> View:
@@ -149,7 +162,7 @@ def row_stats(tok: Tokens, fill: Fill, plan: Plan, *, width: int, dtype, device,
                                                 plan.compiled)
     n, kept = tok.n, tok.keep
     view = _block_view(view, compiled, tok.transform)
-    bufs = Buffers(min(chunk_size, n), block, dtype, device, work=not compiled or view is None,
+    bufs = Buffers(min(chunk_size, n), block, block_dtype(plan, dtype), device, work=not compiled or view is None,
                    scratch=want.scratch and not compiled)
     out = new_row_stats(n, want, dtype, device, kept)
     at = tok.at
@@ -187,6 +200,7 @@ def grad_blocks(
     tok: Tokens, fill: Fill, plan: Plan, *, width: int, stats: _stats.RowStats, grads, dtype, device,
     into: Optional[Callable[[int, int], torch.Tensor]] = None, view: View = None,
     at_grads: Optional[torch.Tensor] = None, block: Optional[int] = None, vocab_outer: bool = False,
+    grad_rows: Optional[Callable[[int, int, int, int], torch.Tensor]] = None,
 ) -> Iterator[tuple]:
     """Backward: yield ``(a, b, v0, v1, g)``, the gradient w.r.t. each block's raw logits.
 
@@ -204,6 +218,11 @@ def grad_blocks(
     half-precision weight gradient, one matmul per block:
     :func:`chunked_entropy._logit_blocks.linear_grads`); the per-token coefficients
     are then formed once per block and chunk (a few vectors of the chunk).
+
+    ``grad_rows(a, b, v0, v1)``: where the compiled kernels write the gradient of the block's rows, in the
+    plan's ``block_dtype`` (the rows of the ``[n, block]`` buffer the weight gradient's matmul reads:
+    :class:`chunked_entropy._logit_blocks.GradRows`); used where the blocks are read in that dtype
+    (:func:`block_dtype`), else the gradient stays in our buffer in ``dtype``.
     """
     block = plan.vocab_chunk_size if block is None else block  # a backward's own block (vocab_outer)
     chunk_size, compiled = plan.chunk_size, plan.compiled
@@ -212,8 +231,11 @@ def grad_blocks(
     g_lp, g_h, g_q = (None if g is None else g.reshape(-1).to(dtype) for g in grads)
     softcap = tok.transform.softcap is not None
     view = _block_view(view, compiled, tok.transform)
+    bdt = block_dtype(plan, dtype, sparse=kept is not None or at_ids is not None)
+    if bdt == dtype:
+        grad_rows = None
     bufs = Buffers(
-        min(chunk_size, n), block, dtype, device, work=into is None or (compiled and view is None),
+        min(chunk_size, n), block, bdt, device, work=into is None or (compiled and view is None),
         scratch=(g_h is not None or g_q is not None) and not compiled, aux=softcap and not compiled,
     )
 
@@ -234,8 +256,9 @@ def grad_blocks(
         return dict(rows=rows, co=co, entries=entries, co_k=co_k, at=sparse)
 
     def block_grad(a, b, v0, v1, parts):
+        dst = into if grad_rows is None else (lambda a_, b_: grad_rows(a_, b_, v0, v1))
         return _refilled_grad(tok, fill, view, bufs, a, b, v0, v1, parts["rows"], parts["co"], dtype,
-                              compiled=compiled, into=into, entries=parts["entries"], co_k=parts["co_k"],
+                              compiled=compiled, into=dst, entries=parts["entries"], co_k=parts["co_k"],
                               at=parts["at"])
 
     yield from _gradient_walk(n, width, block, chunk_size, vocab_outer, chunk, block_grad)
@@ -306,6 +329,7 @@ def loss_grad_blocks(
     tok: Tokens, fill: Fill, plan: Plan, *, width: int, token_grads: TokenGrads, stats: _stats.RowStats, dtype,
     device, into: Optional[Callable[[int, int], torch.Tensor]] = None, view: View = None,
     span: Optional[int] = 1, grad_block: Optional[int] = None,
+    grad_rows: Optional[Callable[[int, int, int, int], torch.Tensor]] = None,
 ) -> Iterator[tuple]:
     """Forward of a loss whose per-token upstream gradients follow from the tokens' outputs.
 
@@ -332,7 +356,7 @@ def loss_grad_blocks(
     refills each block. ``grad_block``: the same two passes, the gradient pass
     walking vocabulary blocks of that width outermost (``vocab_outer`` of
     :func:`grad_blocks`: a half-precision weight's gradient, one matmul per
-    block).
+    block; ``grad_rows`` as there).
     """
     block, chunk_size, group, want, compiled = (plan.vocab_chunk_size, plan.chunk_size, plan.group, plan.want,
                                                 plan.compiled)
@@ -348,7 +372,7 @@ def loss_grad_blocks(
         ups = [None if p[0] is None else torch.cat(p) for p in zip(*parts, strict=True)]
         yield from grad_blocks(tok, fill, plan, width=width, block=grad_block, stats=stats,
                                grads=(ups[0], ups[1], None), dtype=dtype, device=device, into=into, view=view,
-                               vocab_outer=grad_block is not None)
+                               vocab_outer=grad_block is not None, grad_rows=grad_rows)
         return
     chunk_size, group_size = _grouping(n, span, chunk_size)
     softcap = tok.transform.softcap is not None
