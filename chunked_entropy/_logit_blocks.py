@@ -203,17 +203,16 @@ def grad_vocab_block(n: int, weight: torch.Tensor, plan: Plan, need_w: bool) -> 
     block's weight gradient is then one matmul over all ``n`` tokens, in the
     weight's dtype (float32 accumulation inside the matmul, as half-precision
     autograd forms it), and no float32 ``[V_local, H]`` accumulator exists. The
-    block is ``vocab_chunk_size`` when the vocabulary is blocked, else as wide
-    as a ``[n, block]`` gradient buffer of 64 MiB allows (a multiple of 128
-    columns; :func:`chunked_entropy.config.grad_vocab_block_for`). Float32 weights accumulate straight into their
+    block is as wide as a ``[n, block]`` gradient buffer of 64 MiB allows (a
+    multiple of 128 columns; :func:`chunked_entropy.config.grad_vocab_block_for`:
+    4096 columns at 8192 bf16 tokens), and no wider than the forward's
+    ``vocab_chunk_size``. Float32 weights accumulate straight into their
     float32 gradient, chunk by chunk: no buffer at all.
     """
     v = weight.shape[0]
     if not need_w or weight.dtype not in (torch.bfloat16, torch.float16):
         return None
-    if plan.vocab_chunk_size < v:
-        return plan.vocab_chunk_size
-    return grad_vocab_block_for(n, v, 4 if plan.float32_logits else weight.element_size())
+    return min(plan.vocab_chunk_size, grad_vocab_block_for(n, v, 4 if plan.float32_logits else weight.element_size()))
 
 
 class GradRows:

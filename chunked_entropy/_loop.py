@@ -217,12 +217,14 @@ def grad_blocks(
     walked outermost, each block's chunks in order (the fused head's
     half-precision weight gradient, one matmul per block:
     :func:`chunked_entropy._logit_blocks.linear_grads`); the per-token coefficients
-    are then formed once per block and chunk (a few vectors of the chunk).
+    are still formed once per chunk (a few vectors of the chunk, kept over the blocks).
 
-    ``grad_rows(a, b, v0, v1)``: where the compiled kernels write the gradient of the block's rows, in the
-    plan's ``block_dtype`` (the rows of the ``[n, block]`` buffer the weight gradient's matmul reads:
-    :class:`chunked_entropy._logit_blocks.GradRows`); used where the blocks are read in that dtype
-    (:func:`block_dtype`), else the gradient stays in our buffer in ``dtype``.
+    ``grad_rows(a, b, v0, v1)`` (with ``vocab_outer``): the rows of the ``[n, block]`` buffer, in the plan's
+    ``block_dtype``, that the weight gradient's matmul reads
+    (:class:`chunked_entropy._logit_blocks.GradRows`). Where the blocks are read in that dtype
+    (:func:`block_dtype`) each block is filled there for all ``n`` tokens at once (one step a block) and the
+    compiled kernels overwrite it with its gradient: no buffer of ours. Else chunks of ``chunk_size`` rows
+    through our buffer in ``dtype``.
     """
     block = plan.vocab_chunk_size if block is None else block  # a backward's own block (vocab_outer)
     chunk_size, compiled = plan.chunk_size, plan.compiled
@@ -232,10 +234,13 @@ def grad_blocks(
     softcap = tok.transform.softcap is not None
     view = _block_view(view, compiled, tok.transform)
     bdt = block_dtype(plan, dtype, sparse=kept is not None or at_ids is not None)
-    if bdt == dtype:
+    if bdt == dtype or not vocab_outer:
         grad_rows = None
+    if grad_rows is not None:  # each block filled into its gradient rows, all tokens at once: no buffer of ours
+        chunk_size = n
     bufs = Buffers(
-        min(chunk_size, n), block, bdt, device, work=into is None or (compiled and view is None),
+        min(chunk_size, n), block, bdt, device,
+        work=grad_rows is None and (into is None or (compiled and view is None)),
         scratch=(g_h is not None or g_q is not None) and not compiled, aux=softcap and not compiled,
     )
 
@@ -256,9 +261,13 @@ def grad_blocks(
         return dict(rows=rows, co=co, entries=entries, co_k=co_k, at=sparse)
 
     def block_grad(a, b, v0, v1, parts):
-        dst = into if grad_rows is None else (lambda a_, b_: grad_rows(a_, b_, v0, v1))
+        if grad_rows is not None:  # filled, then overwritten by its gradient, where the weight's matmul reads it
+            x = grad_rows(a, b, v0, v1)
+            fill(x, a, b, v0, v1)
+            return compiled.grad(x, x, tok.transform, tok.k_rows(a, b), parts["rows"], tok.target[a:b], v0,
+                                 parts["co"], dtype)
         return _refilled_grad(tok, fill, view, bufs, a, b, v0, v1, parts["rows"], parts["co"], dtype,
-                              compiled=compiled, into=dst, entries=parts["entries"], co_k=parts["co_k"],
+                              compiled=compiled, into=into, entries=parts["entries"], co_k=parts["co_k"],
                               at=parts["at"])
 
     yield from _gradient_walk(n, width, block, chunk_size, vocab_outer, chunk, block_grad)
@@ -266,12 +275,15 @@ def grad_blocks(
 
 def _gradient_walk(n: int, width: int, block: int, chunk_size: int, vocab_outer: bool, chunk, block_grad):
     """Yield ``(a, b, v0, v1, block_grad(a, b, v0, v1, chunk(a, b)))`` over every chunk of rows and vocabulary
-    block: chunks outermost (``chunk(a, b)``, what a chunk's gradients read, formed once per chunk), or
-    vocabulary blocks outermost (formed once per block and chunk)."""
-    if vocab_outer:
+    block: chunks outermost, or vocabulary blocks outermost; either way ``chunk(a, b)``, what a chunk's
+    gradients read, is formed once per chunk."""
+    if vocab_outer:  # each chunk's inputs formed once, kept over the blocks (a few vectors a chunk)
+        parts = {}
         for v0, v1 in chunks(width, block):
             for a, b in chunks(n, chunk_size):
-                yield a, b, v0, v1, block_grad(a, b, v0, v1, chunk(a, b))
+                if (a, b) not in parts:
+                    parts[a, b] = chunk(a, b)
+                yield a, b, v0, v1, block_grad(a, b, v0, v1, parts[a, b])
         return
     for a, b in chunks(n, chunk_size):
         parts = chunk(a, b)

@@ -213,10 +213,16 @@ def linear_log_probs_and_entropy(
           block's weight gradient one matmul over all tokens with
           half-precision operands (float32 accumulation inside it), from a
           ``[tokens, block]`` gradient buffer of at most 64 MiB in the weight's
-          dtype; plus a float32 ``[tokens, H]`` hidden-state accumulator and
-          ``[chunk_size, block]`` chunk buffers. No float32 ``[V_local, H]``
-          tensor. At 8192 tokens, H = 4096, V = 151936, bf16, chunk 1024:
-          about 320 MiB in forward, 250 MiB in backward.
+          dtype (the block no wider than the forward's); plus a float32
+          ``[tokens, H]`` hidden-state accumulator and the block's float32
+          partial product. The compiled and Triton kernels fill each block
+          for all tokens straight into that buffer and overwrite it with its
+          gradient; the eager ones go through ``[chunk_size, block]`` chunk
+          buffers. No float32 ``[V_local, H]`` tensor. At 8192 tokens,
+          H = 4096, V = 151936, bf16, chunk 1024, on CUDA: 64 MiB in forward,
+          320 MiB in backward, measured from the allocations of a call down
+          the CUDA branch (``chunked-entropy bench --traffic``, as
+          ``chunked-entropy plan`` states it).
         - ``main_grad`` (Megatron's gradient-accumulation fusion): the weight
           gradient is added there, in float32, block by block.
 
