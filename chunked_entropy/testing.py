@@ -7,6 +7,7 @@ A CUDA device takes branches a CPU does not: half-precision matmuls into a float
 (``torch.mm(..., out_dtype=torch.float32)``, which CPU torch lacks), and ``backend="auto"`` choosing the
 Triton kernels. Inside ``with cuda_branch() as log:`` a CPU run takes every one of them:
 
+- ``chunked_entropy._autograd.casts_in_kernel`` says yes (an op over mixed dtypes is one pass);
 - ``chunked_entropy._logit_blocks.half_mm_native`` says yes on the CPU, and the ``mm.dtype`` /
   ``mm.dtype_out`` overloads CPU torch lacks are served as a CUDA kernel computes them (float32 accumulation
   of the half-precision products, written once in ``out_dtype``);
@@ -371,7 +372,8 @@ def cuda_branch(*, hidden: Optional[int] = None, scale: int = 1, hidden_scale: O
     saved = {(config, "CHUNK_BUFFER_BYTES"): config.CHUNK_BUFFER_BYTES,
              (config, "GRAD_BUFFER_BYTES"): config.GRAD_BUFFER_BYTES,
              (_autograd, "HAND_OVER_BYTES"): _autograd.HAND_OVER_BYTES,
-             (_logit_blocks, "half_mm_native"): _logit_blocks.half_mm_native}
+             (_logit_blocks, "half_mm_native"): _logit_blocks.half_mm_native,
+             (_autograd, "casts_in_kernel"): _autograd.casts_in_kernel}
     s2 = scale * scale
     the_log = GpuLog(hidden=hidden, scale=scale, hidden_scale=hidden_scale)
     try:
@@ -379,6 +381,7 @@ def cuda_branch(*, hidden: Optional[int] = None, scale: int = 1, hidden_scale: O
         config.GRAD_BUFFER_BYTES = max(1, saved[config, "GRAD_BUFFER_BYTES"] // s2)
         _autograd.HAND_OVER_BYTES = max(1, saved[_autograd, "HAND_OVER_BYTES"] // s2)
         _logit_blocks.half_mm_native = lambda device: True
+        _autograd.casts_in_kernel = lambda device: True
         with _kernels.TRITON.as_compiled(), _kernels.fast_device("cpu"), _counted(mod, state, interpret):
             _kernels.use_compiled("auto", torch.device("cpu"))  # the first-call probe, outside the log
             if _kernels.use_compiled("auto", torch.device("cpu")) is not _kernels.TRITON:
@@ -414,7 +417,9 @@ def measure(op: str, *, scale: int = 32, dtype=torch.bfloat16, shape: Optional[t
     :data:`H200_SHAPES`) divided by ``scale``, down the CUDA branch (:func:`cuda_branch`); its figures at the full
     shape: ``launches`` (kernels a call, forward and backward), ``gemms``, ``triton_launches``,
     ``bytes_per_logit`` (elementwise traffic over the ``[rows, columns]`` logit blocks, per logit of the call),
-    ``working_bytes`` (the peak of the call's allocations beyond its results, scaled back) and the shape.
+    ``working_bytes`` (the peak of the call's allocations beyond its results, scaled back),
+    ``hidden_traffic_bytes`` (elementwise traffic over the ``[*, H]`` tensors: hidden states, weight and
+    their gradients, scaled back) and the shape.
     ``hidden``: the scaled hidden size (default the full one over ``scale``, moved off any block width)."""
     import chunked_entropy as ce
 
@@ -456,6 +461,7 @@ def measure(op: str, *, scale: int = 32, dtype=torch.bfloat16, shape: Optional[t
         log.paused = True
         figures = dict(op=op, tokens=n_full, vocab=v_full, hidden=h_full, chunk_size=c_full, scale=scale,
                        launches=log.launches, gemms=log.gemms, triton_launches=log.triton_launches,
-                       bytes_per_logit=log.logit_bytes / (n * v), working_bytes=log.working_bytes())
+                       bytes_per_logit=log.logit_bytes / (n * v), working_bytes=log.working_bytes(),
+                       hidden_traffic_bytes=log.hidden_bytes * scale * (h_full / h) if h else 0)
         del grads, total
     return figures

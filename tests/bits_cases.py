@@ -19,6 +19,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import chunked_entropy as ce
+import chunked_entropy._autograd as _autograd
 import chunked_entropy._logit_blocks as blocks
 
 aten = torch.ops.aten
@@ -94,13 +95,17 @@ def digest(op, dtype, backend, branch, vchunk) -> str:
     dt = getattr(torch, dtype)
     if branch == "cpu":
         return _run(op, dt, backend, vchunk)
-    native = blocks.half_mm_native
+    native, casts = blocks.half_mm_native, getattr(_autograd, "casts_in_kernel", None)
     blocks.half_mm_native = lambda device: True
+    if casts is not None:  # the fused loss's hand-over in one pass, as on CUDA (later trees)
+        _autograd.casts_in_kernel = lambda device: True
     try:
         with _HalfMM():
             return _run(op, dt, backend, vchunk)
     finally:
         blocks.half_mm_native = native
+        if casts is not None:
+            _autograd.casts_in_kernel = casts
 
 
 def key(case) -> str:
