@@ -153,10 +153,52 @@ def _block_kept(kept, entries, z, v0, tf, k, dtype):
     return None if kept is None else _keep.gather(z, entries, v0, tf, dtype)
 
 
+def kernel_k(k, n: int, dtype, device, const: dict):
+    """The per-row multiplier ``k`` as the compiled and Triton kernels take it: a per-row tensor as it is;
+    None or a float as an ``[n, 1]`` view (stride 0) of a one-element tensor filled once per walk and kept in
+    ``const``: one fill a call, not one a launch."""
+    if isinstance(k, torch.Tensor):
+        return k
+    value = 1.0 if k is None else float(k)
+    t = const.get(value)
+    if t is None:
+        t = const[value] = torch.full((1, 1), value, dtype=dtype, device=device)
+    return t.expand(n, 1)
+
+
+def _row_stats_blocks_outer(tok: Tokens, fill: Fill, plan: Plan, bufs: Buffers, *, width: int, dtype, device,
+                            view: View) -> _stats.RowStats:
+    """:func:`row_stats` with compiled kernels and no replay or distillation: each block's statistics of
+    every chunk written into the rows of one ``[n, 6]`` tensor (the kernel's six vectors stacked there: one
+    copy), then merged into the running statistics of all ``n`` rows at once (the merge is per row, so it is
+    the same arithmetic as a chunk's, in the same order of blocks), merged over the group and finished once:
+    a few launches a chunk, the merge's a block."""
+    block, chunk_size, group, want, compiled = (plan.vocab_chunk_size, plan.chunk_size, plan.group, plan.want,
+                                                plan.compiled)
+    n = tok.n
+    on = (True, True, True, want.entropy, want.sum_pi_squared, True)  # m, ones, rest, w, q, zl
+    cols = [i for i, o in enumerate(on) if o]
+    const, st = {}, None
+    for v0, v1 in chunks(width, block):
+        rows = torch.empty(n, len(cols), dtype=dtype, device=device)
+        for a, b in chunks(n, chunk_size):
+            x, _, _ = bufs.get(b - a, v1 - v0)
+            z = _read(fill, view, x, a, b, v0, v1)
+            k = kernel_k(tok.k_rows(a, b), b - a, dtype, device, const)
+            blk = compiled.stats(z, tok.transform, k, tok.target[a:b], v0, want.entropy, want.sum_pi_squared, dtype)
+            torch.stack([blk[i] for i in cols], dim=1, out=rows[a:b])
+        fields = iter(rows.unbind(1))
+        st = _stats.merge_stats(st, _stats.BlockStats(*(next(fields) if o else None for o in on)), tok.k_rows(0, n))
+    merged, _, _ = reduce_stats(st, group, tok.k_rows(0, n))
+    out = _stats.RowStats.from_block(merged, tok.k_rows(0, n))
+    return out._replace(m=out.m.contiguous())  # a column of ``rows`` where the vocabulary is one block
+
+
 def row_stats(tok: Tokens, fill: Fill, plan: Plan, *, width: int, dtype, device, view: View = None) -> _stats.RowStats:
     """Forward: the per-token statistics of every row, merged over the plan's blocks and over its group.
 
-    With sampling replay (``tok.keep``) also those of each row's kept set.
+    With sampling replay (``tok.keep``) also those of each row's kept set. With compiled kernels and neither
+    replay nor distillation, the blocks are merged over all rows at once (:func:`_row_stats_blocks_outer`).
     """
     block, chunk_size, group, want, compiled = (plan.vocab_chunk_size, plan.chunk_size, plan.group, plan.want,
                                                 plan.compiled)
@@ -164,6 +206,8 @@ def row_stats(tok: Tokens, fill: Fill, plan: Plan, *, width: int, dtype, device,
     view = _block_view(view, compiled, tok.transform)
     bufs = Buffers(min(chunk_size, n), block, block_dtype(plan, dtype), device, work=not compiled or view is None,
                    scratch=want.scratch and not compiled)
+    if compiled and kept is None and tok.at is None:
+        return _row_stats_blocks_outer(tok, fill, plan, bufs, width=width, dtype=dtype, device=device, view=view)
     out = new_row_stats(n, want, dtype, device, kept)
     at = tok.at
     if at is not None:
@@ -244,8 +288,15 @@ def grad_blocks(
         scratch=(g_h is not None or g_q is not None) and not compiled, aux=softcap and not compiled,
     )
 
+    const = {}  # kernel_k's constants
+    # without replay or distillation the coefficients are per-row arithmetic: formed once for every row
+    co_all = None if kept is not None or at_ids is not None else tok.coefficients(0, n, g_lp, g_h, g_q)
+
     def chunk(a, b):
         """What the gradient of rows ``[a, b)`` reads: ``_refilled_grad``'s keywords."""
+        if co_all is not None:
+            co = _stats.Coefficients(*(None if t is None else t[a:b] for t in co_all))
+            return dict(rows=stats.rows(a, b), co=co, entries=None, co_k=None, at=None)
         co = tok.coefficients(a, b, *(None if g is None else g[a:b] for g in (g_lp, g_h, g_q)))
         rows = stats.rows(a, b)
         entries = co_k = sparse = None
@@ -264,11 +315,11 @@ def grad_blocks(
         if grad_rows is not None:  # filled, then overwritten by its gradient, where the weight's matmul reads it
             x = grad_rows(a, b, v0, v1)
             fill(x, a, b, v0, v1)
-            return compiled.grad(x, x, tok.transform, tok.k_rows(a, b), parts["rows"], tok.target[a:b], v0,
-                                 parts["co"], dtype)
+            k = kernel_k(tok.k_rows(a, b), b - a, dtype, device, const)
+            return compiled.grad(x, x, tok.transform, k, parts["rows"], tok.target[a:b], v0, parts["co"], dtype)
         return _refilled_grad(tok, fill, view, bufs, a, b, v0, v1, parts["rows"], parts["co"], dtype,
                               compiled=compiled, into=into, entries=parts["entries"], co_k=parts["co_k"],
-                              at=parts["at"])
+                              at=parts["at"], const=const)
 
     yield from _gradient_walk(n, width, block, chunk_size, vocab_outer, chunk, block_grad)
 
@@ -292,10 +343,10 @@ def _gradient_walk(n: int, width: int, block: int, chunk_size: int, vocab_outer:
 
 
 def _refilled_grad(tok: Tokens, fill: Fill, view: View, bufs: Buffers, a, b, v0, v1, rows, co, dtype, *,
-                   compiled: Kernels, into, entries=None, co_k=None, at=None) -> torch.Tensor:
+                   compiled: Kernels, into, entries=None, co_k=None, at=None, const=None) -> torch.Tensor:
     """The gradient w.r.t. the raw logits of rows ``[a, b)``, columns ``[v0, v1)``, the block filled again,
     from the rows' finished statistics and coefficients; with replay's and distillation's sparse terms
-    (``at``: ``(ids, coefficients, their sums)``)."""
+    (``at``: ``(ids, coefficients, their sums)``). ``const``: the walk's :func:`kernel_k` constants."""
     kept, k, target = tok.keep, tok.k_rows(a, b), tok.target[a:b]
     at_ids = None if at is None else at[0]
     x, scratch, aux = bufs.get(b - a, v1 - v0)
@@ -304,7 +355,8 @@ def _refilled_grad(tok: Tokens, fill: Fill, view: View, bufs: Buffers, a, b, v0,
         gk = _block_kept(kept, entries, z, v0, tok.transform, k, dtype)
         ea, ra = _block_at(tok.at, at_ids, target, a, b, v0, z, tok.transform)
         out = x if into is None else into(a, b)
-        g = compiled.grad(z, out, tok.transform, k, rows, target, v0, co, dtype)
+        kk = k if const is None else kernel_k(k, b - a, dtype, z.device, const)
+        g = compiled.grad(z, out, tok.transform, kk, rows, target, v0, co, dtype)
     else:
         if into is not None:
             x = into(a, b)

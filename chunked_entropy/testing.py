@@ -20,7 +20,8 @@ Triton kernels. Inside ``with cuda_branch() as log:`` a CPU run takes every one 
 
 While the block is open, ``log`` (a ``TorchDispatchMode``) counts what each dispatched op would cost on a GPU:
 
-- **launches**: one per aten op that does work (views, ``empty`` and ops on zero elements launch nothing),
+- **launches**: one per aten op that does work (views, ``empty``, the 0-d tensor of a Python number and ops
+  on zero elements launch nothing),
   plus one per Triton kernel launch; a matmul counts one (``gemms`` counts them apart);
 - **traffic**: bytes read and written by every op that is not a matmul, by the tensors it is handed
   (inputs read, outputs written; ``copy_``/``fill_``/``zero_`` do not read their destination; a stride-0
@@ -65,10 +66,11 @@ aten = torch.ops.aten
 #: Matmuls: one GEMM pass each, not elementwise traffic.
 _GEMMS = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten.matmul, aten.linear, aten.addmv, aten.mv, aten.dot,
           aten.addbmm}
-#: Ops that launch no kernel (allocation without initialisation, metadata).
+#: Ops that launch no kernel (allocation without initialisation, metadata, and ``scalar_tensor``: a Python
+#: number an op takes, such as ``torch.where(c, x, 0.0)``'s, is a host-side 0-d tensor on CUDA).
 _NO_KERNEL = {aten.empty, aten.empty_strided, aten.empty_like, aten.new_empty, aten.new_empty_strided,
               aten.sym_size, aten.sym_stride, aten.sym_numel, aten.sym_storage_offset, aten.is_same_size,
-              aten.lift_fresh, aten.resize_}
+              aten.lift_fresh, aten.resize_, aten.scalar_tensor}
 #: In-place ops that write their first argument without reading it.
 _WRITE_ONLY = {aten.copy_, aten.fill_, aten.zero_, aten.normal_, aten.uniform_, aten.random_}
 #: The smallest dimension that counts as a scaled one (rows, columns, hidden); smaller ones (a 6 of stacked

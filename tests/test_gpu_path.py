@@ -122,10 +122,10 @@ TARGETS = [
     ("loss", "bytes_per_logit", 16, None),
     ("logits", "bytes_per_logit", 6, None),
     ("logits_forward", "bytes_per_logit", 2, None),
-    ("head", "launches", 300, 1645),
-    ("loss", "launches", 350, 2133),
-    ("logits", "launches", 4 * 16, 285),  # 16 chunks of 1024 rows: <= 4 a chunk
-    ("logits_forward", "launches", 4 * 16, 213),
+    ("head", "launches", 300, 480),
+    ("loss", "launches", 350, 960),
+    ("logits", "launches", 4 * 16, 85),  # 16 chunks of 1024 rows: <= 4 a chunk
+    ("logits_forward", "launches", 4 * 16, None),
     ("head", "working_bytes", GiB // 2, None),
     ("loss", "working_bytes", GiB // 2, None),
 ]
@@ -142,9 +142,16 @@ def test_issue_44_target(figures, op, figure, target):
     assert figures[op][figure] <= target, figures[op]
 
 
+#: Launches a call measured at this tree: a regression fails here before it reaches a target above.
+MEASURED_LAUNCHES = {"head": 480, "loss": 960, "logits": 85, "logits_forward": 59}
+
+
+@pytest.mark.parametrize("op", sorted(MEASURED_LAUNCHES))
+def test_launches_do_not_grow(figures, op):
+    assert figures[op]["launches"] <= MEASURED_LAUNCHES[op], figures[op]
+
+
 def test_the_figures_are_the_h200_shapes(figures):
-    # the figures the issue counted at this tree (before the data-path work), within the counting's rules:
-    # the forward's bf16 block widened into a float32 buffer, the gradient written in float32 and rounded
     f = figures["head"]
     assert (f["tokens"], f["vocab"], f["hidden"], f["chunk_size"]) == (8192, 151936, 4096, 1024)
     assert f["gemms"] >= 8 * 5 * 3  # forward and backward: a matmul a (chunk, block), two more for gradients
