@@ -251,3 +251,40 @@ def test_hand_over_is_one_pass_on_cuda_with_the_cpu_branchs_bits(kept_graph, mon
     assert (got is src) != kept_graph  # handed over in place only where the graph is freed
     assert log.ops["mul"] == 1 and log.launches <= 3, log.ops  # g cast, the product (and a copy of none)
     assert log.vector_bytes + log.logit_bytes <= t.numel() * 4 + 64
+
+
+_INTERPRETED = """
+import json, torch
+import chunked_entropy as ce
+from chunked_entropy.testing import cuda_branch
+
+def call(interpret):
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(24, 16, generator=g).bfloat16().requires_grad_()
+    w = (torch.randn(300, 16, generator=g) / 4).bfloat16().requires_grad_()
+    labels = torch.randint(0, 300, (24,), generator=g)
+    with cuda_branch(interpret=interpret) as log:
+        out = ce.linear_log_probs_and_entropy(h, w, labels, chunking=ce.Chunking(8, 128))
+        grads = torch.autograd.grad(out.log_probs.sum() + 0.5 * out.entropy.sum(), [h, w])
+    return log, [out.log_probs, out.entropy, *grads]
+
+slow, exact = call(True)
+fast, close = call(False)
+same = all(torch.allclose(a.float(), b.float(), rtol=2**-7, atol=1e-5) for a, b in zip(exact, close))
+print(json.dumps(dict(counts=[[x.launches, x.logit_bytes, x.triton_launches] for x in (slow, fast)], same=same)))
+"""
+
+
+@needs_triton
+def test_the_interpreted_kernels_are_counted_as_their_stand_ins():
+    """``cuda_branch(interpret=True)`` runs the Triton kernels through Triton's interpreter (a fresh process:
+    it must be on before Triton is imported): the same launches and bytes as the stand-ins, the same results
+    within a rounding of the bf16 gradient."""
+    e = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    e["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), e.get("PYTHONPATH")) if p)
+    r = subprocess.run([sys.executable, "-c", _INTERPRETED], cwd=ROOT, env=e, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["counts"][0] == got["counts"][1] and got["counts"][0][2] > 0, got
+    assert got["same"], got
