@@ -77,8 +77,15 @@ def connected(result: torch.Tensor, *inputs) -> torch.Tensor:
     return result
 
 
-#: The float32 rows :func:`hand_over` scales a half-precision gradient through at a time.
+#: The float32 rows :func:`hand_over` scales a half-precision gradient through at a time (off CUDA).
 HAND_OVER_BYTES = 64 * 2**20
+
+
+def casts_in_kernel(device: torch.device) -> bool:
+    """Whether an elementwise op over operands of mixed dtypes widens and narrows each element inside its one
+    kernel on ``device`` (CUDA's dynamic casting), rather than through full-size copies in the common dtype
+    (a CPU). :func:`chunked_entropy.testing.cuda_branch` says yes on the CPU."""
+    return device.type == "cuda"
 
 
 def hand_over(t: Optional[torch.Tensor], g: torch.Tensor) -> Optional[torch.Tensor]:
@@ -92,7 +99,10 @@ def hand_over(t: Optional[torch.Tensor], g: torch.Tensor) -> Optional[torch.Tens
 
     A half-precision gradient is scaled in float32 and rounded once, as plain half-precision autograd rounds a
     gradient that a loss scale of ``g`` reached in float32 (``g`` rounded to half precision first would bias
-    every entry alike, up to 2**-9 for ``g = 1/3``); through float32 rows of at most ``HAND_OVER_BYTES``.
+    every entry alike, up to 2**-9 for ``g = 1/3``). On CUDA in one pass, in place where handed over
+    (:func:`casts_in_kernel`: each element widened, multiplied in float32 and rounded once inside the kernel:
+    2 bytes read and 2 written an element); elsewhere through float32 rows of at most ``HAND_OVER_BYTES``
+    (a CPU would otherwise copy the whole tensor to float32 and back).
     """
     if t is None:
         return None
@@ -100,6 +110,8 @@ def hand_over(t: Optional[torch.Tensor], g: torch.Tensor) -> Optional[torch.Tens
     if t.dtype not in (torch.float16, torch.bfloat16):
         return torch.mul(t, g.to(t.dtype), out=out)
     g = g.to(torch.float32)
+    if casts_in_kernel(t.device):  # a one-element float32 tensor of one dimension: the product in float32
+        return torch.mul(t, g.reshape(1), out=out)
     if t.dim() == 0 or not (t.is_contiguous() and out.is_contiguous()):
         return out.copy_(t.float().mul_(g))
     flat, dest = t.reshape(t.shape[0], -1), out.reshape(out.shape[0], -1)

@@ -50,14 +50,20 @@ def plan_for(layer: OutputLayer, chunking: Chunking, *, lead, want: Want, device
     v_local = layer.weight.shape[0]
     buffers = 1 + want.scratch if buffers is None else buffers
     chunk_size = chunking.resolve(min(chunking.vocab_chunk_size or v_local, v_local), buffers=buffers)
+    kernels = use_compiled(chunking.backend, device, pair=pair) if compiled else None
+    # compiled kernels read a half-precision block as the matmul wrote it (no float32 copy first) and write its
+    # gradient in that dtype; a bias is added in float32 to the rounded product, so its blocks stay float32
+    half = layer.weight.dtype in (torch.bfloat16, torch.float16) and not layer.float32_logits
+    direct = kernels is not None and half and layer.bias is None
     return Plan(
         chunk_size=chunk_size,
         vocab_chunk_size=resolve_vocab_chunk(chunking.vocab_chunk_size, chunk_size, math.prod(lead), v_local),
         group=layer.process_group,
         sequence_parallel=layer.sequence_parallel,
         want=want,
-        compiled=use_compiled(chunking.backend, device, pair=pair) if compiled else None,
+        compiled=kernels,
         float32_logits=layer.float32_logits,
+        block_dtype=layer.weight.dtype if direct else None,
     )
 
 

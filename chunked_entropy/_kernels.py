@@ -43,6 +43,7 @@ Collectives stay outside: the kernels see one rank's block.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import warnings
 from typing import Optional, Union
@@ -224,7 +225,7 @@ class _Triton:
         if mod is None:
             return RuntimeError(f"backend='triton' needs Triton, which cannot be imported here ({self._error}); "
                                 "install it (pip install triton) or use backend='auto', 'compile' or 'eager'")
-        if device.type == "cpu" and not mod.INTERPRETED:
+        if device.type == "cpu" and not mod.INTERPRETED and not self._as_compiled:
             return ValueError("backend='triton' runs on a CPU tensor only through Triton's interpreter: set "
                               "TRITON_INTERPRET=1 in the environment before the first backend='triton' call "
                               "(slow, for tests), or use backend='auto' or 'eager' on the CPU")
@@ -232,13 +233,25 @@ class _Triton:
 
     def compiled_for(self, device: torch.device) -> bool:
         """Whether compiled (not interpreted) kernels can run on ``device``: what ``backend="auto"`` may pick."""
-        return self.why_not(device) is None and not self.module().INTERPRETED
+        return self.why_not(device) is None and (self._as_compiled or not self.module().INTERPRETED)
 
     def stats(self, z, tf, k, target, v0, want_w, want_q, dtype):
         return self.module().stats(z, tf, k, target, v0, want_w, want_q, dtype)
 
     def grad(self, z, out, tf, k, row, target, v0, co, dtype):
         return self.module().grad(z, out, tf, k, row, target, v0, co, dtype)
+
+    @contextlib.contextmanager
+    def as_compiled(self):
+        """Interpreted kernels taken as compiled ones (``"auto"`` may choose them) while the block is open:
+        :func:`chunked_entropy.testing.cuda_branch`."""
+        self._as_compiled = True
+        try:
+            yield
+        finally:
+            self._as_compiled = False
+
+    _as_compiled = False
 
 
 COMPILED = _Compiled()
@@ -249,6 +262,25 @@ Kernels = Optional[Union[_Compiled, _Triton]]
 AUTO_FAST = ("cuda",)
 _auto = {}  # device type -> the kernels backend="auto" chose there (None: eager)
 _auto_pair = {}  # (device type, divergence math) -> whether its kernels passed the probe there
+
+
+@contextlib.contextmanager
+def fast_device(device_type: str):
+    """``backend="auto"`` treats ``device_type`` as :data:`AUTO_FAST` while the block is open, choosing afresh
+    on entry and forgetting its choice on exit (for :func:`chunked_entropy.testing.cuda_branch`)."""
+    global AUTO_FAST
+    saved, saved_choice = AUTO_FAST, _auto.pop(device_type, _NONE)
+    AUTO_FAST = tuple(AUTO_FAST) + (device_type,)
+    try:
+        yield
+    finally:
+        AUTO_FAST = saved
+        _auto.pop(device_type, None)
+        if saved_choice is not _NONE:
+            _auto[device_type] = saved_choice
+
+
+_NONE = object()
 
 
 #: The width of the probe's wide block: several tiles of the widest tile any kernel here reads at once (the

@@ -206,17 +206,41 @@ def grad_vocab_block(n: int, weight: torch.Tensor, plan: Plan, need_w: bool) -> 
     block's weight gradient is then one matmul over all ``n`` tokens, in the
     weight's dtype (float32 accumulation inside the matmul, as half-precision
     autograd forms it), and no float32 ``[V_local, H]`` accumulator exists. The
-    block is ``vocab_chunk_size`` when the vocabulary is blocked, else as wide
-    as a ``[n, block]`` gradient buffer of 64 MiB allows (a multiple of 128
-    columns; :func:`chunked_entropy.config.grad_vocab_block_for`). Float32 weights accumulate straight into their
+    block is as wide as a ``[n, block]`` gradient buffer of 64 MiB allows (a
+    multiple of 128 columns; :func:`chunked_entropy.config.grad_vocab_block_for`:
+    4096 columns at 8192 bf16 tokens), and no wider than the forward's
+    ``vocab_chunk_size``. Float32 weights accumulate straight into their
     float32 gradient, chunk by chunk: no buffer at all.
     """
     v = weight.shape[0]
     if not need_w or weight.dtype not in (torch.bfloat16, torch.float16):
         return None
-    if plan.vocab_chunk_size < v:
-        return plan.vocab_chunk_size
-    return grad_vocab_block_for(n, v, 4 if plan.float32_logits else weight.element_size())
+    return min(plan.vocab_chunk_size, grad_vocab_block_for(n, v, 4 if plan.float32_logits else weight.element_size()))
+
+
+class GradRows:
+    """The ``[n, vocab_block]`` gradient buffer of a walk over vocabulary blocks outermost, in the weight's
+    dtype, allocated in its ``[n, vocab_block]`` shape; ``self(a, b, v0, v1)``: the rows ``[a, b)`` of block
+    ``[v0, v1)``'s ``[n, v1 - v0]`` view, where the compiled kernels write the gradient (``grad_rows`` of
+    :func:`chunked_entropy._loop.grad_blocks`) and the block's weight-gradient matmul reads it."""
+
+    def __init__(self, n: int, vocab_block: int, dtype, device):
+        self.n = n
+        self.flat = torch.empty(n, vocab_block, dtype=dtype, device=device).view(-1)
+
+    def block(self, v0: int, v1: int) -> torch.Tensor:
+        return self.flat[: self.n * (v1 - v0)].view(self.n, v1 - v0)
+
+    def __call__(self, a: int, b: int, v0: int, v1: int) -> torch.Tensor:
+        return self.block(v0, v1)[a:b]
+
+
+def grad_rows_for(n: int, weight: torch.Tensor, plan: Plan, vocab_block: Optional[int]) -> Optional[GradRows]:
+    """The :class:`GradRows` a backward over vocabulary blocks of ``vocab_block`` columns writes its gradient
+    into directly, or None: where the plan's blocks are read in the weight's dtype (``plan.block_dtype``)."""
+    if vocab_block is None or plan.block_dtype is None or plan.compiled is None:
+        return None
+    return GradRows(n, min(vocab_block, weight.shape[0]), weight.dtype, weight.device)
 
 
 def three_pass_plan(n: int, weight: torch.Tensor, plan: Plan, *, budget: int, vocab_chunk_size: Optional[int],
@@ -257,7 +281,8 @@ def three_pass_plan(n: int, weight: torch.Tensor, plan: Plan, *, budget: int, vo
 
 
 def linear_grads(blocks, rows: Rows, weight, *, n: int, hidden_dtype, chunk_size: int, need, main_grad=None,
-                 float32: bool = False, vocab_block: Optional[int] = None, weight_grad_dtype=None):
+                 float32: bool = False, vocab_block: Optional[int] = None, weight_grad_dtype=None,
+                 grad_rows: Optional[GradRows] = None):
     """Turn the logit-gradient blocks of the chunk loop into gradients of hidden, weight and bias.
 
     ``blocks`` yields ``(a, b, v0, v1, g)`` with ``g = dL/dlogits`` of rows
@@ -290,7 +315,8 @@ def linear_grads(blocks, rows: Rows, weight, *, n: int, hidden_dtype, chunk_size
     vocabulary blocks outermost (half-precision weights), a float32
     ``[n, H]`` hidden-state accumulator and one ``[n, vocab_block]`` gradient
     buffer in the weight's dtype (64 MiB at most), no ``[V, H]``
-    float32 tensor.
+    float32 tensor. ``grad_rows``: that buffer, given (the walk's compiled
+    kernels write the gradient straight into it: no copy).
     """
     need_h, need_w, need_b = need
     v, hdim = weight.shape
@@ -303,7 +329,7 @@ def linear_grads(blocks, rows: Rows, weight, *, n: int, hidden_dtype, chunk_size
                                                                    device=dev)
     if vocab_block is not None:
         return _grads_vocab_outer(blocks, rows, weight, n, hidden_dtype, need, main_grad, float32, vocab_block,
-                                  gw, gb)
+                                  gw, gb, grad_rows)
     acc_w = gw if main_grad is None else main_grad
     if need_w and acc_w.dtype != cdt:  # chunks outermost with half-precision weights (not the fused ops' order)
         acc_w = torch.zeros(v, hdim, dtype=cdt, device=dev)
@@ -330,7 +356,8 @@ def linear_grads(blocks, rows: Rows, weight, *, n: int, hidden_dtype, chunk_size
     return grad_h, gw, gb
 
 
-def _grads_vocab_outer(blocks, rows: Rows, weight, n, hidden_dtype, need, main_grad, float32, vocab_block, gw, gb):
+def _grads_vocab_outer(blocks, rows: Rows, weight, n, hidden_dtype, need, main_grad, float32, vocab_block, gw, gb,
+                       grad_rows: Optional[GradRows] = None):
     """:func:`linear_grads` over vocabulary blocks outermost: each block's weight gradient is one matmul over
     all tokens, from the block's ``[n, vocab_block]`` gradient gathered chunk by chunk."""
     need_h, need_w, need_b = need
@@ -339,7 +366,8 @@ def _grads_vocab_outer(blocks, rows: Rows, weight, n, hidden_dtype, need, main_g
     cdt = compute_dtype(weight.dtype)
     gdt = cdt if float32 else weight.dtype
     gh = torch.zeros(n, hdim, dtype=cdt, device=dev) if need_h else None
-    buf = torch.empty(n * min(vocab_block, v), dtype=gdt, device=dev) if need_w else None
+    if grad_rows is None and need_w:
+        grad_rows = GradRows(n, min(vocab_block, v), gdt, dev)
     h_all = rows(0, n) if need_w else None
     # Off CUDA a half-precision product is formed from float32 copies (_half_mm): the block's weight rows are
     # widened once per block, not once per chunk ([block, H] float32, on such devices only).
@@ -357,8 +385,9 @@ def _grads_vocab_outer(blocks, rows: Rows, weight, n, hidden_dtype, need, main_g
             gb[v0:v1].add_(g.sum(dim=0))
         if not need_w:
             continue
-        gblk = buf[: n * (v1 - v0)].view(n, v1 - v0)
-        gblk[a:b].copy_(gq)
+        gblk = grad_rows.block(v0, v1)
+        if gq.data_ptr() != gblk[a:b].data_ptr():  # not written there by the kernels
+            gblk[a:b].copy_(gq)
         if b == n:  # the block's last chunk: its weight gradient over every token, in one matmul
             if main_grad is not None:
                 main_grad[v0:v1].add_(_half_mm(gblk.t(), h_all, cdt, float32))

@@ -43,6 +43,19 @@ class Plan:
     want: _stats.Want
     compiled: Kernels = None  # the per-block kernels (None: eager); see _kernels.use_compiled
     float32_logits: bool = False  # half-precision weights: each block's matmul in float32 (logits_dtype=float32)
+    # With ``compiled`` kernels: the dtype of the block buffers the fill's matmul writes and the kernels read
+    # (the weight's half precision: no widening copy); None: the compute dtype. See :func:`block_dtype`.
+    block_dtype: Optional[torch.dtype] = None
+
+
+def block_dtype(plan: Plan, dtype, *, sparse: bool = False):
+    """The dtype of a walk's block buffers: ``plan.block_dtype`` where its compiled kernels read the blocks
+    (they widen each element as they read it, and write a gradient in its buffer's dtype, rounded once) and no
+    sparse term is added to a gradient after the kernel wrote it (``sparse``: sampling replay's kept sets,
+    distillation's ids; those are added in ``dtype`` before the one rounding); else ``dtype``."""
+    if plan.compiled is None or plan.block_dtype is None or sparse:
+        return dtype
+    return plan.block_dtype
 
 
 def _block_view(view: View, compiled: Kernels, tf: _stats.Transform) -> View:
@@ -82,8 +95,8 @@ class Buffers:
     """
 
     def __init__(self, rows: int, cols: int, dtype, device, *, work: bool, scratch: bool, aux: bool = False):
-        size = rows * cols
-        new = lambda on: torch.empty(size, dtype=dtype, device=device) if on else None  # noqa: E731
+        # allocated in their [rows, cols] shape (an allocation log sees what each is: chunked_entropy.testing)
+        new = lambda on: torch.empty(rows, cols, dtype=dtype, device=device).view(-1) if on else None  # noqa: E731
         self.bufs = (new(work), new(scratch), new(aux))
 
     def get(self, rows: int, cols: int):
@@ -140,17 +153,61 @@ def _block_kept(kept, entries, z, v0, tf, k, dtype):
     return None if kept is None else _keep.gather(z, entries, v0, tf, dtype)
 
 
+def kernel_k(k, n: int, dtype, device, const: dict):
+    """The per-row multiplier ``k`` as the compiled and Triton kernels take it: a per-row tensor as it is;
+    None or a float as an ``[n, 1]`` view (stride 0) of a one-element tensor filled once per walk and kept in
+    ``const``: one fill a call, not one a launch."""
+    if isinstance(k, torch.Tensor):
+        return k
+    value = 1.0 if k is None else float(k)
+    t = const.get(value)
+    if t is None:
+        t = const[value] = torch.full((1, 1), value, dtype=dtype, device=device)
+    return t.expand(n, 1)
+
+
+def _row_stats_blocks_outer(tok: Tokens, fill: Fill, plan: Plan, bufs: Buffers, *, width: int, dtype, device,
+                            view: View) -> _stats.RowStats:
+    """:func:`row_stats` with compiled kernels and no replay or distillation: each block's statistics of
+    every chunk written into the rows of one ``[n, 6]`` tensor (the kernel's six vectors stacked there: one
+    copy), then merged into the running statistics of all ``n`` rows at once (the merge is per row, so it is
+    the same arithmetic as a chunk's, in the same order of blocks), merged over the group and finished once:
+    a few launches a chunk, the merge's a block."""
+    block, chunk_size, group, want, compiled = (plan.vocab_chunk_size, plan.chunk_size, plan.group, plan.want,
+                                                plan.compiled)
+    n = tok.n
+    on = (True, True, True, want.entropy, want.sum_pi_squared, True)  # m, ones, rest, w, q, zl
+    cols = [i for i, o in enumerate(on) if o]
+    const, st = {}, None
+    for v0, v1 in chunks(width, block):
+        rows = torch.empty(n, len(cols), dtype=dtype, device=device)
+        for a, b in chunks(n, chunk_size):
+            x, _, _ = bufs.get(b - a, v1 - v0)
+            z = _read(fill, view, x, a, b, v0, v1)
+            k = kernel_k(tok.k_rows(a, b), b - a, dtype, device, const)
+            blk = compiled.stats(z, tok.transform, k, tok.target[a:b], v0, want.entropy, want.sum_pi_squared, dtype)
+            torch.stack([blk[i] for i in cols], dim=1, out=rows[a:b])
+        fields = iter(rows.unbind(1))
+        st = _stats.merge_stats(st, _stats.BlockStats(*(next(fields) if o else None for o in on)), tok.k_rows(0, n))
+    merged, _, _ = reduce_stats(st, group, tok.k_rows(0, n))
+    out = _stats.RowStats.from_block(merged, tok.k_rows(0, n))
+    return out._replace(m=out.m.contiguous())  # a column of ``rows`` where the vocabulary is one block
+
+
 def row_stats(tok: Tokens, fill: Fill, plan: Plan, *, width: int, dtype, device, view: View = None) -> _stats.RowStats:
     """Forward: the per-token statistics of every row, merged over the plan's blocks and over its group.
 
-    With sampling replay (``tok.keep``) also those of each row's kept set.
+    With sampling replay (``tok.keep``) also those of each row's kept set. With compiled kernels and neither
+    replay nor distillation, the blocks are merged over all rows at once (:func:`_row_stats_blocks_outer`).
     """
     block, chunk_size, group, want, compiled = (plan.vocab_chunk_size, plan.chunk_size, plan.group, plan.want,
                                                 plan.compiled)
     n, kept = tok.n, tok.keep
     view = _block_view(view, compiled, tok.transform)
-    bufs = Buffers(min(chunk_size, n), block, dtype, device, work=not compiled or view is None,
+    bufs = Buffers(min(chunk_size, n), block, block_dtype(plan, dtype), device, work=not compiled or view is None,
                    scratch=want.scratch and not compiled)
+    if compiled and kept is None and tok.at is None:
+        return _row_stats_blocks_outer(tok, fill, plan, bufs, width=width, dtype=dtype, device=device, view=view)
     out = new_row_stats(n, want, dtype, device, kept)
     at = tok.at
     if at is not None:
@@ -187,6 +244,7 @@ def grad_blocks(
     tok: Tokens, fill: Fill, plan: Plan, *, width: int, stats: _stats.RowStats, grads, dtype, device,
     into: Optional[Callable[[int, int], torch.Tensor]] = None, view: View = None,
     at_grads: Optional[torch.Tensor] = None, block: Optional[int] = None, vocab_outer: bool = False,
+    grad_rows: Optional[Callable[[int, int, int, int], torch.Tensor]] = None,
 ) -> Iterator[tuple]:
     """Backward: yield ``(a, b, v0, v1, g)``, the gradient w.r.t. each block's raw logits.
 
@@ -203,7 +261,14 @@ def grad_blocks(
     walked outermost, each block's chunks in order (the fused head's
     half-precision weight gradient, one matmul per block:
     :func:`chunked_entropy._logit_blocks.linear_grads`); the per-token coefficients
-    are then formed once per block and chunk (a few vectors of the chunk).
+    are still formed once per chunk (a few vectors of the chunk, kept over the blocks).
+
+    ``grad_rows(a, b, v0, v1)`` (with ``vocab_outer``): the rows of the ``[n, block]`` buffer, in the plan's
+    ``block_dtype``, that the weight gradient's matmul reads
+    (:class:`chunked_entropy._logit_blocks.GradRows`). Where the blocks are read in that dtype
+    (:func:`block_dtype`) each block is filled there for all ``n`` tokens at once (one step a block) and the
+    compiled kernels overwrite it with its gradient: no buffer of ours. Else chunks of ``chunk_size`` rows
+    through our buffer in ``dtype``.
     """
     block = plan.vocab_chunk_size if block is None else block  # a backward's own block (vocab_outer)
     chunk_size, compiled = plan.chunk_size, plan.compiled
@@ -212,13 +277,26 @@ def grad_blocks(
     g_lp, g_h, g_q = (None if g is None else g.reshape(-1).to(dtype) for g in grads)
     softcap = tok.transform.softcap is not None
     view = _block_view(view, compiled, tok.transform)
+    bdt = block_dtype(plan, dtype, sparse=kept is not None or at_ids is not None)
+    if bdt == dtype or not vocab_outer:
+        grad_rows = None
+    if grad_rows is not None:  # each block filled into its gradient rows, all tokens at once: no buffer of ours
+        chunk_size = n
     bufs = Buffers(
-        min(chunk_size, n), block, dtype, device, work=into is None or (compiled and view is None),
+        min(chunk_size, n), block, bdt, device,
+        work=grad_rows is None and (into is None or (compiled and view is None)),
         scratch=(g_h is not None or g_q is not None) and not compiled, aux=softcap and not compiled,
     )
 
+    const = {}  # kernel_k's constants
+    # without replay or distillation the coefficients are per-row arithmetic: formed once for every row
+    co_all = None if kept is not None or at_ids is not None else tok.coefficients(0, n, g_lp, g_h, g_q)
+
     def chunk(a, b):
         """What the gradient of rows ``[a, b)`` reads: ``_refilled_grad``'s keywords."""
+        if co_all is not None:
+            co = _stats.Coefficients(*(None if t is None else t[a:b] for t in co_all))
+            return dict(rows=stats.rows(a, b), co=co, entries=None, co_k=None, at=None)
         co = tok.coefficients(a, b, *(None if g is None else g[a:b] for g in (g_lp, g_h, g_q)))
         rows = stats.rows(a, b)
         entries = co_k = sparse = None
@@ -234,21 +312,29 @@ def grad_blocks(
         return dict(rows=rows, co=co, entries=entries, co_k=co_k, at=sparse)
 
     def block_grad(a, b, v0, v1, parts):
+        if grad_rows is not None:  # filled, then overwritten by its gradient, where the weight's matmul reads it
+            x = grad_rows(a, b, v0, v1)
+            fill(x, a, b, v0, v1)
+            k = kernel_k(tok.k_rows(a, b), b - a, dtype, device, const)
+            return compiled.grad(x, x, tok.transform, k, parts["rows"], tok.target[a:b], v0, parts["co"], dtype)
         return _refilled_grad(tok, fill, view, bufs, a, b, v0, v1, parts["rows"], parts["co"], dtype,
                               compiled=compiled, into=into, entries=parts["entries"], co_k=parts["co_k"],
-                              at=parts["at"])
+                              at=parts["at"], const=const)
 
     yield from _gradient_walk(n, width, block, chunk_size, vocab_outer, chunk, block_grad)
 
 
 def _gradient_walk(n: int, width: int, block: int, chunk_size: int, vocab_outer: bool, chunk, block_grad):
     """Yield ``(a, b, v0, v1, block_grad(a, b, v0, v1, chunk(a, b)))`` over every chunk of rows and vocabulary
-    block: chunks outermost (``chunk(a, b)``, what a chunk's gradients read, formed once per chunk), or
-    vocabulary blocks outermost (formed once per block and chunk)."""
-    if vocab_outer:
+    block: chunks outermost, or vocabulary blocks outermost; either way ``chunk(a, b)``, what a chunk's
+    gradients read, is formed once per chunk."""
+    if vocab_outer:  # each chunk's inputs formed once, kept over the blocks (a few vectors a chunk)
+        parts = {}
         for v0, v1 in chunks(width, block):
             for a, b in chunks(n, chunk_size):
-                yield a, b, v0, v1, block_grad(a, b, v0, v1, chunk(a, b))
+                if (a, b) not in parts:
+                    parts[a, b] = chunk(a, b)
+                yield a, b, v0, v1, block_grad(a, b, v0, v1, parts[a, b])
         return
     for a, b in chunks(n, chunk_size):
         parts = chunk(a, b)
@@ -257,10 +343,10 @@ def _gradient_walk(n: int, width: int, block: int, chunk_size: int, vocab_outer:
 
 
 def _refilled_grad(tok: Tokens, fill: Fill, view: View, bufs: Buffers, a, b, v0, v1, rows, co, dtype, *,
-                   compiled: Kernels, into, entries=None, co_k=None, at=None) -> torch.Tensor:
+                   compiled: Kernels, into, entries=None, co_k=None, at=None, const=None) -> torch.Tensor:
     """The gradient w.r.t. the raw logits of rows ``[a, b)``, columns ``[v0, v1)``, the block filled again,
     from the rows' finished statistics and coefficients; with replay's and distillation's sparse terms
-    (``at``: ``(ids, coefficients, their sums)``)."""
+    (``at``: ``(ids, coefficients, their sums)``). ``const``: the walk's :func:`kernel_k` constants."""
     kept, k, target = tok.keep, tok.k_rows(a, b), tok.target[a:b]
     at_ids = None if at is None else at[0]
     x, scratch, aux = bufs.get(b - a, v1 - v0)
@@ -269,7 +355,8 @@ def _refilled_grad(tok: Tokens, fill: Fill, view: View, bufs: Buffers, a, b, v0,
         gk = _block_kept(kept, entries, z, v0, tok.transform, k, dtype)
         ea, ra = _block_at(tok.at, at_ids, target, a, b, v0, z, tok.transform)
         out = x if into is None else into(a, b)
-        g = compiled.grad(z, out, tok.transform, k, rows, target, v0, co, dtype)
+        kk = k if const is None else kernel_k(k, b - a, dtype, z.device, const)
+        g = compiled.grad(z, out, tok.transform, kk, rows, target, v0, co, dtype)
     else:
         if into is not None:
             x = into(a, b)
@@ -306,6 +393,7 @@ def loss_grad_blocks(
     tok: Tokens, fill: Fill, plan: Plan, *, width: int, token_grads: TokenGrads, stats: _stats.RowStats, dtype,
     device, into: Optional[Callable[[int, int], torch.Tensor]] = None, view: View = None,
     span: Optional[int] = 1, grad_block: Optional[int] = None,
+    grad_rows: Optional[Callable[[int, int, int, int], torch.Tensor]] = None,
 ) -> Iterator[tuple]:
     """Forward of a loss whose per-token upstream gradients follow from the tokens' outputs.
 
@@ -332,7 +420,7 @@ def loss_grad_blocks(
     refills each block. ``grad_block``: the same two passes, the gradient pass
     walking vocabulary blocks of that width outermost (``vocab_outer`` of
     :func:`grad_blocks`: a half-precision weight's gradient, one matmul per
-    block).
+    block; ``grad_rows`` as there).
     """
     block, chunk_size, group, want, compiled = (plan.vocab_chunk_size, plan.chunk_size, plan.group, plan.want,
                                                 plan.compiled)
@@ -348,7 +436,7 @@ def loss_grad_blocks(
         ups = [None if p[0] is None else torch.cat(p) for p in zip(*parts, strict=True)]
         yield from grad_blocks(tok, fill, plan, width=width, block=grad_block, stats=stats,
                                grads=(ups[0], ups[1], None), dtype=dtype, device=device, into=into, view=view,
-                               vocab_outer=grad_block is not None)
+                               vocab_outer=grad_block is not None, grad_rows=grad_rows)
         return
     chunk_size, group_size = _grouping(n, span, chunk_size)
     softcap = tok.transform.softcap is not None

@@ -24,6 +24,7 @@ from ._inputs import Rows, Tokens, check_ignore_index, compute_dtype, prepare_to
 from ._logit_blocks import (
     check_linear_args,
     full_hidden,
+    grad_rows_for,
     grad_vocab_block,
     linear_filler,
     linear_grads,
@@ -80,14 +81,16 @@ class _HeadFunction(torch.autograd.Function):
         rows = Rows(h_full)
         dev = weight.device
         vocab_block = grad_vocab_block(n, weight, plan, need_w)
+        gr = grad_rows_for(n, weight, plan, vocab_block)
         blocks = grad_blocks(
             tok, linear_filler(rows, weight, bias, plan.float32_logits), plan, width=v, block=vocab_block,
             vocab_outer=vocab_block is not None, stats=stats, grads=grads, dtype=cdt, device=dev, at_grads=at_grads,
+            grad_rows=gr,
         )
         grad_h, grad_weight, gb = linear_grads(
             blocks, rows, weight, n=n, hidden_dtype=hidden.dtype, chunk_size=plan.chunk_size,
             need=(need_h, need_w, need_b), main_grad=ctx.main_grad if need_w else None,
-            float32=plan.float32_logits, vocab_block=vocab_block,
+            float32=plan.float32_logits, vocab_block=vocab_block, grad_rows=gr,
         )
         grad_hidden = None if grad_h is None else reduce_hidden_grad(grad_h, h_full.shape, plan)
         if need_w and ctx.main_grad is not None:
@@ -203,7 +206,11 @@ def linear_log_probs_and_entropy(
         vocab_chunk_size]`` buffers (128 MiB each at most by default; plus the
         half-precision matmul output of a block when the weight is bf16/fp16,
         or with ``logits_dtype=torch.float32`` off CUDA the block's float32
-        hidden and weight rows). Backward allocates the gradients themselves
+        hidden and weight rows); with the compiled or Triton kernels
+        (``backend="auto"`` on CUDA), one, in the weight's dtype for a
+        bf16/fp16 weight without bias (the matmul writes it, the kernels read
+        it; in backward they write the gradient straight into the buffer the
+        weight gradient's matmul reads). Backward allocates the gradients themselves
         (``grad_hidden`` ``[tokens, H]`` and the weight's in their dtypes, a
         float32 ``[V_local]`` bias gradient) and, beyond them:
 
@@ -214,10 +221,16 @@ def linear_log_probs_and_entropy(
           block's weight gradient one matmul over all tokens with
           half-precision operands (float32 accumulation inside it), from a
           ``[tokens, block]`` gradient buffer of at most 64 MiB in the weight's
-          dtype; plus a float32 ``[tokens, H]`` hidden-state accumulator and
-          ``[chunk_size, block]`` chunk buffers. No float32 ``[V_local, H]``
-          tensor. At 8192 tokens, H = 4096, V = 151936, bf16, chunk 1024:
-          about 320 MiB in forward, 250 MiB in backward.
+          dtype (the block no wider than the forward's); plus a float32
+          ``[tokens, H]`` hidden-state accumulator and the block's float32
+          partial product. The compiled and Triton kernels fill each block
+          for all tokens straight into that buffer and overwrite it with its
+          gradient; the eager ones go through ``[chunk_size, block]`` chunk
+          buffers. No float32 ``[V_local, H]`` tensor. At 8192 tokens,
+          H = 4096, V = 151936, bf16, chunk 1024, on CUDA: 64 MiB in forward,
+          320 MiB in backward, measured from the allocations of a call down
+          the CUDA branch (``chunked-entropy bench --traffic``, as
+          ``chunked-entropy plan`` states it).
         - ``main_grad`` (Megatron's gradient-accumulation fusion): the weight
           gradient is added there, in float32, block by block.
 

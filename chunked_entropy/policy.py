@@ -44,6 +44,7 @@ from ._kernels import use_compiled
 from ._logit_blocks import (
     check_linear_args,
     full_hidden,
+    grad_rows_for,
     grad_vocab_block,
     linear_filler,
     linear_grads,
@@ -238,10 +239,11 @@ class _HeadLossFunction(torch.autograd.Function):
             plan, vocab_block = three_pass, None
         else:
             vocab_block = grad_vocab_block(n, weight, plan, need[1])
+        gr = grad_rows_for(n, weight, plan, vocab_block)
         blocks = loss_grad_blocks(
             tok, linear_filler(rows, weight, bias, plan.float32_logits), plan, width=weight.shape[0],
             token_grads=objective.token_grads, span=objective.span, grad_block=vocab_block, stats=stats, dtype=cdt,
-            device=weight.device,
+            device=weight.device, grad_rows=gr,
         )
         # With main_grad (Megatron's float32 accumulator), or summed chunk by chunk (three passes), the weight
         # gradient is kept in float32 until the upstream gradient scales it in backward, rounded once there;
@@ -249,7 +251,8 @@ class _HeadLossFunction(torch.autograd.Function):
         f32_weight_grad = main_grad is not None or three_pass is not None
         grad_h, gw, gb = linear_grads(blocks, rows, weight, n=n, hidden_dtype=hidden.dtype,
                                       chunk_size=plan.chunk_size, need=need, float32=plan.float32_logits,
-                                      vocab_block=vocab_block, weight_grad_dtype=cdt if f32_weight_grad else None)
+                                      vocab_block=vocab_block, weight_grad_dtype=cdt if f32_weight_grad else None,
+                                      grad_rows=gr)
         if grad_h is not None:
             grad_h = reduce_hidden_grad(token_major_grad(grad_h, h_full.shape, plan), h_full.shape, plan)
         loss = objective.finish(tok, stats)

@@ -197,6 +197,14 @@ def add_arguments(p, positive_int, int_list, name_list) -> None:
                         "each rank's beside it")
     g.add_argument("--dtype", choices=sorted(plan.DTYPE_BYTES), help="dtype of the inputs (default float32)")
     g.add_argument("--device", default="cpu", help="cpu or cuda[:i] (default cpu)")
+    g.add_argument("--traffic", action="store_true",
+                   help="instead of timing: what each op costs on a GPU, counted on this CPU down the CUDA branch "
+                        "(chunked_entropy.testing.measure): kernel launches a call, bytes of elementwise traffic a "
+                        "logit, working memory; at the H200 shapes (head and fused loss N=8192, H=4096, "
+                        "V=151936; logits path N=16384, V=152064; bf16, chunk 1024) scaled by --traffic-scale "
+                        "(block counts kept, bytes scaled back)")
+    g.add_argument("--traffic-scale", type=positive_int, default=32, metavar="S",
+                   help="with --traffic: run the shapes divided by S (default 32; it must divide them)")
     r = p.add_argument_group("how")
     r.add_argument("--repeats", type=positive_int,
                    help="rounds; every case runs once per round in a fresh process (default 3; 1 with --quick)")
@@ -560,7 +568,46 @@ def _check_device(device: str) -> None:
         raise BenchError(f"--device: expected cpu or cuda[:i], got {device!r}")
 
 
+def traffic_table(rows: list) -> str:
+    """The ``--traffic`` report as a markdown table."""
+    lines = ["| op | shape (N x V, H) | launches a call | GEMMs | Triton launches | elementwise B a logit | "
+             "working memory |", "|---|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        shape = f"{r['tokens']} x {r['vocab']}" + (f", {r['hidden']}" if r["hidden"] else "")
+        lines.append(f"| {r['op']} | {shape} | {r['launches']:,} | {r['gemms']} | {r['triton_launches']} | "
+                     f"{r['bytes_per_logit']:.1f} | {r['working_bytes'] / 2**20:,.0f} MiB |")
+    return "\n".join(lines)
+
+
+def run_traffic(args) -> int:
+    """``--traffic``: :func:`chunked_entropy.testing.measure` of every op, a table and ``traffic.json``."""
+    from chunked_entropy import testing
+
+    check_out_dir(args.out)
+    rows = []
+    for op in testing.OPS:
+        try:
+            rows.append(testing.measure(op, scale=args.traffic_scale))
+        except (RuntimeError, ValueError) as e:
+            raise BenchError(f"--traffic: {e}") from e
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "traffic.json")
+    with open(path, "w") as f:
+        json.dump(rows, f, indent=1)
+    print(traffic_table(rows))
+    print()
+    print("Counted on the CPU down the CUDA branch (chunked_entropy.testing.cuda_branch): launches are the kernels "
+          "one forward+backward dispatches (views and empty allocations launch none; a Triton launch counts one), "
+          "elementwise bytes are what every op but the matmuls reads and writes over the [rows, columns] logit "
+          "blocks, per logit; working memory is the peak of the call's allocations beyond its results, each "
+          f"scaled back to the full shape (shapes divided by {args.traffic_scale}).")
+    print(f"Wrote {path}.")
+    return 0
+
+
 def run(args) -> int:
+    if getattr(args, "traffic", False):
+        return run_traffic(args)
     if args.preset and PRESETS[args.preset].get("one_process"):
         from chunked_entropy.config import BACKENDS
 

@@ -46,17 +46,28 @@ Two figures per approach:
       accumulator. ``C`` uses the forward's vocabulary block: the whole
       shard while ``C`` is at most 128 MiB, else the widest multiple of 128
       columns that keeps it there.
-    - fused head, bf16/fp16: forward ``2C + c*Vf*B`` (the block's
-      half-precision matmul output); backward walks vocabulary blocks of
-      ``Vg`` columns outermost (a ``[N, Vg]`` gradient buffer of at most
-      64 MiB in the weight's dtype): ``Wg' + Hg + 2*c*Vg*4 + N*H*4 + N*Vg*B
-      + c*Vg*B + c*H*4``, where ``Wg' = V*H*B`` is the weight gradient in
-      its own dtype (no float32 ``[V, H]`` accumulator), ``N*H*4`` the
-      hidden states' float32 accumulator and ``c*Vg*B`` the block's
-      half-precision matmul output, then its gradient rounded for the matmuls; on a CPU (``--device cpu``) also
-      ``Vg*H*4 + c*Vg*4``, float32 copies of the half-precision operands
-      (a CPU has no half-precision matmul into float32). No ``[N, V]``
-      tensor ever exists.
+    - fused head, bf16/fp16: the backward walks vocabulary blocks of
+      ``Vg`` columns outermost, ``Vg`` the widest multiple of 128 whose
+      ``[N, Vg]`` gradient buffer in the weight's dtype fits 64 MiB (4096
+      at 8192 bf16 tokens), no wider than ``Vf``; ``Wg' = V*H*B`` is the
+      weight gradient in its own dtype (no float32 ``[V, H]``
+      accumulator). On CUDA (``backend="auto"``: the Triton kernels),
+      without a bias: forward ``c*Vf*B``, one block buffer in the weight's
+      dtype, which the matmul writes and the kernels read; backward ``Wg'
+      + Hg + N*Vg*B + 2*N*H*4``: each block filled for all tokens into the
+      ``[N, Vg]`` buffer and overwritten there by its gradient, which the
+      weight gradient's matmul reads, the hidden states' float32
+      accumulator and the block's float32 partial product ``g @ W``
+      (together 320 MiB at 8192 tokens, H = 4096, V = 151936, chunk 1024:
+      what ``bench --traffic`` measures from the allocations). With a
+      bias, float32 blocks: forward ``c*Vf*4 + c*Vf*B`` (the matmul's
+      output widened), backward ``Wg' + Hg + c*Vg*4 + c*Vg*B + N*Vg*B +
+      N*H*4 + c*H*4`` (chunks of ``c`` rows). On a CPU (``--device cpu``,
+      the eager kernels): forward ``2C + c*Vf*B``; backward ``Wg' + Hg +
+      2*c*Vg*4 + N*H*4 + N*Vg*B + c*Vg*B + c*H*4 + Vg*H*4 + c*Vg*4``, the
+      last two float32 copies of the half-precision operands (a CPU has no
+      half-precision matmul into float32). No ``[N, V]`` tensor ever
+      exists.
 
     - fused loss (``linear_policy_loss``), two walks (``Chunking.max_working_bytes``
       chooses, :func:`chunked_entropy.config.three_pass_bytes`):
@@ -80,7 +91,9 @@ Two figures per approach:
 Not counted: a few float32 and int64 vectors per token (tens of bytes per
 token), and what the matmul library keeps for the life of the process (about
 10 MiB with MKL on CPU). ``tests/test_cli.py`` holds these formulas within 15%
-of what ``bench`` measures.
+of what ``bench`` measures; ``tests/test_gpu_path.py`` holds the fused head's
+CUDA figure within 10% of the working memory measured from the allocations
+of a call down the CUDA branch (:func:`chunked_entropy.testing.measure`).
 
 The recommended ``chunk_size`` is the largest candidate (at most 1024, beyond
 which speed no longer improves) whose chunk buffers stay within 1/8 of the
@@ -175,11 +188,16 @@ def estimate(approach: str, shape: Shape, chunk: int = 0) -> Estimate:
             grads = v * h * 4 + n * h * b + (v * 4 if shape.bias else 0)
             bwd = grads + 2 * c * vf * 4 + c * h * 4
             return Estimate("head", chunk, None, max(fwd, bwd), max(fwd, bwd - grads))
-        vg = grad_vocab_block_for(n, v, b)  # the backward's, walked outermost
+        vg = min(vf, grad_vocab_block_for(n, v, b))  # the backward's, walked outermost
         grads = v * h * b + n * h * b + (v * 4 if shape.bias else 0)
-        bwd = grads + 2 * c * vg * 4 + n * h * 4 + n * vg * b + c * vg * b + c * h * 4
-        if shape.device != "cuda":  # no half-precision matmul into float32: float32 copies of its operands
-            bwd += vg * h * 4 + c * vg * 4
+        if shape.device == "cuda" and not shape.bias:  # the Triton kernels read and write the weight's dtype
+            fwd = c * vf * b
+            bwd = grads + n * vg * b + 2 * n * h * 4
+        elif shape.device == "cuda":  # the Triton kernels on float32 blocks (the bias is added in float32)
+            fwd = c * vf * 4 + c * vf * b
+            bwd = grads + c * vg * 4 + c * vg * b + n * vg * b + n * h * 4 + c * h * 4
+        else:  # the eager kernels; no half-precision matmul into float32: float32 copies of its operands
+            bwd = grads + 2 * c * vg * 4 + n * h * 4 + n * vg * b + c * vg * b + c * h * 4 + vg * h * 4 + c * vg * 4
         return Estimate("head", chunk, None, max(fwd, bwd), max(fwd, bwd - grads))
     if approach == "loss4":  # a statistics pass, then the fused head's backward walk
         from dataclasses import replace

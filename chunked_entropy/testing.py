@@ -1,0 +1,469 @@
+"""The CUDA branch on a CPU, and what a call costs there: :func:`cuda_branch` and its :class:`GpuLog`.
+
+Layer: a tool beside the ops (it switches the core's device branches; no op imports it). For tests, the
+bench's ``--traffic`` report, and anyone who wants to read a call's GPU plumbing without a GPU.
+
+A CUDA device takes branches a CPU does not: half-precision matmuls into a float32 result
+(``torch.mm(..., out_dtype=torch.float32)``, which CPU torch lacks), and ``backend="auto"`` choosing the
+Triton kernels. Inside ``with cuda_branch() as log:`` a CPU run takes every one of them:
+
+- ``chunked_entropy._autograd.casts_in_kernel`` says yes (an op over mixed dtypes is one pass);
+- ``chunked_entropy._logit_blocks.half_mm_native`` says yes on the CPU, and the ``mm.dtype`` /
+  ``mm.dtype_out`` overloads CPU torch lacks are served as a CUDA kernel computes them (float32 accumulation
+  of the half-precision products, written once in ``out_dtype``);
+- ``backend="auto"`` treats the CPU as a fast device and chooses the Triton kernels, run through Triton's
+  interpreter; its first-call probe runs on entering, outside the log. The interpreter must be on before
+  Triton is imported (its own library functions are decorated then): set ``TRITON_INTERPRET=1`` in the
+  environment, or enter ``cuda_branch()`` before anything imports Triton (it then sets the variable, and
+  every Triton kernel of the process is interpreted). Without an importable Triton, or with Triton
+  already imported compiled, entering raises ``RuntimeError`` saying why.
+
+While the block is open, ``log`` (a ``TorchDispatchMode``) counts what each dispatched op would cost on a GPU:
+
+- **launches**: one per aten op that does work (views, ``empty``, the 0-d tensor of a Python number and ops
+  on zero elements launch nothing),
+  plus one per Triton kernel launch; a matmul counts one (``gemms`` counts them apart);
+- **traffic**: bytes read and written by every op that is not a matmul, by the tensors it is handed
+  (inputs read, outputs written; ``copy_``/``fill_``/``zero_`` do not read their destination; a stride-0
+  dimension is read once). A Triton launch counts the tensors its launch wrapper passes: the block it
+  reads and the gradient block it writes (each kernel reads its block once and writes its output once; the
+  interpreter itself runs outside the log). Traffic is split by the largest tensor an op touches:
+  ``logit_bytes`` where it has two or more dimensions of 16 or more and none equal to ``hidden`` (the
+  ``[rows, columns]`` blocks of logits and their gradients), ``hidden_bytes`` where a dimension is
+  ``hidden``, ``vector_bytes`` otherwise (per-row vectors);
+- **memory**: every allocation (an op's fresh output: not a view, not in place, not ``out=``) and its
+  release (when its storage is freed), in order. :meth:`GpuLog.working_bytes` replays them: the peak of what
+  was live beyond the tensors still alive when the block closes (the call's results: its outputs and the
+  gradients of its inputs), optionally with each allocation scaled back (``scale``: every dimension of 16 or
+  more multiplied by ``scale``, one equal to ``hidden`` by ``hidden_scale``).
+
+Scaled shapes (``scale=s``): the byte budgets that choose the vocabulary blocks and the hand-over rows
+(:data:`chunked_entropy.config.CHUNK_BUFFER_BYTES`, :data:`~chunked_entropy.config.GRAD_BUFFER_BYTES`,
+:data:`chunked_entropy._autograd.HAND_OVER_BYTES`) are divided by ``s**2`` while the block is open, so that
+a call on ``N/s`` tokens and ``V/s`` columns walks as many chunks and vocabulary blocks as the full shape
+(``chunk_size/s`` rows a chunk), and each allocation's bytes scale back to the full shape's. Launch counts
+and traffic per logit need no scaling: both are the full shape's when the block counts are.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import weakref
+from collections import Counter
+from typing import Iterator, Optional
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from . import _autograd, _kernels, _logit_blocks, config
+
+__all__ = ["GpuLog", "cuda_branch"]
+
+aten = torch.ops.aten
+
+#: Matmuls: one GEMM pass each, not elementwise traffic.
+_GEMMS = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten.matmul, aten.linear, aten.addmv, aten.mv, aten.dot,
+          aten.addbmm}
+#: Ops that launch no kernel (allocation without initialisation, metadata, and ``scalar_tensor``: a Python
+#: number an op takes, such as ``torch.where(c, x, 0.0)``'s, is a host-side 0-d tensor on CUDA).
+_NO_KERNEL = {aten.empty, aten.empty_strided, aten.empty_like, aten.new_empty, aten.new_empty_strided,
+              aten.sym_size, aten.sym_stride, aten.sym_numel, aten.sym_storage_offset, aten.is_same_size,
+              aten.lift_fresh, aten.resize_, aten.scalar_tensor}
+#: In-place ops that write their first argument without reading it.
+_WRITE_ONLY = {aten.copy_, aten.fill_, aten.zero_, aten.normal_, aten.uniform_, aten.random_}
+#: The smallest dimension that counts as a scaled one (rows, columns, hidden); smaller ones (a 6 of stacked
+#: statistics, a K of ids, a 1) are the same at every scale.
+_MIN_DIM = 16
+
+
+def _tensors(x) -> list:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return [t for item in x for t in _tensors(item)]
+    return []
+
+
+def _read_bytes(t: torch.Tensor) -> int:
+    """The bytes of ``t``'s distinct elements (a stride-0 dimension is read once)."""
+    n = 1
+    for size, stride in zip(t.shape, t.stride(), strict=True):
+        if stride != 0:
+            n *= size
+    return n * t.element_size() if t.numel() else 0
+
+
+class GpuLog(TorchDispatchMode):
+    """What the ops dispatched while it is active would cost on a GPU (see the module docstring).
+
+    ``hidden``: the hidden size of the call (its dimension sorts traffic into ``hidden_bytes`` and scales by
+    ``hidden_scale``); ``scale``: the factor of every other dimension of 16 or more, for
+    :meth:`working_bytes`.
+    """
+
+    def __init__(self, hidden: Optional[int] = None, scale: float = 1.0, hidden_scale: Optional[float] = None):
+        super().__init__()
+        self.hidden, self.scale = hidden, scale
+        self.hidden_scale = scale if hidden_scale is None else hidden_scale
+        self.paused = False
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget what was counted (the allocations still alive are not counted again)."""
+        self.launches = 0
+        self.gemms = 0
+        self.half_mms = 0  # matmuls of half-precision operands into a wider result (mm.dtype, served)
+        self.triton_launches = 0
+        self.ops = Counter()
+        self.logit_bytes = self.hidden_bytes = self.vector_bytes = 0
+        self._events = []  # (id, bytes, scaled bytes) at an allocation, (id, None, None) at its release
+        self._alive = {}  # id -> (bytes, scaled bytes) of allocations not yet released
+        self._next = 0
+
+    # ------------------------------------------------------------------ counting
+
+    def _kind(self, tensors) -> str:
+        big = max(tensors, key=lambda t: t.numel(), default=None)
+        if big is None:
+            return "vector"
+        if self.hidden is not None and self.hidden in big.shape:
+            return "hidden"
+        return "logit" if sum(1 for d in big.shape if d >= _MIN_DIM) >= 2 else "vector"
+
+    def _traffic(self, read, written) -> None:
+        n = sum(_read_bytes(t) for t in read) + sum(t.numel() * t.element_size() for t in written)
+        kind = self._kind(list(read) + list(written))
+        setattr(self, f"{kind}_bytes", getattr(self, f"{kind}_bytes") + n)
+
+    def _scaled(self, t: torch.Tensor) -> float:
+        f = 1.0
+        for d in t.shape:
+            if self.hidden is not None and d == self.hidden:
+                f *= self.hidden_scale
+            elif d >= _MIN_DIM:
+                f *= self.scale
+        return f
+
+    def _allocated(self, t: torch.Tensor) -> None:
+        storage = t.untyped_storage()
+        nbytes = storage.nbytes()
+        if not nbytes:
+            return
+        i = self._next
+        self._next += 1
+        scaled = nbytes * self._scaled(t) if t.numel() * t.element_size() == nbytes else nbytes * self.scale ** 2
+        self._alive[i] = scaled
+        self._events.append((i, nbytes, scaled))
+        weakref.finalize(storage, self._released, i)
+
+    def _released(self, i: int) -> None:
+        if self._alive.pop(i, None) is not None:
+            self._events.append((i, None, None))
+
+    def launched(self, name: str, read, written) -> None:
+        """A kernel launched outside aten (a Triton kernel): its tensors read and written."""
+        self.launches += 1
+        self.triton_launches += 1
+        self.ops[name] += 1
+        self._traffic(read, written)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (aten.mm.dtype, aten.mm.dtype_out):
+            out = self._serve_mm(func, args, kwargs)
+            self.half_mms += not self.paused
+        else:
+            out = func(*args, **kwargs)
+        if not self.paused:
+            self._account(func, args, kwargs, out)
+        return out
+
+    @staticmethod
+    def _serve_mm(func, args, kwargs):
+        """``mm.dtype(_out)`` as a CUDA kernel forms it: the half-precision products accumulated in float32
+        (exact products: float32 copies of the operands give the same sum), written in ``out_dtype``."""
+        a, b = args[0], args[1]
+        out_dtype = args[2] if len(args) > 2 else kwargs["out_dtype"]
+        if not (a.dtype in (torch.bfloat16, torch.float16) and a.dtype == b.dtype):
+            raise TypeError(f"mm with out_dtype takes two half-precision operands, got {a.dtype} and {b.dtype}")
+        res = torch.mm(a.to(torch.float32), b.to(torch.float32))
+        if func is aten.mm.dtype_out:
+            return kwargs["out"].copy_(res)
+        return res.to(out_dtype)
+
+    def _account(self, func, args, kwargs, out) -> None:
+        packet = func.overloadpacket
+        outs = _tensors(out)
+        ins = _tensors(args) + [t for k, v in kwargs.items() if k != "out" for t in _tensors(v)]
+        if func.is_view or packet in _NO_KERNEL:
+            fresh = packet in _NO_KERNEL and not func._schema.is_mutable
+            if fresh:
+                for t in outs:
+                    self._allocated(t)
+            return
+        if all(t.numel() == 0 for t in ins + outs):
+            return
+        self.launches += 1
+        self.ops[str(packet).split(".")[-1]] += 1
+        if packet in _GEMMS:
+            self.gemms += 1
+        else:
+            if packet in _WRITE_ONLY:
+                ins = ins[1:]
+            self._traffic(ins, outs)
+        for t, ret in zip(outs, func._schema.returns, strict=False):
+            if ret.alias_info is None:
+                self._allocated(t)
+
+    # ------------------------------------------------------------------ results
+
+    def working_bytes(self, scaled: bool = True) -> float:
+        """The peak, over the allocations logged, of what was live beyond the allocations still alive now
+        (the results: a call's outputs and its inputs' gradients, which the caller holds): the call's working
+        memory. ``scaled``: each allocation's bytes scaled back to the full shape (``scale``,
+        ``hidden_scale``); else as allocated."""
+        results = set(self._alive)
+        live = peak = 0.0
+        sizes = {}
+        for i, raw, big in self._events:
+            if i in results:
+                continue
+            if raw is None:
+                live -= sizes.pop(i)
+            else:
+                sizes[i] = big if scaled else raw
+                live += sizes[i]
+                peak = max(peak, live)
+        return peak
+
+    def summary(self, logits: int) -> dict:
+        """A dict of the figures per call over ``logits`` (``N * V``) logits: launches, GEMMs, bytes a logit of
+        elementwise traffic over logit blocks (and of the hidden-sized tensors), working memory (scaled)."""
+        return {"launches": self.launches, "gemms": self.gemms, "triton_launches": self.triton_launches,
+                "logit_bytes_per_logit": self.logit_bytes / logits, "hidden_bytes": self.hidden_bytes,
+                "working_bytes": self.working_bytes()}
+
+
+class _CountedKernel:
+    """A Triton kernel whose launches ``kernel[grid](...)`` the active :class:`GpuLog` counts. The launch runs
+    with the log paused: through the interpreter (``stand_in`` None), or as ``stand_in(*args, **kwargs)``,
+    the same math in torch (:func:`_stats_stand_in`, :func:`_grad_stand_in`)."""
+
+    def __init__(self, kernel, name: str, state: dict, writes: tuple, stand_in=None):
+        self.kernel, self.name, self.state, self.writes, self.stand_in = kernel, name, state, writes, stand_in
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid] if self.stand_in is None else self.stand_in
+
+        def run(*args, **kwargs):
+            log = self.state.get("log")
+            if log is None or log.paused:
+                return launch(*args, **kwargs)
+            tensors = [(i, a) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+            blocks = [(i, a) for i, a in tensors if a.dim() >= 2]
+            read = [a for i, a in blocks if i not in self.writes]
+            written = [a for i, a in blocks if i in self.writes]
+            log.launched(self.name, read, written)
+            log.paused = True
+            try:
+                return launch(*args, **kwargs)
+            finally:
+                log.paused = False
+
+        return run
+
+
+_TORCH = {"fp32": torch.float32, "fp64": torch.float64}
+
+
+def _column(ptr, stride, n: int, dtype):
+    """A per-row input the kernels read at ``ptr + row * stride``, as an ``[n, 1]`` column."""
+    return (ptr.reshape(-1)[:1].expand(n) if stride == 0 else ptr.reshape(-1)[:n]).to(dtype).reshape(n, 1)
+
+
+def _stats_stand_in(z, szr, szc, width, cap, k, sk, target, v0, m, ones, rest, w, q, zl, **meta):
+    """``_stats_kernel``'s outputs from :func:`chunked_entropy._stats.stats_of_block` (the compiled backend's
+    math, run eagerly; reassociated sums, within a few ulps of the kernel's)."""
+    from . import _stats
+
+    dtype = _TORCH[str(meta["COMPUTE"])]
+    n = z.shape[0]
+    st = _stats.stats_of_block(z, cap.reshape(()) if meta["HAS_CAP"] else None, _column(k, sk, n, dtype),
+                               target, v0, dtype)
+    for dst, src in zip((m, ones, rest, w, q, zl), st, strict=True):
+        dst.copy_(src)
+
+
+def _grad_stand_in(z, szr, szc, out, sor, soc, width, cap, k, sk, m, ls, ws, s2, target, v0, c, b, a, **meta):
+    """``_grad_kernel``'s output from :func:`chunked_entropy._stats.grad_of_block` (run eagerly)."""
+    from . import _stats
+
+    dtype = _TORCH[str(meta["COMPUTE"])]
+    n = z.shape[0]
+    zero = torch.zeros(n, dtype=dtype, device=z.device)
+    on = lambda flag, t: t.to(dtype) if meta[flag] else zero  # noqa: E731
+    res = torch.empty(z.shape, dtype=dtype, device=z.device)
+    _stats.grad_of_block(z, res, cap.reshape(()) if meta["HAS_CAP"] else None, _column(k, sk, n, dtype), m, ls,
+                         on("HAS_B", ws), on("HAS_A", s2), target, v0, on("HAS_C", c), on("HAS_B", b),
+                         on("HAS_A", a), dtype)
+    out.copy_(res)
+
+
+def _triton_module(interpret: bool):
+    """:mod:`chunked_entropy._triton`, through Triton's interpreter with ``interpret``. Raises RuntimeError
+    where Triton cannot be imported, or (``interpret``) was imported with its kernels compiled: the
+    interpreter must be switched on before Triton is imported (its own library functions are decorated then)."""
+    if interpret and "triton" not in sys.modules:
+        os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        import triton
+    except ImportError as e:
+        raise RuntimeError(f"cuda_branch() counts the Triton kernels' launches: install triton ({e})") from e
+    mod = _kernels.TRITON.module()
+    if mod is None:
+        raise RuntimeError(f"cuda_branch(): {_kernels.TRITON.why_not(torch.device('cpu'))}")
+    if interpret and not mod.INTERPRETED:
+        raise RuntimeError("cuda_branch(interpret=True) runs the Triton kernels through Triton's interpreter, "
+                           "which must be switched on before Triton is imported: set TRITON_INTERPRET=1 in the "
+                           "environment, or enter cuda_branch(interpret=True) before anything imports triton "
+                           f"({triton.__version__})")
+    return mod
+
+
+@contextlib.contextmanager
+def _counted(mod, state: dict, interpret: bool):
+    """The module's two kernels counted by the log in ``state`` while the block is open; run through the
+    interpreter (``interpret``) or by their stand-ins."""
+    kernels = {"_stats_kernel": ("triton_stats", (), _stats_stand_in),
+               "_grad_kernel": ("triton_grad", (3,), _grad_stand_in)}  # (3,): the position of ``out``
+    saved = {name: getattr(mod, name) for name in kernels}
+    try:
+        for name, (label, writes, stand_in) in kernels.items():
+            setattr(mod, name, _CountedKernel(saved[name], label, state, writes, None if interpret else stand_in))
+        yield
+    finally:
+        for name, kernel in saved.items():
+            setattr(mod, name, kernel)
+
+
+@contextlib.contextmanager
+def cuda_branch(*, hidden: Optional[int] = None, scale: int = 1, hidden_scale: Optional[float] = None,
+                log: bool = True, interpret: bool = False) -> Iterator[GpuLog]:
+    """Run CPU calls down the CUDA branch, counting what they would cost on a GPU (see the module docstring).
+
+    Args:
+        hidden: the calls' hidden size (sorts traffic, scales allocations by ``hidden_scale``).
+        scale: the shapes are the full ones divided by ``scale`` (token count, vocabulary, chunk size): the
+            byte budgets that choose vocabulary blocks are divided by ``scale**2`` meanwhile, and
+            :meth:`GpuLog.working_bytes` scales each allocation back.
+        hidden_scale: the hidden size's own factor (default ``scale``).
+        log: count from the start (else ``log.paused`` is set: unpause it around what is measured).
+        interpret: run the Triton kernels through Triton's interpreter (exact, slow: seconds per block);
+            else each launch is counted by its arguments and computed by a stand-in, the compiled
+            backend's math (:func:`chunked_entropy._stats.stats_of_block`, ``grad_of_block``) run eagerly
+            with the log paused: the same outputs within a few ulps, the same buffers and dtypes.
+
+    Yields the :class:`GpuLog` (active for the whole block).
+
+    Raises:
+        RuntimeError: Triton, or its interpreter, cannot run here.
+    """
+    mod, state = _triton_module(interpret), {}
+    saved = {(config, "CHUNK_BUFFER_BYTES"): config.CHUNK_BUFFER_BYTES,
+             (config, "GRAD_BUFFER_BYTES"): config.GRAD_BUFFER_BYTES,
+             (_autograd, "HAND_OVER_BYTES"): _autograd.HAND_OVER_BYTES,
+             (_logit_blocks, "half_mm_native"): _logit_blocks.half_mm_native,
+             (_autograd, "casts_in_kernel"): _autograd.casts_in_kernel}
+    s2 = scale * scale
+    the_log = GpuLog(hidden=hidden, scale=scale, hidden_scale=hidden_scale)
+    try:
+        config.CHUNK_BUFFER_BYTES = max(1, saved[config, "CHUNK_BUFFER_BYTES"] // s2)
+        config.GRAD_BUFFER_BYTES = max(1, saved[config, "GRAD_BUFFER_BYTES"] // s2)
+        _autograd.HAND_OVER_BYTES = max(1, saved[_autograd, "HAND_OVER_BYTES"] // s2)
+        _logit_blocks.half_mm_native = lambda device: True
+        _autograd.casts_in_kernel = lambda device: True
+        with _kernels.TRITON.as_compiled(), _kernels.fast_device("cpu"), _counted(mod, state, interpret):
+            _kernels.use_compiled("auto", torch.device("cpu"))  # the first-call probe, outside the log
+            if _kernels.use_compiled("auto", torch.device("cpu")) is not _kernels.TRITON:
+                raise RuntimeError("cuda_branch(): backend='auto' did not choose the interpreted Triton kernels "
+                                   "(see the warning above)")
+            state["log"] = the_log
+            the_log.paused = not log
+            try:
+                with the_log:
+                    yield the_log
+            finally:
+                state.pop("log", None)
+    finally:
+        for (module, name), value in saved.items():
+            setattr(module, name, value)
+
+
+#: The shapes of the issue's H200 figures: ``(tokens, vocabulary, hidden, chunk_size)`` per op.
+H200_SHAPES = {
+    "head": (8192, 151936, 4096, 1024),
+    "loss": (8192, 151936, 4096, 1024),
+    "logits": (16384, 152064, 0, 1024),
+    "logits_forward": (16384, 152064, 0, 1024),
+}
+#: What :func:`measure` runs: the fused head's log-probs + entropy, ``linear_policy_loss`` (vanilla PPO with an
+#: entropy bonus), the logits path forward + backward, and its forward alone under ``no_grad``.
+OPS = tuple(H200_SHAPES)
+
+
+def measure(op: str, *, scale: int = 32, dtype=torch.bfloat16, shape: Optional[tuple] = None,
+            hidden: Optional[int] = None, seed: int = 0) -> dict:
+    """One call of ``op`` (:data:`OPS`) with random upstream gradients, at ``shape`` (default
+    :data:`H200_SHAPES`) divided by ``scale``, down the CUDA branch (:func:`cuda_branch`); its figures at the full
+    shape: ``launches`` (kernels a call, forward and backward), ``gemms``, ``triton_launches``,
+    ``bytes_per_logit`` (elementwise traffic over the ``[rows, columns]`` logit blocks, per logit of the call),
+    ``working_bytes`` (the peak of the call's allocations beyond its results, scaled back),
+    ``hidden_traffic_bytes`` (elementwise traffic over the ``[*, H]`` tensors: hidden states, weight and
+    their gradients, scaled back) and the shape.
+    ``hidden``: the scaled hidden size (default the full one over ``scale``, moved off any block width)."""
+    import chunked_entropy as ce
+
+    if op not in H200_SHAPES:
+        raise ValueError(f"op must be one of {', '.join(OPS)}, got {op!r}")
+    n_full, v_full, h_full, c_full = shape or H200_SHAPES[op]
+    for name, value in (("tokens", n_full), ("vocabulary", v_full), ("chunk_size", c_full)):
+        if value % scale:
+            raise ValueError(f"the {name} ({value}) must be a multiple of scale ({scale})")
+    n, v, c = n_full // scale, v_full // scale, c_full // scale
+    h = (hidden or max(8, h_full // scale - 8)) if h_full else 0
+    g = torch.Generator().manual_seed(seed)
+    ups = torch.randn(2, n, generator=g)
+    labels = torch.randint(0, v, (n,), generator=g)
+    with cuda_branch(hidden=h or None, scale=scale, hidden_scale=(h_full / h) if h else None, log=False) as log:
+        if op in ("head", "loss"):
+            hid = torch.randn(n, h, generator=g).to(dtype).requires_grad_()
+            w = (torch.randn(v, h, generator=g) / h ** 0.5).to(dtype).requires_grad_()
+            leaves = [hid, w]
+        else:
+            z = (torch.randn(n, v, generator=g) * 3).to(dtype).requires_grad_(op == "logits")
+            leaves = [z]
+        log.paused = False
+        if op == "head":
+            out = ce.linear_log_probs_and_entropy(hid, w, labels, chunking=c)
+            total = (out.log_probs * ups[0]).sum() + (out.entropy * ups[1]).sum()
+        elif op == "loss":
+            mask = torch.ones(1, n, dtype=torch.bool)
+            total, _ = ce.linear_policy_loss(hid[None], w, labels[None], ups[0][None] - 3.0, ups[1][None], mask,
+                                             loss=ce.PolicyLoss(entropy_coeff=0.01), chunking=c)
+        elif op == "logits":
+            out = ce.log_probs_and_entropy(z, labels, chunking=c)
+            total = (out.log_probs * ups[0]).sum() + (out.entropy * ups[1]).sum()
+        else:
+            with torch.no_grad():
+                out = ce.log_probs_and_entropy(z, labels, chunking=c)
+            total = None
+        grads = torch.autograd.grad(total, leaves) if total is not None else ()
+        log.paused = True
+        figures = dict(op=op, tokens=n_full, vocab=v_full, hidden=h_full, chunk_size=c_full, scale=scale,
+                       launches=log.launches, gemms=log.gemms, triton_launches=log.triton_launches,
+                       bytes_per_logit=log.logit_bytes / (n * v), working_bytes=log.working_bytes(),
+                       hidden_traffic_bytes=log.hidden_bytes * scale * (h_full / h) if h else 0)
+        del grads, total
+    return figures

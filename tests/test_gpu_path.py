@@ -1,0 +1,290 @@
+"""The GPU data path, counted on the CPU down the CUDA branch (:func:`chunked_entropy.testing.cuda_branch`).
+
+- the instrument itself: launches, traffic and allocations of a known sequence of ops, counted by hand;
+- the CUDA branch is taken: half-precision matmuls into float32 (served), ``backend="auto"`` choosing the
+  Triton kernels, with the CPU branch's results;
+- issue 44's figures at the H200 shapes scaled by 32 (chunk and vocabulary-block counts kept, bytes scaled
+  back; :func:`chunked_entropy.testing.measure`): elementwise traffic a logit, launches a call, working
+  memory, and ``chunked-entropy plan`` within 10% of the measured working memory. A target not met yet is
+  an xfail (strict) that states the figure measured at this tree;
+- the results of a set of calls bit for bit those of the tree before the data-path work
+  (:mod:`tests.bits_cases`, ``tests/data/gpu_path_bits.json``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import chunked_entropy as ce
+from chunked_entropy.cli import plan
+from chunked_entropy.testing import GpuLog, cuda_branch, measure
+
+ROOT = Path(__file__).resolve().parents[1]
+GiB = 2**30
+
+
+def _triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+needs_triton = pytest.mark.skipif(not _triton_importable(), reason="the CUDA branch's Triton kernels need triton")
+
+
+# ----------------------------------------------------------------------------- the instrument
+
+
+def test_the_log_counts_launches_traffic_and_allocations_of_known_ops():
+    with GpuLog() as log:
+        x = torch.ones(64, 32)  # a fill: one launch, 8 KiB written, allocated
+        y = x * 2  # one launch: 8 KiB read, 8 KiB written, allocated
+        v = y[1:]  # a view: nothing
+        e = torch.empty(64, 32)  # allocated, no launch
+        e.copy_(y)  # one launch: y read, e written (not read)
+        del y, v  # y's storage released
+        s = x.sum(1)  # one launch: 8 KiB read, 256 B written (a vector), allocated
+        col = torch.zeros(64, 1)  # one launch, a vector (one dimension >= 16): 256 B
+        x.add_(col)  # in place, broadcast: x read and written, the column read once
+    kib = 64 * 32 * 4
+    assert log.launches == 6 and log.gemms == 0, log.ops
+    assert log.logit_bytes == kib + 2 * kib + 2 * kib + (kib + 256) + (2 * kib + 256)
+    assert log.vector_bytes == 256
+    # alive at the end (the results): x, e, s, col; y was the only working allocation
+    assert log.working_bytes() == kib
+    del x, e, s, col
+
+
+def test_the_log_scales_each_allocation_back_by_its_dimensions():
+    with GpuLog(hidden=24, scale=4, hidden_scale=10) as log:
+        a = torch.empty(32, 64)  # two scaled dimensions: 16x
+        b = torch.empty(32, 24)  # one scaled, the hidden size: 40x
+        c = torch.empty(6, 32)  # 6 is not a scaled dimension: 4x
+        del a, b, c
+    assert log.working_bytes() == 32 * 64 * 4 * 16 + 32 * 24 * 4 * 40 + 6 * 32 * 4 * 4
+    assert log.working_bytes(scaled=False) == (32 * 64 + 32 * 24 + 6 * 32) * 4
+
+
+# ----------------------------------------------------------------------------- the branch
+
+
+def _head_call(hidden, weight, labels, ups, backend="auto"):
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    out = ce.linear_log_probs_and_entropy(h, w, labels, chunking=ce.Chunking(8, 128, backend=backend))
+    grads = torch.autograd.grad((out.log_probs * ups[0]).sum() + (out.entropy * ups[1]).sum(), [h, w])
+    return out.log_probs, out.entropy, *grads
+
+
+@needs_triton
+def test_cuda_branch_takes_the_half_matmuls_and_the_triton_kernels_with_the_cpu_branchs_results():
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(24, 16, generator=g).bfloat16()
+    weight = (torch.randn(300, 16, generator=g) / 4).bfloat16()
+    labels = torch.randint(0, 300, (24,), generator=g)
+    ups = torch.randn(2, 24, generator=g)
+    with cuda_branch() as log:
+        got = _head_call(hidden, weight, labels, ups)
+    assert log.ops["triton_stats"] and log.ops["triton_grad"], log.ops
+    assert log.half_mms > 0, "no half-precision matmul into float32 was dispatched"
+    want = _head_call(hidden, weight, labels, ups, backend="eager")
+    for a, b in zip(got[:2], want[:2], strict=True):
+        torch.testing.assert_close(a, b, rtol=2e-6, atol=2e-6)
+    for a, b in zip(got[2:], want[2:], strict=True):  # bf16 gradients: within one rounding
+        assert a.dtype == b.dtype == torch.bfloat16
+        torch.testing.assert_close(a.float(), b.float(), rtol=2**-7, atol=1e-6)
+    # outside the block: the CPU branch again
+    from chunked_entropy import _kernels
+    assert _kernels.use_compiled("auto", torch.device("cpu")) is None
+
+
+# ----------------------------------------------------------------------------- issue 44's figures
+
+
+@pytest.fixture(scope="module")
+def figures():
+    if not _triton_importable():
+        pytest.skip("the CUDA branch's Triton kernels need triton")
+    return {op: measure(op) for op in ("head", "loss", "logits", "logits_forward")}
+
+
+#: (op, figure, target, measured at this tree where the target is not met yet (an xfail), else None)
+TARGETS = [
+    ("head", "bytes_per_logit", 14, None),
+    ("loss", "bytes_per_logit", 16, None),
+    ("logits", "bytes_per_logit", 6, None),
+    ("logits_forward", "bytes_per_logit", 2, None),
+    ("head", "launches", 300, 480),
+    ("loss", "launches", 350, 960),
+    ("logits", "launches", 4 * 16, 85),  # 16 chunks of 1024 rows: <= 4 a chunk
+    ("logits_forward", "launches", 4 * 16, None),
+    ("head", "working_bytes", GiB // 2, None),
+    ("loss", "working_bytes", GiB // 2, None),
+]
+
+
+def _case(op, figure, target, measured):
+    marks = () if measured is None else pytest.mark.xfail(
+        strict=True, reason=f"issue 44: {figure} of {op} measured {measured:.4g} at this tree, target {target}")
+    return pytest.param(op, figure, target, marks=marks, id=f"{op}-{figure}")
+
+
+@pytest.mark.parametrize("op, figure, target", [_case(*t) for t in TARGETS])
+def test_issue_44_target(figures, op, figure, target):
+    assert figures[op][figure] <= target, figures[op]
+
+
+#: Launches a call measured at this tree: a regression fails here before it reaches a target above.
+MEASURED_LAUNCHES = {"head": 480, "loss": 960, "logits": 85, "logits_forward": 59}
+
+
+@pytest.mark.parametrize("op", sorted(MEASURED_LAUNCHES))
+def test_launches_do_not_grow(figures, op):
+    assert figures[op]["launches"] <= MEASURED_LAUNCHES[op], figures[op]
+
+
+def test_the_figures_are_the_h200_shapes(figures):
+    f = figures["head"]
+    assert (f["tokens"], f["vocab"], f["hidden"], f["chunk_size"]) == (8192, 151936, 4096, 1024)
+    assert f["gemms"] >= 8 * 5 * 3  # forward and backward: a matmul a (chunk, block), two more for gradients
+    assert figures["logits"]["triton_launches"] == 2 * 16 and figures["logits_forward"]["triton_launches"] == 16
+
+
+@pytest.mark.parametrize("op", ["head"])
+def test_plan_states_the_measured_working_memory_within_10_percent(figures, op):
+    f = figures[op]
+    shape = plan.Shape(tokens=f["tokens"], vocab=f["vocab"], hidden=f["hidden"], dtype="bfloat16")
+    est = plan.estimate("head", shape, f["chunk_size"])
+    assert abs(est.working - f["working_bytes"]) <= 0.10 * f["working_bytes"], (est.working / 2**20,
+                                                                                 f["working_bytes"] / 2**20)
+
+
+# ----------------------------------------------------------------------------- bits
+
+
+def _bits(env=None) -> dict:
+    code = ("import json, sys; sys.path.insert(0, 'tests'); import bits_cases as b; "
+            "print(json.dumps({b.key(c): b.digest(*c) for c in b.CASES}))")
+    e = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    e["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), e.get("PYTHONPATH")) if p)
+    e.update(env or {})
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=e, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_results_bit_for_bit_those_before_the_data_path_work():
+    """Every case of :mod:`tests.bits_cases` (eager and compiled kernels, the CPU and CUDA branches; the Triton
+    kernels through the interpreter where it runs) against the digests the tree before the work wrote."""
+    want = json.loads((ROOT / "tests" / "data" / "gpu_path_bits.json").read_text())
+    env = {"TRITON_INTERPRET": "1"} if _triton_importable() else {}
+    got = _bits(env)
+    assert set(got) <= set(want), sorted(set(got) - set(want))
+    differ = sorted(k for k in got if got[k] != want[k])
+    assert not differ, differ
+
+
+@needs_triton
+def test_bench_traffic_reports_every_op(tmp_path, capsys):
+    from chunked_entropy.cli import main
+
+    assert main(["bench", "--traffic", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "traffic.json").read_text())
+    assert [r["op"] for r in rows] == ["head", "loss", "logits", "logits_forward"]
+    table = capsys.readouterr().out
+    assert "| head | 8192 x 151936, 4096 |" in table and "elementwise B a logit" in table
+    assert all(r["launches"] > 0 and r["bytes_per_logit"] > 0 for r in rows)
+
+
+@pytest.mark.parametrize("backend", ["eager", "compile"])
+def test_a_backward_block_narrower_than_the_forwards_changes_only_the_hidden_gradients_summation(backend,
+                                                                                                  monkeypatch):
+    """The backward's vocabulary block is capped by the gradient buffer's budget (64 MiB: 4096 columns at
+    8192 bf16 tokens), below the forward's 32768 at the H200 shape. Every per-block value is the same; only
+    the hidden gradient's float32 partial sums over blocks are grouped differently (within their rounding)."""
+    import chunked_entropy.config as config
+
+    g = torch.Generator().manual_seed(3)
+    n, h, v = 40, 16, 700
+    hidden = torch.randn(n, h, generator=g).bfloat16()
+    weight = (torch.randn(v, h, generator=g) / 2).bfloat16()
+    labels = torch.randint(0, v, (n,), generator=g)
+    ups = torch.randn(2, n, generator=g)
+    runs = []
+    for budget in (2**30, n * 128 * 2):  # the forward's 256 columns; 128
+        monkeypatch.setattr(config, "GRAD_BUFFER_BYTES", budget)
+        hh, ww = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        out = ce.linear_log_probs_and_entropy(hh, ww, labels, chunking=ce.Chunking(16, 256, backend=backend))
+        gh, gw = torch.autograd.grad((out.log_probs * ups[0]).sum() + (out.entropy * ups[1]).sum(), [hh, ww])
+        runs.append((out.log_probs, out.entropy, gw, gh))
+    wide, narrow = runs
+    for a, b in zip(wide[:3], narrow[:3], strict=True):
+        assert torch.equal(a, b)
+    torch.testing.assert_close(narrow[3].float(), wide[3].float(), rtol=2**-8, atol=1e-6)
+
+
+@needs_triton
+@pytest.mark.parametrize("kept_graph", [False, True])
+def test_hand_over_is_one_pass_on_cuda_with_the_cpu_branchs_bits(kept_graph, monkeypatch):
+    """The fused loss's stored gradients scaled by the upstream gradient: on CUDA one kernel, each element
+    widened, multiplied in float32 and rounded once (4 bytes an element: the issue's 12.5 GB -> 2.5 GB for a
+    [151936, 4096] bf16 weight gradient); the CPU's float32 rows give the same bits."""
+    from chunked_entropy import _autograd
+
+    monkeypatch.setattr(_autograd, "graph_is_kept", lambda: kept_graph)
+    g = torch.Generator().manual_seed(5)
+    t = (torch.randn(600, 40, generator=g) * 3).bfloat16()
+    up = torch.tensor(1 / 3, dtype=torch.float64)
+    want = _autograd.hand_over(t.clone(), up)
+    src = t.clone()
+    with cuda_branch() as log:
+        got = _autograd.hand_over(src, up)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+    assert (got is src) != kept_graph  # handed over in place only where the graph is freed
+    assert log.ops["mul"] == 1 and log.launches <= 3, log.ops  # g cast, the product (and a copy of none)
+    assert log.vector_bytes + log.logit_bytes <= t.numel() * 4 + 64
+
+
+_INTERPRETED = """
+import json, torch
+import chunked_entropy as ce
+from chunked_entropy.testing import cuda_branch
+
+def call(interpret):
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(24, 16, generator=g).bfloat16().requires_grad_()
+    w = (torch.randn(300, 16, generator=g) / 4).bfloat16().requires_grad_()
+    labels = torch.randint(0, 300, (24,), generator=g)
+    with cuda_branch(interpret=interpret) as log:
+        out = ce.linear_log_probs_and_entropy(h, w, labels, chunking=ce.Chunking(8, 128))
+        grads = torch.autograd.grad(out.log_probs.sum() + 0.5 * out.entropy.sum(), [h, w])
+    return log, [out.log_probs, out.entropy, *grads]
+
+slow, exact = call(True)
+fast, close = call(False)
+same = all(torch.allclose(a.float(), b.float(), rtol=2**-7, atol=1e-5) for a, b in zip(exact, close))
+print(json.dumps(dict(counts=[[x.launches, x.logit_bytes, x.triton_launches] for x in (slow, fast)], same=same)))
+"""
+
+
+@needs_triton
+def test_the_interpreted_kernels_are_counted_as_their_stand_ins():
+    """``cuda_branch(interpret=True)`` runs the Triton kernels through Triton's interpreter (a fresh process:
+    it must be on before Triton is imported): the same launches and bytes as the stand-ins, the same results
+    within a rounding of the bf16 gradient."""
+    e = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    e["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), e.get("PYTHONPATH")) if p)
+    r = subprocess.run([sys.executable, "-c", _INTERPRETED], cwd=ROOT, env=e, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["counts"][0] == got["counts"][1] and got["counts"][0][2] > 0, got
+    assert got["same"], got
