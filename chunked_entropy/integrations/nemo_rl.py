@@ -312,7 +312,9 @@ def get_distillation_topk_logprobs_from_logits(
     NeMo-RL's CP padding, sharding and all-gather, DTensor (its own mesh's
     TP and CP groups), and a plain tensor. ``zero_outside_topk``: the
     log-probs at the teacher's ids over the whole vocabulary and ``H_all``,
-    by the replaced Functions (a plain tensor: the library directly).
+    both from one call of the library (NeMo-RL calls two Functions on its
+    float32 copy): their gradient is formed in float32 and rounded once to
+    the logits' dtype, as NeMo-RL's upcast rounds it once.
     Otherwise: the student's logits gathered at the teacher's ids (NeMo-RL's
     ``gather_logits_at_global_indices``, exact in any dtype), then a float32
     log-softmax over the ``K`` of them.
@@ -357,9 +359,13 @@ def get_distillation_topk_logprobs_from_logits(
                 local = torch.nn.functional.pad(local, (0, 0, 0, pad), value=0)
             local = mu._get_tokens_on_this_cp_rank(local, dist.get_rank(cp_group), cp_size, seq_dim=1)
         chunk = max(1, min(int(logits.shape[1]), DEFAULT_CHUNK_SIZE))
-        topk = ChunkedDistributedGatherLogprob.apply(logits, local, start, end, chunk, group, False)
-        if calculate_entropy:
-            h_all = ChunkedDistributedEntropy.apply(logits, chunk, group, False)
+        # one call for both (NeMo-RL's two Functions, after its float32 upcast): one gradient, formed in float32
+        # and rounded once to the logits' dtype, not two half-precision pieces summed by autograd
+        _check_shard("get_distillation_topk_logprobs_from_logits", logits, start, end, _group(group))
+        out = log_probs_and_entropy(logits, None, layer=sharded_over(_group(group)), chunking=chunk,
+                                    log_probs_at=local.long(), compute_entropy=calculate_entropy)
+        topk = out.log_probs_at.contiguous()
+        h_all = out.entropy.neg() if calculate_entropy else None
         if cp_size > 1:
             topk = mu.allgather_cp_sharded_tensor(topk, cp_group, seq_dim=1)
             if calculate_entropy:
