@@ -294,6 +294,12 @@ def get_next_token_logprobs_from_logits(
     return log_probs_and_entropy(next_token_logits[:, :-1], labels, chunking=chunk, compute_entropy=False).log_probs
 
 
+def _distill_chunk(entropy: bool) -> int:
+    """Tokens per chunk of the distillation route: with ``H_all`` the walk holds two float32 ``[chunk, V/tp]``
+    buffers, so half :data:`DEFAULT_CHUNK_SIZE`, within the policy route's one buffer of it."""
+    return DEFAULT_CHUNK_SIZE // 2 if entropy else DEFAULT_CHUNK_SIZE
+
+
 def get_distillation_topk_logprobs_from_logits(
     student_logits: torch.Tensor,
     teacher_topk_logits: torch.Tensor,
@@ -321,8 +327,10 @@ def get_distillation_topk_logprobs_from_logits(
 
     Memory:
         Saved for backward: a reference to the logits, a few float32 per
-        token and the ``[B, S, K]`` results; per chunk one or two float32
-        ``[chunk, V/tp]`` buffers. No ``[B, S, V/tp]`` float32 tensor.
+        token and the ``[B, S, K]`` results; per chunk one float32
+        ``[1024, V/tp]`` buffer, or with ``H_all`` two of ``[512, V/tp]``
+        (the same bytes). No ``[B, S, V/tp]`` float32 tensor, and one
+        gradient of the logits.
     """
     from torch.distributed.tensor import DTensor
 
@@ -358,7 +366,7 @@ def get_distillation_topk_logprobs_from_logits(
             if pad > 0:
                 local = torch.nn.functional.pad(local, (0, 0, 0, pad), value=0)
             local = mu._get_tokens_on_this_cp_rank(local, dist.get_rank(cp_group), cp_size, seq_dim=1)
-        chunk = max(1, min(int(logits.shape[1]), DEFAULT_CHUNK_SIZE))
+        chunk = max(1, min(int(logits.shape[1]), _distill_chunk(calculate_entropy)))
         # one call for both (NeMo-RL's two Functions, after its float32 upcast): one gradient, formed in float32
         # and rounded once to the logits' dtype, not two half-precision pieces summed by autograd
         _check_shard("get_distillation_topk_logprobs_from_logits", logits, start, end, _group(group))
@@ -374,8 +382,8 @@ def get_distillation_topk_logprobs_from_logits(
                 topk = topk[:, :-pad, :]
                 h_all = h_all[:, :-pad] if calculate_entropy else None
     elif zero_outside_topk:
-        out = log_probs_and_entropy(logits, None, chunking=DEFAULT_CHUNK_SIZE, log_probs_at=indices.long(),
-                                    compute_entropy=calculate_entropy)
+        out = log_probs_and_entropy(logits, None, chunking=_distill_chunk(calculate_entropy),
+                                    log_probs_at=indices.long(), compute_entropy=calculate_entropy)
         topk = out.log_probs_at
         h_all = out.entropy.neg() if calculate_entropy else None
     else:
