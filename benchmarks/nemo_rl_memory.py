@@ -18,6 +18,11 @@ over the inputs, measured by ``chunked-entropy bench``'s own ``CpuMemory``.
     python benchmarks/nemo_rl_memory.py --nemo-rl-src /path/to/RL --cp 2
     python benchmarks/nemo_rl_memory.py --nemo-rl-src /path/to/RL --top-p 0.9 --scale 4   # filtered log-probs
 
+``--loss distillation`` runs NeMo-RL's ``DistillationLossFn(kl_type="mixed",
+zero_outside_topk=True)`` instead (the teacher's top-``--teacher-k`` logits
+and ids, default 64; the student's log-probs at those ids over the whole
+vocabulary and ``H_all``).
+
 ``--top-p`` / ``--top-k`` turn on NeMo-RL's top-k/top-p filtered log-probs
 (``sampling_params``); ``--scale`` is the logits' standard deviation (how
 many ids a top-p keeps: at ``V = 32768``, top-p 0.9 keeps about 200 ids per
@@ -60,6 +65,11 @@ def _inputs(a, cp, cp_rank, model_utils):
         "generation_logprobs": -torch.rand(1, t, generator=g),
         "reference_policy_logprobs": -torch.rand(1, t, generator=g),
     })
+    if a.loss == "distillation":  # the teacher's top-k: logits and distinct ids per token
+        data["teacher_topk_logits"] = torch.randn(1, t, a.teacher_k, generator=g) * 2
+        step = a.vocab // a.teacher_k
+        data["teacher_topk_indices"] = (torch.randint(0, a.vocab, (1, t, 1), generator=g)
+                                        + torch.arange(a.teacher_k) * step) % a.vocab
     logits = (torch.randn(1, t // cp, a.vocab, generator=torch.Generator().manual_seed(1 + cp_rank)) * a.scale)
     return data, logits.to(torch.bfloat16).requires_grad_()
 
@@ -78,7 +88,11 @@ def _measure(a, method, cp, rank):
         ce_nemo_rl.install()
     one = [dist.new_group([r]) for r in range(dist.get_world_size())][rank]  # TP 1: a group of this rank alone
     cp_group = dist.group.WORLD if cp > 1 else None
-    loss_fn = loss_functions.ClippedPGLossFn(loss_functions.ClippedPGLossConfig(reference_policy_kl_penalty=0.01))
+    if a.loss == "distillation":
+        loss_fn = loss_functions.DistillationLossFn(loss_functions.DistillationLossConfig(kl_type="mixed",
+                                                                                         zero_outside_topk=True))
+    else:
+        loss_fn = loss_functions.ClippedPGLossFn(loss_functions.ClippedPGLossConfig(reference_policy_kl_penalty=0.01))
 
     def step(data, logits):
         loss_input, data = loss_utils.prepare_loss_input(logits, data, loss_fn, vocab_parallel_rank=0,
@@ -133,6 +147,10 @@ def main(argv=None) -> int:
     p.add_argument("--scale", type=float, default=2.0, help="the logits' standard deviation")
     p.add_argument("--top-k", type=int, default=None, help="NeMo-RL's filtered log-probs: top-k")
     p.add_argument("--top-p", type=float, default=1.0, help="NeMo-RL's filtered log-probs: top-p")
+    p.add_argument("--loss", choices=["clipped_pg", "distillation"], default="clipped_pg",
+                   help="NeMo-RL's ClippedPGLossFn (reference KL on), or DistillationLossFn (mixed KL, "
+                        "zero_outside_topk)")
+    p.add_argument("--teacher-k", type=int, default=64, help="distillation: the teacher's top-k")
     p.add_argument("--case", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.case:
@@ -151,7 +169,10 @@ def main(argv=None) -> int:
     if not commit:  # a checkout without git metadata (git archive): the commit the tests pin
         from chunked_entropy.integrations.nemo_rl import NEMO_RL_COMMIT as commit
     print(f"NeMo-RL at {commit}; T={a.tokens}, V={a.vocab}, bf16 logits, TP 1, CP {a.cp}, "
-          f"logprob_chunk_size null, ClippedPGLossFn with the reference KL; {what}; logits scale {a.scale}, "
+          f"logprob_chunk_size null, "
+          + ("ClippedPGLossFn with the reference KL" if a.loss == "clipped_pg" else
+             f"DistillationLossFn mixed KL, zero_outside_topk, teacher top-{a.teacher_k}")
+          + f"; {what}; logits scale {a.scale}, "
           f"top_k {a.top_k}, top_p {a.top_p}")
     print(f"| method | peak extra memory | x the bf16 logits | time {what} (median) |")
     print("|---|---:|---:|---:|")

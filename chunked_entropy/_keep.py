@@ -411,7 +411,9 @@ def _per_row(k, rows: torch.Tensor):
 
 
 def block_stats(g: Gathered, entries: Entries, n_rows: int, k, dtype) -> tuple:
-    """``(BlockStats, count)`` of the kept entries of one block; ``zl`` is left 0 (the whole row's is used)."""
+    """``(BlockStats, count)`` of the kept entries of one block; ``zl`` the label's ``u`` where its entry is in
+    the block (0 elsewhere), formed as the other entries' are (:func:`gather`), not taken from the kernels' own
+    ``tanh`` (an ulp apart now and then, which ``k`` magnifies: a kept label's log-prob came out above 0)."""
     device = g.u.device
     zeros = lambda: torch.zeros(n_rows, dtype=dtype, device=device)  # noqa: E731
     m = torch.full((n_rows,), -math.inf, dtype=dtype, device=device).scatter_reduce_(0, g.row, g.u, "amax")
@@ -425,7 +427,8 @@ def block_stats(g: Gathered, entries: Entries, n_rows: int, k, dtype) -> tuple:
     w = zeros().index_add_(0, g.row, e * y)
     q = zeros().index_add_(0, g.row, e * e)
     count = zeros().index_add_(0, g.row, (g.inside & entries.counted).to(dtype))
-    return BlockStats(m, ones, rest, w, q, zeros()), count
+    zl = zeros().index_add_(0, g.row, torch.where(g.inside & entries.is_label, g.u, 0.0))
+    return BlockStats(m, ones, rest, w, q, zl), count
 
 
 def split(co: Coefficients, truncated: torch.Tensor, of_kept: bool) -> tuple:

@@ -166,14 +166,22 @@ def _logits_block(h, w, bias, out, float32: bool = False):
 
     Half-precision ``h`` and ``w``: by default the matmul's output is rounded
     to their dtype, as the model's own layer (and a vLLM rollout) computes it,
-    then widened; with ``float32`` it is accumulated and kept in float32
-    (:func:`half_mm_native`: ``torch.mm(..., out_dtype=torch.float32)`` on CUDA
-    with torch >= 2.8; elsewhere the block's rows are cast to float32 first, a
-    ``[rows + cols, H]`` float32 temporary).
+    then widened; a bias of their dtype is added before that one rounding,
+    ``round(h @ w.T + bias)``, as ``F.linear`` does (an ``addmm``; a
+    ``[rows, cols]`` half-precision temporary, as without a bias). With
+    ``float32`` it is accumulated and kept in float32, the bias added in
+    float32 (:func:`half_mm_native`: ``torch.mm(..., out_dtype=torch.float32)``
+    on CUDA with torch >= 2.8; elsewhere the block's rows are cast to float32
+    first, a ``[rows + cols, H]`` float32 temporary).
     """
+    fused = bias is not None and bias.dtype == h.dtype == w.dtype  # F.linear's addmm: the bias before rounding
     if h.dtype == out.dtype:
+        if fused:
+            return torch.addmm(bias, h, w.t(), out=out)
         torch.mm(h, w.t(), out=out)
     elif not float32:  # half-precision matmul, as the model's own layer would do, then float32
+        if fused:
+            return out.copy_(torch.addmm(bias, h, w.t()))
         out.copy_(torch.mm(h, w.t()))
     elif half_mm_native(h.device):
         torch.mm(h, w.t(), out_dtype=out.dtype, out=out)

@@ -130,7 +130,7 @@ def _rows_of_chunk(st, kst, count, group, k, kept) -> tuple:
     rows = _stats.RowStats.from_block(st, k)
     if kst is None:
         return rows, st
-    kr = _stats.RowStats.from_block(kst._replace(zl=st.zl), k)  # the label's u is the whole row's
+    kr = _stats.RowStats.from_block(kst, k)  # the label's u as the kept entries' (_keep.block_stats)
     if not kept.of_kept:
         kr = kr._replace(ws=None, s2=None)
     return rows.with_kept(kr, count > 0), st

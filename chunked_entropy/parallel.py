@@ -87,7 +87,7 @@ def reduce_stats(st: BlockStats, group, k, kept: Optional[BlockStats] = None, co
     parts = [st.ones, st.rest, st.zl] + [t for t in (st.w, st.q) if t is not None]
     if kept is not None:
         kept = rescale(kept, m[1], k)
-        parts += [kept.ones, kept.rest, kept.w, kept.q, count]
+        parts += [kept.ones, kept.rest, kept.w, kept.q, kept.zl, count]
     packed = torch.stack(parts)
     dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
     it = iter(packed[3:])
@@ -95,7 +95,7 @@ def reduce_stats(st: BlockStats, group, k, kept: Optional[BlockStats] = None, co
     q = None if st.q is None else next(it)
     out = BlockStats(m if kept is None else m[0], packed[0], packed[1], w, q, packed[2])
     if kept is not None:
-        kept = BlockStats(m[1], next(it), next(it), next(it), next(it), kept.zl)
+        kept = BlockStats(m[1], next(it), next(it), next(it), next(it), next(it))
         count = next(it)
     return out, kept, count
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
+from torch.nn import functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from chunked_entropy import (
@@ -42,18 +43,19 @@ def _upstream(shape, seed=1):
 def _reference(hidden, weight, bias, labels, *, compute_entropy=True, seed=1, **kw):
     """float64 values and gradients (hidden, weight, bias) for random upstream gradients.
 
-    For bf16/fp16 inputs the logits take the values of the half-precision
-    matmul (as the model's own layer, and the fused head per chunk, compute
-    them), then everything is float64.
+    For bf16/fp16 inputs the logits take the values of the model's own
+    half-precision layer, ``F.linear`` (the bias added before its one
+    rounding; the fused head computes the same per chunk), then everything is
+    float64.
     """
     h, w, b = (
         None if t is None else t.detach().double().requires_grad_(t.requires_grad) for t in (hidden, weight, bias)
     )
-    logits = h @ w.t()
+    logits = h @ w.t() + (0 if b is None else b)
     if hidden.dtype in (torch.bfloat16, torch.float16):
-        # the values of the model's own half-precision matmul, with the exact float64 gradient path
-        logits = logits + ((hidden.detach() @ weight.detach().t()).double() - logits).detach()
-    logits = logits + (0 if b is None else b)
+        # the values of the model's own half-precision layer, with the exact float64 gradient path
+        model = F.linear(hidden.detach(), weight.detach(), None if bias is None else bias.detach())
+        logits = logits + (model.double() - logits).detach()
     lp, ent = reference(logits, labels, **kw)
     g_lp, g_h = _upstream(lp.shape, seed)
     loss = (lp * g_lp).sum() + ((ent * g_h).sum() if compute_entropy else 0)
@@ -525,7 +527,7 @@ def test_no_tokens_by_vocab_tensor_is_ever_allocated(vocab_chunk_size):
                                                  chunking=Chunking(chunk, vocab_chunk_size=vocab_chunk_size)),
             upstream,
         )
-    assert {"mm", "addmm_"} <= mode.ops  # the backward ran under the mode too
+    assert {"addmm", "addmm_"} <= mode.ops  # the blocks (biased: addmm, as F.linear) and the backward
     assert hidden.grad is not None and weight.grad is not None
     assert mode.largest <= bound < n_tok * v
 

@@ -444,3 +444,40 @@ def test_ray_runtime_env_hook_adds_the_setup_hook_and_keeps_the_rest():
     assert ce_nemo_rl.ray_runtime_env_hook(out) == out  # idempotent
     with pytest.raises(ValueError, match="already has worker_process_setup_hook='mine.setup'"):
         ce_nemo_rl.ray_runtime_env_hook({"worker_process_setup_hook": "mine.setup"})
+
+
+def _mixed_half_worker(rank, world):
+    """``DistillationLossFn(kl_type="mixed", zero_outside_topk=True)`` on bf16/fp16 logits: the logits' gradient
+    within one rounding of NeMo-RL's own float32 result on the same values, as NeMo-RL's (it upcasts once and
+    rounds once). The plugin summed two half-precision pieces, the top-k log-probs' and the entropy's: 2.2-2.75x
+    NeMo-RL's error, up to 256 half-ulps."""
+    _, loss_utils, loss_functions, _ = _import_nemo_rl()
+    tp_rank, _, tp_group, _ = _groups(rank, world, world, 1)
+    data, logits = _batch(V_LOCAL * world, seed=11, k=6)
+    shard = logits[..., tp_rank * V_LOCAL:(tp_rank + 1) * V_LOCAL]
+    mask = data["token_mask"][:, 1:] * data["sample_mask"][:, None]
+    valid = (data["sample_mask"].sum(), mask.sum())
+    loss_fn = _losses(loss_functions)["distillation"]
+    groups = dict(vocab_parallel_rank=tp_rank, vocab_parallel_group=tp_group, context_parallel_group=None)
+    for dtype, bits in ((torch.bfloat16, 8), (torch.float16, 11)):
+        x = shard.to(dtype)
+        _, _, g_ref = _step(loss_utils.prepare_loss_input, loss_fn, x.float(), data, valid, **groups)
+        ours, theirs = _with_and_without(_step, loss_utils.prepare_loss_input, loss_fn, x, data, valid, **groups)
+        g_ref = g_ref.double()
+        # half an ulp of the reference in the half-precision dtype, subnormals included (its float32 error is far
+        # below)
+        half_ulp = torch.exp2(torch.floor(torch.log2(g_ref.abs().clamp_min(torch.finfo(dtype).smallest_normal)))
+                              - bits)
+        errs = {}
+        for name, (_, _, g) in (("ours", ours), ("theirs", theirs)):
+            assert g.dtype == dtype
+            errs[name] = (g.double() - g_ref).abs()
+        assert (errs["theirs"] <= half_ulp * 1.001 + 1e-12).all()  # NeMo-RL: one rounding
+        assert (errs["ours"] <= half_ulp * 1.001 + 1e-12).all(), (errs["ours"] / half_ulp).max()
+        torch.testing.assert_close(ours[0], theirs[0], rtol=1e-5, atol=1e-6)
+
+
+@needs_nemo_rl
+@pytest.mark.parametrize("world", [1, 2])
+def test_mixed_distillation_in_half_precision_rounds_its_gradient_once(world):
+    run_distributed(_mixed_half_worker, world, timeout_s=180)

@@ -554,3 +554,25 @@ def _tp_worker(rank, world):
 @pytest.mark.parametrize("world", [2, 3])
 def test_tensor_and_sequence_parallel(world):
     run_distributed(_tp_worker, world, timeout_s=120)
+
+
+@pytest.mark.parametrize("backend", ["eager", "compile"])
+@pytest.mark.parametrize("form", ["own_filter", "csr"])
+def test_a_confident_labels_kept_log_prob_is_never_above_0(backend, form):
+    """A soft-cap of 30 at t = 1e-3 (``k = 3e4``: an ulp of ``u`` is 1.8e-3 nats) on rows with a confident label:
+    the kept set's log-prob is <= 0 and eager's, on every backend. The label's ``u`` came from the kernels' tanh
+    and the kept set's maximum from eager's, an ulp apart at about one value in a thousand: +1.8e-3 compiled."""
+    g = torch.Generator().manual_seed(3)
+    n, v = 8192, 16
+    z = torch.randn(n, v, generator=g) * 3
+    z[torch.arange(n), torch.randint(0, v, (n,), generator=g)] += torch.rand(n, generator=g) * 60
+    labels = z.argmax(1)
+    if form == "own_filter":
+        keep = {"top_k": 4}
+    else:  # the label and three others
+        others = torch.randint(0, v, (n, 3), generator=g)
+        keep = (torch.cat([labels[:, None], others], 1).reshape(-1), torch.arange(0, 4 * n + 1, 4))
+    out, eager = (log_probs_and_entropy(z, labels, keep=keep, layer=OutputLayer(softcap=30.0), temperature=1e-3,
+                                        chunking=Chunking(1024, backend=be)) for be in (backend, "eager"))
+    assert out.log_probs.max() <= 0, out.log_probs.max()
+    torch.testing.assert_close(out.log_probs, eager.log_probs, rtol=0, atol=1e-6)

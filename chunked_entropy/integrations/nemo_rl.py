@@ -294,6 +294,12 @@ def get_next_token_logprobs_from_logits(
     return log_probs_and_entropy(next_token_logits[:, :-1], labels, chunking=chunk, compute_entropy=False).log_probs
 
 
+def _distill_chunk(entropy: bool) -> int:
+    """Tokens per chunk of the distillation route: with ``H_all`` the walk holds two float32 ``[chunk, V/tp]``
+    buffers, so half :data:`DEFAULT_CHUNK_SIZE`, within the policy route's one buffer of it."""
+    return DEFAULT_CHUNK_SIZE // 2 if entropy else DEFAULT_CHUNK_SIZE
+
+
 def get_distillation_topk_logprobs_from_logits(
     student_logits: torch.Tensor,
     teacher_topk_logits: torch.Tensor,
@@ -312,15 +318,19 @@ def get_distillation_topk_logprobs_from_logits(
     NeMo-RL's CP padding, sharding and all-gather, DTensor (its own mesh's
     TP and CP groups), and a plain tensor. ``zero_outside_topk``: the
     log-probs at the teacher's ids over the whole vocabulary and ``H_all``,
-    by the replaced Functions (a plain tensor: the library directly).
+    both from one call of the library (NeMo-RL calls two Functions on its
+    float32 copy): their gradient is formed in float32 and rounded once to
+    the logits' dtype, as NeMo-RL's upcast rounds it once.
     Otherwise: the student's logits gathered at the teacher's ids (NeMo-RL's
     ``gather_logits_at_global_indices``, exact in any dtype), then a float32
     log-softmax over the ``K`` of them.
 
     Memory:
         Saved for backward: a reference to the logits, a few float32 per
-        token and the ``[B, S, K]`` results; per chunk one or two float32
-        ``[chunk, V/tp]`` buffers. No ``[B, S, V/tp]`` float32 tensor.
+        token and the ``[B, S, K]`` results; per chunk one float32
+        ``[1024, V/tp]`` buffer, or with ``H_all`` two of ``[512, V/tp]``
+        (the same bytes). No ``[B, S, V/tp]`` float32 tensor, and one
+        gradient of the logits.
     """
     from torch.distributed.tensor import DTensor
 
@@ -356,10 +366,14 @@ def get_distillation_topk_logprobs_from_logits(
             if pad > 0:
                 local = torch.nn.functional.pad(local, (0, 0, 0, pad), value=0)
             local = mu._get_tokens_on_this_cp_rank(local, dist.get_rank(cp_group), cp_size, seq_dim=1)
-        chunk = max(1, min(int(logits.shape[1]), DEFAULT_CHUNK_SIZE))
-        topk = ChunkedDistributedGatherLogprob.apply(logits, local, start, end, chunk, group, False)
-        if calculate_entropy:
-            h_all = ChunkedDistributedEntropy.apply(logits, chunk, group, False)
+        chunk = max(1, min(int(logits.shape[1]), _distill_chunk(calculate_entropy)))
+        # one call for both (NeMo-RL's two Functions, after its float32 upcast): one gradient, formed in float32
+        # and rounded once to the logits' dtype, not two half-precision pieces summed by autograd
+        _check_shard("get_distillation_topk_logprobs_from_logits", logits, start, end, _group(group))
+        out = log_probs_and_entropy(logits, None, layer=sharded_over(_group(group)), chunking=chunk,
+                                    log_probs_at=local.long(), compute_entropy=calculate_entropy)
+        topk = out.log_probs_at.contiguous()
+        h_all = out.entropy.neg() if calculate_entropy else None
         if cp_size > 1:
             topk = mu.allgather_cp_sharded_tensor(topk, cp_group, seq_dim=1)
             if calculate_entropy:
@@ -368,8 +382,8 @@ def get_distillation_topk_logprobs_from_logits(
                 topk = topk[:, :-pad, :]
                 h_all = h_all[:, :-pad] if calculate_entropy else None
     elif zero_outside_topk:
-        out = log_probs_and_entropy(logits, None, chunking=DEFAULT_CHUNK_SIZE, log_probs_at=indices.long(),
-                                    compute_entropy=calculate_entropy)
+        out = log_probs_and_entropy(logits, None, chunking=_distill_chunk(calculate_entropy),
+                                    log_probs_at=indices.long(), compute_entropy=calculate_entropy)
         topk = out.log_probs_at
         h_all = out.entropy.neg() if calculate_entropy else None
     else:
