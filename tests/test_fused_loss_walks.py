@@ -90,12 +90,12 @@ def _run(d, budget, dtype=None, up=None, bias=True, **kw):
 
 
 def _plain(d, dtype, temperature=1.0):
-    """Plain autograd of the fused ops' definition: the matmul in ``dtype`` (its output rounded, as the model's
-    own layer rounds it), the bias, the softmax and the loss in float32 (float64 for float64); ``(loss,
-    grads)``."""
+    """Plain autograd of the fused ops' definition: the model's own layer in ``dtype`` (``F.linear``: the bias
+    added before its output's one rounding), the softmax and the loss in float32 (float64 for float64);
+    ``(loss, grads)``."""
     leaves = {k: d[k].to(dtype).clone().requires_grad_() for k in ("hidden", "weight", "bias")}
     wide = torch.promote_types(dtype, torch.float32)
-    z = (leaves["hidden"] @ leaves["weight"].t()).to(wide) + leaves["bias"].to(wide)
+    z = torch.nn.functional.linear(leaves["hidden"], leaves["weight"], leaves["bias"]).to(wide)
     logp = torch.log_softmax(z / temperature, -1)
     lp = logp.gather(-1, d["labels"].unsqueeze(-1)).squeeze(-1)
     ent = -(logp.exp() * logp).sum(-1)
