@@ -219,7 +219,14 @@ def _bits(env=None) -> dict:
 
 def test_results_bit_for_bit_those_before_the_data_path_work():
     """Every case of :mod:`tests.bits_cases` (eager and compiled kernels, the CPU and CUDA branches; the Triton
-    kernels through the interpreter where it runs) against the digests the tree before the work wrote."""
+    kernels through the interpreter where it runs) against the digests the tree before the data-path work
+    (``wip-gpudata``) wrote: integ's first parent of "Merge branch 'wip-gpudata' into integ" (a5a367a), with
+    the other branches' intended changes in. Regenerated there: a worktree of a5a367a with this tree's
+    ``tests/bits_cases.py`` copied in (it needs nothing else: no ``chunked_entropy.testing``; it patches
+    ``_autograd.casts_in_kernel`` only where it exists), ``TRITON_INTERPRET=1 python tests/bits_cases.py``.
+    Against 22568fa's digests only the five bf16 fused-loss cases over the whole vocabulary differ there (the
+    fused loss's three-GEMM-pass walk rounds the weight gradient once); every other case, the Triton ones
+    included, is 22568fa's."""
     want = json.loads((ROOT / "tests" / "data" / "gpu_path_bits.json").read_text())
     env = {"TRITON_INTERPRET": "1"} if _triton_importable() else {}
     got = _bits(env)
