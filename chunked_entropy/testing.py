@@ -41,8 +41,19 @@ Scaled shapes (``scale=s``): the byte budgets that choose the vocabulary blocks 
 (:data:`chunked_entropy.config.CHUNK_BUFFER_BYTES`, :data:`~chunked_entropy.config.GRAD_BUFFER_BYTES`,
 :data:`chunked_entropy._autograd.HAND_OVER_BYTES`) are divided by ``s**2`` while the block is open, so that
 a call on ``N/s`` tokens and ``V/s`` columns walks as many chunks and vocabulary blocks as the full shape
-(``chunk_size/s`` rows a chunk), and each allocation's bytes scale back to the full shape's. Launch counts
-and traffic per logit need no scaling: both are the full shape's when the block counts are.
+(``chunk_size/s`` rows a chunk), and each allocation's bytes scale back to the full shape's. The fused loss's
+choice of walk (three GEMM passes where :func:`chunked_entropy.config.three_pass_bytes` fits
+``Chunking.max_working_bytes``) is made on the full shape's bytes (rows and columns times ``s``, the hidden
+size times ``hidden_scale``): the scaled call takes the walk the full one takes. Launch counts and traffic
+per logit need no scaling: both are the full shape's when the block counts are.
+
+The Triton kernels (:mod:`chunked_entropy._triton`: the statistics, the second stage merging a split row's
+parts, the gradient) are each counted at every ``kernel[grid](...)`` launch, and run through the interpreter
+or by a torch stand-in of the same arguments and outputs. ``_triton.AUTOTUNE`` is off while the block is
+open: each launch takes the tile and warps the interpreter's always do (a GPU's autotuner times its
+candidates once per shape class, then launches each kernel as often a call as here). Rows split across
+programs (``_triton._parts``) follow the CPU's program count (8), not a GPU's: the split launches of a few
+long rows are counted and checked on the CPU, and at the H200 shapes scaled no chunk splits.
 """
 
 from __future__ import annotations
@@ -248,14 +259,20 @@ class GpuLog(TorchDispatchMode):
 
 class _CountedKernel:
     """A Triton kernel whose launches ``kernel[grid](...)`` the active :class:`GpuLog` counts. The launch runs
-    with the log paused: through the interpreter (``stand_in`` None), or as ``stand_in(*args, **kwargs)``,
-    the same math in torch (:func:`_stats_stand_in`, :func:`_grad_stand_in`)."""
+    with the log paused: through the interpreter (``stand_in`` None), or as ``stand_in(grid, *args, **kwargs)``,
+    the same math in torch (:func:`_stats_stand_in`, :func:`_merge_parts_stand_in`, :func:`_grad_stand_in`).
+    Only ``kernel[grid](...)`` is served: the launch wrappers launch it so while :func:`cuda_branch` has
+    ``_triton.AUTOTUNE`` off (an autotuner wrapping it would launch past the count)."""
 
     def __init__(self, kernel, name: str, state: dict, writes: tuple, stand_in=None):
         self.kernel, self.name, self.state, self.writes, self.stand_in = kernel, name, state, writes, stand_in
 
     def __getitem__(self, grid):
-        launch = self.kernel[grid] if self.stand_in is None else self.stand_in
+        if self.stand_in is None:
+            launch = self.kernel[grid]
+        else:
+            def launch(*args, **kwargs):
+                return self.stand_in(grid, *args, **kwargs)
 
         def run(*args, **kwargs):
             log = self.state.get("log")
@@ -283,21 +300,59 @@ def _column(ptr, stride, n: int, dtype):
     return (ptr.reshape(-1)[:1].expand(n) if stride == 0 else ptr.reshape(-1)[:n]).to(dtype).reshape(n, 1)
 
 
-def _stats_stand_in(z, szr, szc, width, cap, k, sk, target, v0, m, ones, rest, w, q, zl, **meta):
+def _stats_stand_in(grid, z, szr, szc, width, span, cap, k, sk, target, v0, m, ones, rest, w, q, zl, n,
+                    span_class, **meta):
     """``_stats_kernel``'s outputs from :func:`chunked_entropy._stats.stats_of_block` (the compiled backend's
-    math, run eagerly; reassociated sums, within a few ulps of the kernel's)."""
+    math, run eagerly; reassociated sums, within a few ulps of the kernel's): program ``(row, part)`` of the
+    grid ``(n, parts)`` holds columns ``[part * span, (part + 1) * span)`` and writes its statistics at
+    ``part * n + row`` (``w``, ``q`` only where wanted); ``zl`` (``[n]``) gets the label's ``u`` from the part
+    holding it, 0 where no part does."""
     from . import _stats
 
     dtype = _TORCH[str(meta["COMPUTE"])]
-    n = z.shape[0]
-    st = _stats.stats_of_block(z, cap.reshape(()) if meta["HAS_CAP"] else None, _column(k, sk, n, dtype),
-                               target, v0, dtype)
-    for dst, src in zip((m, ones, rest, w, q, zl), st, strict=True):
-        dst.copy_(src)
+    parts = grid[1] if len(grid) > 1 else 1
+    col = _column(k, sk, n, dtype)
+    label = None
+    for part in range(parts):
+        lo, hi = part * span, min((part + 1) * span, width)
+        if lo >= hi:
+            continue
+        st = _stats.stats_of_block(z[:, lo:hi], cap.reshape(()) if meta["HAS_CAP"] else None, col, target,
+                                   v0 + lo, dtype)
+        at = slice(part * n, (part + 1) * n)
+        for dst, src, wanted in zip((m, ones, rest, w, q), st[:5],
+                                    (True, True, True, meta["WANT_W"], meta["WANT_Q"]), strict=True):
+            if wanted:
+                dst[at].copy_(src)
+        label = st.zl if label is None else label + st.zl  # 0 from every part but the label's
+    zl.copy_(label)
 
 
-def _grad_stand_in(z, szr, szc, out, sor, soc, width, cap, k, sk, m, ls, ws, s2, target, v0, c, b, a, **meta):
-    """``_grad_kernel``'s output from :func:`chunked_entropy._stats.grad_of_block` (run eagerly)."""
+def _merge_parts_stand_in(grid, pm, pones, prest, pw, pq, parts, n, k, sk, m, ones, rest, w, q, **meta):
+    """``_merge_parts_kernel``'s outputs: the ``parts`` partial statistics of each row (at ``part * n + row``)
+    merged by :func:`chunked_entropy._stats.merge_stats` (an online softmax over the parts, in order)."""
+    from . import _stats
+
+    dtype = _TORCH[str(meta["COMPUTE"])]
+    col = _column(k, sk, n, dtype)
+    want_w, want_q = meta["WANT_W"], meta["WANT_Q"]
+    merged = None
+    zero = torch.zeros(n, dtype=dtype, device=pm.device)
+    for part in range(parts):
+        at = slice(part * n, (part + 1) * n)
+        st = _stats.BlockStats(pm[at].to(dtype), pones[at].to(dtype), prest[at].to(dtype),
+                               pw[at].to(dtype) if want_w else None, pq[at].to(dtype) if want_q else None, zero)
+        merged = _stats.merge_stats(merged, st, col)
+    for dst, src in zip((m, ones, rest, w, q), merged[:5], strict=True):
+        if src is not None:
+            dst.copy_(src)
+
+
+def _grad_stand_in(grid, z, szr, szc, out, sor, soc, width, span, cap, k, sk, m, ls, ws, s2, target, v0, c, b, a,
+                   span_class, **meta):
+    """``_grad_kernel``'s output from :func:`chunked_entropy._stats.grad_of_block` (run eagerly): every column's
+    gradient is its own, so the grid's parts (columns ``[part * span, (part + 1) * span)`` each) are the block
+    at once."""
     from . import _stats
 
     dtype = _TORCH[str(meta["COMPUTE"])]
@@ -334,16 +389,23 @@ def _triton_module(interpret: bool):
 
 @contextlib.contextmanager
 def _counted(mod, state: dict, interpret: bool):
-    """The module's two kernels counted by the log in ``state`` while the block is open; run through the
-    interpreter (``interpret``) or by their stand-ins."""
+    """The module's three kernels (the statistics, the second stage of split rows, the gradient) counted by the
+    log in ``state`` while the block is open; run through the interpreter (``interpret``) or by their
+    stand-ins. ``mod.AUTOTUNE`` is off meanwhile: each launch takes :func:`~chunked_entropy._triton._stats_config`
+    / ``_grad_config``'s tile, as the interpreter's always do (a GPU's autotuner times its candidates once per
+    shape class, then launches the kernel once a call as here: the same launches a call)."""
     kernels = {"_stats_kernel": ("triton_stats", (), _stats_stand_in),
+               "_merge_parts_kernel": ("triton_merge_parts", (), _merge_parts_stand_in),
                "_grad_kernel": ("triton_grad", (3,), _grad_stand_in)}  # (3,): the position of ``out``
     saved = {name: getattr(mod, name) for name in kernels}
+    autotune = mod.AUTOTUNE
     try:
+        mod.AUTOTUNE = False
         for name, (label, writes, stand_in) in kernels.items():
             setattr(mod, name, _CountedKernel(saved[name], label, state, writes, None if interpret else stand_in))
         yield
     finally:
+        mod.AUTOTUNE = autotune
         for name, kernel in saved.items():
             setattr(mod, name, kernel)
 
@@ -375,15 +437,33 @@ def cuda_branch(*, hidden: Optional[int] = None, scale: int = 1, hidden_scale: O
              (config, "GRAD_BUFFER_BYTES"): config.GRAD_BUFFER_BYTES,
              (_autograd, "HAND_OVER_BYTES"): _autograd.HAND_OVER_BYTES,
              (_logit_blocks, "half_mm_native"): _logit_blocks.half_mm_native,
-             (_autograd, "casts_in_kernel"): _autograd.casts_in_kernel}
+             (_autograd, "casts_in_kernel"): _autograd.casts_in_kernel,
+             (_logit_blocks, "three_pass_bytes"): _logit_blocks.three_pass_bytes}
     s2 = scale * scale
     the_log = GpuLog(hidden=hidden, scale=scale, hidden_scale=hidden_scale)
+    three_pass_bytes, grad_buffer = saved[_logit_blocks, "three_pass_bytes"], saved[config, "GRAD_BUFFER_BYTES"]
+
+    h_factor = scale if hidden_scale is None else hidden_scale
+
+    def full_three_pass_bytes(rows, v_local, hdim, itemsize, **kw):
+        """The fused loss's three-pass walk's working memory at the full shape (``rows``, ``v_local`` times
+        ``scale``, ``hdim`` times its own factor, the full gradient budget): the call takes the walk the full
+        shape takes within ``Chunking.max_working_bytes``."""
+        grad_scaled = config.GRAD_BUFFER_BYTES
+        config.GRAD_BUFFER_BYTES = grad_buffer
+        try:
+            return three_pass_bytes(rows * scale, v_local * scale, round(hdim * h_factor),
+                                    itemsize, **kw)
+        finally:
+            config.GRAD_BUFFER_BYTES = grad_scaled
+
     try:
         config.CHUNK_BUFFER_BYTES = max(1, saved[config, "CHUNK_BUFFER_BYTES"] // s2)
         config.GRAD_BUFFER_BYTES = max(1, saved[config, "GRAD_BUFFER_BYTES"] // s2)
         _autograd.HAND_OVER_BYTES = max(1, saved[_autograd, "HAND_OVER_BYTES"] // s2)
         _logit_blocks.half_mm_native = lambda device: True
         _autograd.casts_in_kernel = lambda device: True
+        _logit_blocks.three_pass_bytes = full_three_pass_bytes
         with _kernels.TRITON.as_compiled(), _kernels.fast_device("cpu"), _counted(mod, state, interpret):
             _kernels.use_compiled("auto", torch.device("cpu"))  # the first-call probe, outside the log
             if _kernels.use_compiled("auto", torch.device("cpu")) is not _kernels.TRITON:

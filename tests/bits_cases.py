@@ -1,7 +1,9 @@
 """Digests of the outputs and gradients of a set of calls: the bits the GPU data-path work must not change.
 
-``TRITON_INTERPRET=1 python tests/bits_cases.py > tests/data/gpu_path_bits.json`` on the commit before
-that work (22568fa) wrote the file :mod:`tests.test_gpu_path` holds every later tree to. Each case: one op
+``TRITON_INTERPRET=1 python tests/bits_cases.py > tests/data/gpu_path_bits.json`` on the tree before that
+work wrote the file :mod:`tests.test_gpu_path` holds every later tree to: first on 22568fa, then (after the
+other branches' intended changes, the fused loss's three-pass walk) on a5a367a, integ's tree just before
+``wip-gpudata`` was merged, with this file copied in (it imports nothing of that work). Each case: one op
 (the fused head, the fused loss, the logits path), a dtype, a backend (eager, compile; triton through the
 interpreter) and a branch ("cpu", or "cuda": the CUDA branch's half-precision matmuls into float32, served
 on the CPU as a CUDA kernel forms them), with random upstream gradients on every output; its digest is the

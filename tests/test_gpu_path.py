@@ -106,6 +106,42 @@ def test_cuda_branch_takes_the_half_matmuls_and_the_triton_kernels_with_the_cpu_
     assert _kernels.use_compiled("auto", torch.device("cpu")) is None
 
 
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_branch_counts_and_computes_rows_split_across_programs(dtype, monkeypatch):
+    """Few long rows: the Triton wrappers split each row across programs (``_triton._parts``) and merge the
+    parts in a second launch (``_merge_parts_kernel``). Down the CUDA branch every launch is counted (the
+    statistics, the merge, the gradient) and the stand-ins' results are the float64 reference's, values and
+    gradients, with a large logit offset, a confident row and a small temperature."""
+    from chunked_entropy import _triton
+
+    monkeypatch.setattr(_triton, "MAX_TILE", 16)  # 16-column tiles: 512 columns are 32 tiles, 4 parts a row
+    g = torch.Generator().manual_seed(11)
+    z0 = torch.randn(2, 512, generator=g, dtype=torch.float64) * 3
+    z0[0] += 1e4  # a large offset
+    z0[1, 7] += 60.0  # a confident row
+    labels = torch.tensor([5, 7])
+    ups = torch.randn(2, 2, generator=g, dtype=torch.float64)
+
+    def call(z, backend):
+        out = ce.log_probs_and_entropy(z, labels, temperature=0.5, chunking=ce.Chunking(2, backend=backend))
+        total = (out.log_probs * ups[0].to(out.log_probs.dtype)).sum() + (out.entropy * ups[1].to(
+            out.entropy.dtype)).sum()
+        return out.log_probs, out.entropy, *torch.autograd.grad(total, [z])
+
+    z = z0.to(dtype).requires_grad_()
+    with cuda_branch() as log:
+        got = call(z, "auto")
+    assert _triton._parts(2, 512, 16, torch.device("cpu")) == 4
+    assert log.ops["triton_stats"] == 1 and log.ops["triton_merge_parts"] == 1 and log.ops["triton_grad"] == 1, \
+        log.ops
+    assert log.triton_launches == 3
+    want = call(z0.to(dtype).double().requires_grad_(), "eager")
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2**-7, atol=1e-5)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a.double(), b, **tol)
+
+
 # ----------------------------------------------------------------------------- issue 44's figures
 
 
@@ -183,7 +219,14 @@ def _bits(env=None) -> dict:
 
 def test_results_bit_for_bit_those_before_the_data_path_work():
     """Every case of :mod:`tests.bits_cases` (eager and compiled kernels, the CPU and CUDA branches; the Triton
-    kernels through the interpreter where it runs) against the digests the tree before the work wrote."""
+    kernels through the interpreter where it runs) against the digests the tree before the data-path work
+    (``wip-gpudata``) wrote: integ's first parent of "Merge branch 'wip-gpudata' into integ" (a5a367a), with
+    the other branches' intended changes in. Regenerated there: a worktree of a5a367a with this tree's
+    ``tests/bits_cases.py`` copied in (it needs nothing else: no ``chunked_entropy.testing``; it patches
+    ``_autograd.casts_in_kernel`` only where it exists), ``TRITON_INTERPRET=1 python tests/bits_cases.py``.
+    Against 22568fa's digests only the five bf16 fused-loss cases over the whole vocabulary differ there (the
+    fused loss's three-GEMM-pass walk rounds the weight gradient once); every other case, the Triton ones
+    included, is 22568fa's."""
     want = json.loads((ROOT / "tests" / "data" / "gpu_path_bits.json").read_text())
     env = {"TRITON_INTERPRET": "1"} if _triton_importable() else {}
     got = _bits(env)
