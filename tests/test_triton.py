@@ -450,7 +450,7 @@ def test_auto_never_runs_divergence_kernels_that_compute_wrongly(wrong, monkeypa
 def _pair_math(kind):
     from chunked_entropy import Divergence
 
-    return (kind if isinstance(kind, Divergence) else Divergence(kind)).spec.math
+    return (kind if isinstance(kind, Divergence) else Divergence(kind)).math
 
 
 @needs_triton
