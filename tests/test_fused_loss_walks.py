@@ -23,7 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import chunked_entropy._logit_blocks as blocks
 import chunked_entropy.config as config
 from chunked_entropy import ChunkedEntropyConfig, Chunking, OutputLayer, PolicyLoss, linear_policy_loss, losses
-from tests.helpers import run_distributed
+from tests.helpers import LivePeak, run_distributed
 
 aten = torch.ops.aten
 _MATMULS = {aten.mm: (0, 1), aten.addmm: (1, 2), aten.addmm_: (1, 2)}
@@ -317,43 +317,6 @@ def test_the_budget_is_a_setting_of_chunking():
     assert Chunking.from_config(cfg).max_working_bytes == 2**28
 
 
-class _LivePeak(TorchDispatchMode):
-    """The peak of the bytes held by the tensors ops make while the mode is on (each storage once, while any
-    tensor of it lives), on the CPU; ``tests/test_properties_models.py``'s measure."""
-
-    def __init__(self):
-        super().__init__()
-        self.refs, self.live, self.peak = {}, 0, 0
-
-    def _drop(self, key):
-        self.refs[key][1] -= 1
-        if self.refs[key][1] == 0:
-            self.live -= self.refs.pop(key)[0]
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        import weakref
-
-        from torch.utils._pytree import tree_leaves
-
-        out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
-        for t in tree_leaves(out):
-            if not isinstance(t, torch.Tensor):
-                continue
-            st = t.untyped_storage()
-            key, size = st.data_ptr(), st.nbytes()
-            if size == 0 or (key not in self.refs and key in inputs):
-                continue
-            if key in self.refs:
-                self.refs[key][1] += 1
-            else:
-                self.refs[key] = [size, 1]
-                self.live += size
-                self.peak = max(self.peak, self.live)
-            weakref.finalize(t, self._drop, key)
-        return out
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_the_plan_states_the_working_memory_the_walk_allocates(dtype):
     """The forward (where the fused loss forms every gradient) on the CPU, eager: what it allocates beyond its
@@ -362,7 +325,7 @@ def test_the_plan_states_the_working_memory_the_walk_allocates(dtype):
     b, t, h, v, chunk = 2, 32, 64, 2048, 16
     d = _data(dtype, b=b, t=t, h=h, v=v, seed=11)
     leaves = {k: d[k].clone().requires_grad_() for k in ("hidden", "weight", "bias")}
-    with _LivePeak() as peak:
+    with LivePeak() as peak:
         _loss_of(d, leaves, BIG, chunk=chunk)
     n = b * t
     grads = n * h * d["hidden"].element_size() + v * 4 + (0 if dtype != torch.float32 else v * h * 4)
@@ -530,7 +493,7 @@ def test_the_divergence_walk_stays_within_what_its_budget_counts(dtype, kind):
     ws, wt = ((torch.randn(v, h, generator=g) / 8).to(dtype) for _ in range(2))
     hs.requires_grad_()
     ws.requires_grad_()
-    with _LivePeak() as peak:
+    with LivePeak() as peak:
         linear_divergence_loss(hs, ws, ht, wt, divergence=Divergence("jsd", 0.4) if kind == "jsd" else kind,
                                chunking=Chunking(chunk))
     grads = n * h * hs.element_size() + (v * h * 4 if dtype == torch.float32 else 0)

@@ -15,13 +15,10 @@
 from __future__ import annotations
 
 import math
-import weakref
 
 import pytest
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from chunked_entropy import (
     Chunking,
@@ -36,7 +33,7 @@ from chunked_entropy import (
     log_probs_and_entropy,
     policy_loss_from_logits,
 )
-from tests.helpers import run_distributed
+from tests.helpers import LivePeak, run_distributed
 
 HALF = (torch.bfloat16, torch.float16)
 KINDS = [("forward_kl", None), ("reverse_kl", None)] + [("jsd", b) for b in (0.01, 0.1, 0.3, 0.5, 0.7, 0.9, 0.99)]
@@ -238,41 +235,6 @@ def test_zero_tokens_give_an_exact_zero_and_zero_gradients(dtype, scale):
 # ----------------------------------------------------------------------------- peak memory
 
 
-class _LivePeak(TorchDispatchMode):
-    """The peak of the bytes held by tensors that ops made while the mode is on (each storage once, until its
-    last tensor is gone): what a call allocates over its inputs, on the CPU."""
-
-    def __init__(self):
-        super().__init__()
-        self.refs, self.live, self.peak = {}, 0, 0
-
-    def _drop(self, key):
-        entry = self.refs[key]
-        entry[1] -= 1
-        if entry[1] == 0:
-            self.live -= entry[0]
-            del self.refs[key]
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
-        for t in tree_leaves(out):
-            if not isinstance(t, torch.Tensor):
-                continue
-            st = t.untyped_storage()
-            key, size = st.data_ptr(), st.nbytes()
-            if size == 0 or (key not in self.refs and key in inputs):  # a view of memory that existed before
-                continue
-            if key in self.refs:
-                self.refs[key][1] += 1
-            else:
-                self.refs[key] = [size, 1]
-                self.live += size
-                self.peak = max(self.peak, self.live)
-            weakref.finalize(t, self._drop, key)
-        return out
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 def test_the_forward_of_each_op_over_logits_holds_chunk_buffers_and_at_most_one_gradient(dtype):
     n, v, chunk = 256, 1024, 16
@@ -292,7 +254,7 @@ def test_the_forward_of_each_op_over_logits_holds_chunk_buffers_and_at_most_one_
     }
     for name, (fn, grad_in_forward) in ops.items():
         x = s.clone().requires_grad_()
-        with _LivePeak() as p:
+        with LivePeak() as p:
             fn(x)
         bound = 9 * block + n * row + (n * v * x.element_size() if grad_in_forward else 0)
         assert p.peak <= bound, (name, p.peak / (n * v * 4), bound / (n * v * 4))
