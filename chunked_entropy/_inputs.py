@@ -133,6 +133,7 @@ def prepare_tokens(
     top_k=None,
     logits: Optional[torch.Tensor] = None,
     mask_only: bool = False,
+    teacher_transform: Optional[Transform] = None,
 ) -> Tokens:
     """Check labels, mask and temperature against ``lead_shape``; build :class:`Tokens`.
 
@@ -147,7 +148,8 @@ def prepare_tokens(
     the op's raw logits where it has them, read by ``keep`` as the row's own
     filter. ``mask_only``: no label id means "no label" (``ignore_index`` is not
     read): ``label_mask`` alone says which labels count, each range-checked (the
-    policy losses, whose ``loss_mask`` does).
+    policy losses, whose ``loss_mask`` does). ``teacher_transform``: a divergence's second head, whose factors
+    the one temperature scales too (checked here with the student's: the temperature enters once).
     """
     if not isinstance(labels, torch.Tensor):
         raise TypeError(f"{labels_name} must be a torch.Tensor of int64 ids, got {type(labels).__name__}")
@@ -195,7 +197,9 @@ def prepare_tokens(
     local = flat - call.rank * v_local
     target = torch.where(valid & (local >= 0) & (local < v_local), local, -1)
     inv_t = prepare_temperature(temperature, lead_shape, device, dtype, call)
-    check_transform_scale(transform, inv_t, dtype, call)
+    for tf in (transform, teacher_transform):
+        if tf is not None:
+            check_transform_scale(tf, inv_t, dtype, call)
     call.agree("the vocabulary shard width (V_local)", v_local)
     call.agree(f"the token count ({labels_name}.numel())", flat.numel())
     call.agree("the compute dtype (bits: 32 for float32, 64 for float64)", torch.finfo(dtype).bits)

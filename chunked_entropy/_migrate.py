@@ -25,10 +25,10 @@ from typing import Optional
 
 import torch
 
-from ._call import group_of, refused_together
 from .losses.aggregation import Aggregation
 from .losses.policy_options import PolicyOptions
 from .options import Chunking, Divergence, OutputLayer, PolicyLoss, errors_named
+from .parallel import refused_together
 
 __all__ = ["accepts_01_keywords"]
 
@@ -140,7 +140,8 @@ def _group_in(args: tuple, kw: dict):
     """The group of a call (0.1's ``process_group=``, or a layer's), for sharing a refusal with its ranks."""
     if kw.get("process_group") is not None:
         return kw["process_group"]
-    return next((group_of(v) for v in (*args, *kw.values()) if group_of(v) is not None), None)
+    layers = (v for v in (*args, *kw.values()) if isinstance(v, OutputLayer) and v.process_group is not None)
+    return next((v.process_group for v in layers), None)
 
 
 def _targets(table: dict, key: str) -> set:

@@ -16,33 +16,32 @@ from typing import Optional, Union
 
 import torch
 
-from ._autograd import once_differentiable
-from ._call import agree_objects, group_of, plan_for, refused_together, settings
-from ._checks import check_flag
-from ._dtensor import dtensor_hidden_op
-from ._inputs import Rows, Tokens, check_ignore_index, compute_dtype, prepare_tokens
+from ._call import (
+    Chunking,
+    OutputLayer,
+    Rows,
+    RowsOf,
+    RowStats,
+    Tokens,
+    dtensor_hidden_op,
+    main_grad_result,
+    once_differentiable,
+    op,
+    prepare,
+)
 from ._logit_blocks import (
-    check_linear_args,
     full_hidden,
     grad_rows_for,
     grad_vocab_block,
     linear_filler,
     linear_grads,
     linear_row_stats,
-    linear_settings,
     live_group,
-    main_grad_of,
-    main_grad_result,
     reduce_hidden_grad,
     weak_group,
 )
 from ._loop import Plan, grad_blocks
-from ._migrate import accepts_01_keywords
 from ._outputs import LogProbsEntropy, empty_outputs, pack_outputs, run_outputs, split_grads, without_labels
-from ._rows import check_full_shape, kept_rows, parse_kept, put_rows, select_rows, take_keep, take_rows
-from ._stats import RowStats, Want
-from .options import Chunking, OutputLayer
-from .parallel import agreed_call
 
 __all__ = ["linear_log_probs_and_entropy"]
 
@@ -99,8 +98,7 @@ class _HeadFunction(torch.autograd.Function):
         return grad_hidden, grad_weight, grad_bias, None, None, None
 
 
-@accepts_01_keywords("linear_log_probs_and_entropy")
-@dtensor_hidden_op()
+@op("linear_log_probs_and_entropy", front=dtensor_hidden_op(), rows=RowsOf("hidden", ("labels", "label_mask")))
 def linear_log_probs_and_entropy(
     hidden: torch.Tensor,
     layer: Union[OutputLayer, torch.Tensor],
@@ -242,90 +240,16 @@ def linear_log_probs_and_entropy(
         (under sequence parallelism the ``[S, B, H]`` gather is made once,
         outside the chunk loop), and a ``[tokens, H]`` hidden gradient.
     """
-    with refused_together(group_of(layer)):
-        layer, chunking = settings(layer, chunking)
-        kept = parse_kept(rows)
-    weight, bias, process_group, sequence_parallel = layer.weight, layer.bias, layer.process_group, \
-        layer.sequence_parallel
-    if kept is not None:
-        return _kept_call(hidden, layer, labels, kept[1], label_mask, ignore_index, temperature, keep, log_probs_at,
-                          dict(chunking=chunking, compute_entropy=compute_entropy, ignore_index=ignore_index,
-                               compute_sum_pi_squared=compute_sum_pi_squared, entropy_of=entropy_of, top_k=top_k))
-    if rows is not None:
-        hidden = select_rows(rows, hidden, process_group=process_group, sequence_parallel=sequence_parallel,
-                             labels=labels, label_mask=label_mask, log_probs_at=log_probs_at,
-                             keep=keep if isinstance(keep, torch.Tensor) else None)
-        sequence_parallel = False
-        layer = layer.replace(sequence_parallel=False)
-    with agreed_call(process_group) as call:  # every rank validates; a refused call raises on all of them
-        no_labels = labels is None and (log_probs_at is not None or top_k is not None)
-        lead = check_linear_args(hidden, weight, bias, _lead_labels(hidden, labels, no_labels, call.world,
-                                                                    sequence_parallel),
-                                 call.world, sequence_parallel, chunking.vocab_chunk_size)
-        want = Want(check_flag("compute_entropy", compute_entropy),
-                    check_flag("compute_sum_pi_squared", compute_sum_pi_squared))
-        v_local = weight.shape[0]
-        cdt = compute_dtype(weight.dtype)
-        main_grad = main_grad_of(weight, layer.gradient_accumulation_fusion)
-        grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
-        plan = plan_for(layer, chunking, lead=lead, want=want, device=hidden.device)
-        if no_labels:
-            labels = torch.full(lead, ignore_index, dtype=torch.int64, device=hidden.device)
-        tok = prepare_tokens(
-            labels, lead, v_local, call=call, label_mask=label_mask, ignore_index=ignore_index,
-            temperature=temperature, device=hidden.device, dtype=cdt, transform=layer.transform,
-            keep=keep, entropy_of=entropy_of, log_probs_at=log_probs_at, top_k=top_k,
-        )
-        call.agree_all(linear_settings(hidden, weight, bias, plan, grads))
-        agree_objects(call, layer=layer, chunking=chunking)
+    p = prepare(hidden, layer, labels, chunking=chunking, temperature=temperature, label_mask=label_mask,
+                ignore_index=ignore_index, compute_entropy=compute_entropy,
+                compute_sum_pi_squared=compute_sum_pi_squared, keep=keep, entropy_of=entropy_of,
+                log_probs_at=log_probs_at, top_k=top_k)
+    tok, plan, weight, bias = p.tok, p.plan, p.layer.weight, p.layer.bias
     if tok.n == 0:
-        return without_labels(empty_outputs(labels.shape, want, cdt, hidden.device, [hidden, weight, bias], tok.at),
-                              no_labels)
-
-    def forward():
-        return linear_row_stats(full_hidden(hidden, plan), weight, bias, tok, plan)
-
+        return without_labels(empty_outputs(tok.shape, p.want, p.cdt, hidden.device, [hidden, weight, bias], tok.at),
+                              p.no_labels)
     return without_labels(run_outputs(
-        lambda: _HeadFunction.apply(hidden, weight, bias, tok, plan, main_grad), forward, tok, want, labels.shape,
-        grads,
-    ), no_labels)
-
-
-def _kept_call(hidden, layer: OutputLayer, labels, count, label_mask, ignore_index, temperature, keep, log_probs_at,
-               kw) -> LogProbsEntropy:
-    """``rows="kept"``: the call on the kept rows, its outputs back in the labels' shape (zero elsewhere).
-    A refusal of the labels, the mask, the count or the kept sets reaches every rank of the group."""
-    group, sequence_parallel = layer.process_group, layer.sequence_parallel
-    with refused_together(group):
-        if not isinstance(labels, torch.Tensor):
-            raise TypeError("rows='kept' selects the rows by their labels: pass labels (an int64 tensor)")
-        check_full_shape("labels", labels, hidden, group, sequence_parallel)
-        if isinstance(label_mask, torch.Tensor) and label_mask.shape != labels.shape:
-            raise ValueError(f"label_mask must have the labels' shape {tuple(labels.shape)}, got "
-                             f"{tuple(label_mask.shape)}")
-        valid = labels != check_ignore_index(ignore_index)
-        if isinstance(label_mask, torch.Tensor) and label_mask.device == labels.device:
-            valid = valid & label_mask.to(torch.bool)
-        lead = labels.shape
-        idx, require = kept_rows(valid, count)
-        labels, label_mask, keep, log_probs_at = (take_rows(labels, lead, idx), take_rows(label_mask, lead, idx),
-                                                  take_keep(keep, lead, idx), take_rows(log_probs_at, lead, idx))
-        temperature = take_rows(temperature, lead, idx)
-    hidden = select_rows(idx, hidden, process_group=group, sequence_parallel=sequence_parallel, require=require,
-                         labels=labels, label_mask=label_mask, log_probs_at=log_probs_at,
-                         keep=keep if isinstance(keep, torch.Tensor) else None)
-    out = linear_log_probs_and_entropy(
-        hidden, layer.replace(sequence_parallel=False), labels, label_mask=label_mask,
-        temperature=temperature, keep=keep, log_probs_at=log_probs_at, **kw)
-    return LogProbsEntropy(*(put_rows(t, lead, idx) for t in (out.log_probs, out.entropy, out.sum_pi_squared,
-                                                              out.log_probs_at, out.top_k_ids, out.top_k_log_probs)))
-
-
-def _lead_labels(hidden, labels, no_labels: bool, world: int, sequence_parallel: bool):
-    """The labels to check the shapes with: without labels (distillation only), a stand-in of the right shape."""
-    if not no_labels or not isinstance(hidden, torch.Tensor) or hidden.dim() < 1:
-        return labels
-    lead = tuple(hidden.shape[:-1])
-    if sequence_parallel and hidden.dim() >= 2:
-        lead = (hidden.shape[0] * world,) + lead[1:]
-    return torch.empty(lead, dtype=torch.int64, device=hidden.device)
+        lambda: _HeadFunction.apply(hidden, weight, bias, tok, plan, p.main_grad),
+        lambda: linear_row_stats(full_hidden(hidden, plan), weight, bias, tok, plan),
+        tok, p.want, tok.shape, p.grads,
+    ), p.no_labels)

@@ -11,20 +11,10 @@ from typing import Optional, Union
 
 import torch
 
-from ._autograd import once_differentiable
-from ._call import agree_objects, group_of, refused_together, settings
-from ._checks import check_flag, check_float
-from ._dtensor import dtensor_logits_op
-from ._inputs import Tokens, compute_dtype, dtype_code, prepare_tokens
-from ._kernels import use_compiled
-from ._logit_blocks import logits_plan, logits_row_stats, logits_source
+from ._call import Chunking, OutputLayer, RowsOf, RowStats, Tokens, dtensor_logits_op, once_differentiable, op, prepare
+from ._logit_blocks import logits_row_stats, logits_source
 from ._loop import Plan, grad_blocks
-from ._migrate import accepts_01_keywords
 from ._outputs import LogProbsEntropy, empty_outputs, pack_outputs, run_outputs, split_grads, without_labels
-from ._rows import select_logit_rows
-from ._stats import RowStats, Want
-from .options import Chunking, OutputLayer, check_layer_width
-from .parallel import agreed_call
 
 
 class _LogitsFunction(torch.autograd.Function):
@@ -72,8 +62,7 @@ class _LogitsFunction(torch.autograd.Function):
         return grad, None, None
 
 
-@accepts_01_keywords("log_probs_and_entropy")
-@dtensor_logits_op()
+@op("log_probs_and_entropy", front=dtensor_logits_op(), rows=RowsOf("logits", ("labels", "label_mask"), logits=True))
 def log_probs_and_entropy(
     logits: torch.Tensor,
     labels: torch.Tensor,
@@ -233,41 +222,15 @@ def log_probs_and_entropy(
     the logits' gradient summed over repeats and zero on the other rows; one
     ``[M, V_local]`` gather of the selected logit rows.
     """
-    with refused_together(group_of(layer)):
-        layer, chunking = settings(layer, chunking, logits=True)
-    process_group = layer.process_group
-    if rows is not None:
-        logits = select_logit_rows(rows, logits, process_group, labels=labels, label_mask=label_mask,
-                                   log_probs_at=log_probs_at, keep=keep if isinstance(keep, torch.Tensor) else None)
-    with agreed_call(process_group) as call:  # every rank validates; a refused call raises on all of them
-        check_float("logits", logits)
-        if logits.dim() < 1 or logits.shape[-1] < 1:
-            raise ValueError(f"logits must be [..., V_local] with V_local >= 1, got shape {tuple(logits.shape)}")
-        check_layer_width(layer, logits.shape[-1])
-        want = Want(check_flag("compute_entropy", compute_entropy),
-                    check_flag("compute_sum_pi_squared", compute_sum_pi_squared))
-        chunk_size = chunking.resolve(logits.shape[-1], buffers=1 + want.scratch)
-        plan = logits_plan(chunk_size, logits.shape[-1], process_group, want,
-                           use_compiled(chunking.backend, logits.device))
-        cdt = compute_dtype(logits.dtype)
-        grads = torch.is_grad_enabled() and logits.requires_grad
-        no_labels = labels is None and (log_probs_at is not None or top_k is not None)
-        if no_labels:  # distillation only: every label is "no label"
-            labels = torch.full(logits.shape[:-1], ignore_index, dtype=torch.int64, device=logits.device)
-        tok = prepare_tokens(
-            labels, logits.shape[:-1], logits.shape[-1], call=call, label_mask=label_mask,
-            ignore_index=ignore_index, temperature=temperature, device=logits.device, dtype=cdt,
-            transform=layer.transform, keep=keep, entropy_of=entropy_of,
-            log_probs_at=log_probs_at, top_k=top_k, logits=logits,
-        )
-        agree_objects(call, layer=layer, chunking=chunking)
-        call.agree_all({"compute_entropy": want.entropy,
-                        "compute_sum_pi_squared": want.sum_pi_squared, "logits.requires_grad": grads,
-                        "logits.dtype (0 float32, 1 bfloat16, 2 float16, 3 float64)": dtype_code(logits.dtype)})
+    p = prepare(logits, layer, labels, chunking=chunking, logits=True, temperature=temperature, label_mask=label_mask,
+                ignore_index=ignore_index, compute_entropy=compute_entropy,
+                compute_sum_pi_squared=compute_sum_pi_squared, keep=keep, entropy_of=entropy_of,
+                log_probs_at=log_probs_at, top_k=top_k)
+    tok, want = p.tok, p.want
     if tok.n == 0:
-        return without_labels(empty_outputs(labels.shape, want, cdt, logits.device, [logits], tok.at), no_labels)
+        return without_labels(empty_outputs(tok.shape, want, p.cdt, logits.device, [logits], tok.at), p.no_labels)
     return without_labels(run_outputs(
-        lambda: _LogitsFunction.apply(logits, tok, plan),
-        lambda: logits_row_stats(logits, tok, plan),
-        tok, want, labels.shape, grads,
-    ), no_labels)
+        lambda: _LogitsFunction.apply(logits, tok, p.plan),
+        lambda: logits_row_stats(logits, tok, p.plan),
+        tok, want, tok.shape, p.grads,
+    ), p.no_labels)
