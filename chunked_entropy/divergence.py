@@ -30,57 +30,44 @@ argument, :func:`~chunked_entropy._logit_blocks.main_grad_of`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import NamedTuple, Optional, Union
 
 import torch
 
-from ._autograd import once_differentiable
 from ._call import (
-    agree_objects,
+    Chunking,
+    Divergence,
+    OutputLayer,
+    Rows,
+    RowsOf,
+    RowStats,
+    Teacher,
+    Tokens,
     apply_or_forward,
-    group_of,
+    compute_dtype,
+    dtensor_hidden_op,
+    dtensor_logits_op,
     loss_grads,
-    plan_for,
-    refused_together,
+    main_grad_result,
+    once_differentiable,
+    op,
+    prepare,
     save_loss_grads,
     zeros_connected,
 )
-from ._checks import check_device, check_flag, check_float, float_bits, is_finite_real, value_repr
 from ._divergence import PairRows
-from ._dtensor import dtensor_hidden_op, dtensor_logits_op
-from ._inputs import (
-    Rows,
-    Tokens,
-    check_ignore_index,
-    check_transform_scale,
-    compute_dtype,
-    dtype_code,
-    prepare_tokens,
-)
-from ._kernels import use_compiled
 from ._logit_blocks import (
-    check_head,
     full_hidden,
     grad_vocab_block,
     linear_filler,
     linear_grads,
     live_group,
-    logits_plan,
     logits_source,
-    main_grad_of,
-    main_grad_result,
     reduce_hidden_grad,
-    three_pass_plan,
-    token_shape,
     weak_group,
 )
 from ._loop import Plan, new_pair_rows, new_row_stats, pair_grad_blocks, pair_loss_grad_blocks, pair_row_stats
-from ._migrate import accepts_01_keywords
-from ._rows import kept_rows, parse_kept, put_rows, select_logit_rows, select_rows, take_rows
-from ._stats import RowStats, Transform, Want
-from .options import Chunking, Divergence, OutputLayer, as_chunking, as_divergence, as_layer, check_layer_width
-from .parallel import agreed_call, all_gather_dim0, fingerprint_floats, group_rank_size
 
 __all__ = [
     "DivergenceLoss",
@@ -93,6 +80,12 @@ __all__ = [
 
 #: The default chunk of the two-head walks: a quarter of the fused head's (four blocks are live).
 PAIR_CHUNK = 256
+
+_PAIRS = (("student_hidden", "student_layer"), ("teacher_hidden", "teacher_layer"))
+_LAYERS = ("student_layer", "teacher_layer")
+#: What ``rows=`` reads of the divergences over hidden states: the student's rows, the teacher's at them.
+_ROWS = RowsOf("student_hidden", ("labels", "label_mask", "weights"), tails=("teacher_hidden",), layers=_LAYERS,
+               kept="pair", default=Chunking(PAIR_CHUNK))
 
 
 class DivergenceOutputs(NamedTuple):
@@ -114,132 +107,20 @@ class DivergenceLoss(NamedTuple):
     entropy: Optional[torch.Tensor] = None
 
 
-@dataclass(frozen=True)
-class _Teacher:
-    """The teacher's side of a call: detached tensors and its transform (no gradient ever flows here)."""
-
-    source: object  # the filled rows: hidden states (full sequence) or logits
-    weight: Optional[torch.Tensor]
-    bias: Optional[torch.Tensor]
-    transform: Transform
-    float32_logits: bool = False  # the teacher's own resolution of logits_dtype (a half-precision teacher's)
-
-
-
-
-def _all_finite(t: torch.Tensor) -> torch.Tensor:
-    """Whether ``t`` holds no NaN or inf, as a 0-d bool tensor (no host sync), from one min-max reduction:
-    no temporary of ``t``'s size (``torch.isfinite(t).all()`` makes three, one of them float). NaN
-    propagates through both extremes, and an infinity is one of them."""
-    if t.numel() == 0:
-        return torch.ones((), dtype=torch.bool, device=t.device)
-    lo, hi = torch.aminmax(t)
-    return torch.isfinite(lo) & torch.isfinite(hi)
-
-
-def _loss_weights(call, tok: Tokens, valid, *, reduction, normalizer, weights, cdt, device) -> torch.Tensor:
-    """The loss form's per-token weights ``w_i`` (see :func:`linear_divergence_loss`), its arguments checked
-    inside the call's agreement: each rank records ``reduction``, the normalizer's value and the weights'
-    presence and digest, so that a bad or different value on one rank is refused on every rank."""
-    if reduction not in ("mean", "sum"):
-        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
-    w = valid.to(cdt)
-    if weights is not None:
-        check_float("weights", weights)
-        if weights.shape != tok.shape:
-            raise ValueError(f"weights must have the tokens' shape {tuple(tok.shape)}, got {tuple(weights.shape)}")
-        check_device("weights", weights, device, "student_hidden")
-        w = w * weights.detach().reshape(-1).to(dtype=cdt)
-    if normalizer is None:
-        norm = (0, 0, 0)
-        if reduction == "mean":
-            w = w / valid.sum().clamp(min=1).to(cdt)
-    elif isinstance(normalizer, torch.Tensor):
-        if normalizer.dtype == torch.bool or normalizer.is_complex():
-            raise TypeError(f"normalizer must be a number > 0 or a real 0-d tensor, got {normalizer.dtype}")
-        if normalizer.dim() != 0:
-            raise ValueError(f"normalizer must be a number > 0 or a 0-d tensor (one value for every token), "
-                             f"got a tensor of shape {tuple(normalizer.shape)}")
-        if normalizer.device != device and normalizer.device.type != "cpu":  # a CPU scalar is read from anywhere
-            check_device("normalizer", normalizer, device, "student_hidden")
-        nz = normalizer.detach().to(device=device, dtype=cdt)
-        call.require(torch.isfinite(nz) & (nz > 0), "normalizer must be a number > 0 or a 0-d tensor holding one, "
-                     "got a tensor holding 0, a negative value, NaN or inf")
-        w = w / nz
-        norm = (2, *fingerprint_floats(nz)) if call.world > 1 else (2, 0, 0)
-    elif is_finite_real(normalizer) and normalizer > 0:
-        w = w / float(normalizer)
-        norm = (1, float_bits(normalizer), 0)
-    else:
-        raise ValueError(f"normalizer must be a number > 0 or a 0-d tensor, got {value_repr(normalizer)}")
-    call.agree("reduction (0 mean, 1 sum)", ("mean", "sum").index(reduction))
-    call.agree("normalizer (kind 0 None, 1 a number, 2 a tensor; its value)", norm)
-    call.agree("weights is not None", weights is not None)
-    if call.world > 1:  # agreed whether given or not: a rank without weights is named, not a "different call"
-        call.agree("weights (their values)", fingerprint_floats(weights))
-    return w
-
-
-def _one_group(student: OutputLayer, teacher: OutputLayer) -> tuple:
-    """Both heads' vocabularies are sharded over one group, with one sequence-parallel layout."""
-    if student.process_group is not teacher.process_group:
-        raise ValueError("student_layer.process_group and teacher_layer.process_group must be the same group (both "
-                         "vocabularies are sharded the same way over it)")
-    if student.sequence_parallel != teacher.sequence_parallel:
-        raise ValueError(f"student_layer.sequence_parallel ({student.sequence_parallel}) and "
-                         f"teacher_layer.sequence_parallel ({teacher.sequence_parallel}) must agree: both hidden "
-                         "states arrive split the same way")
-    return student.process_group, student.sequence_parallel
-
-
-def _check_same_tokens(student, teacher, what: str) -> None:
-    """The two models' inputs must describe the same tokens and the same vocabulary shard."""
-    if teacher.shape[:-1] != student.shape[:-1]:
-        raise ValueError(
-            f"teacher_{what} must have the leading shape of student_{what}, {tuple(student.shape[:-1])} "
-            f"(the same tokens), got {tuple(teacher.shape[:-1])}"
-        )
-    check_device(f"teacher_{what}", teacher, student.device, f"student_{what}")
-
-
-def _prepare(call, lead, labels, *, v_local, label_mask, ignore_index, temperature, tf_s, tf_t, device, cdt,
-             teacher_values, teacher_name):
-    """Tokens (the student's labels and temperatures, checked as the other ops check them), the rows the
-    divergence counts, and the teacher's checks; every rank records what it must agree on."""
-    no_labels = labels is None
-    if no_labels:  # every row unlabelled: ignore_index checked first, as prepare_tokens checks it
-        labels = torch.full(tuple(lead), check_ignore_index(ignore_index), dtype=torch.int64, device=device)
-    tok = prepare_tokens(labels, lead, v_local, call=call, label_mask=label_mask, ignore_index=ignore_index,
-                         temperature=temperature, device=device, dtype=cdt, transform=tf_s)
-    if no_labels:
-        valid = (torch.ones(tok.n, dtype=torch.bool, device=device) if label_mask is None
-                 else label_mask.reshape(-1).to(device=device, dtype=torch.bool))
-    else:
-        valid = tok.valid
-    check_transform_scale(tf_t, tok.inv_t, cdt, call)
-    call.require(_all_finite(teacher_values),
-                 f"{teacher_name} must be finite (no NaN or inf): a teacher's NaN would poison every divergence")
-    call.agree("teacher_softcap", float_bits(tf_t.softcap))
-    call.agree("teacher_logit_scale", float_bits(tf_t.logit_scale))
-    if call.world > 1:
-        call.agree("label_mask (the rows the divergence counts)", fingerprint_floats(valid.to(torch.float32)))
-    return tok, valid, no_labels
-
-
-def _pair_results(tok: Tokens, stats: RowStats, pair: PairRows, valid, want: Want):
+def _pair_results(tok: Tokens, stats: RowStats, pair: PairRows, valid, want):
     div = torch.where(valid, pair.div, 0.0)
     lp = torch.where(tok.valid, stats.log_probs(), 0.0)
     ent = stats.entropy() if want.entropy else torch.zeros_like(div)
     return div, lp, ent
 
 
-def _walk(tok, teacher_fill, spec, fill, *, width, plan: Plan, teacher: _Teacher, dtype, device) -> tuple:
+def _walk(tok, teacher_fill, spec, fill, *, width, plan: Plan, teacher: Teacher, dtype, device) -> tuple:
     """The statistics walk, :func:`~chunked_entropy._loop.pair_row_stats`: ``(stats, pair)``."""
     return pair_row_stats(tok, teacher.transform, spec, fill, teacher_fill, plan, width=width, dtype=dtype,
                           device=device)
 
 
-def _teacher_fill(teacher: _Teacher, plan: Plan):
+def _teacher_fill(teacher: Teacher, plan: Plan):
     return linear_filler(Rows(teacher.source), teacher.weight, teacher.bias, teacher.float32_logits)
 
 
@@ -254,7 +135,7 @@ def _rows_from_saved(t) -> tuple:
 
 class _LinearDivergenceFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, teacher: _Teacher, tok: Tokens, plan: Plan, spec, valid, main_grad=None):
+    def forward(ctx, hidden, weight, bias, teacher: Teacher, tok: Tokens, plan: Plan, spec, valid, main_grad=None):
         h_full = full_hidden(hidden, plan)
         cdt = compute_dtype(weight.dtype)
         stats, pair = _walk(tok, _teacher_fill(teacher, plan), spec,
@@ -307,7 +188,7 @@ class _LinearDivergenceFunction(torch.autograd.Function):
 
 class _LinearDivergenceLossFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, teacher: _Teacher, tok: Tokens, plan: Plan, spec, weights, main_grad=None,
+    def forward(ctx, hidden, weight, bias, teacher: Teacher, tok: Tokens, plan: Plan, spec, weights, main_grad=None,
                 three_pass: Optional[Plan] = None):
         need = ctx.needs_input_grad[:3]
         h_full = full_hidden(hidden, plan)
@@ -355,72 +236,7 @@ class _LinearDivergenceLossFunction(torch.autograd.Function):
         return *loss_grads(ctx, g), None, None, None, None, None, None, None
 
 
-def _linear_call(student_hidden, student: OutputLayer, teacher_hidden, teacher: OutputLayer, *,
-                 divergence: Divergence, chunking: Chunking, labels, temperature, label_mask, ignore_index,
-                 compute_entropy, loss: Optional[dict] = None):
-    """Check everything (every rank agreeing) and prepare: ``(tok, plan, spec, teacher, valid, no_labels, grads,
-    w)``. ``loss``: the loss form's ``reduction``, ``normalizer`` and ``weights`` (``w``, its per-token weights,
-    is None without)."""
-    with refused_together(student.process_group):
-        process_group, sequence_parallel = _one_group(student, teacher)
-    student_weight, student_bias, teacher_weight, teacher_bias = student.weight, student.bias, teacher.weight, \
-        teacher.bias
-    with agreed_call(process_group) as call:
-        compute_entropy = check_flag("compute_entropy", compute_entropy)
-        float32 = check_head(student_hidden, student_weight, student_bias, "student_", student.logits_dtype)
-        float32_t = check_head(teacher_hidden, teacher_weight, teacher_bias, "teacher_", teacher.logits_dtype)
-        _check_same_tokens(student_hidden, teacher_hidden, "hidden")
-        if teacher_weight.shape[0] != student_weight.shape[0]:
-            raise ValueError(
-                f"teacher_weight has {teacher_weight.shape[0]} vocabulary rows but student_weight has "
-                f"{student_weight.shape[0]}: the divergence needs one vocabulary, sharded the same way "
-                "(rank r holds ids [r*V_local, (r+1)*V_local) of both heads)"
-            )
-        if teacher_weight.device != student_weight.device:
-            raise ValueError(f"teacher_weight is on {teacher_weight.device} but student_weight is on "
-                             f"{student_weight.device}")
-        lead = token_shape(student_hidden, call.world, sequence_parallel, name="student_hidden")
-        v_local = student_weight.shape[0]
-        cdt = compute_dtype(student_weight.dtype)
-        tf_s, tf_t = student.transform, teacher.transform
-        tok, valid, no_labels = _prepare(
-            call, lead, labels, v_local=v_local, label_mask=label_mask, ignore_index=ignore_index,
-            temperature=temperature, tf_s=tf_s, tf_t=tf_t, device=student_hidden.device, cdt=cdt,
-            teacher_values=teacher_hidden, teacher_name="teacher_hidden",
-        )
-        for name, t in (("teacher_layer.weight", teacher_weight), ("teacher_layer.bias", teacher_bias)):
-            if t is not None:  # as teacher_hidden: a teacher's NaN would poison every divergence
-                call.require(_all_finite(t), f"{name} must be finite (no NaN or inf): a teacher's NaN would poison "
-                             "every divergence")
-        plan = plan_for(student, chunking, lead=lead, want=Want(compute_entropy, False), device=student_hidden.device,
-                        buffers=4, pair=divergence.math)
-        main_grad = main_grad_of(student_weight, student.gradient_accumulation_fusion)
-        grads = torch.is_grad_enabled() and any(
-            t is not None and t.requires_grad for t in (student_hidden, student_weight, student_bias))
-        call.agree_all({
-            "chunk_size": plan.chunk_size, "vocab_chunk_size": plan.vocab_chunk_size,
-            "compute_entropy": compute_entropy,
-            "sequence_parallel": sequence_parallel,
-            "student_hidden.shape[0] (sequence-parallel slice)": student_hidden.shape[0],
-            "the student's hidden size (student_weight.shape[1])": student_weight.shape[1],
-            "the teacher's hidden size (teacher_weight.shape[1])": teacher_weight.shape[1],
-            "student_weight.dtype (0 float32, 1 bfloat16, 2 float16, 3 float64)": dtype_code(student_weight.dtype),
-            "teacher_weight.dtype (0 float32, 1 bfloat16, 2 float16, 3 float64)": dtype_code(teacher_weight.dtype),
-            "student_bias is not None": student_bias is not None, "teacher_bias is not None": teacher_bias is not None,
-            "whether gradients are computed": grads, "logits_dtype (1: float32 blocks)": float32,
-            "the teacher's logits_dtype (1: float32 blocks)": float32_t,
-            "student_hidden.requires_grad (under grad mode)": bool(grads and student_hidden.requires_grad),
-            "the loss form": loss is not None,
-        })
-        agree_objects(call, student_layer=student, teacher_layer=teacher, chunking=chunking, divergence=divergence)
-        w = None if loss is None else _loss_weights(call, tok, valid, cdt=cdt, device=student_hidden.device, **loss)
-    teacher = _Teacher(full_hidden(teacher_hidden.detach(), plan), teacher_weight.detach(),
-                       None if teacher_bias is None else teacher_bias.detach(), tf_t, float32_t)
-    return tok, plan, divergence, teacher, valid, no_labels, grads, w, main_grad
-
-
-@accepts_01_keywords("linear_divergence", chunking=Chunking(PAIR_CHUNK))
-@dtensor_hidden_op(pairs=(("student_hidden", "student_layer"), ("teacher_hidden", "teacher_layer")))
+@op("linear_divergence", front=dtensor_hidden_op(pairs=_PAIRS), rows=_ROWS, chunking=Chunking(PAIR_CHUNK))
 def linear_divergence(
     student_hidden: torch.Tensor,
     student_layer: Union[OutputLayer, torch.Tensor],
@@ -505,86 +321,22 @@ def linear_divergence(
         model exists. Inputs are never written. Under a process group, forward makes three collectives per
         chunk (two for a KL with ``vocab_chunk_size``), backward none per chunk.
     """
-    with refused_together(group_of(student_layer)):
-        student_layer = as_layer(student_layer, "student_layer")
-        teacher_layer = as_layer(teacher_layer, "teacher_layer")
-        divergence, chunking = as_divergence(divergence), as_chunking(chunking, default=Chunking(PAIR_CHUNK))
-    if rows is not None:
-        return _rows_call(linear_divergence, dict(locals()))
-    student_weight, student_bias = student_layer.weight, student_layer.bias
-    tok, plan, spec, teacher, valid, no_labels, grads, _, main_grad = _linear_call(
-        student_hidden, student_layer, teacher_hidden, teacher_layer, divergence=divergence, chunking=chunking,
-        labels=labels, temperature=temperature, label_mask=label_mask, ignore_index=ignore_index,
-        compute_entropy=compute_entropy,
-    )
-    if tok.n == 0:
-        z = zeros_connected(tok.shape, compute_dtype(student_weight.dtype), student_hidden.device, grads,
-                            student_hidden, student_weight, student_bias)
-        return DivergenceOutputs(z, None if no_labels else z, z if compute_entropy else None)
-    div, lp, ent = apply_or_forward(_LinearDivergenceFunction, student_hidden, student_weight, student_bias, teacher,
-                                    tok, plan, spec, valid, main_grad, grads=grads)
-    shape = tuple(tok.shape)
-    return DivergenceOutputs(div.view(shape), None if no_labels else lp.view(shape),
-                             ent.view(shape) if compute_entropy else None)
+    p = prepare(student_hidden, student_layer, labels, chunking=chunking, default=Chunking(PAIR_CHUNK),
+                temperature=temperature, label_mask=label_mask, ignore_index=ignore_index,
+                compute_entropy=compute_entropy, teacher=teacher_hidden, teacher_layer=teacher_layer,
+                divergence=divergence)
+    weight, bias, shape = p.layer.weight, p.layer.bias, tuple(p.tok.shape)
+    if p.tok.n == 0:
+        z = zeros_connected(shape, p.cdt, student_hidden.device, p.grads, student_hidden, weight, bias)
+        return DivergenceOutputs(z, None if p.no_labels else z, z if p.want.entropy else None)
+    div, lp, ent = apply_or_forward(_LinearDivergenceFunction, student_hidden, weight, bias, p.teacher, p.tok, p.plan,
+                                    p.divergence, p.valid, p.main_grad, grads=p.grads)
+    return DivergenceOutputs(div.view(shape), None if p.no_labels else lp.view(shape),
+                             ent.view(shape) if p.want.entropy else None)
 
 
-def _rows_call(op, a: dict):
-    """``op`` (:func:`linear_divergence` or its loss form) with ``a["rows"]``: an index selects the student's
-    rows (:func:`~chunked_entropy._rows.select_rows`); ``"kept"`` derives the index from the mask and the
-    labels, takes every per-token input (the teacher's hidden rows too) at it, and puts the per-token outputs
-    back in the full shape."""
-    rows = a.pop("rows")
-    group, sp = a["student_layer"].process_group, a["student_layer"].sequence_parallel
-    per_token = [k for k in ("labels", "label_mask", "weights") if a.get(k) is not None]
-    with refused_together(group):
-        kept = parse_kept(rows)
-    if kept is None:
-        a["student_hidden"] = select_rows(
-            rows, a["student_hidden"], process_group=group, sequence_parallel=sp, name="student_hidden",
-            layer_name="student_layer", tails=("teacher_hidden",), teacher_hidden=a["teacher_hidden"],
-            **{k: a[k] for k in per_token})
-        _not_sequence_parallel(a)
-        return op(**a)
-    s, t = a["student_hidden"], a["teacher_hidden"]
-    with agreed_call(group):  # a rank's refusal here reaches every rank before the gather below
-        if not isinstance(s, torch.Tensor) or not isinstance(t, torch.Tensor) or s.dim() < 2 or t.dim() < 2:
-            raise ValueError("rows='kept': student_hidden and teacher_hidden must be [..., H] tensors")
-        world = group_rank_size(group)[1] if sp else 1
-        lead = token_shape(s, world, sp, name="student_hidden")
-        valid = torch.ones(lead, dtype=torch.bool, device=s.device)
-        for name in ("labels", "label_mask"):
-            x = a.get(name)
-            if isinstance(x, torch.Tensor):
-                if x.shape != lead or x.device != s.device:
-                    raise ValueError(f"{name} must have the tokens' leading shape {tuple(lead)} on {s.device}, got "
-                                     f"{tuple(x.shape)} on {x.device}")
-                valid &= (x != check_ignore_index(a["ignore_index"])) if name == "labels" else x.to(torch.bool)
-        idx, require = kept_rows(valid, kept[1])
-    if world > 1:
-        t = all_gather_dim0(t.detach(), group)
-    with refused_together(group):  # met by the peers' next agreed call (select_rows')
-        a["teacher_hidden"] = take_rows(t, lead, idx)
-        for k in per_token + ["temperature"]:
-            a[k] = take_rows(a[k], lead, idx)
-    a["student_hidden"] = select_rows(
-        idx, s, process_group=group, sequence_parallel=sp, name="student_hidden", layer_name="student_layer",
-        tails=("teacher_hidden",), require=require, teacher_hidden=a["teacher_hidden"], **{k: a[k] for k in per_token})
-    _not_sequence_parallel(a)
-    out = op(**a)
-    per = lambda x: put_rows(x, lead, idx)  # noqa: E731
-    if isinstance(out, DivergenceLoss):
-        return DivergenceLoss(out.loss, per(out.divergence), per(out.entropy))
-    return DivergenceOutputs(per(out.divergence), per(out.log_probs), per(out.entropy))
-
-
-def _not_sequence_parallel(a: dict) -> None:
-    """The selected rows are gathered: the call on them is not sequence-parallel."""
-    for k in ("student_layer", "teacher_layer"):
-        a[k] = a[k].replace(sequence_parallel=False)
-
-
-@accepts_01_keywords("linear_divergence_loss", chunking=Chunking(PAIR_CHUNK))
-@dtensor_hidden_op(pairs=(("student_hidden", "student_layer"), ("teacher_hidden", "teacher_layer")), scalar=True)
+@op("linear_divergence_loss", front=dtensor_hidden_op(pairs=_PAIRS, scalar=True), rows=_ROWS,
+    chunking=Chunking(PAIR_CHUNK))
 def linear_divergence_loss(
     student_hidden: torch.Tensor,
     student_layer: Union[OutputLayer, torch.Tensor],
@@ -634,32 +386,20 @@ def linear_divergence_loss(
         instead of references to the inputs, plus what
         :func:`linear_divergence` holds per chunk (a fifth buffer with a student soft-cap).
     """
-    with refused_together(group_of(student_layer)):
-        student_layer = as_layer(student_layer, "student_layer")
-        teacher_layer = as_layer(teacher_layer, "teacher_layer")
-        divergence, chunking = as_divergence(divergence), as_chunking(chunking, default=Chunking(PAIR_CHUNK))
-    if rows is not None:
-        return _rows_call(linear_divergence_loss, dict(locals()))
-    student_weight, student_bias = student_layer.weight, student_layer.bias
-    tok, plan, spec, teacher, valid, _, grads, w, main_grad = _linear_call(
-        student_hidden, student_layer, teacher_hidden, teacher_layer, divergence=divergence, chunking=chunking,
-        labels=None, temperature=temperature, label_mask=label_mask, ignore_index=-100,
-        compute_entropy=compute_entropy, loss=dict(reduction=reduction, normalizer=normalizer, weights=weights),
-    )
-    cdt = compute_dtype(student_weight.dtype)
-    shape = tuple(tok.shape)
-    if tok.n == 0:
-        z = zeros_connected((), cdt, student_hidden.device, grads, student_hidden, student_weight, student_bias)
-        e = torch.zeros(shape, dtype=cdt, device=student_hidden.device)
-        return DivergenceLoss(z, e, e if compute_entropy else None)
-    three_pass = None if not grads else three_pass_plan(
-        tok.n, student_weight, plan, budget=chunking.max_working_bytes, vocab_chunk_size=chunking.vocab_chunk_size,
-        need_w=student_weight.requires_grad, main_grad=main_grad is not None,
-        softcap=tok.transform.softcap is not None, teacher=3 if spec.math.weighs is not None else 6)
-    loss, div, ent = apply_or_forward(_LinearDivergenceLossFunction, student_hidden, student_weight, student_bias,
-                                      teacher, tok, plan, spec, w, main_grad, three_pass, grads=grads)
-    div = torch.where(valid, div, 0.0).view(shape)  # masked rows: 0, whatever their states held
-    return DivergenceLoss(loss, div, torch.where(valid, ent, 0.0).view(shape) if compute_entropy else None)
+    p = prepare(student_hidden, student_layer, chunking=chunking, default=Chunking(PAIR_CHUNK), temperature=temperature,
+                label_mask=label_mask, compute_entropy=compute_entropy, teacher=teacher_hidden,
+                teacher_layer=teacher_layer, divergence=divergence,
+                loss_weights=dict(reduction=reduction, normalizer=normalizer, weights=weights))
+    weight, bias, shape = p.layer.weight, p.layer.bias, tuple(p.tok.shape)
+    if p.tok.n == 0:
+        z = zeros_connected((), p.cdt, student_hidden.device, p.grads, student_hidden, weight, bias)
+        e = torch.zeros(shape, dtype=p.cdt, device=student_hidden.device)
+        return DivergenceLoss(z, e, e if p.want.entropy else None)
+    three_pass = p.three_pass(weight, teacher=3 if p.divergence.math.weighs is not None else 6) if p.grads else None
+    loss, div, ent = apply_or_forward(_LinearDivergenceLossFunction, student_hidden, weight, bias, p.teacher, p.tok,
+                                      p.plan, p.divergence, p.weights, p.main_grad, three_pass, grads=p.grads)
+    div = torch.where(p.valid, div, 0.0).view(shape)  # masked rows: 0, whatever their states held
+    return DivergenceLoss(loss, div, torch.where(p.valid, ent, 0.0).view(shape) if p.want.entropy else None)
 
 
 # ----------------------------------------------------------------------------- from logits
@@ -667,7 +407,7 @@ def linear_divergence_loss(
 
 class _LogitsDivergenceFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, teacher: _Teacher, tok: Tokens, plan: Plan, spec, valid):
+    def forward(ctx, logits, teacher: Teacher, tok: Tokens, plan: Plan, spec, valid):
         v = logits.shape[-1]
         cdt = compute_dtype(logits.dtype)
         fill, _ = logits_source(logits)
@@ -703,8 +443,8 @@ class _LogitsDivergenceFunction(torch.autograd.Function):
         return grad, None, None, None, None, None
 
 
-@accepts_01_keywords("divergence_from_logits")
-@dtensor_logits_op(logits=("student_logits", "teacher_logits"), layers=("student_layer", "teacher_layer"))
+@op("divergence_from_logits", front=dtensor_logits_op(logits=("student_logits", "teacher_logits"), layers=_LAYERS),
+    rows=RowsOf("student_logits", ("labels", "label_mask"), tails=("teacher_logits",), layers=_LAYERS, logits=True))
 def divergence_from_logits(
     student_logits: torch.Tensor,
     teacher_logits: torch.Tensor,
@@ -732,52 +472,14 @@ def divergence_from_logits(
     the student's flattened logit rows (the teacher's logits, the labels and the mask then given per
     selected row), one ``[M, V_local]`` gather of them.
     """
-    with refused_together(group_of(student_layer)):
-        student_layer = as_layer(student_layer, "student_layer", logits=True)
-        teacher_layer = as_layer(teacher_layer, "teacher_layer", logits=True)
-        divergence, chunking = as_divergence(divergence), as_chunking(chunking)
-        process_group, _ = _one_group(student_layer, teacher_layer)
-    if rows is not None:
-        student_logits = select_logit_rows(rows, student_logits, process_group, name="student_logits",
-                                           tails=("teacher_logits",), teacher_logits=teacher_logits, labels=labels,
-                                           label_mask=label_mask)
-    with agreed_call(process_group) as call:
-        compute_entropy = check_flag("compute_entropy", compute_entropy)
-        check_float("student_logits", student_logits)
-        check_float("teacher_logits", teacher_logits)
-        for name, t in (("student_logits", student_logits), ("teacher_logits", teacher_logits)):
-            if t.dim() < 1 or t.shape[-1] < 1:
-                raise ValueError(f"{name} must be [..., V_local] with V_local >= 1, got shape {tuple(t.shape)}")
-        if teacher_logits.shape[-1] != student_logits.shape[-1]:
-            raise ValueError(
-                f"teacher_logits has {teacher_logits.shape[-1]} vocabulary columns but student_logits has "
-                f"{student_logits.shape[-1]}: the divergence needs one vocabulary, sharded the same way"
-            )
-        _check_same_tokens(student_logits, teacher_logits, "logits")
-        lead = student_logits.shape[:-1]
-        v_local = student_logits.shape[-1]
-        check_layer_width(student_layer, v_local, "student_layer")
-        check_layer_width(teacher_layer, v_local, "teacher_layer")
-        chunk_size = chunking.resolve(v_local, buffers=4)
-        cdt = compute_dtype(student_logits.dtype)
-        tf_s, tf_t = student_layer.transform, teacher_layer.transform
-        tok, valid, no_labels = _prepare(
-            call, lead, labels, v_local=v_local, label_mask=label_mask, ignore_index=ignore_index,
-            temperature=temperature, tf_s=tf_s, tf_t=tf_t, device=student_logits.device, cdt=cdt,
-            teacher_values=teacher_logits, teacher_name="teacher_logits",
-        )
-        grads = torch.is_grad_enabled() and student_logits.requires_grad
-        call.agree_all({"compute_entropy": compute_entropy, "whether gradients are computed": grads})
-        agree_objects(call, student_layer=student_layer, teacher_layer=teacher_layer, chunking=chunking,
-                      divergence=divergence)
-    plan = logits_plan(chunk_size, v_local, process_group, Want(compute_entropy, False),
-                       use_compiled(chunking.backend, student_logits.device, pair=divergence.math))
-    teacher = _Teacher(teacher_logits.detach(), None, None, tf_t)
-    shape = tuple(lead)
-    if tok.n == 0:
-        z = zeros_connected(shape, cdt, student_logits.device, grads, student_logits)
-        return DivergenceOutputs(z, None if no_labels else z, z if compute_entropy else None)
-    div, lp, ent = apply_or_forward(_LogitsDivergenceFunction, student_logits, teacher, tok, plan, divergence, valid,
-                                    grads=grads)
-    return DivergenceOutputs(div.view(shape), None if no_labels else lp.view(shape),
-                             ent.view(shape) if compute_entropy else None)
+    p = prepare(student_logits, student_layer, labels, chunking=chunking, logits=True, temperature=temperature,
+                label_mask=label_mask, ignore_index=ignore_index, compute_entropy=compute_entropy,
+                teacher=teacher_logits, teacher_layer=teacher_layer, divergence=divergence)
+    shape = tuple(p.tok.shape)
+    if p.tok.n == 0:
+        z = zeros_connected(shape, p.cdt, student_logits.device, p.grads, student_logits)
+        return DivergenceOutputs(z, None if p.no_labels else z, z if p.want.entropy else None)
+    div, lp, ent = apply_or_forward(_LogitsDivergenceFunction, student_logits, p.teacher, p.tok, p.plan, p.divergence,
+                                    p.valid, grads=p.grads)
+    return DivergenceOutputs(div.view(shape), None if p.no_labels else lp.view(shape),
+                             ent.view(shape) if p.want.entropy else None)
