@@ -433,17 +433,17 @@ def test_0_1_keywords_beside_a_bare_value_0_1_took_there_still_work():
 def test_vocab_chunk_size_alone_keeps_the_divergences_256_rows(op, monkeypatch):
     """Issue 45 item 5: 0.1's ``linear_divergence(..., vocab_chunk_size=vc)`` walked 256-row chunks (its default);
     moved into ``Chunking(vocab_chunk_size=vc)`` it walked Chunking's 1024, 4x the buffers the caller sized."""
-    import chunked_entropy.divergence as div
+    import chunked_entropy._call as prepared  # the one preparation plans every op
 
     walked = []
-    real = div.plan_for
+    real = prepared.plan_for
 
     def plan_for(*args, **kw):  # the op's own planning, recorded
         plan = real(*args, **kw)
         walked.append((plan.chunk_size, plan.vocab_chunk_size))
         return plan
 
-    monkeypatch.setattr(div, "plan_for", plan_for)
+    monkeypatch.setattr(prepared, "plan_for", plan_for)
     hs, ws, bs, ht, wt, bt = _pair_leaves()
     fn = getattr(ce, op)
     old = _old(op, fn, hs, teacher_hidden=ht, student_weight=ws, teacher_weight=wt, vocab_chunk_size=8)
