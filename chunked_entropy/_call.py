@@ -50,7 +50,6 @@ from ._logit_blocks import (
 )
 from ._loop import Plan
 from ._migrate import accepts_01_keywords
-from ._outputs import LogProbsEntropy
 from ._rows import (
     check_full_shape,
     kept_rows,
@@ -78,7 +77,7 @@ from .options import (
 from .parallel import agreed_call, all_gather_dim0, fingerprint_floats, group_rank_size, refused_together
 
 __all__ = [
-    "Chunking", "Divergence", "LogProbsEntropy", "OutputLayer", "PolicyLoss", "Prepared", "RowStats", "Rows",
+    "Chunking", "Divergence", "OutputLayer", "PolicyLoss", "Prepared", "RowStats", "Rows",
     "RowsOf", "Teacher", "Tokens", "Want", "agree_objects", "apply_or_forward", "compute_dtype", "connected",
     "Objective", "dtensor_hidden_op", "dtensor_logits_op", "main_grad_result", "one_group",
     "group_of", "hand_over", "loss_grads", "once_differentiable", "op", "plan_for", "prepare", "refused_together",
@@ -398,13 +397,14 @@ def _kept_sequences(a: dict, group, sequence_parallel: bool, count):
     return rows, require
 
 
+#: The fields of :class:`~chunked_entropy.LogProbsEntropy`, whose iteration gives the first two only.
 _LPE = ("log_probs", "entropy", "sum_pi_squared", "log_probs_at", "top_k_ids", "top_k_log_probs")
 
 
 def _put_back(out, per):
     """An op's per-row outputs at their rows of the full shape (a 0-d loss as it is)."""
-    if isinstance(out, LogProbsEntropy):
-        return LogProbsEntropy(*(per(getattr(out, f)) for f in _LPE))
+    if all(hasattr(out, f) for f in _LPE):  # a LogProbsEntropy
+        return type(out)(*(per(getattr(out, f)) for f in _LPE))
     return type(out)(*(per(x) if isinstance(x, torch.Tensor) and x.dim() > 0 else x for x in out))
 
 

@@ -19,8 +19,7 @@ import torch
 from torch import nn
 
 from ._migrate import REMOVED_IN, accepts_01_keywords
-from ._outputs import LogProbsEntropy
-from .linear import linear_log_probs_and_entropy
+from .linear import LogProbsEntropy, linear_log_probs_and_entropy
 from .options import READERS, Chunking, OutputLayer, as_chunking, as_layer, model_reader
 from .policy import linear_policy_loss
 

@@ -730,3 +730,38 @@ def test_a_scaled_half_precision_loss_form_rounds_its_gradient_once(retain, budg
     upstream = torch.tensor(1.0 / 3.0, dtype=torch.float32)
     for one, third in zip(grads[1.0], grads[1.0 / 3.0], strict=True):
         torch.testing.assert_close(third, (one.float() * upstream).to(torch.bfloat16), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("temperature", [0.7, "tensor"])
+def test_a_temperature_enters_the_per_token_inputs_once(temperature):
+    """Issue 46 item 5: each head carries its own transform, and the one temperature is checked against both in
+    one entry into ``_inputs`` (the student's and the teacher's soft-cap and logit scale): before, it entered
+    again for the teacher (``check_transform_scale`` called from the divergence's own preparation)."""
+    import sys
+
+    import chunked_entropy._inputs as inputs
+
+    p, g = _linear_problem(5)
+    n = p["hs"].shape[:-1]
+    t = torch.rand(*n, generator=g, dtype=torch.float64) + 0.5 if temperature == "tensor" else temperature
+    student = OutputLayer(p["ws"], p["bs"], softcap=6.0)
+    teacher = OutputLayer(p["wt"], p["bt"], logit_scale=0.8)
+    entries = []
+
+    def trace(frame, event, arg):  # calls into _inputs from outside it that take the temperature (or 1/t)
+        if event == "call" and frame.f_code.co_filename == inputs.__file__:
+            caller = frame.f_back.f_code.co_filename if frame.f_back is not None else ""
+            params = frame.f_code.co_varnames[:frame.f_code.co_argcount + frame.f_code.co_kwonlyargcount]
+            if caller != inputs.__file__ and {"temperature", "inv_t"} & set(params):
+                entries.append(frame.f_code.co_name)
+
+    sys.setprofile(trace)
+    try:
+        out = linear_divergence(p["hs"], student, p["ht"], teacher, temperature=t)
+    finally:
+        sys.setprofile(None)
+    assert entries == ["prepare_tokens"]
+    # and the teacher's transform is still checked against it: a teacher logit scale that 1/t overflows
+    with pytest.raises(ValueError, match="logit_scale / temperature"):
+        linear_divergence(p["hs"], student, p["ht"], OutputLayer(p["wt"], p["bt"], logit_scale=1e308), temperature=0.5)
+    assert torch.isfinite(out.divergence).all()

@@ -155,3 +155,68 @@ def test_no_module_imports_another_modules_underscore_names():
 def test_every_module_says_what_floor_it_is_on():
     missing = [m for m, (_, tree) in MODULES.items() if not ast.get_docstring(tree)]
     assert not missing, missing
+
+
+# ----------------------------------------------------------------------------- the figures to hold (issue 46)
+
+#: The subpackages, each one room of the floor plan (their inner imports are their own affair).
+PACKAGES = ("losses", "integrations", "cli")
+#: The op modules: each reads its own walk and the one preparation (``_call``), little else.
+OPS = ("logits", "linear", "policy", "divergence", "head")
+
+
+def _room(m: str) -> str:
+    parts = m.split(".")
+    return ".".join(parts[:2]) if len(parts) > 2 and parts[1] in PACKAGES else m
+
+
+def _room_edges() -> dict:
+    edges = {}
+    for m, targets in _internal_edges().items():
+        for t in targets:
+            if _room(t) != _room(m):
+                edges.setdefault(_room(m), set()).add(_room(t))
+    return edges
+
+
+def test_the_floor_plan_has_at_most_120_arrows_and_none_runs_back_up():
+    """Issue 46 item 5: at most 120 edges between the package's rooms (a module, or a subpackage whole), and
+    the rooms stack: no cycle between them, so no import from a lower floor up to a higher one. Before the one
+    preparation: 155 edges, the op modules importing 12-14 rooms each."""
+    edges = _room_edges()
+    count = sum(len(v) for v in edges.values())
+    assert count <= 120, f"{count} edges between the rooms: " + ", ".join(
+        f"{a}: {len(b)}" for a, b in sorted(edges.items(), key=lambda kv: -len(kv[1])))
+    floor = {}
+
+    def height(m, path=()):
+        if m in path:
+            raise AssertionError("an import runs back up: " + " -> ".join(path[path.index(m):] + (m,)))
+        if m not in floor:
+            floor[m] = 1 + max((height(t, path + (m,)) for t in edges.get(m, ())), default=0)
+        return floor[m]
+
+    for m in sorted(edges):
+        height(m)
+    assert all(floor[m] > floor[t] for m, ts in edges.items() for t in ts)
+
+
+def test_each_op_module_imports_at_most_six_rooms():
+    """Issue 46 item 1: an op module imports what it needs of the layers below through the preparation."""
+    edges = _room_edges()
+    wide = {op: sorted(edges[f"{NAME}.{op}"]) for op in OPS if len(edges[f"{NAME}.{op}"]) > 6}
+    assert not wide, wide
+    assert all(f"{NAME}._call" in edges[f"{NAME}.{op}"] for op in OPS if op != "head")
+
+
+def test_each_op_body_fits_on_a_screen():
+    """Issue 46 item 1: an op's body, without its docstring, is its preparation and its run: at most 40 lines."""
+    long = {}
+    for op in OPS:
+        for node in MODULES[f"{NAME}.{op}"][1].body:
+            if isinstance(node, ast.FunctionDef) and not node.name.startswith("_"):
+                body = node.body[1:] if ast.get_docstring(node) else node.body
+                lines = body[-1].end_lineno - body[0].lineno + 1
+                if lines > 40:
+                    long[f"{op}.{node.name}"] = lines
+    assert not long, long
