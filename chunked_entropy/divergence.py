@@ -57,30 +57,27 @@ from ._inputs import (
     compute_dtype,
     dtype_code,
     prepare_tokens,
+    token_shape,
 )
 from ._kernels import use_compiled
 from ._logit_blocks import (
-    check_head,
     full_hidden,
     grad_vocab_block,
     linear_filler,
     linear_grads,
-    live_group,
     logits_plan,
     logits_source,
     main_grad_of,
     main_grad_result,
     reduce_hidden_grad,
     three_pass_plan,
-    token_shape,
-    weak_group,
 )
 from ._loop import Plan, new_pair_rows, new_row_stats, pair_grad_blocks, pair_loss_grad_blocks, pair_row_stats
 from ._migrate import accepts_01_keywords
 from ._rows import kept_rows, parse_kept, put_rows, select_logit_rows, select_rows, take_rows
 from ._stats import RowStats, Transform, Want
 from .options import Chunking, Divergence, OutputLayer, as_chunking, as_divergence, as_layer, check_layer_width
-from .parallel import agreed_call, all_gather_dim0, fingerprint_floats, group_rank_size
+from .parallel import agreed_call, all_gather_dim0, fingerprint_floats, group_rank_size, live_group, weak_group
 
 __all__ = [
     "DivergenceLoss",
@@ -367,8 +364,8 @@ def _linear_call(student_hidden, student: OutputLayer, teacher_hidden, teacher: 
         teacher.bias
     with agreed_call(process_group) as call:
         compute_entropy = check_flag("compute_entropy", compute_entropy)
-        float32 = check_head(student_hidden, student_weight, student_bias, "student_", student.logits_dtype)
-        float32_t = check_head(teacher_hidden, teacher_weight, teacher_bias, "teacher_", teacher.logits_dtype)
+        float32 = student.check_hidden(student_hidden, "student_hidden")
+        float32_t = teacher.check_hidden(teacher_hidden, "teacher_hidden")
         _check_same_tokens(student_hidden, teacher_hidden, "hidden")
         if teacher_weight.shape[0] != student_weight.shape[0]:
             raise ValueError(

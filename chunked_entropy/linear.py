@@ -20,9 +20,8 @@ from ._autograd import once_differentiable
 from ._call import agree_objects, group_of, plan_for, refused_together, settings
 from ._checks import check_flag
 from ._dtensor import dtensor_hidden_op
-from ._inputs import Rows, Tokens, check_ignore_index, compute_dtype, prepare_tokens
+from ._inputs import Rows, Tokens, check_ignore_index, check_linear_args, compute_dtype, prepare_tokens
 from ._logit_blocks import (
-    check_linear_args,
     full_hidden,
     grad_rows_for,
     grad_vocab_block,
@@ -30,11 +29,9 @@ from ._logit_blocks import (
     linear_grads,
     linear_row_stats,
     linear_settings,
-    live_group,
     main_grad_of,
     main_grad_result,
     reduce_hidden_grad,
-    weak_group,
 )
 from ._loop import Plan, grad_blocks
 from ._migrate import accepts_01_keywords
@@ -42,7 +39,7 @@ from ._outputs import LogProbsEntropy, empty_outputs, pack_outputs, run_outputs,
 from ._rows import check_full_shape, kept_rows, parse_kept, put_rows, select_rows, take_keep, take_rows
 from ._stats import RowStats, Want
 from .options import Chunking, OutputLayer
-from .parallel import agreed_call
+from .parallel import agreed_call, live_group, weak_group
 
 __all__ = ["linear_log_probs_and_entropy"]
 
@@ -259,9 +256,9 @@ def linear_log_probs_and_entropy(
         layer = layer.replace(sequence_parallel=False)
     with agreed_call(process_group) as call:  # every rank validates; a refused call raises on all of them
         no_labels = labels is None and (log_probs_at is not None or top_k is not None)
-        lead = check_linear_args(hidden, weight, bias, _lead_labels(hidden, labels, no_labels, call.world,
-                                                                    sequence_parallel),
-                                 call.world, sequence_parallel, chunking.vocab_chunk_size)
+        lead = check_linear_args(hidden, layer, _lead_labels(hidden, labels, no_labels, call.world,
+                                                             sequence_parallel),
+                                 call.world, sequence_parallel)
         want = Want(check_flag("compute_entropy", compute_entropy),
                     check_flag("compute_sum_pi_squared", compute_sum_pi_squared))
         v_local = weight.shape[0]

@@ -38,6 +38,7 @@ from torch import nn
 from ._checks import (
     FLOAT_DTYPES,
     ByValue,
+    check_device,
     check_flag,
     check_float,
     check_positive,
@@ -196,6 +197,24 @@ class OutputLayer(ByValue):
             group_rank_size(self.process_group)  # a clear error now if the group is unusable
         except (TypeError, ValueError) as e:
             raise type(e)(f"{p}process_group: {e}") from None
+
+    def check_hidden(self, hidden, name: str = "hidden") -> bool:
+        """This layer prepared for a call over ``hidden`` (``[..., H]``): float, of the weight's hidden size,
+        dtype and device, each error naming ``name`` and the weight beside it (``student_hidden``,
+        ``student_weight``). The layer's own rules (the weight, the bias, ``logits_dtype``) were checked when it
+        was built; this adds only what the hidden states must match. Returns :attr:`float32_logits`."""
+        w = name[: -len("hidden")] + "weight" if name.endswith("hidden") else "weight"
+        weight = self.weight
+        check_float(name, hidden)
+        if weight is None:
+            raise TypeError(f"{w} must be a torch.Tensor, got NoneType")
+        if hidden.dim() < 1 or hidden.shape[-1] != weight.shape[1]:
+            raise ValueError(f"{name} must be [..., H] with H == {w}.shape[1] == {weight.shape[1]}, "
+                             f"got shape {tuple(hidden.shape)}")
+        if hidden.dtype != weight.dtype:
+            raise TypeError(f"{name} ({hidden.dtype}) and {w} ({weight.dtype}) must have the same dtype")
+        check_device(name, hidden, weight.device, w)
+        return self.float32_logits
 
     @property
     def float32_logits(self) -> bool:

@@ -39,10 +39,9 @@ from ._autograd import connected, hand_over, once_differentiable
 from ._call import agree_objects, group_of, loss_grads, plan_for, refused_together, save_loss_grads, settings
 from ._checks import check_float, require
 from ._dtensor import dtensor_hidden_op, dtensor_logits_op
-from ._inputs import Rows, Tokens, compute_dtype, dtype_code, prepare_tokens
+from ._inputs import Rows, Tokens, check_linear_args, compute_dtype, dtype_code, prepare_tokens, token_shape
 from ._kernels import use_compiled
 from ._logit_blocks import (
-    check_linear_args,
     full_hidden,
     grad_rows_for,
     grad_vocab_block,
@@ -58,7 +57,6 @@ from ._logit_blocks import (
     three_pass_plan,
     token_major,
     token_major_grad,
-    token_shape,
 )
 from ._loop import Plan, loss_grad_blocks, new_row_stats
 from ._migrate import accepts_01_keywords
@@ -438,7 +436,7 @@ def linear_policy_loss(
         sequence_parallel = False
         layer = layer.replace(sequence_parallel=False)
     with agreed_call(process_group) as call:  # every rank validates; a refused call raises on all of them
-        check_linear_args(hidden, weight, bias, labels, 1, False, chunking.vocab_chunk_size)
+        check_linear_args(hidden, layer, labels, 1, False)
         lead = token_shape(hidden, call.world, sequence_parallel, batch_first=True)
         if labels.shape != lead:
             raise ValueError(
