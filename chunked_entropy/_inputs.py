@@ -2,11 +2,12 @@
 
 Layer: the per-token preparation (below the walk and the ops). :class:`Tokens` holds a call's
 flattened per-token inputs (labels, mask, temperatures, the logit transform, sampling replay's kept
-sets, distillation's ids) and turns upstream gradients into the walk's per-row factors;
-:func:`prepare_tokens` checks and builds it; :func:`token_shape` is the leading shape of the tokens a
-head's hidden states stand for (sequence parallelism's gathered sequence included) and
-:func:`check_linear_args` the fused head's hidden states and labels against it; :class:`Rows` reads a
-chunk's rows without a copy. A bad argument raises (naming it) and leaves nothing half-done.
+sets, distillation's ids) and turns upstream gradients into the walk's per-row factors
+(:meth:`Tokens.scaled`, the one place an upstream gradient meets ``kz``); :func:`prepare_tokens`
+checks and builds it; :func:`token_shape` is the leading shape of the tokens a head's hidden states
+stand for (sequence parallelism's gathered sequence included) and :func:`check_linear_args` the fused
+head's hidden states and labels against it; :class:`Rows` reads a chunk's rows without a copy. A bad
+argument raises (naming it) and leaves nothing half-done.
 """
 
 from __future__ import annotations
@@ -78,15 +79,22 @@ class Tokens:
             r.sum_pi_squared(of_kept) if want.sum_pi_squared else None,
         )
 
+    def scaled(self, g: Optional[torch.Tensor], a: int, b: int) -> Optional[torch.Tensor]:
+        """``g * kz``: an upstream gradient of rows ``[a, b)`` (``[b - a]``, or ``[b - a, K]`` per id) times
+        ``dx/dz`` up to the cap's derivative (``kz = logit_scale / t``,
+        :meth:`~chunked_entropy._stats.Transform.kz`); ``g`` itself where ``kz`` is 1, None for None. The one
+        place an upstream gradient meets the logit transform; a new ``[b - a]`` (or ``[b - a, K]``) tensor."""
+        kz = self.transform.kz(self.inv_t_rows(a, b))
+        if g is None or kz is None:
+            return g
+        return g * (kz.squeeze(1) if isinstance(kz, torch.Tensor) and g.dim() == 1 else kz)
+
     def coefficients(self, a: int, b: int, g_lp, g_h, g_q) -> Coefficients:
         """Per-row gradient factors for rows ``[a, b)`` from their upstream gradients (``[b - a]`` each, or None)."""
-        kz = self.transform.kz(self.inv_t_rows(a, b))
-        kz = kz.squeeze(1) if isinstance(kz, torch.Tensor) else kz
-        scaled = lambda g: None if g is None else (g if kz is None else g * kz)  # noqa: E731
-        c = scaled(g_lp)
+        c = self.scaled(g_lp, a, b)
         c = None if c is None else torch.where(self.valid[a:b], c, 0.0)
-        a2 = scaled(g_q)
-        return Coefficients(c, scaled(g_h), None if a2 is None else 2 * a2)
+        a2 = self.scaled(g_q, a, b)
+        return Coefficients(c, self.scaled(g_h, a, b), None if a2 is None else 2 * a2)
 
 
 def chunks(n: int, size: int):

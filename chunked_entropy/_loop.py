@@ -304,8 +304,7 @@ def grad_blocks(
             entries = kept.chunk(a, b, n, chunk_size)
             co, co_k = _keep.split(co, rows.truncated, kept.of_kept)
         if at_ids is not None:  # the dense part of the ids' gradient rides on the log-prob's coefficient
-            kz = tok.transform.kz(tok.inv_t_rows(a, b))
-            coef = at_grads[a:b] if kz is None else at_grads[a:b] * kz
+            coef = tok.scaled(at_grads[a:b], a, b)
             total = coef.sum(dim=1)
             co = co._replace(c=total if co.c is None else co.c + total)
             sparse = (at_ids, coef, total)
@@ -749,21 +748,13 @@ def pair_loss_grad_blocks(
             a, b, group, want_entropy, cap_single=single and tok.transform.softcap is not None)
         here, parts = walk.chunk_sums(a, b, group, rows, ls_t, merged, merged_t, held, cross, keep_parts=single)
         _store_pair(stats, pair, rows, here, a, b)
-        scale = _scaled(weights[a:b], tok, a, b)
+        scale = tok.scaled(weights[a:b], a, b)
         if single:
             yield a, b, 0, width, walk.block_grad(a, b, 0, width, rows, here, scale, held=held, parts=parts)
             parts = held = None
         else:
             for v0, v1 in chunks(width, block):
                 yield a, b, v0, v1, walk.block_grad(a, b, v0, v1, rows, here, scale)
-
-
-def _scaled(g: torch.Tensor, tok: Tokens, a: int, b: int) -> torch.Tensor:
-    """``g * kz`` for rows ``[a, b)``: an upstream gradient times ``dx/dz`` up to the cap's derivative."""
-    kz = tok.transform.kz(tok.inv_t_rows(a, b))
-    if kz is None:
-        return g
-    return g * (kz.squeeze(1) if isinstance(kz, torch.Tensor) else kz)
 
 
 def pair_grad_blocks(
@@ -784,7 +775,7 @@ def pair_grad_blocks(
     def chunk(a, b):
         rows, here = stats.rows(a, b), pair.rows(a, b)
         co = tok.coefficients(a, b, None if g_lp is None else g_lp[a:b], None if g_h is None else g_h[a:b], None)
-        scale = _scaled(torch.zeros(b - a, dtype=dtype, device=device) if g_div is None else g_div[a:b], tok, a, b)
+        scale = tok.scaled(torch.zeros(b - a, dtype=dtype, device=device) if g_div is None else g_div[a:b], a, b)
         return rows, here, co, scale
 
     def block_grad(a, b, v0, v1, parts):
