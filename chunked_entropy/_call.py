@@ -3,7 +3,7 @@
 Layer: the call (below the ops, above the loop and the per-token preparation). An op turns its arguments into
 the objects of :mod:`chunked_entropy.options` (:func:`settings`), checks and prepares them inside one
 :func:`~chunked_entropy.parallel.agreed_call` (the tokens' leading shape,
-:func:`~chunked_entropy._logit_blocks.token_shape`; the :class:`~chunked_entropy._loop.Plan`, :func:`plan_for`;
+:func:`~chunked_entropy._inputs.token_shape`; the :class:`~chunked_entropy._loop.Plan`, :func:`plan_for`;
 the per-token inputs, :func:`~chunked_entropy._inputs.prepare_tokens`), has the ranks agree on every object
 whole (:func:`agree_objects`), and then runs: zero tokens give :func:`zeros_connected`, a call without
 gradients the Function's forward bare (:func:`apply_or_forward`). A fused loss's Function keeps the gradients
@@ -20,10 +20,10 @@ from typing import Optional
 import torch
 
 from ._autograd import connected, hand_over
-from ._kernels import use_compiled
-from ._logit_blocks import main_grad_result, resolve_vocab_chunk
+from ._logit_blocks import main_grad_result
 from ._loop import Plan
 from ._stats import Want
+from .config import walk_plan
 from .options import Chunking, OutputLayer, as_chunking, as_layer
 from .parallel import refused_together
 
@@ -39,32 +39,21 @@ def settings(layer, chunking, *, logits: bool = False, default: Optional[Chunkin
 
 
 def plan_for(layer: OutputLayer, chunking: Chunking, *, lead, want: Want, device, buffers: Optional[int] = None,
-             compiled: bool = True, pair=None) -> Plan:
-    """How an op over hidden states walks ``lead``'s tokens and the layer's vocabulary shard.
-
-    The chunk size is ``chunking``'s (``"auto"`` resolved for ``buffers`` float32 buffers of the vocabulary
-    block; by default one, two with a scratch output); the vocabulary block its ``vocab_chunk_size``, or the
-    default of :func:`~chunked_entropy.config.vocab_block_for`; the kernels its ``backend`` (``compiled=False``:
-    the eager ones, for a walk without compiled kernels; ``pair``: a divergence's math, whose kernels are
-    probed too: :func:`~chunked_entropy._kernels.use_compiled`)."""
-    v_local = layer.weight.shape[0]
-    buffers = 1 + want.scratch if buffers is None else buffers
-    chunk_size = chunking.resolve(min(chunking.vocab_chunk_size or v_local, v_local), buffers=buffers)
-    kernels = use_compiled(chunking.backend, device, pair=pair) if compiled else None
-    # compiled kernels read a half-precision block as the matmul wrote it (no float32 copy first) and write its
-    # gradient in that dtype; a bias is added in float32 to the rounded product, so its blocks stay float32
-    half = layer.weight.dtype in (torch.bfloat16, torch.float16) and not layer.float32_logits
-    direct = kernels is not None and half and layer.bias is None
-    return Plan(
-        chunk_size=chunk_size,
-        vocab_chunk_size=resolve_vocab_chunk(chunking.vocab_chunk_size, chunk_size, math.prod(lead), v_local),
-        group=layer.process_group,
-        sequence_parallel=layer.sequence_parallel,
-        want=want,
-        compiled=kernels,
-        float32_logits=layer.float32_logits,
-        block_dtype=layer.weight.dtype if direct else None,
-    )
+             compiled: bool = True, pair=None, width: Optional[int] = None) -> Plan:
+    """How an op walks ``lead``'s tokens and the layer's vocabulary shard: :func:`chunked_entropy.config.walk_plan`
+    (the one place the sizes are decided) with the layer's weight, bias, ``logits_dtype``, group and sequence
+    parallelism. ``width``: an op over given logits of that many columns (the layer holds no weight then).
+    ``buffers``: the float32 buffers ``chunk_size="auto"`` is sized for (by default one, two with a scratch
+    output); ``compiled=False``: the eager kernels; ``pair``: a divergence's math, whose kernels are probed too
+    (:func:`~chunked_entropy._kernels.use_compiled`)."""
+    common = dict(tokens=math.prod(lead), want=want, device=device, group=layer.process_group, buffers=buffers,
+                  kernels=compiled, pair=pair)
+    if width is not None:
+        return walk_plan(chunking, width=width, dtype=None, over_logits=True, **common)
+    w = layer.weight
+    return walk_plan(chunking, width=w.shape[0], dtype=w.dtype, sequence_parallel=layer.sequence_parallel,
+                     float32_logits=layer.float32_logits, bias=layer.bias is not None, weight_grad=w.requires_grad,
+                     **common)
 
 
 def group_of(layer):

@@ -51,7 +51,9 @@ from typing import Optional, Union
 import torch
 
 from . import _divergence, _stats
-from .config import BACKENDS
+
+#: The implementations of the per-block math an op's ``backend`` names (``Chunking.backend``).
+BACKENDS = ("auto", "eager", "compile", "triton")
 
 
 def check_backend(value) -> str:

@@ -19,10 +19,8 @@ import torch
 from einops import rearrange
 
 from ._inputs import Rows, Tokens, compute_dtype, dtype_code
-from ._kernels import Kernels
 from ._loop import Plan, row_stats
-from ._stats import Want
-from .config import GRAD_BUFFER_BYTES, grad_vocab_block_for, three_pass_bytes, vocab_block_for
+from .config import GRAD_BUFFER_BYTES, three_pass_bytes
 from .parallel import all_gather_dim0, all_reduce_sum_, reduce_scatter_dim0
 
 # ----------------------------------------------------------------------------- given logits
@@ -42,18 +40,7 @@ def logits_row_stats(logits, tok: Tokens, plan: Plan):
                      device=logits.device, view=view)
 
 
-def logits_plan(chunk_size: int, v_local: int, group, want: Want, compiled: Kernels = None) -> Plan:
-    """The :class:`~chunked_entropy._loop.Plan` of an op over given logits: the whole shard a block."""
-    return Plan(chunk_size=chunk_size, vocab_chunk_size=v_local, group=group, sequence_parallel=False, want=want,
-                compiled=compiled)
-
-
 # ----------------------------------------------------------------------------- hidden @ weight.T + bias
-
-
-def resolve_vocab_chunk(vocab_chunk_size: Optional[int], chunk_size: int, n: int, v_local: int) -> int:
-    """The forward's vocabulary block (:func:`chunked_entropy.config.vocab_block_for`)."""
-    return vocab_block_for(vocab_chunk_size, chunk_size, n, v_local)
 
 
 def linear_settings(hidden, weight, bias, plan: Plan, grads: bool) -> dict:
@@ -129,7 +116,9 @@ def linear_row_stats(h_full, weight, bias, tok: Tokens, plan: Plan):
 
 
 def grad_vocab_block(n: int, weight: torch.Tensor, plan: Plan, need_w: bool) -> Optional[int]:
-    """The vocabulary block of a gradient walk that takes vocabulary blocks outermost, or None (chunks outermost).
+    """The vocabulary block of a gradient walk that takes vocabulary blocks outermost, or None (chunks outermost):
+    ``plan.grad_vocab_chunk_size`` (sized with the rest of the plan by :func:`chunked_entropy.config.walk_plan`)
+    where the weight's gradient is wanted (``need_w``). ``n`` and ``weight`` are the plan's (kept for the callers).
 
     Half-precision weights only, and only when their gradient is wanted: each
     block's weight gradient is then one matmul over all ``n`` tokens, in the
@@ -141,10 +130,7 @@ def grad_vocab_block(n: int, weight: torch.Tensor, plan: Plan, need_w: bool) -> 
     ``vocab_chunk_size``. Float32 weights accumulate straight into their
     float32 gradient, chunk by chunk: no buffer at all.
     """
-    v = weight.shape[0]
-    if not need_w or weight.dtype not in (torch.bfloat16, torch.float16):
-        return None
-    return min(plan.vocab_chunk_size, grad_vocab_block_for(n, v, 4 if plan.float32_logits else weight.element_size()))
+    return plan.grad_vocab_chunk_size if need_w else None
 
 
 class GradRows:

@@ -46,6 +46,9 @@ class Plan:
     # With ``compiled`` kernels: the dtype of the block buffers the fill's matmul writes and the kernels read
     # (the weight's half precision: no widening copy); None: the compute dtype. See :func:`block_dtype`.
     block_dtype: Optional[torch.dtype] = None
+    # The backward's vocabulary block where it walks blocks outermost (half-precision weights whose gradient is
+    # wanted), or None: chunks outermost. Sized with the rest by chunked_entropy.config.plan.
+    grad_vocab_chunk_size: Optional[int] = None
 
 
 def block_dtype(plan: Plan, dtype, *, sparse: bool = False):

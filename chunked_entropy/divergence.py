@@ -59,13 +59,11 @@ from ._inputs import (
     prepare_tokens,
     token_shape,
 )
-from ._kernels import use_compiled
 from ._logit_blocks import (
     full_hidden,
     grad_vocab_block,
     linear_filler,
     linear_grads,
-    logits_plan,
     logits_source,
     main_grad_of,
     main_grad_result,
@@ -755,7 +753,6 @@ def divergence_from_logits(
         v_local = student_logits.shape[-1]
         check_layer_width(student_layer, v_local, "student_layer")
         check_layer_width(teacher_layer, v_local, "teacher_layer")
-        chunk_size = chunking.resolve(v_local, buffers=4)
         cdt = compute_dtype(student_logits.dtype)
         tf_s, tf_t = student_layer.transform, teacher_layer.transform
         tok, valid, no_labels = _prepare(
@@ -767,8 +764,8 @@ def divergence_from_logits(
         call.agree_all({"compute_entropy": compute_entropy, "whether gradients are computed": grads})
         agree_objects(call, student_layer=student_layer, teacher_layer=teacher_layer, chunking=chunking,
                       divergence=divergence)
-    plan = logits_plan(chunk_size, v_local, process_group, Want(compute_entropy, False),
-                       use_compiled(chunking.backend, student_logits.device, pair=divergence.math))
+    plan = plan_for(student_layer, chunking, lead=lead, want=Want(compute_entropy, False),
+                    device=student_logits.device, buffers=4, pair=divergence.math, width=v_local)
     teacher = _Teacher(teacher_logits.detach(), None, None, tf_t)
     shape = tuple(lead)
     if tok.n == 0:

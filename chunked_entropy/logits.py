@@ -12,12 +12,11 @@ from typing import Optional, Union
 import torch
 
 from ._autograd import once_differentiable
-from ._call import agree_objects, group_of, refused_together, settings
+from ._call import agree_objects, group_of, plan_for, refused_together, settings
 from ._checks import check_flag, check_float
 from ._dtensor import dtensor_logits_op
 from ._inputs import Tokens, compute_dtype, dtype_code, prepare_tokens
-from ._kernels import use_compiled
-from ._logit_blocks import logits_plan, logits_row_stats, logits_source
+from ._logit_blocks import logits_row_stats, logits_source
 from ._loop import Plan, grad_blocks
 from ._migrate import accepts_01_keywords
 from ._outputs import LogProbsEntropy, empty_outputs, pack_outputs, run_outputs, split_grads, without_labels
@@ -246,9 +245,8 @@ def log_probs_and_entropy(
         check_layer_width(layer, logits.shape[-1])
         want = Want(check_flag("compute_entropy", compute_entropy),
                     check_flag("compute_sum_pi_squared", compute_sum_pi_squared))
-        chunk_size = chunking.resolve(logits.shape[-1], buffers=1 + want.scratch)
-        plan = logits_plan(chunk_size, logits.shape[-1], process_group, want,
-                           use_compiled(chunking.backend, logits.device))
+        plan = plan_for(layer, chunking, lead=logits.shape[:-1], want=want, device=logits.device,
+                        width=logits.shape[-1])
         cdt = compute_dtype(logits.dtype)
         grads = torch.is_grad_enabled() and logits.requires_grad
         no_labels = labels is None and (log_probs_at is not None or top_k is not None)

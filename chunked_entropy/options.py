@@ -388,7 +388,9 @@ class Chunking:
 
     def resolve(self, width: int, *, buffers: int = 2) -> int:
         """The chunk size for ``width`` columns a block (the vocabulary block or shard): ``chunk_size``, or
-        for ``"auto"`` ``max(1, max_chunk_bytes // (buffers * 4 * width))``."""
+        for ``"auto"`` ``max(1, max_chunk_bytes // (buffers * 4 * width))``. A call's plan
+        (:func:`chunked_entropy.config.walk_plan`, which sizes its vocabulary blocks too) takes its chunk
+        size from here."""
         for name, value in (("width", width), ("buffers", buffers)):  # as ChunkedEntropyConfig.resolve_chunk_size
             if not (is_int(value) and value >= 1):
                 raise ValueError(f"Chunking.resolve: {name} must be an int >= 1, got {value!r}")

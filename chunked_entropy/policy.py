@@ -40,7 +40,6 @@ from ._call import agree_objects, group_of, loss_grads, plan_for, refused_togeth
 from ._checks import check_float, require
 from ._dtensor import dtensor_hidden_op, dtensor_logits_op
 from ._inputs import Rows, Tokens, check_linear_args, compute_dtype, dtype_code, prepare_tokens, token_shape
-from ._kernels import use_compiled
 from ._logit_blocks import (
     full_hidden,
     grad_rows_for,
@@ -49,7 +48,6 @@ from ._logit_blocks import (
     linear_grads,
     linear_row_stats,
     linear_settings,
-    logits_plan,
     logits_row_stats,
     logits_source,
     main_grad_of,
@@ -638,12 +636,11 @@ def policy_loss_from_logits(
         if logits.dim() < 1 or logits.shape[-1] < 1:
             raise ValueError(f"logits must be [..., V_local] with V_local >= 1, got shape {tuple(logits.shape)}")
         check_layer_width(layer, logits.shape[-1])
-        chunk_size = chunking.resolve(logits.shape[-1])
         cdt = compute_dtype(logits.dtype)
         objective = _Objective(opts, labels, old_log_probs, advantages, loss_mask, ref_log_probs, rollout_is_weights,
                                rollout_log_probs, generator, cdt)
-        plan = logits_plan(chunk_size, logits.shape[-1], process_group, Want(),
-                           use_compiled(chunking.backend, logits.device))
+        plan = plan_for(layer, chunking, lead=logits.shape[:-1], want=Want(), device=logits.device,
+                        width=logits.shape[-1])
         grads = torch.is_grad_enabled() and logits.requires_grad
         tok = prepare_tokens(
             labels, logits.shape[:-1], logits.shape[-1], call=call, label_mask=objective.keep, ignore_index=-100,
