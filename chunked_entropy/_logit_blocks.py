@@ -2,11 +2,18 @@
 
 Layer: the walk, shared by the ops above it: the logits path
 (:mod:`chunked_entropy.logits`) and the fused loss from logits read the
-caller's logits rows; the fused head (:mod:`chunked_entropy.linear`) and the
-fused loss from hidden states compute each block as ``hidden @ weight.T + bias``
-and turn its logit gradient into gradients of the hidden states, the weight
-and the bias (:func:`linear_grads`). Both hand the chunk loop
-(:mod:`chunked_entropy._loop`) a ``fill(x, a, b, v0, v1)``.
+caller's logits rows (:func:`logits_source`); the fused head (:mod:`chunked_entropy.linear`), the
+fused loss from hidden states and the divergences compute each block as ``hidden @ weight.T + bias``
+(:func:`linear_filler`) and turn its logit gradient into gradients of the hidden states, the weight
+and the bias (:func:`linear_grads`, the half-precision matmuls of :func:`_half_mm` / :func:`_split_mm`, the
+gradient buffer :class:`GradRows`, the fused loss's three-pass walk :func:`three_pass_plan`). Both hand the
+chunk loop (:mod:`chunked_entropy._loop`) a ``fill(x, a, b, v0, v1)``. Beside them, what the fused ops do
+with the hidden states and the weight around the walk: the sequence-parallel gather and the gradient's
+reduction (:func:`full_hidden`, :func:`reduce_hidden_grad`, :func:`token_major`), Megatron's ``main_grad``
+(:func:`main_grad_of`, :func:`main_grad_result`), and, for now, the fused head's cross-rank agreement
+(:func:`linear_settings`). The arguments' checks live with the :class:`~chunked_entropy.OutputLayer` and in
+:mod:`chunked_entropy._inputs`, the sizes in :mod:`chunked_entropy.config`, the groups' weak references in
+:mod:`chunked_entropy.parallel`.
 """
 
 from __future__ import annotations

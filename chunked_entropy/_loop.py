@@ -1,6 +1,14 @@
-"""The chunk loop, shared by the logits path and the fused head.
+"""The chunk loop, shared by every op: the walks over tokens and vocabulary blocks, and the :class:`Plan` they follow.
 
-Both paths walk the tokens in chunks of ``chunk_size`` rows and the vocabulary
+Its users: the logits path (:mod:`chunked_entropy.logits`), the fused head
+(:mod:`chunked_entropy.linear`), the fused policy loss (:mod:`chunked_entropy.policy`, from logits or
+hidden states), and the divergences (:mod:`chunked_entropy.divergence`, one head or two), with sampling
+replay's kept sets and distillation's ids riding along. The walks: the statistics (:func:`row_stats`), the
+gradient (:func:`grad_blocks`), the fused loss's gradient formed in forward (:func:`loss_grad_blocks`), and a
+divergence's two heads (:func:`pair_row_stats`, :func:`pair_loss_grad_blocks`, :func:`pair_grad_blocks`).
+The :class:`Plan` (chunk, vocabulary blocks, kernels) is sized by :func:`chunked_entropy.config.walk_plan`.
+
+Every walk takes the tokens in chunks of ``chunk_size`` rows and the vocabulary
 shard in blocks of ``block`` columns; the only difference is where a block's
 raw logits come from, which the caller passes as ``fill(x, a, b, v0, v1)``:
 write the logits of rows ``[a, b)`` and shard columns ``[v0, v1)`` into ``x``

@@ -10,7 +10,8 @@ labels, masks, temperatures) stays in the call.
 - :class:`OutputLayer`: the output layer (its weight shard, bias, logit
   transform, ``logits_dtype``, tensor-parallel group, sequence parallelism,
   ``gradient_accumulation_fusion``). A bare weight tensor is accepted wherever
-  one is asked for.
+  one is asked for. Its rules (the weight, the bias, ``logits_dtype``) are checked once, when it is built;
+  :meth:`OutputLayer.check_hidden` adds what a call's hidden states must match.
 - :class:`Chunking`: how the tokens and the vocabulary are walked
   (``chunk_size``, ``"auto"`` included, ``vocab_chunk_size``, ``backend``).
   An int is accepted wherever one is asked for (the chunk size).
