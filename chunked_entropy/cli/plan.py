@@ -88,6 +88,9 @@ Two figures per approach:
       (with ``main_grad`` the accumulator is the float32 gradient the call
       keeps anyway: not counted there).
 
+The vocabulary blocks ``Vf`` and ``Vg`` are the ones a call takes: :func:`blocks` asks
+:func:`chunked_entropy.config.walk_plan`, the function every op sizes its walk with.
+
 Not counted: a few float32 and int64 vectors per token (tens of bytes per
 token), and what the matmul library keeps for the life of the process (about
 10 MiB with MKL on CPU). ``tests/test_cli.py`` holds these formulas within 15%
