@@ -280,3 +280,5 @@ def test_walk_plan_sizes_every_walk_in_one_place():
     # chunked-entropy plan's blocks are the same function's
     assert blocks(Shape(8192, 151936, 4096, dtype="bfloat16"), 1024) == (32768, 4096)
     assert blocks(Shape(8192, 151936, 4096, tp=8), 1024) == (18992, None)
+    # bench's methods without chunks (chunk 0): the blocks of one row a chunk
+    assert blocks(Shape(256, 512, 16, dtype="bfloat16"), 0) == (512, 512)

@@ -174,9 +174,11 @@ class Estimate:
 def blocks(shape: Shape, chunk: int) -> tuple:
     """``(Vf, Vg)``: the forward's and the backward's vocabulary blocks of the fused head at ``chunk``, as a
     call sizes them (:func:`chunked_entropy.config.walk_plan`, the function every op takes its plan from), with
-    the weight's gradient wanted; ``Vg`` is None where the backward walks chunks outermost (float32)."""
-    plan = walk_plan(Chunking(chunk), tokens=shape.tokens, width=shape.v_local, dtype=getattr(torch, shape.dtype),
-                     device=torch.device(shape.device), bias=shape.bias, weight_grad=True, kernels=False)
+    the weight's gradient wanted; ``Vg`` is None where the backward walks chunks outermost (float32). A
+    ``chunk`` of 0 (a method without chunks) sizes the blocks as one row a chunk would."""
+    plan = walk_plan(Chunking(max(chunk, 1)), tokens=shape.tokens, width=shape.v_local,
+                     dtype=getattr(torch, shape.dtype), device=torch.device(shape.device), bias=shape.bias,
+                     weight_grad=True, kernels=False)
     return plan.vocab_chunk_size, plan.grad_vocab_chunk_size
 
 
