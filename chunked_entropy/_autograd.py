@@ -1,4 +1,6 @@
-"""``once_differentiable`` that also guards the saved inputs.
+"""What the autograd Functions share: ``once_differentiable`` that also guards the saved inputs, a result
+connected to inputs it does not depend on (:func:`connected`), and gradients handed over without a copy
+(:func:`hand_over`, :data:`HAND_OVER_BYTES`).
 
 ``torch.autograd.function.once_differentiable`` makes double backward raise only
 when the *upstream gradients* require grad. Our gradients also depend on the saved

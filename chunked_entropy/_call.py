@@ -34,20 +34,17 @@ import torch
 from ._autograd import connected, hand_over, once_differentiable
 from ._checks import check_device, check_flag, check_float, float_bits, is_finite_real, value_repr
 from ._dtensor import dtensor_hidden_op, dtensor_logits_op
-from ._inputs import Rows, Tokens, check_ignore_index, compute_dtype, dtype_code, prepare_tokens
-from ._kernels import use_compiled
-from ._logit_blocks import (
-    check_head,
+from ._inputs import (
+    Rows,
+    Tokens,
+    check_ignore_index,
     check_linear_args,
-    full_hidden,
-    linear_settings,
-    logits_plan,
-    main_grad_of,
-    main_grad_result,
-    resolve_vocab_chunk,
-    three_pass_plan,
+    compute_dtype,
+    dtype_code,
+    prepare_tokens,
     token_shape,
 )
+from ._logit_blocks import full_hidden, linear_settings, main_grad_of, main_grad_result, three_pass_plan
 from ._loop import Plan
 from ._migrate import accepts_01_keywords
 from ._rows import (
@@ -61,6 +58,7 @@ from ._rows import (
     take_rows,
 )
 from ._stats import RowStats, Transform, Want
+from .config import walk_plan
 from .losses._objective import Objective
 from .losses.aggregation import Aggregation
 from .options import (
@@ -74,14 +72,22 @@ from .options import (
     as_loss,
     check_layer_width,
 )
-from .parallel import agreed_call, all_gather_dim0, fingerprint_floats, group_rank_size, refused_together
+from .parallel import (
+    agreed_call,
+    all_gather_dim0,
+    fingerprint_floats,
+    group_rank_size,
+    live_group,
+    refused_together,
+    weak_group,
+)
 
 __all__ = [
     "Chunking", "Divergence", "OutputLayer", "PolicyLoss", "Prepared", "RowStats", "Rows",
     "RowsOf", "Teacher", "Tokens", "Want", "agree_objects", "apply_or_forward", "compute_dtype", "connected",
     "Objective", "dtensor_hidden_op", "dtensor_logits_op", "main_grad_result", "one_group",
     "group_of", "hand_over", "loss_grads", "once_differentiable", "op", "plan_for", "prepare", "refused_together",
-    "save_loss_grads", "settings", "with_rows", "zeros_connected",
+    "save_loss_grads", "settings", "weak_group", "live_group", "with_rows", "zeros_connected",
 ]
 
 
@@ -92,32 +98,21 @@ def settings(layer, chunking, *, logits: bool = False, default: Optional[Chunkin
 
 
 def plan_for(layer: OutputLayer, chunking: Chunking, *, lead, want: Want, device, buffers: Optional[int] = None,
-             compiled: bool = True, pair=None) -> Plan:
-    """How an op over hidden states walks ``lead``'s tokens and the layer's vocabulary shard.
-
-    The chunk size is ``chunking``'s (``"auto"`` resolved for ``buffers`` float32 buffers of the vocabulary
-    block; by default one, two with a scratch output); the vocabulary block its ``vocab_chunk_size``, or the
-    default of :func:`~chunked_entropy.config.vocab_block_for`; the kernels its ``backend`` (``compiled=False``:
-    the eager ones, for a walk without compiled kernels; ``pair``: a divergence's math, whose kernels are
-    probed too: :func:`~chunked_entropy._kernels.use_compiled`)."""
-    v_local = layer.weight.shape[0]
-    buffers = 1 + want.scratch if buffers is None else buffers
-    chunk_size = chunking.resolve(min(chunking.vocab_chunk_size or v_local, v_local), buffers=buffers)
-    kernels = use_compiled(chunking.backend, device, pair=pair) if compiled else None
-    # compiled kernels read a half-precision block as the matmul wrote it (no float32 copy first) and write its
-    # gradient in that dtype; a bias is added in float32 to the rounded product, so its blocks stay float32
-    half = layer.weight.dtype in (torch.bfloat16, torch.float16) and not layer.float32_logits
-    direct = kernels is not None and half and layer.bias is None
-    return Plan(
-        chunk_size=chunk_size,
-        vocab_chunk_size=resolve_vocab_chunk(chunking.vocab_chunk_size, chunk_size, math.prod(lead), v_local),
-        group=layer.process_group,
-        sequence_parallel=layer.sequence_parallel,
-        want=want,
-        compiled=kernels,
-        float32_logits=layer.float32_logits,
-        block_dtype=layer.weight.dtype if direct else None,
-    )
+             compiled: bool = True, pair=None, width: Optional[int] = None) -> Plan:
+    """How an op walks ``lead``'s tokens and the layer's vocabulary shard: :func:`chunked_entropy.config.walk_plan`
+    (the one place the sizes are decided) with the layer's weight, bias, ``logits_dtype``, group and sequence
+    parallelism. ``width``: an op over given logits of that many columns (the layer holds no weight then).
+    ``buffers``: the float32 buffers ``chunk_size="auto"`` is sized for (by default one, two with a scratch
+    output); ``compiled=False``: the eager kernels; ``pair``: a divergence's math, whose kernels are probed too
+    (:func:`~chunked_entropy._kernels.use_compiled`)."""
+    common = dict(tokens=math.prod(lead), want=want, device=device, group=layer.process_group, buffers=buffers,
+                  kernels=compiled, pair=pair)
+    if width is not None:
+        return walk_plan(chunking, width=width, dtype=None, over_logits=True, **common)
+    w = layer.weight
+    return walk_plan(chunking, width=w.shape[0], dtype=w.dtype, sequence_parallel=layer.sequence_parallel,
+                     float32_logits=layer.float32_logits, bias=layer.bias is not None, weight_grad=w.requires_grad,
+                     **common)
 
 
 def group_of(layer):
@@ -512,9 +507,8 @@ def _from_logits(call, logits, layer, chunking, flags, loss, policy, *, labels, 
     want = _want(flags)
     cdt = compute_dtype(logits.dtype)
     objective = None if policy is None else Objective(loss, labels, dtype=cdt, **policy)
-    plan = logits_plan(chunking.resolve(v_local, **({} if want is None else dict(buffers=1 + want.scratch))),
-                       v_local, layer.process_group, Want() if want is None else want,
-                       use_compiled(chunking.backend, logits.device))
+    plan = plan_for(layer, chunking, lead=logits.shape[:-1], want=Want() if want is None else want,
+                    device=logits.device, width=v_local)
     grads = torch.is_grad_enabled() and logits.requires_grad
     labels, no_labels = _labels(labels, logits.shape[:-1], args, logits.device, objective)
     tok = _tokens(call, labels, logits.shape[:-1], v_local, layer, cdt, logits.device, objective, args, logits=logits)
@@ -530,12 +524,12 @@ def _from_hidden(call, hidden, layer, chunking, flags, loss, policy, *, labels, 
     weight, bias, sp = layer.weight, layer.bias, layer.sequence_parallel
     if policy is None:
         no_labels = labels is None and (args["log_probs_at"] is not None or args["top_k"] is not None)
-        lead = check_linear_args(hidden, weight, bias, _lead_labels(hidden, labels, no_labels, call.world, sp),
-                                 call.world, sp, chunking.vocab_chunk_size)
+        lead = check_linear_args(hidden, layer, _lead_labels(hidden, labels, no_labels, call.world, sp),
+                                 call.world, sp)
         want = _want(flags)
     else:
         want = None
-        check_linear_args(hidden, weight, bias, labels, 1, False, chunking.vocab_chunk_size)
+        check_linear_args(hidden, layer, labels, 1, False)
         lead = token_shape(hidden, call.world, sp, batch_first=True)
         if labels.shape != lead:
             raise ValueError(
@@ -651,7 +645,6 @@ def _pair(call, student, layer, chunking, teacher, teacher_layer, divergence, lo
         lead, v_local = student.shape[:-1], student.shape[-1]
         check_layer_width(layer, v_local, "student_layer")
         check_layer_width(teacher_layer, v_local, "teacher_layer")
-        chunk_size = chunking.resolve(v_local, buffers=4)
         cdt = compute_dtype(student.dtype)
     else:
         float32, float32_t = _check_heads(student, layer, teacher, teacher_layer)
@@ -681,8 +674,8 @@ def _pair(call, student, layer, chunking, teacher, teacher_layer, divergence, lo
     if logits:
         grads = torch.is_grad_enabled() and student.requires_grad
         call.agree_all({"compute_entropy": compute_entropy, "whether gradients are computed": grads})
-        plan = logits_plan(chunk_size, v_local, layer.process_group, want,
-                           use_compiled(chunking.backend, student.device, pair=divergence.math))
+        plan = plan_for(layer, chunking, lead=lead, want=want, device=student.device, buffers=4,
+                        pair=divergence.math, width=v_local)
         side = Teacher(teacher.detach(), None, None, tf_t)
     else:
         for name, t in (("teacher_layer.weight", teacher_layer.weight), ("teacher_layer.bias", teacher_layer.bias)):
@@ -708,8 +701,8 @@ def _check_heads(student, layer: OutputLayer, teacher, teacher_layer: OutputLaye
     """Both heads' tensors (the same tokens, one vocabulary shard, one device); each head's ``logits_dtype``
     resolution (True: float32 blocks)."""
     sw, tw = layer.weight, teacher_layer.weight
-    float32 = check_head(student, sw, layer.bias, "student_", layer.logits_dtype)
-    float32_t = check_head(teacher, tw, teacher_layer.bias, "teacher_", teacher_layer.logits_dtype)
+    float32 = layer.check_hidden(student, "student_hidden")
+    float32_t = teacher_layer.check_hidden(teacher, "teacher_hidden")
     _check_same_tokens(student, teacher, "hidden")
     if tw.shape[0] != sw.shape[0]:
         raise ValueError(

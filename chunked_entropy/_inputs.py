@@ -1,7 +1,13 @@
-"""Argument checks and the per-token preparation shared by every entry point.
+"""The per-token inputs of a call, checked and prepared before any chunk is touched.
 
-Everything here runs before any chunk is touched, so a bad argument raises
-(naming it) and leaves nothing half-done.
+Layer: the per-token preparation (below the walk and the ops). :class:`Tokens` holds a call's
+flattened per-token inputs (labels, mask, temperatures, the logit transform, sampling replay's kept
+sets, distillation's ids) and turns upstream gradients into the walk's per-row factors
+(:meth:`Tokens.scaled`, the one place an upstream gradient meets ``kz``); :func:`prepare_tokens`
+checks and builds it; :func:`token_shape` is the leading shape of the tokens a head's hidden states
+stand for (sequence parallelism's gathered sequence included) and :func:`check_linear_args` the fused
+head's hidden states and labels against it; :class:`Rows` reads a chunk's rows without a copy. A bad
+argument raises (naming it) and leaves nothing half-done.
 """
 
 from __future__ import annotations
@@ -73,15 +79,22 @@ class Tokens:
             r.sum_pi_squared(of_kept) if want.sum_pi_squared else None,
         )
 
+    def scaled(self, g: Optional[torch.Tensor], a: int, b: int) -> Optional[torch.Tensor]:
+        """``g * kz``: an upstream gradient of rows ``[a, b)`` (``[b - a]``, or ``[b - a, K]`` per id) times
+        ``dx/dz`` up to the cap's derivative (``kz = logit_scale / t``,
+        :meth:`~chunked_entropy._stats.Transform.kz`); ``g`` itself where ``kz`` is 1, None for None. The one
+        place an upstream gradient meets the logit transform; a new ``[b - a]`` (or ``[b - a, K]``) tensor."""
+        kz = self.transform.kz(self.inv_t_rows(a, b))
+        if g is None or kz is None:
+            return g
+        return g * (kz.squeeze(1) if isinstance(kz, torch.Tensor) and g.dim() == 1 else kz)
+
     def coefficients(self, a: int, b: int, g_lp, g_h, g_q) -> Coefficients:
         """Per-row gradient factors for rows ``[a, b)`` from their upstream gradients (``[b - a]`` each, or None)."""
-        kz = self.transform.kz(self.inv_t_rows(a, b))
-        kz = kz.squeeze(1) if isinstance(kz, torch.Tensor) else kz
-        scaled = lambda g: None if g is None else (g if kz is None else g * kz)  # noqa: E731
-        c = scaled(g_lp)
+        c = self.scaled(g_lp, a, b)
         c = None if c is None else torch.where(self.valid[a:b], c, 0.0)
-        a2 = scaled(g_q)
-        return Coefficients(c, scaled(g_h), None if a2 is None else 2 * a2)
+        a2 = self.scaled(g_q, a, b)
+        return Coefficients(c, self.scaled(g_h, a, b), None if a2 is None else 2 * a2)
 
 
 def chunks(n: int, size: int):
@@ -217,6 +230,48 @@ def prepare_tokens(
     at = parse_at(log_probs_at, top_k, lead_shape=lead_shape, v_local=v_local, device=device, call=call, keep=keep,
                   capped=transform.softcap is not None)
     return Tokens(lead_shape, valid, target, inv_t, transform, kept, at)
+
+
+def token_shape(hidden: torch.Tensor, world: int, sequence_parallel: bool, *, batch_first: bool = False,
+                name: str = "hidden") -> torch.Size:
+    """The leading shape of the tokens ``hidden`` (``[..., H]``) stands for.
+
+    Without sequence parallelism, ``hidden.shape[:-1]``. With it, ``hidden`` is this rank's ``[S/P, ..., H]``
+    slice of a ``world``-way group and the tokens are the gathered sequence: ``(S, ...)``; ``batch_first``
+    (the policy loss's per-token tensors, ``[B, T]`` beside Megatron's ``[T/P, B, H]``): ``(B, T)``.
+    """
+    if not sequence_parallel:
+        return hidden.shape[:-1]
+    if batch_first:
+        if hidden.dim() != 3:
+            raise ValueError(f"with sequence_parallel=True, {name} must be [T/P, B, H], got {tuple(hidden.shape)}")
+        return torch.Size((hidden.shape[1], hidden.shape[0] * world))
+    if hidden.dim() < 2:
+        raise ValueError(f"with sequence_parallel=True, {name} must be [S/P, ..., H], got {tuple(hidden.shape)}")
+    return torch.Size((hidden.shape[0] * world,) + tuple(hidden.shape[1:-1]))
+
+
+def check_linear_args(hidden, layer, labels, world: int, sequence_parallel: bool):
+    """Check the fused head's hidden states against its ``layer`` (an
+    :class:`~chunked_entropy.OutputLayer`, whose own rules were checked when it was built:
+    :meth:`~chunked_entropy.OutputLayer.check_hidden`) and the labels' type; returns the labels' expected
+    leading shape (:func:`token_shape`).
+
+    ``world`` is the size of the tensor-parallel group (the sequence-parallel
+    slice of ``hidden`` is ``1 / world`` of the sequence).
+    """
+    layer.check_hidden(hidden)
+    if not isinstance(labels, torch.Tensor):
+        raise TypeError(f"labels must be a torch.Tensor of int64 ids, got {type(labels).__name__}")
+    lead = token_shape(hidden, world, sequence_parallel)
+    if sequence_parallel:
+        if labels.shape != lead:
+            raise ValueError(
+                f"with sequence_parallel=True, hidden is this rank's slice [S/P, ..., H] = "
+                f"{tuple(hidden.shape)} of a {world}-way group, so labels must have shape "
+                f"{tuple(lead)} (the full sequence), got {tuple(labels.shape)}"
+            )
+    return lead
 
 
 def check_ignore_index(ignore_index) -> int:

@@ -1,4 +1,5 @@
-"""Which implementation of the per-block math runs: eager (the reference), compiled, or Triton.
+"""Which implementation of the per-block math runs: eager (the reference), compiled, or Triton
+(:data:`BACKENDS`, the names ``Chunking.backend`` takes).
 
 ``backend="eager"`` runs :func:`chunked_entropy._stats.block_stats` and
 :func:`~chunked_entropy._stats.block_grad`: a dozen in-place PyTorch ops per
@@ -51,7 +52,9 @@ from typing import Optional, Union
 import torch
 
 from . import _divergence, _stats
-from .config import BACKENDS
+
+#: The implementations of the per-block math an op's ``backend`` names (``Chunking.backend``).
+BACKENDS = ("auto", "eager", "compile", "triton")
 
 
 def check_backend(value) -> str:

@@ -2,29 +2,32 @@
 
 Layer: the walk, shared by the ops above it: the logits path
 (:mod:`chunked_entropy.logits`) and the fused loss from logits read the
-caller's logits rows; the fused head (:mod:`chunked_entropy.linear`) and the
-fused loss from hidden states compute each block as ``hidden @ weight.T + bias``
-and turn its logit gradient into gradients of the hidden states, the weight
-and the bias (:func:`linear_grads`). Both hand the chunk loop
-(:mod:`chunked_entropy._loop`) a ``fill(x, a, b, v0, v1)``.
+caller's logits rows (:func:`logits_source`); the fused head (:mod:`chunked_entropy.linear`), the
+fused loss from hidden states and the divergences compute each block as ``hidden @ weight.T + bias``
+(:func:`linear_filler`) and turn its logit gradient into gradients of the hidden states, the weight
+and the bias (:func:`linear_grads`, the half-precision matmuls of :func:`_half_mm` / :func:`_split_mm`, the
+gradient buffer :class:`GradRows`, the fused loss's three-pass walk :func:`three_pass_plan`). Both hand the
+chunk loop (:mod:`chunked_entropy._loop`) a ``fill(x, a, b, v0, v1)``. Beside them, what the fused ops do
+with the hidden states and the weight around the walk: the sequence-parallel gather and the gradient's
+reduction (:func:`full_hidden`, :func:`reduce_hidden_grad`, :func:`token_major`), Megatron's ``main_grad``
+(:func:`main_grad_of`, :func:`main_grad_result`), and, for now, the fused head's cross-rank agreement
+(:func:`linear_settings`). The arguments' checks live with the :class:`~chunked_entropy.OutputLayer` and in
+:mod:`chunked_entropy._inputs`, the sizes in :mod:`chunked_entropy.config`, the groups' weak references in
+:mod:`chunked_entropy.parallel`.
 """
 
 from __future__ import annotations
 
 import functools
-import weakref
 from dataclasses import replace
 from typing import Optional
 
 import torch
 from einops import rearrange
 
-from ._checks import check_chunk, check_device, check_float
 from ._inputs import Rows, Tokens, compute_dtype, dtype_code
-from ._kernels import Kernels
 from ._loop import Plan, row_stats
-from ._stats import Want
-from .config import GRAD_BUFFER_BYTES, grad_vocab_block_for, three_pass_bytes, vocab_block_for
+from .config import GRAD_BUFFER_BYTES, three_pass_bytes
 from .parallel import all_gather_dim0, all_reduce_sum_, reduce_scatter_dim0
 
 # ----------------------------------------------------------------------------- given logits
@@ -44,95 +47,7 @@ def logits_row_stats(logits, tok: Tokens, plan: Plan):
                      device=logits.device, view=view)
 
 
-def logits_plan(chunk_size: int, v_local: int, group, want: Want, compiled: Kernels = None) -> Plan:
-    """The :class:`~chunked_entropy._loop.Plan` of an op over given logits: the whole shard a block."""
-    return Plan(chunk_size=chunk_size, vocab_chunk_size=v_local, group=group, sequence_parallel=False, want=want,
-                compiled=compiled)
-
-
 # ----------------------------------------------------------------------------- hidden @ weight.T + bias
-
-
-def resolve_vocab_chunk(vocab_chunk_size: Optional[int], chunk_size: int, n: int, v_local: int) -> int:
-    """The forward's vocabulary block (:func:`chunked_entropy.config.vocab_block_for`)."""
-    return vocab_block_for(vocab_chunk_size, chunk_size, n, v_local)
-
-
-def check_logits_dtype(logits_dtype, weight: torch.Tensor, name: str = "weight") -> bool:
-    """``logits_dtype``: None (the weight's dtype, as the model's own layer), the weight's dtype, or
-    ``torch.float32``. Returns whether half-precision blocks are computed in float32 instead."""
-    if logits_dtype is None or logits_dtype == weight.dtype:
-        return False
-    if logits_dtype == torch.float32 and weight.dtype in (torch.bfloat16, torch.float16):
-        return True
-    raise ValueError(
-        f"logits_dtype must be None ({name}'s dtype, {weight.dtype}), {weight.dtype} or torch.float32, "
-        f"got {logits_dtype!r}"
-    )
-
-
-def check_head(hidden, weight, bias, prefix: str = "", logits_dtype=None) -> bool:
-    """One head's hidden states ``[..., H]``, weight ``[V_local, H]`` and bias ``[V_local]`` (or None): float, of one
-    dtype and device; each named with ``prefix`` (``"student_"``, ``"teacher_"`` for a divergence's two heads).
-
-    Returns this head's own resolution of ``logits_dtype`` (:func:`check_logits_dtype` of its weight): whether
-    its blocks are computed in float32. Each head of a call resolves it for itself, so that a float32 student
-    beside a bf16 teacher still gets the teacher's logits in float32 with ``logits_dtype=torch.float32``."""
-    h, w, b = f"{prefix}hidden", f"{prefix}weight", f"{prefix}bias"
-    check_float(h, hidden)
-    check_float(w, weight, dim=2)
-    if hidden.dim() < 1 or hidden.shape[-1] != weight.shape[1]:
-        raise ValueError(f"{h} must be [..., H] with H == {w}.shape[1] == {weight.shape[1]}, "
-                         f"got shape {tuple(hidden.shape)}")
-    if hidden.dtype != weight.dtype:
-        raise TypeError(f"{h} ({hidden.dtype}) and {w} ({weight.dtype}) must have the same dtype")
-    check_device(h, hidden, weight.device, w)
-    if bias is not None:
-        check_float(b, bias)
-        if bias.shape != (weight.shape[0],):
-            raise ValueError(f"{b} must have shape ({weight.shape[0]},) (V_local), got {tuple(bias.shape)}")
-        check_device(b, bias, weight.device, w)
-    return check_logits_dtype(logits_dtype, weight, w)
-
-
-def token_shape(hidden: torch.Tensor, world: int, sequence_parallel: bool, *, batch_first: bool = False,
-                name: str = "hidden") -> torch.Size:
-    """The leading shape of the tokens ``hidden`` (``[..., H]``) stands for.
-
-    Without sequence parallelism, ``hidden.shape[:-1]``. With it, ``hidden`` is this rank's ``[S/P, ..., H]``
-    slice of a ``world``-way group and the tokens are the gathered sequence: ``(S, ...)``; ``batch_first``
-    (the policy loss's per-token tensors, ``[B, T]`` beside Megatron's ``[T/P, B, H]``): ``(B, T)``.
-    """
-    if not sequence_parallel:
-        return hidden.shape[:-1]
-    if batch_first:
-        if hidden.dim() != 3:
-            raise ValueError(f"with sequence_parallel=True, {name} must be [T/P, B, H], got {tuple(hidden.shape)}")
-        return torch.Size((hidden.shape[1], hidden.shape[0] * world))
-    if hidden.dim() < 2:
-        raise ValueError(f"with sequence_parallel=True, {name} must be [S/P, ..., H], got {tuple(hidden.shape)}")
-    return torch.Size((hidden.shape[0] * world,) + tuple(hidden.shape[1:-1]))
-
-
-def check_linear_args(hidden, weight, bias, labels, world: int, sequence_parallel: bool, vocab_chunk_size):
-    """Check the fused head's tensors; returns the labels' expected leading shape.
-
-    ``world`` is the size of the tensor-parallel group (the sequence-parallel
-    slice of ``hidden`` is ``1 / world`` of the sequence).
-    """
-    check_head(hidden, weight, bias)
-    check_chunk("vocab_chunk_size", vocab_chunk_size, optional=True)
-    if not isinstance(labels, torch.Tensor):
-        raise TypeError(f"labels must be a torch.Tensor of int64 ids, got {type(labels).__name__}")
-    lead = token_shape(hidden, world, sequence_parallel)
-    if sequence_parallel:
-        if labels.shape != lead:
-            raise ValueError(
-                f"with sequence_parallel=True, hidden is this rank's slice [S/P, ..., H] = "
-                f"{tuple(hidden.shape)} of a {world}-way group, so labels must have shape "
-                f"{tuple(lead)} (the full sequence), got {tuple(labels.shape)}"
-            )
-    return lead
 
 
 def linear_settings(hidden, weight, bias, plan: Plan, grads: bool) -> dict:
@@ -208,7 +123,9 @@ def linear_row_stats(h_full, weight, bias, tok: Tokens, plan: Plan):
 
 
 def grad_vocab_block(n: int, weight: torch.Tensor, plan: Plan, need_w: bool) -> Optional[int]:
-    """The vocabulary block of a gradient walk that takes vocabulary blocks outermost, or None (chunks outermost).
+    """The vocabulary block of a gradient walk that takes vocabulary blocks outermost, or None (chunks outermost):
+    ``plan.grad_vocab_chunk_size`` (sized with the rest of the plan by :func:`chunked_entropy.config.walk_plan`)
+    where the weight's gradient is wanted (``need_w``). ``n`` and ``weight`` are the plan's (kept for the callers).
 
     Half-precision weights only, and only when their gradient is wanted: each
     block's weight gradient is then one matmul over all ``n`` tokens, in the
@@ -220,10 +137,7 @@ def grad_vocab_block(n: int, weight: torch.Tensor, plan: Plan, need_w: bool) -> 
     ``vocab_chunk_size``. Float32 weights accumulate straight into their
     float32 gradient, chunk by chunk: no buffer at all.
     """
-    v = weight.shape[0]
-    if not need_w or weight.dtype not in (torch.bfloat16, torch.float16):
-        return None
-    return min(plan.vocab_chunk_size, grad_vocab_block_for(n, v, 4 if plan.float32_logits else weight.element_size()))
+    return plan.grad_vocab_chunk_size if need_w else None
 
 
 class GradRows:
@@ -565,29 +479,6 @@ def token_major_grad(grad_h: torch.Tensor, full_shape, plan: Plan) -> torch.Tens
     if not plan.sequence_parallel:
         return grad_h
     return rearrange(grad_h, "(b t) h -> t b h", t=full_shape[0]).contiguous()
-
-
-def weak_group(group):
-    """A weak reference to a process group (or None), for an autograd graph to hold.
-
-    A graph still alive at interpreter exit must not keep a destroyed group
-    alive into shutdown (gloo then aborts the process); torch.distributed
-    itself holds every live group.
-    """
-    return None if group is None else weakref.ref(group)
-
-
-def live_group(ref):
-    """The group behind :func:`weak_group`'s reference; a clear error if it was destroyed."""
-    if ref is None:
-        return None
-    group = ref()
-    if group is None:
-        raise RuntimeError(
-            "the process group of this call was destroyed before its backward; "
-            "run backward before torch.distributed.destroy_process_group()"
-        )
-    return group
 
 
 def main_grad_of(weight, gradient_accumulation_fusion: Optional[bool]):

@@ -1,6 +1,14 @@
-"""The chunk loop, shared by the logits path and the fused head.
+"""The chunk loop, shared by every op: the walks over tokens and vocabulary blocks, and the :class:`Plan` they follow.
 
-Both paths walk the tokens in chunks of ``chunk_size`` rows and the vocabulary
+Its users: the logits path (:mod:`chunked_entropy.logits`), the fused head
+(:mod:`chunked_entropy.linear`), the fused policy loss (:mod:`chunked_entropy.policy`, from logits or
+hidden states), and the divergences (:mod:`chunked_entropy.divergence`, one head or two), with sampling
+replay's kept sets and distillation's ids riding along. The walks: the statistics (:func:`row_stats`), the
+gradient (:func:`grad_blocks`), the fused loss's gradient formed in forward (:func:`loss_grad_blocks`), and a
+divergence's two heads (:func:`pair_row_stats`, :func:`pair_loss_grad_blocks`, :func:`pair_grad_blocks`).
+The :class:`Plan` (chunk, vocabulary blocks, kernels) is sized by :func:`chunked_entropy.config.walk_plan`.
+
+Every walk takes the tokens in chunks of ``chunk_size`` rows and the vocabulary
 shard in blocks of ``block`` columns; the only difference is where a block's
 raw logits come from, which the caller passes as ``fill(x, a, b, v0, v1)``:
 write the logits of rows ``[a, b)`` and shard columns ``[v0, v1)`` into ``x``
@@ -46,6 +54,9 @@ class Plan:
     # With ``compiled`` kernels: the dtype of the block buffers the fill's matmul writes and the kernels read
     # (the weight's half precision: no widening copy); None: the compute dtype. See :func:`block_dtype`.
     block_dtype: Optional[torch.dtype] = None
+    # The backward's vocabulary block where it walks blocks outermost (half-precision weights whose gradient is
+    # wanted), or None: chunks outermost. Sized with the rest by chunked_entropy.config.plan.
+    grad_vocab_chunk_size: Optional[int] = None
 
 
 def block_dtype(plan: Plan, dtype, *, sparse: bool = False):
@@ -304,8 +315,7 @@ def grad_blocks(
             entries = kept.chunk(a, b, n, chunk_size)
             co, co_k = _keep.split(co, rows.truncated, kept.of_kept)
         if at_ids is not None:  # the dense part of the ids' gradient rides on the log-prob's coefficient
-            kz = tok.transform.kz(tok.inv_t_rows(a, b))
-            coef = at_grads[a:b] if kz is None else at_grads[a:b] * kz
+            coef = tok.scaled(at_grads[a:b], a, b)
             total = coef.sum(dim=1)
             co = co._replace(c=total if co.c is None else co.c + total)
             sparse = (at_ids, coef, total)
@@ -749,21 +759,13 @@ def pair_loss_grad_blocks(
             a, b, group, want_entropy, cap_single=single and tok.transform.softcap is not None)
         here, parts = walk.chunk_sums(a, b, group, rows, ls_t, merged, merged_t, held, cross, keep_parts=single)
         _store_pair(stats, pair, rows, here, a, b)
-        scale = _scaled(weights[a:b], tok, a, b)
+        scale = tok.scaled(weights[a:b], a, b)
         if single:
             yield a, b, 0, width, walk.block_grad(a, b, 0, width, rows, here, scale, held=held, parts=parts)
             parts = held = None
         else:
             for v0, v1 in chunks(width, block):
                 yield a, b, v0, v1, walk.block_grad(a, b, v0, v1, rows, here, scale)
-
-
-def _scaled(g: torch.Tensor, tok: Tokens, a: int, b: int) -> torch.Tensor:
-    """``g * kz`` for rows ``[a, b)``: an upstream gradient times ``dx/dz`` up to the cap's derivative."""
-    kz = tok.transform.kz(tok.inv_t_rows(a, b))
-    if kz is None:
-        return g
-    return g * (kz.squeeze(1) if isinstance(kz, torch.Tensor) else kz)
 
 
 def pair_grad_blocks(
@@ -784,7 +786,7 @@ def pair_grad_blocks(
     def chunk(a, b):
         rows, here = stats.rows(a, b), pair.rows(a, b)
         co = tok.coefficients(a, b, None if g_lp is None else g_lp[a:b], None if g_h is None else g_h[a:b], None)
-        scale = _scaled(torch.zeros(b - a, dtype=dtype, device=device) if g_div is None else g_div[a:b], tok, a, b)
+        scale = tok.scaled(torch.zeros(b - a, dtype=dtype, device=device) if g_div is None else g_div[a:b], a, b)
         return rows, here, co, scale
 
     def block_grad(a, b, v0, v1, parts):

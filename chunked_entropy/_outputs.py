@@ -1,7 +1,7 @@
 """The per-token result type and the plumbing between an autograd Function and its caller.
 
-Layer: results (below the ops): used by every op (:mod:`chunked_entropy.logits`,
-:mod:`chunked_entropy.linear`); imports only torch and the math.
+Layer: results (below the ops): used by the ops with per-token results (:mod:`chunked_entropy.logits`,
+:mod:`chunked_entropy.linear`), the head and the DTensor front; imports only torch and the math.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Only the rows that are read: ``rows=`` on the hidden-state (and logits) entry points.
 
 Layer: per-token inputs (beside :mod:`chunked_entropy._inputs`; imports only
-``parallel`` and the plain checks): what every op does with ``rows`` before its own
+``parallel``, the plain checks and ``_autograd``): what every op does with ``rows`` before its own
 preparation.
 
 - ``rows`` an integer tensor (any shape ``L``, usually ``[M]``): an index into

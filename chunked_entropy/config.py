@@ -1,12 +1,21 @@
-"""Settings of the chunked computation, readable from an RL framework's actor config.
+"""The chunk settings' rules and sizes: how big a chunk and a vocabulary block are, and reading the settings
+from an RL framework's actor config.
+
+Layer: the sizing (above the walk's :class:`~chunked_entropy._loop.Plan` and the kernels' choice, below the
+option objects and the ops). :func:`walk_plan` is the one place a call's sizes are decided: the chunk, the
+forward's and the backward's vocabulary blocks, the kernels and the dtype of their blocks, from the shape,
+dtype and device and the :class:`~chunked_entropy.Chunking`; every op (through
+:func:`chunked_entropy._call.plan_for`) and ``chunked-entropy plan`` take their plan from it. Its byte budgets
+(:data:`CHUNK_BUFFER_BYTES`, :data:`GRAD_BUFFER_BYTES`, :data:`WORKING_BYTES`) and formulas
+(:func:`vocab_block_for`, :func:`grad_vocab_block_for`, :func:`auto_chunk_size`, and the fused loss's
+working memory, :func:`three_pass_bytes`) are here beside it.
 
 :func:`read_actor_config` reads this library's settings from a verl-style actor
 section (a dict, an OmegaConf ``DictConfig`` or a verl config dataclass), so
 that a verl user sets them with a Hydra override such as
 ``+actor_rollout_ref.actor.chunked_entropy.chunk_size=1024``;
 :meth:`chunked_entropy.Chunking.from_config` builds the chunking from it.
-:func:`check_field` holds the rule of each field, the sizing helpers the
-vocabulary blocks and the ``"auto"`` chunk size. :class:`ChunkedEntropyConfig`
+:func:`check_field` holds the rule of each field. :class:`ChunkedEntropyConfig`
 (the same settings with the temperature and the entropy switch) is deprecated:
 :class:`~chunked_entropy.Chunking` is the one chunk setting.
 """
@@ -18,7 +27,12 @@ import warnings
 from collections.abc import Mapping
 from typing import Optional, Union
 
+import torch
+
 from ._checks import is_finite_real, is_int, plain_str, value_repr
+from ._kernels import BACKENDS, use_compiled
+from ._loop import Plan
+from ._stats import Want
 
 #: Bytes per element of the per-chunk buffers (they are float32).
 _BUFFER_ITEMSIZE = 4
@@ -32,10 +46,6 @@ VERL_CHUNK_KEY = "entropy_from_logits_chunk_size"
 _FLOAT32_MAX = 3.4028234663852886e38
 _ABSENT = object()
 
-
-#: The implementations of the per-block math an op's ``backend`` names (:mod:`chunked_entropy._kernels`).
-BACKENDS = ("auto", "eager", "compile", "triton")
-
 #: The most one float32 ``[chunk, block]`` buffer of an op over hidden states takes when ``vocab_chunk_size``
 #: is not given (:func:`vocab_block_for`): 128 MiB, a chunk of 1024 rows over a 32768-column shard.
 CHUNK_BUFFER_BYTES = 128 * 2**20
@@ -48,6 +58,65 @@ GRAD_BUFFER_BYTES = 64 * 2**20
 #: three-GEMM-pass walk (:func:`three_pass_bytes`) may hold beyond the inputs and their gradients. 1 GiB: at
 #: 8192 tokens x H 4096 x a 151936 vocabulary, TP 8 takes three passes (0.30 GiB of accumulator), TP 1 four.
 WORKING_BYTES = 1 << 30
+
+
+def walk_plan(chunking, *, tokens: int, width: int, dtype: Optional[torch.dtype], device,
+              want: Optional[Want] = None, group=None, sequence_parallel: bool = False, over_logits: bool = False,
+              float32_logits: bool = False, bias: bool = False, weight_grad: bool = False,
+              buffers: Optional[int] = None, kernels: bool = True, pair=None) -> Plan:
+    """How a call walks ``tokens`` tokens and a ``width``-column vocabulary shard: the one place the sizes are
+    decided. Every op and ``chunked-entropy plan`` take their :class:`~chunked_entropy._loop.Plan` from here.
+
+    Args:
+        chunking: the call's :class:`~chunked_entropy.Chunking`.
+        tokens: the call's tokens on this rank (the gathered sequence under sequence parallelism).
+        width: ``V_local``, the columns of this rank's shard.
+        dtype: the weight's dtype over hidden states (None over given logits: unread).
+        device: where the call runs (it chooses the kernels of ``backend="auto"``).
+        want: the outputs beyond the log-probs (default :class:`~chunked_entropy._stats.Want`'s).
+        group, sequence_parallel: the layer's tensor-parallel group and sequence parallelism.
+        over_logits: a call over given logits: the whole shard is one block (the logits exist already).
+        float32_logits: half-precision weights whose blocks are computed in float32 (``logits_dtype``).
+        bias: the layer has a bias (its blocks are then float32 for the compiled kernels).
+        weight_grad: the weight's gradient is wanted (it sizes the backward's vocabulary block).
+        buffers: the float32 ``[chunk, block]`` buffers ``chunk_size="auto"`` is sized for (default one, two
+            with a scratch output).
+        kernels: choose the kernels of ``chunking.backend`` (False: the eager ones, for a walk without
+            compiled kernels, and for sizing alone); ``pair``: a divergence's math, whose kernels are probed too.
+
+    The sizes:
+
+    - ``chunk_size``: ``chunking.chunk_size``, or for ``"auto"`` the most rows whose ``buffers`` float32
+      buffers of a block's width fit ``max_chunk_bytes`` (:meth:`Chunking.resolve
+      <chunked_entropy.Chunking.resolve>`, :func:`auto_chunk_size`).
+    - ``vocab_chunk_size``, the forward's block: over given logits the whole shard; over hidden states
+      ``chunking.vocab_chunk_size``, or the whole shard while a float32 ``[chunk, V_local]`` buffer fits
+      :data:`CHUNK_BUFFER_BYTES`, else the widest multiple of 128 columns that does (:func:`vocab_block_for`).
+    - ``grad_vocab_chunk_size``, the backward's block of half-precision weights whose gradient is wanted
+      (walked outermost): as wide as a ``[tokens, block]`` gradient buffer within :data:`GRAD_BUFFER_BYTES`
+      allows, no wider than the forward's (:func:`grad_vocab_block_for`); None otherwise (chunks outermost).
+    - ``block_dtype``: the weight's half precision where compiled kernels read the matmul's rounded blocks
+      (no bias, no float32 logits); None otherwise.
+    """
+    want = Want() if want is None else want
+    buffers = 1 + want.scratch if buffers is None else buffers
+    vocab = chunking.vocab_chunk_size
+    chunk_size = chunking.resolve(width if over_logits else min(vocab or width, width), buffers=buffers)
+    chosen = use_compiled(chunking.backend, device, pair=pair) if kernels else None
+    if over_logits:
+        return Plan(chunk_size=chunk_size, vocab_chunk_size=width, group=group, sequence_parallel=False, want=want,
+                    compiled=chosen)
+    half = dtype in (torch.bfloat16, torch.float16)
+    block = vocab_block_for(vocab, chunk_size, tokens, width)
+    grad_block = None
+    if weight_grad and half:
+        grad_block = min(block, grad_vocab_block_for(tokens, width, 4 if float32_logits else dtype.itemsize))
+    # compiled kernels read a half-precision block as the matmul wrote it (no float32 copy first) and write its
+    # gradient in that dtype; a bias is added in float32 to the rounded product, so its blocks stay float32
+    direct = chosen is not None and half and not float32_logits and not bias
+    return Plan(chunk_size=chunk_size, vocab_chunk_size=block, group=group, sequence_parallel=sequence_parallel,
+                want=want, compiled=chosen, float32_logits=float32_logits, block_dtype=dtype if direct else None,
+                grad_vocab_chunk_size=grad_block)
 
 
 def vocab_block_for(vocab_chunk_size: Optional[int], chunk_size: int, n: int, v_local: int) -> int:

@@ -48,12 +48,14 @@ from ._call import (
     compute_dtype,
     dtensor_hidden_op,
     dtensor_logits_op,
+    live_group,
     loss_grads,
     main_grad_result,
     once_differentiable,
     op,
     prepare,
     save_loss_grads,
+    weak_group,
     zeros_connected,
 )
 from ._divergence import PairRows
@@ -62,10 +64,8 @@ from ._logit_blocks import (
     grad_vocab_block,
     linear_filler,
     linear_grads,
-    live_group,
     logits_source,
     reduce_hidden_grad,
-    weak_group,
 )
 from ._loop import Plan, new_pair_rows, new_row_stats, pair_grad_blocks, pair_loss_grad_blocks, pair_row_stats
 

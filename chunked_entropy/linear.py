@@ -24,10 +24,12 @@ from ._call import (
     RowStats,
     Tokens,
     dtensor_hidden_op,
+    live_group,
     main_grad_result,
     once_differentiable,
     op,
     prepare,
+    weak_group,
 )
 from ._logit_blocks import (
     full_hidden,
@@ -36,9 +38,7 @@ from ._logit_blocks import (
     linear_filler,
     linear_grads,
     linear_row_stats,
-    live_group,
     reduce_hidden_grad,
-    weak_group,
 )
 from ._loop import Plan, grad_blocks
 from ._outputs import LogProbsEntropy, empty_outputs, pack_outputs, run_outputs, split_grads, without_labels

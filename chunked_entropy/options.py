@@ -10,7 +10,8 @@ labels, masks, temperatures) stays in the call.
 - :class:`OutputLayer`: the output layer (its weight shard, bias, logit
   transform, ``logits_dtype``, tensor-parallel group, sequence parallelism,
   ``gradient_accumulation_fusion``). A bare weight tensor is accepted wherever
-  one is asked for.
+  one is asked for. Its rules (the weight, the bias, ``logits_dtype``) are checked once, when it is built;
+  :meth:`OutputLayer.check_hidden` adds what a call's hidden states must match.
 - :class:`Chunking`: how the tokens and the vocabulary are walked
   (``chunk_size``, ``"auto"`` included, ``vocab_chunk_size``, ``backend``).
   An int is accepted wherever one is asked for (the chunk size).
@@ -38,6 +39,7 @@ from torch import nn
 from ._checks import (
     FLOAT_DTYPES,
     ByValue,
+    check_device,
     check_flag,
     check_float,
     check_positive,
@@ -196,6 +198,24 @@ class OutputLayer(ByValue):
             group_rank_size(self.process_group)  # a clear error now if the group is unusable
         except (TypeError, ValueError) as e:
             raise type(e)(f"{p}process_group: {e}") from None
+
+    def check_hidden(self, hidden, name: str = "hidden") -> bool:
+        """This layer prepared for a call over ``hidden`` (``[..., H]``): float, of the weight's hidden size,
+        dtype and device, each error naming ``name`` and the weight beside it (``student_hidden``,
+        ``student_weight``). The layer's own rules (the weight, the bias, ``logits_dtype``) were checked when it
+        was built; this adds only what the hidden states must match. Returns :attr:`float32_logits`."""
+        w = name[: -len("hidden")] + "weight" if name.endswith("hidden") else "weight"
+        weight = self.weight
+        check_float(name, hidden)
+        if weight is None:
+            raise TypeError(f"{w} must be a torch.Tensor, got NoneType")
+        if hidden.dim() < 1 or hidden.shape[-1] != weight.shape[1]:
+            raise ValueError(f"{name} must be [..., H] with H == {w}.shape[1] == {weight.shape[1]}, "
+                             f"got shape {tuple(hidden.shape)}")
+        if hidden.dtype != weight.dtype:
+            raise TypeError(f"{name} ({hidden.dtype}) and {w} ({weight.dtype}) must have the same dtype")
+        check_device(name, hidden, weight.device, w)
+        return self.float32_logits
 
     @property
     def float32_logits(self) -> bool:
@@ -369,7 +389,9 @@ class Chunking:
 
     def resolve(self, width: int, *, buffers: int = 2) -> int:
         """The chunk size for ``width`` columns a block (the vocabulary block or shard): ``chunk_size``, or
-        for ``"auto"`` ``max(1, max_chunk_bytes // (buffers * 4 * width))``."""
+        for ``"auto"`` ``max(1, max_chunk_bytes // (buffers * 4 * width))``. A call's plan
+        (:func:`chunked_entropy.config.walk_plan`, which sizes its vocabulary blocks too) takes its chunk
+        size from here."""
         for name, value in (("width", width), ("buffers", buffers)):  # as ChunkedEntropyConfig.resolve_chunk_size
             if not (is_int(value) and value >= 1):
                 raise ValueError(f"Chunking.resolve: {name} must be an int >= 1, got {value!r}")

@@ -1,5 +1,7 @@
 """Process groups and collectives: every communication of the library lives here.
 
+Also the process groups an autograd graph holds weakly (:func:`weak_group`, :func:`live_group`).
+
 Vocabulary parallelism follows Megatron: with a group of size ``P``, rank ``r``
 holds global vocabulary ids ``[r * V_local, (r + 1) * V_local)``. Sequence
 parallelism follows Megatron too: the hidden states are split along dim 0.
@@ -12,6 +14,7 @@ path needs none.
 from __future__ import annotations
 
 import contextlib
+import weakref
 import zlib
 from typing import Optional
 
@@ -64,6 +67,29 @@ def group_rank_size(group) -> tuple[int, int]:
             f"{dist.get_process_group_ranks(group)}); pass the tensor-parallel group this rank belongs to"
         )
     return rank, dist.get_world_size(group)
+
+
+def weak_group(group):
+    """A weak reference to a process group (or None), for an autograd graph to hold.
+
+    A graph still alive at interpreter exit must not keep a destroyed group
+    alive into shutdown (gloo then aborts the process); torch.distributed
+    itself holds every live group.
+    """
+    return None if group is None else weakref.ref(group)
+
+
+def live_group(ref):
+    """The group behind :func:`weak_group`'s reference; a clear error if it was destroyed."""
+    if ref is None:
+        return None
+    group = ref()
+    if group is None:
+        raise RuntimeError(
+            "the process group of this call was destroyed before its backward; "
+            "run backward before torch.distributed.destroy_process_group()"
+        )
+    return group
 
 
 def _active(group) -> bool:

@@ -237,3 +237,48 @@ def test_chunking_reads_an_actor_section_alone(wrap):
             Chunking.from_config(wrap({"chunk_size": 32, "chunked_entropy": {"chunk_size": 64}}))
         assert read_actor_config(wrap({"entropy_coeff": 0.0, "chunked_entropy": {"chunk_size": 512}})) == {
             "chunk_size": 512, "compute_entropy": False}
+
+
+def test_walk_plan_sizes_every_walk_in_one_place():
+    """``config.walk_plan`` is where a call's sizes are decided (the ops' ``plan_for`` and ``chunked-entropy plan``
+    read it); the figures worked by hand from the documented rules."""
+    from chunked_entropy.cli.plan import Shape, blocks
+    from chunked_entropy.config import walk_plan
+
+    cpu = torch.device("cpu")
+
+    def plan(chunking, **kw):
+        return walk_plan(chunking, device=cpu, kernels=False, **kw)
+
+    # the whole shard a block while a float32 [1024, V] buffer is at most 128 MiB: 32768 columns
+    p = plan(Chunking(), tokens=8192, width=32768, dtype=torch.float32)
+    assert (p.chunk_size, p.vocab_chunk_size, p.grad_vocab_chunk_size, p.block_dtype) == (1024, 32768, None, None)
+    # 151936 columns: the widest multiple of 128 within 128 MiB; bf16's backward: a [8192, Vg] bf16 buffer of
+    # 64 MiB, 4096 columns; with float32 logits 2048
+    p = plan(Chunking(), tokens=8192, width=151936, dtype=torch.bfloat16, weight_grad=True)
+    assert (p.vocab_chunk_size, p.grad_vocab_chunk_size) == (32768, 4096)
+    assert plan(Chunking(), tokens=8192, width=151936, dtype=torch.bfloat16, weight_grad=True,
+                float32_logits=True).grad_vocab_chunk_size == 2048
+    assert plan(Chunking(), tokens=8192, width=151936, dtype=torch.bfloat16).grad_vocab_chunk_size is None
+    # no wider than the forward's block; vocab_chunk_size given wins (at most the shard)
+    assert plan(Chunking(vocab_chunk_size=1000), tokens=8192, width=151936, dtype=torch.float16,
+                weight_grad=True).grad_vocab_chunk_size == 1000
+    assert plan(Chunking(vocab_chunk_size=10**6), tokens=8, width=300, dtype=torch.float32).vocab_chunk_size == 300
+    # "auto": 2**28 bytes of `buffers` float32 [rows, block] buffers; the block, not the shard, over hidden states
+    auto = Chunking("auto", vocab_chunk_size=8000, max_chunk_bytes=2**28)
+    assert plan(auto, tokens=10, width=32000, dtype=torch.float32, buffers=2).chunk_size == 2**28 // (2 * 4 * 8000)
+    assert plan(auto, tokens=10, width=32000, dtype=None, over_logits=True).chunk_size == 2**28 // (2 * 4 * 32000)
+    # over given logits: the whole shard, whatever vocab_chunk_size says
+    p = plan(Chunking(64, vocab_chunk_size=128), tokens=10**6, width=151936, dtype=None, over_logits=True)
+    assert (p.chunk_size, p.vocab_chunk_size, p.grad_vocab_chunk_size) == (64, 151936, None)
+    # compiled kernels read a bf16 head's rounded blocks, not with a bias or float32 logits
+    kw = dict(tokens=64, width=256, dtype=torch.bfloat16, device=cpu)
+    assert walk_plan(Chunking(backend="compile"), **kw).block_dtype == torch.bfloat16
+    assert walk_plan(Chunking(backend="compile"), bias=True, **kw).block_dtype is None
+    assert walk_plan(Chunking(backend="compile"), float32_logits=True, **kw).block_dtype is None
+    assert walk_plan(Chunking(backend="eager"), **kw).block_dtype is None
+    # chunked-entropy plan's blocks are the same function's
+    assert blocks(Shape(8192, 151936, 4096, dtype="bfloat16"), 1024) == (32768, 4096)
+    assert blocks(Shape(8192, 151936, 4096, tp=8), 1024) == (18992, None)
+    # bench's methods without chunks (chunk 0): the blocks of one row a chunk
+    assert blocks(Shape(256, 512, 16, dtype="bfloat16"), 0) == (512, 512)

@@ -149,8 +149,12 @@ def test_unblocked_vocabulary_is_blocked_to_the_chunk_buffer_budget(monkeypatch)
     # multiples of 128 columns, with the same results as asking for those blocks
     hidden, weight, labels, up = _data(torch.float32, v=600)
     monkeypatch.setattr(config, "CHUNK_BUFFER_BYTES", 8 * 256 * 4)  # 8-row chunks: blocks of 256 columns
-    assert blocks.resolve_vocab_chunk(None, 8, 24, 600) == 256
-    assert blocks.resolve_vocab_chunk(None, 8, 24, 200) == 200 and blocks.resolve_vocab_chunk(50, 8, 24, 600) == 50
+    def block(vocab_chunk_size, width):  # the forward's block of 8-row chunks over 24 tokens, as a call sizes it
+        return config.walk_plan(Chunking(8, vocab_chunk_size), tokens=24, width=width, dtype=torch.float32,
+                                device=torch.device("cpu"), kernels=False).vocab_chunk_size
+
+    assert block(None, 600) == 256
+    assert block(None, 200) == 200 and block(50, 600) == 50
     results = []
     for kw in ({}, dict(vocab_chunk_size=256)):
         h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()

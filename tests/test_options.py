@@ -14,7 +14,14 @@ import numpy as np
 import pytest
 import torch
 
-from chunked_entropy import ChunkedEntropyConfig, Chunking, Divergence, OutputLayer, PolicyLoss
+from chunked_entropy import (
+    ChunkedEntropyConfig,
+    Chunking,
+    Divergence,
+    OutputLayer,
+    PolicyLoss,
+    linear_log_probs_and_entropy,
+)
 from chunked_entropy.losses import Aggregation, PolicyOptions
 
 
@@ -134,3 +141,26 @@ def test_the_logits_dtype_rule_is_written_once_and_the_layer_reads_it():
     with pytest.raises(ValueError, match=r"OutputLayer.logits_dtype must be None \(OutputLayer.weight's dtype, "
                                          r"torch.bfloat16\), torch.bfloat16 or torch.float32, got torch.float16"):
         OutputLayer(torch.randn(4, 3, dtype=torch.bfloat16), logits_dtype=torch.float16)
+
+
+def test_the_layer_is_prepared_for_a_call_by_its_hidden_states_alone():
+    """The layer's own rules (weight, bias, ``logits_dtype``) are checked once, when it is built;
+    ``OutputLayer.check_hidden`` adds only what the hidden states must match, naming the head's arguments
+    (``student_hidden`` beside ``student_weight``), and returns the layer's ``float32_logits``. The ops over
+    hidden states refuse through it, before any work."""
+    w = torch.randn(5, 3, dtype=torch.bfloat16)
+    layer = OutputLayer(w, torch.zeros(5, dtype=torch.bfloat16), logits_dtype=torch.float32)
+    assert layer.check_hidden(torch.randn(2, 4, 3, dtype=torch.bfloat16)) is True
+    assert OutputLayer(w).check_hidden(torch.randn(3, dtype=torch.bfloat16), "student_hidden") is False
+    with pytest.raises(ValueError, match=r"^student_hidden must be \[\.\.\., H\] with H == student_weight.shape\[1\] "
+                                         r"== 3, got shape \(2, 4\)$"):
+        layer.check_hidden(torch.randn(2, 4, dtype=torch.bfloat16), "student_hidden")
+    with pytest.raises(TypeError, match=r"^teacher_hidden \(torch.float32\) and teacher_weight \(torch.bfloat16\) "
+                                        r"must have the same dtype$"):
+        layer.check_hidden(torch.randn(2, 3), "teacher_hidden")
+    with pytest.raises(TypeError, match=r"^hidden must be a torch.Tensor, got list$"):
+        layer.check_hidden([1.0, 2.0, 3.0])
+    with pytest.raises(TypeError, match=r"^weight must be a torch.Tensor, got NoneType$"):
+        OutputLayer().check_hidden(torch.randn(2, 3))
+    with pytest.raises(ValueError, match=r"^hidden must be \[\.\.\., H\] with H == weight.shape\[1\] == 3"):
+        linear_log_probs_and_entropy(torch.randn(4, 2), torch.randn(5, 3), torch.zeros(4, dtype=torch.long))

@@ -385,3 +385,29 @@ def test_an_icepop_window_that_zeroes_every_weight():
                                  mask, rollout_log_probs=rollout, loss=PolicyLoss(options=settings))
     loss.backward()
     assert m["actor/pg_loss"].item() == 0.0 and torch.equal(hidden.grad, torch.zeros_like(hidden))
+
+
+def test_an_upstream_gradient_meets_the_transform_once():
+    """``Tokens.scaled``, the one place an upstream gradient is multiplied by ``kz = logit_scale / t`` (the
+    per-row coefficients, distillation's per-id gradients, a divergence's per-row scale): per row for a
+    ``[rows]`` gradient, broadcast over the ids of a ``[rows, K]`` one, per-row temperatures included, against
+    float64; the gradient itself where ``kz`` is 1, None for None."""
+    from chunked_entropy._inputs import Tokens
+    from chunked_entropy._stats import Transform
+
+    n, k = 6, 3
+    t = torch.tensor([0.5, 1.0, 2.0, 0.7, 1.3, 0.9], dtype=torch.float64)
+    g, g_ids = torch.randn(n, dtype=torch.float64), torch.randn(n, k, dtype=torch.float64)
+    valid, target = torch.ones(n, dtype=torch.bool), torch.zeros(n, dtype=torch.long)
+    tok = Tokens(torch.Size((n,)), valid, target, (1 / t)[:, None], Transform(softcap=30.0, logit_scale=0.25))
+    torch.testing.assert_close(tok.scaled(g[1:4], 1, 4), g[1:4] * 0.25 / t[1:4], rtol=1e-15, atol=0)
+    torch.testing.assert_close(tok.scaled(g_ids[2:5], 2, 5), g_ids[2:5] * (0.25 / t[2:5])[:, None], rtol=1e-15,
+                               atol=0)
+    assert tok.scaled(None, 0, n) is None
+    co = tok.coefficients(0, n, g, g, g)
+    torch.testing.assert_close(co.c, g * 0.25 / t, rtol=1e-15, atol=0)
+    torch.testing.assert_close(co.a, 2 * g * 0.25 / t, rtol=1e-15, atol=0)
+    plain = Tokens(torch.Size((n,)), valid, target, None)
+    assert plain.scaled(g, 0, n) is g
+    torch.testing.assert_close(Tokens(torch.Size((n,)), valid, target, 2.0).scaled(g_ids, 0, n), 2.0 * g_ids,
+                               rtol=0, atol=0)

@@ -22,27 +22,44 @@ from ._methods import Case
 
 
 def _worker(rank, world, port, case_json, out_file):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     case = Case.from_json(case_json)
-    cuda = case.device.startswith("cuda")
-    if cuda:
+    if case.device.startswith("cuda"):
         case = dataclasses.replace(case, device=f"cuda:{rank}")
-        torch.cuda.set_device(case.device)
+    spawned_rank(rank, world, port, case.device, lambda: _measured_ranks(case, rank, world), out_file)
+
+
+def _measured_ranks(case: Case, rank: int, world: int):
+    """Every rank measures the case; rank 0 gets the largest peak and time (and each rank's peak), the others
+    None."""
+    res = measure(case, dist.group.WORLD, rank, world)
+    every = [None] * world
+    dist.all_gather_object(every, res)
+    if rank != 0:
+        return None
+    out = {
+        "peak_bytes": max(r["peak_bytes"] for r in every),
+        "time_s": max(r["time_s"] for r in every),
+        "peak_bytes_ranks": [r["peak_bytes"] for r in every],
+    }
+    if case.allocations:
+        out["alloc_peak_bytes"] = max(r["alloc_peak_bytes"] for r in every)
+    return out
+
+
+def spawned_rank(rank: int, world: int, port: int, device: str, work, out_file: str) -> None:
+    """One rank spawned by ``mp.spawn`` (bench's ``--tp``, demo's ranks): joins the group of ``world`` ranks at
+    ``port`` (nccl on CUDA, after setting ``device``; gloo elsewhere), runs ``work()``, rank 0 writes its result
+    to ``out_file`` as JSON, and leaves (:func:`leave_spawned_rank`) once every rank is done."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    cuda = device.startswith("cuda")
+    if cuda:
+        torch.cuda.set_device(device)
     dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
     try:
-        res = measure(case, dist.group.WORLD, rank, world)
-        every = [None] * world
-        dist.all_gather_object(every, res)
+        res = work()
         if rank == 0:
-            out = {
-                "peak_bytes": max(r["peak_bytes"] for r in every),
-                "time_s": max(r["time_s"] for r in every),
-                "peak_bytes_ranks": [r["peak_bytes"] for r in every],
-            }
-            if case.allocations:
-                out["alloc_peak_bytes"] = max(r["alloc_peak_bytes"] for r in every)
             with open(out_file, "w") as f:
-                json.dump(out, f)
+                json.dump(res, f)
         dist.barrier()
     finally:
         dist.destroy_process_group()

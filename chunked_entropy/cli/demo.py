@@ -273,25 +273,13 @@ def _rank_device(dev: str, local_rank: int) -> str:
 
 
 def _spawned_rank(rank, world, port, args, result_file):
-    import torch
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    device = _rank_device(args["device"], rank)
-    if device.startswith("cuda"):
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", rank=rank, world_size=world)
-    try:
-        res = demo_steps(args, rank, world, dist.group.WORLD, device)
-        if rank == 0:
-            with open(result_file, "w") as f:
-                json.dump(res, f)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    from ._process import leave_spawned_rank
+    from ._process import spawned_rank
 
-    leave_spawned_rank()
+    device = _rank_device(args["device"], rank)
+    spawned_rank(rank, world, port, device, lambda: demo_steps(args, rank, world, dist.group.WORLD, device),
+                 result_file)
 
 
 def run(args) -> int:

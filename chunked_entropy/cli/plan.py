@@ -88,6 +88,9 @@ Two figures per approach:
       (with ``main_grad`` the accumulator is the float32 gradient the call
       keeps anyway: not counted there).
 
+The vocabulary blocks ``Vf`` and ``Vg`` are the ones a call takes: :func:`blocks` asks
+:func:`chunked_entropy.config.walk_plan`, the function every op sizes its walk with.
+
 Not counted: a few float32 and int64 vectors per token (tens of bytes per
 token), and what the matmul library keeps for the life of the process (about
 10 MiB with MKL on CPU). ``tests/test_cli.py`` holds these formulas within 15%
@@ -109,7 +112,10 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from chunked_entropy.config import WORKING_BYTES, grad_vocab_block_for, three_pass_bytes, vocab_block_for
+import torch
+
+from chunked_entropy import Chunking
+from chunked_entropy.config import WORKING_BYTES, three_pass_bytes, walk_plan
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 MiB = 2**20
@@ -165,6 +171,17 @@ class Estimate:
         }[self.approach]
 
 
+def blocks(shape: Shape, chunk: int) -> tuple:
+    """``(Vf, Vg)``: the forward's and the backward's vocabulary blocks of the fused head at ``chunk``, as a
+    call sizes them (:func:`chunked_entropy.config.walk_plan`, the function every op takes its plan from), with
+    the weight's gradient wanted; ``Vg`` is None where the backward walks chunks outermost (float32). A
+    ``chunk`` of 0 (a method without chunks) sizes the blocks as one row a chunk would."""
+    plan = walk_plan(Chunking(max(chunk, 1)), tokens=shape.tokens, width=shape.v_local,
+                     dtype=getattr(torch, shape.dtype), device=torch.device(shape.device), bias=shape.bias,
+                     weight_grad=True, kernels=False)
+    return plan.vocab_chunk_size, plan.grad_vocab_chunk_size
+
+
 def estimate(approach: str, shape: Shape, chunk: int = 0) -> Estimate:
     """Peak memory of one forward+backward of ``approach`` (see the module docstring)."""
     n, v, h, b = shape.tokens, shape.v_local, shape.hidden, shape.b
@@ -182,13 +199,12 @@ def estimate(approach: str, shape: Shape, chunk: int = 0) -> Estimate:
         over = max(2 * big_c, lb + big_c + (big_c if half else 0))
         return Estimate("chunked", chunk, over, over + lb)
     if approach == "head":
-        vf = vocab_block_for(None, c, n, v)  # the forward's vocabulary block
+        vf, vg = blocks(shape, chunk)  # the forward's vocabulary block, and the backward's (walked outermost)
         fwd = 2 * c * vf * 4 + (c * vf * b if half else 0)
         if not half:
             grads = v * h * 4 + n * h * b + (v * 4 if shape.bias else 0)
             bwd = grads + 2 * c * vf * 4 + c * h * 4
             return Estimate("head", chunk, None, max(fwd, bwd), max(fwd, bwd - grads))
-        vg = min(vf, grad_vocab_block_for(n, v, b))  # the backward's, walked outermost
         grads = v * h * b + n * h * b + (v * 4 if shape.bias else 0)
         if shape.device == "cuda" and not shape.bias:  # the Triton kernels read and write the weight's dtype
             fwd = c * vf * b
@@ -219,7 +235,7 @@ def loss_walk(shape: Shape, chunk: int, budget: int = WORKING_BYTES) -> int:
     :func:`chunked_entropy._logit_blocks.three_pass_plan`): 3 where the three-pass walk fits (float32 weights
     whose shard is one forward block always), else 4."""
     c = min(chunk, shape.tokens)
-    if shape.b == 4 and vocab_block_for(None, c, shape.tokens, shape.v_local) >= shape.v_local:
+    if shape.b == 4 and blocks(shape, c)[0] >= shape.v_local:
         return 3
     return 3 if estimate("loss3", shape, chunk).working <= budget else 4
 

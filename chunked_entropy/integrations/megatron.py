@@ -106,12 +106,16 @@ def _unwrap(model):
     return inner
 
 
-def _supports_hook(model) -> bool:
+def _forward_params(model) -> frozenset:
+    """The parameter names of ``model``'s class's ``forward`` (none where its signature cannot be read)."""
     try:
-        params = inspect.signature(type(model).forward).parameters
+        return frozenset(inspect.signature(type(model).forward).parameters)
     except (TypeError, ValueError):
-        return False
-    return "output_processor" in params and "output_processor_context" in params
+        return frozenset()
+
+
+def _supports_hook(model) -> bool:
+    return {"output_processor", "output_processor_context"} <= _forward_params(model)
 
 
 def _check_temperature(value, name="temperature"):
@@ -310,11 +314,8 @@ def _fused_postprocess(gpt, original):
 
 def _inline_postprocess(model) -> bool:
     """megatron-core's ``MambaModel``: the post-processing inline in ``forward`` (labels, the output layer)."""
-    try:
-        params = inspect.signature(type(model).forward).parameters
-    except (TypeError, ValueError):
-        return False
-    return "labels" in params and "runtime_gather_output" in params and hasattr(model, "compute_language_model_loss")
+    return ({"labels", "runtime_gather_output"} <= _forward_params(model)
+            and hasattr(model, "compute_language_model_loss"))
 
 
 class _Hidden:
