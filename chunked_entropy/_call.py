@@ -87,14 +87,8 @@ __all__ = [
     "RowsOf", "Teacher", "Tokens", "Want", "agree_objects", "apply_or_forward", "compute_dtype", "connected",
     "Objective", "dtensor_hidden_op", "dtensor_logits_op", "main_grad_result", "one_group",
     "group_of", "hand_over", "loss_grads", "once_differentiable", "op", "plan_for", "prepare", "refused_together",
-    "save_loss_grads", "settings", "weak_group", "live_group", "with_rows", "zeros_connected",
+    "save_loss_grads", "weak_group", "live_group", "with_rows", "zeros_connected",
 ]
-
-
-def settings(layer, chunking, *, logits: bool = False, default: Optional[Chunking] = None,
-             name: str = "layer") -> tuple[OutputLayer, Chunking]:
-    """An op's ``layer`` and ``chunking`` arguments as objects (bare tensors and ints accepted)."""
-    return as_layer(layer, name, logits=logits), as_chunking(chunking, default=default)
 
 
 def plan_for(layer: OutputLayer, chunking: Chunking, *, lead, want: Want, device, buffers: Optional[int] = None,

@@ -250,13 +250,19 @@ class CallCheck:
         return out, None
 
     def exchange(self, error: Optional[BaseException]) -> None:
-        """The one all-gather of the call; raises the same error on every rank when any rank failed."""
+        """The one all-gather of the call; raises the same error on every rank when any rank failed.
+
+        Each rank sends its refusal flag, the structure of its checks, its conditions' outcomes and one
+        fingerprint of every agreed value (:func:`fingerprint_values`: the option objects' fields and the
+        per-call tensors' metadata folded together, two int64 whatever their number). Only where the
+        fingerprints differ does a second all-gather bring the values themselves, to name the first that
+        differs and each rank's value."""
         device = collective_device(self.group)
         vec = torch.zeros(CHECK_SLOTS, dtype=torch.int64, device=device)
         values = []
         if error is None:
             values, error = self._int64_values()
-        used = 2 + len(self.requirements) + len(values)
+        used = 2 + len(self.requirements) + 2 * bool(values)
         if error is None and used > CHECK_SLOTS:  # the same on every rank that made the same call
             error = RuntimeError(f"chunked_entropy: {used} checks exceed CHECK_SLOTS={CHECK_SLOTS} (a bug)")
         if error is not None:
@@ -268,7 +274,8 @@ class CallCheck:
                 parts.append((~torch.stack([ok.to(torch.bool) for ok, _ in self.requirements])).to(
                     device=device, dtype=torch.int64))
             if values:
-                parts.append(torch.stack([v.to(device).reshape(()) for v in values]))
+                values = torch.stack([v.to(device).reshape(()) for v in values])
+                parts.append(torch.stack(fingerprint_values(values)))
             if parts:
                 vec[2:used] = torch.cat(parts)
         every = vec.new_empty(self.world * CHECK_SLOTS)
@@ -287,6 +294,16 @@ class CallCheck:
                     f"{self.world} ranks of process_group; this is rank {self.rank})"
                 )
         at = 2 + len(self.requirements)
+        if self.fields and len({tuple(row[at:at + 2]) for row in rows}) > 1:
+            self._raise_differing(values)
+
+    def _raise_differing(self, values: torch.Tensor):
+        """The agreed values' fingerprints differ: gather the values (a second collective, only on failure)
+        and name the first field that differs, with each rank's value."""
+        every = values.new_empty(self.world * values.numel())
+        _all_gather_single(every, values, group=self.group)
+        rows = every.view(self.world, values.numel()).tolist()
+        at = 0
         for name, v in self.fields.items():
             width = len(v) if isinstance(v, tuple) else 1
             seen = [tuple(row[at:at + width]) for row in rows]
@@ -456,6 +473,14 @@ def fingerprint(ints: torch.Tensor):
     b = (i * _B + 7) % _P
     x = (torch.remainder(ints, _P) * a + b) % _P
     return x.sum(), (x * x % _P).sum()
+
+
+def fingerprint_values(values: torch.Tensor):
+    """:func:`fingerprint` of int64 ``values`` (a call's agreed fields), each cut into three pieces below ``P``
+    (21, 21 and 22 bits) so that one changed value always changes the fingerprint."""
+    v = values.reshape(-1).to(torch.int64)
+    pieces = torch.stack([v & 0x1FFFFF, (v >> 21) & 0x1FFFFF, (v >> 42) & 0x3FFFFF], dim=1)
+    return fingerprint(pieces)
 
 
 def fingerprint_floats(t: Optional[torch.Tensor]):

@@ -321,3 +321,34 @@ def test_dtypes_hidden_sizes_cancelling_labels_and_a_group_without_this_rank():
     unequal hidden sizes are named (they used to kill gloo); label
     differences that cancel in a linear fingerprint are caught; a group this rank is not in is named. One spawn."""
     run_distributed(_two_rank_checks, 2, timeout_s=60)
+
+
+def _folded_agreement(rank, world):
+    from chunked_entropy.parallel import CHECK_SLOTS, agreed_call
+
+    group = dist.group.WORLD
+    n = 3 * CHECK_SLOTS  # more agreed values than the exchange has slots: they travel as one fingerprint
+    values = {f"field {i}": (i, -(2**62) + i) if i % 2 else i * 1_000_003 for i in range(n)}
+    with agreed_call(group) as call:
+        call.agree_all(values)
+    # every 64-bit piece of a value counts: values that differ by a multiple of the fingerprint's prime, or in
+    # their high bits only, are named with each rank's value, in the message the slots gave
+    for i, (mine, theirs) in enumerate([(5, 5 + 2_147_483_629), (1 << 50, 1 << 51), (-1, 2**63 - 1)]):
+        name = f"field {n // 2 + i}"
+        changed = dict(values, **{name: mine if rank == 0 else theirs})
+        try:
+            with agreed_call(group) as call:
+                call.agree_all(changed)
+        except ValueError as e:
+            assert str(e).startswith(f"{name} differs across the 2 ranks of process_group (rank 0: {mine}, rank 1: "
+                                     f"{theirs}; this is rank {rank})"), str(e)
+        else:
+            raise AssertionError(f"rank {rank}: no error when {name} differs")
+    _healthy(rank, group)
+
+
+def test_the_ranks_agree_on_one_fingerprint_of_every_value():
+    """Issue 46 item 1: one exchange carries the call's agreed values (the objects' fields and the tensors'
+    metadata) as one fingerprint, so their number is not bounded by the exchange's slots (a call with more
+    raised "checks exceed CHECK_SLOTS"); a difference anywhere in a value is still named with each rank's value."""
+    run_distributed(_folded_agreement, 2, timeout_s=60)
