@@ -26,7 +26,10 @@ the environment before Triton is first imported; slow, for tests).
 
 The loop (:mod:`chunked_entropy._loop`) takes the chosen kernels as an object
 with ``stats`` and ``grad`` (:data:`COMPILED`, :data:`TRITON`), or None for
-eager: :func:`use_compiled`.
+eager: :func:`use_compiled`. Both ``stats`` take ``out=`` (a ``[6, n]`` tensor
+of the walk's running statistics to write into) and ``merge=`` (merge the
+block's statistics into what ``out`` holds): the Triton kernel merges inside
+its launch; the compiled backend merges eagerly (:func:`_into`).
 
 One compiled kernel of each kind serves every call with the same input dtype and the
 same presence of a soft-cap (its value is a tensor, not a constant of the
@@ -89,12 +92,14 @@ class _Compiled(_Lazy):
     def __init__(self):
         super().__init__(lambda: (_stats.stats_of_block, _stats.grad_of_block, _stats.grad_of_block_))
 
-    def stats(self, z, tf, k, target, v0, want_w, want_q, dtype):
+    def stats(self, z, tf, k, target, v0, want_w, want_q, dtype, out=None, merge=False):
         n = z.shape[0]
-        z, k, target = _rows_of(n, z.detach(), k_column(k, n, dtype, z.device), target)
-        st = self.fns()[0](z, _cap_factor(tf, dtype, z.device), k, target, v0, dtype)
+        kc = k_column(k, n, dtype, z.device)
+        z, kk, target = _rows_of(n, z.detach(), kc, target)
+        st = self.fns()[0](z, _cap_factor(tf, dtype, z.device), kk, target, v0, dtype)
         keep = (True, True, True, want_w, want_q, True)
-        return _stats.BlockStats(*(t[:n] if on else None for t, on in zip(st, keep, strict=True)))
+        st = _stats.BlockStats(*(t[:n] if on else None for t, on in zip(st, keep, strict=True)))
+        return _into(st, out, merge, kc)
 
     def grad(self, z, out, tf, k, row, target, v0, co, dtype):
         n, z_in = z.shape[0], z
@@ -187,6 +192,21 @@ def _no_duck_shapes(fn):
     return call
 
 
+def _into(st: _stats.BlockStats, out, merge: bool, k) -> _stats.BlockStats:
+    """A block's statistics written into ``out`` (the kernels objects' ``stats(..., out=, merge=)``: a ``[6, n]``
+    tensor, rows ``m, ones, rest, w, q, zl``), merged first with the running statistics ``out`` holds
+    (``merge``: :func:`chunked_entropy._stats.merge_stats`, eager); ``st`` itself without ``out``."""
+    if out is None:
+        return st
+    fields = _stats.BlockStats(*(None if t is None else r for t, r in zip(st, out.unbind(0), strict=True)))
+    if merge:
+        st = _stats.merge_stats(fields, st, k)
+    for dst, src in zip(fields, st, strict=True):
+        if dst is not None:
+            dst.copy_(src)
+    return fields
+
+
 def _or(t, default):
     return default() if t is None else t
 
@@ -235,8 +255,8 @@ class _Triton:
         """Whether compiled (not interpreted) kernels can run on ``device``: what ``backend="auto"`` may pick."""
         return self.why_not(device) is None and (self._as_compiled or not self.module().INTERPRETED)
 
-    def stats(self, z, tf, k, target, v0, want_w, want_q, dtype):
-        return self.module().stats(z, tf, k, target, v0, want_w, want_q, dtype)
+    def stats(self, z, tf, k, target, v0, want_w, want_q, dtype, out=None, merge=False):
+        return self.module().stats(z, tf, k, target, v0, want_w, want_q, dtype, out=out, merge=merge)
 
     def grad(self, z, out, tf, k, row, target, v0, co, dtype):
         return self.module().grad(z, out, tf, k, row, target, v0, co, dtype)

@@ -168,30 +168,29 @@ def kernel_k(k, n: int, dtype, device, const: dict):
 
 def _row_stats_blocks_outer(tok: Tokens, fill: Fill, plan: Plan, bufs: Buffers, *, width: int, dtype, device,
                             view: View) -> _stats.RowStats:
-    """:func:`row_stats` with compiled kernels and no replay or distillation: each block's statistics of
-    every chunk written into the rows of one ``[n, 6]`` tensor (the kernel's six vectors stacked there: one
-    copy), then merged into the running statistics of all ``n`` rows at once (the merge is per row, so it is
-    the same arithmetic as a chunk's, in the same order of blocks), merged over the group and finished once:
-    a few launches a chunk, the merge's a block."""
+    """:func:`row_stats` with compiled kernels and no replay or distillation: the statistics of every row
+    kept in one ``[6, n]`` tensor (rows ``m, ones, rest, w, q, zl``), each block's written into its chunk's
+    columns by the kernel itself (``out=``), the first block's as they are and every later block's merged
+    into the running ones (``merge=``: :func:`~chunked_entropy._stats.merge_stats` per row, the same
+    arithmetic in the same order of blocks; the Triton kernel merges inside its launch); then merged over
+    the group and finished once. One launch a (chunk, block) of the Triton kernels, nothing else a block.
+    Allocates the ``[6, n]`` statistics (the results' ``m`` is its first row)."""
     block, chunk_size, group, want, compiled = (plan.vocab_chunk_size, plan.chunk_size, plan.group, plan.want,
                                                 plan.compiled)
     n = tok.n
-    on = (True, True, True, want.entropy, want.sum_pi_squared, True)  # m, ones, rest, w, q, zl
-    cols = [i for i, o in enumerate(on) if o]
-    const, st = {}, None
+    running = torch.empty(6, n, dtype=dtype, device=device)  # m, ones, rest, w, q, zl of every row
+    const = {}
     for v0, v1 in chunks(width, block):
-        rows = torch.empty(n, len(cols), dtype=dtype, device=device)
         for a, b in chunks(n, chunk_size):
             x, _, _ = bufs.get(b - a, v1 - v0)
             z = _read(fill, view, x, a, b, v0, v1)
             k = kernel_k(tok.k_rows(a, b), b - a, dtype, device, const)
-            blk = compiled.stats(z, tok.transform, k, tok.target[a:b], v0, want.entropy, want.sum_pi_squared, dtype)
-            torch.stack([blk[i] for i in cols], dim=1, out=rows[a:b])
-        fields = iter(rows.unbind(1))
-        st = _stats.merge_stats(st, _stats.BlockStats(*(next(fields) if o else None for o in on)), tok.k_rows(0, n))
+            compiled.stats(z, tok.transform, k, tok.target[a:b], v0, want.entropy, want.sum_pi_squared, dtype,
+                           out=running[:, a:b], merge=v0 > 0)
+    on = (True, True, True, want.entropy, want.sum_pi_squared, True)
+    st = _stats.BlockStats(*(t if o else None for t, o in zip(running.unbind(0), on, strict=True)))
     merged, _, _ = reduce_stats(st, group, tok.k_rows(0, n))
-    out = _stats.RowStats.from_block(merged, tok.k_rows(0, n))
-    return out._replace(m=out.m.contiguous())  # a column of ``rows`` where the vocabulary is one block
+    return _stats.RowStats.from_block(merged, tok.k_rows(0, n))
 
 
 def row_stats(tok: Tokens, fill: Fill, plan: Plan, *, width: int, dtype, device, view: View = None) -> _stats.RowStats:

@@ -300,18 +300,38 @@ def _column(ptr, stride, n: int, dtype):
     return (ptr.reshape(-1)[:1].expand(n) if stride == 0 else ptr.reshape(-1)[:n]).to(dtype).reshape(n, 1)
 
 
+def _merged_into(dsts, st, col, meta) -> None:
+    """``st`` (a row's statistics) written into ``dsts`` (``m, ones, rest, w, q, zl``; ``w``, ``q`` only where
+    wanted), merged first with the running statistics they hold where ``meta["MERGE"]``
+    (:func:`chunked_entropy._stats.merge_stats`, the running side first, as ``_merge_running``)."""
+    from . import _stats
+
+    wanted = (True, True, True, meta["WANT_W"], meta["WANT_Q"], True)
+    if meta["MERGE"]:
+        running = _stats.BlockStats(*(d if on else None for d, on in zip(dsts, wanted, strict=True)))
+        st = _stats.merge_stats(running, st, col)
+    for dst, src, on in zip(dsts, st, wanted, strict=True):
+        if on:
+            dst.copy_(src)
+
+
 def _stats_stand_in(grid, z, szr, szc, width, span, cap, k, sk, target, v0, m, ones, rest, w, q, zl, n,
                     span_class, **meta):
     """``_stats_kernel``'s outputs from :func:`chunked_entropy._stats.stats_of_block` (the compiled backend's
     math, run eagerly; reassociated sums, within a few ulps of the kernel's): program ``(row, part)`` of the
     grid ``(n, parts)`` holds columns ``[part * span, (part + 1) * span)`` and writes its statistics at
     ``part * n + row`` (``w``, ``q`` only where wanted); ``zl`` (``[n]``) gets the label's ``u`` from the part
-    holding it, 0 where no part does."""
+    holding it, 0 where no part does. ``MERGE`` (one part): merged into the running statistics the outputs
+    hold (:func:`_merged_into`)."""
     from . import _stats
 
     dtype = _TORCH[str(meta["COMPUTE"])]
     parts = grid[1] if len(grid) > 1 else 1
     col = _column(k, sk, n, dtype)
+    if meta["MERGE"]:
+        st = _stats.stats_of_block(z, cap.reshape(()) if meta["HAS_CAP"] else None, col, target, v0, dtype)
+        _merged_into((m, ones, rest, w, q, zl), st, col, meta)
+        return
     label = None
     for part in range(parts):
         lo, hi = part * span, min((part + 1) * span, width)
@@ -325,12 +345,13 @@ def _stats_stand_in(grid, z, szr, szc, width, span, cap, k, sk, target, v0, m, o
             if wanted:
                 dst[at].copy_(src)
         label = st.zl if label is None else label + st.zl  # 0 from every part but the label's
-    zl.copy_(label)
+    zl[:n].copy_(label)
 
 
-def _merge_parts_stand_in(grid, pm, pones, prest, pw, pq, parts, n, k, sk, m, ones, rest, w, q, **meta):
+def _merge_parts_stand_in(grid, pm, pones, prest, pw, pq, pzl, parts, n, k, sk, m, ones, rest, w, q, zl, **meta):
     """``_merge_parts_kernel``'s outputs: the ``parts`` partial statistics of each row (at ``part * n + row``)
-    merged by :func:`chunked_entropy._stats.merge_stats` (an online softmax over the parts, in order)."""
+    merged by :func:`chunked_entropy._stats.merge_stats` (an online softmax over the parts, in order), the
+    label's ``u`` from ``pzl``; ``MERGE``: then merged into the running statistics (:func:`_merged_into`)."""
     from . import _stats
 
     dtype = _TORCH[str(meta["COMPUTE"])]
@@ -343,9 +364,7 @@ def _merge_parts_stand_in(grid, pm, pones, prest, pw, pq, parts, n, k, sk, m, on
         st = _stats.BlockStats(pm[at].to(dtype), pones[at].to(dtype), prest[at].to(dtype),
                                pw[at].to(dtype) if want_w else None, pq[at].to(dtype) if want_q else None, zero)
         merged = _stats.merge_stats(merged, st, col)
-    for dst, src in zip((m, ones, rest, w, q), merged[:5], strict=True):
-        if src is not None:
-            dst.copy_(src)
+    _merged_into((m, ones, rest, w, q, zl), merged._replace(zl=pzl[:n].to(dtype)), col, meta)
 
 
 def _grad_stand_in(grid, z, szr, szc, out, sor, soc, width, span, cap, k, sk, m, ls, ws, s2, target, v0, c, b, a,
