@@ -416,7 +416,8 @@ def loss_grad_blocks(
     instead of four; a group of ``g`` chunks fills ``2g - 1``. With
     vocabulary blocks (``block < width``) a row's statistics are complete only
     after its last block: a statistics pass runs first and the gradient pass
-    refills each block. ``grad_block``: the same two passes, the gradient pass
+    refills each block, with ``token_grads`` asked once, for every row. ``grad_block``: the same two passes,
+    the gradient pass
     walking vocabulary blocks of that width outermost (``vocab_outer`` of
     :func:`grad_blocks`: a half-precision weight's gradient, one matmul per
     block; ``grad_rows`` as there).
@@ -427,15 +428,12 @@ def loss_grad_blocks(
     if block < width or grad_block is not None:
         full = row_stats(tok, fill, plan, width=width, dtype=dtype, device=device, view=view)
         _store(stats, full, 0, n)
-        if span == 1:
-            parts = [token_grads(a, b, stats.rows(a, b).log_probs()) for a, b in chunks(n, chunk_size)]
-        else:
-            parts = [token_grads(0, n, stats.rows(0, n).log_probs())]
-        # None: that output has no term
-        ups = [None if p[0] is None else torch.cat(p) for p in zip(*parts, strict=True)]
-        yield from grad_blocks(tok, fill, plan, width=width, block=grad_block, stats=stats,
-                               grads=(ups[0], ups[1], None), dtype=dtype, device=device, into=into, view=view,
-                               vocab_outer=grad_block is not None, grad_rows=grad_rows)
+        # every row's statistics are final: the upstream gradients of all rows at once (per-token arithmetic,
+        # the same values as chunk by chunk; one set of launches a call, not one a chunk). None: no term
+        g_lp, g_h = token_grads(0, n, stats.rows(0, n).log_probs())
+        yield from grad_blocks(tok, fill, plan, width=width, block=grad_block, stats=stats, grads=(g_lp, g_h, None),
+                               dtype=dtype, device=device, into=into, view=view, vocab_outer=grad_block is not None,
+                               grad_rows=grad_rows)
         return
     chunk_size, group_size = _grouping(n, span, chunk_size)
     softcap = tok.transform.softcap is not None
