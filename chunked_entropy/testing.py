@@ -8,9 +8,10 @@ A CUDA device takes branches a CPU does not: half-precision matmuls into a float
 Triton kernels. Inside ``with cuda_branch() as log:`` a CPU run takes every one of them:
 
 - ``chunked_entropy._autograd.casts_in_kernel`` says yes (an op over mixed dtypes is one pass);
-- ``chunked_entropy._logit_blocks.half_mm_native`` says yes on the CPU, and the ``mm.dtype`` /
-  ``mm.dtype_out`` overloads CPU torch lacks are served as a CUDA kernel computes them (float32 accumulation
-  of the half-precision products, written once in ``out_dtype``);
+- ``chunked_entropy._logit_blocks.half_mm_native`` and ``half_addmm_native`` say yes on the CPU, and the
+  ``mm.dtype`` / ``mm.dtype_out`` and ``addmm.dtype`` / ``addmm.dtype_out`` overloads CPU torch lacks are
+  served as a CUDA kernel computes them (float32 accumulation of the half-precision products, added once to
+  an accumulator for ``addmm``, written once in ``out_dtype``);
 - ``backend="auto"`` treats the CPU as a fast device and chooses the Triton kernels, run through Triton's
   interpreter; its first-call probe runs on entering, outside the log. The interpreter must be on before
   Triton is imported (its own library functions are decorated then): set ``TRITON_INTERPRET=1`` in the
@@ -185,6 +186,9 @@ class GpuLog(TorchDispatchMode):
         if func in (aten.mm.dtype, aten.mm.dtype_out):
             out = self._serve_mm(func, args, kwargs)
             self.half_mms += not self.paused
+        elif func in (aten.addmm.dtype, aten.addmm.dtype_out):
+            out = self._serve_addmm(func, args, kwargs)
+            self.half_mms += not self.paused
         else:
             out = func(*args, **kwargs)
         if not self.paused:
@@ -203,6 +207,20 @@ class GpuLog(TorchDispatchMode):
         if func is aten.mm.dtype_out:
             return kwargs["out"].copy_(res)
         return res.to(out_dtype)
+
+    @classmethod
+    def _serve_addmm(cls, func, args, kwargs):
+        """``addmm.dtype(_out)`` as a CUDA kernel forms it with ``beta = alpha = 1``: the half-precision products
+        summed in float32 (:meth:`_serve_mm`), added once to ``self`` (the float32 accumulator, which may be
+        ``out`` itself), written in ``out_dtype``: the bits of ``acc.add_(torch.mm(a, b, out_dtype=...))``."""
+        acc, a, b = args[0], args[1], args[2]
+        out_dtype = args[3] if len(args) > 3 else kwargs["out_dtype"]
+        if kwargs.get("beta", 1) != 1 or kwargs.get("alpha", 1) != 1:
+            raise NotImplementedError("cuda_branch serves addmm with out_dtype for beta = alpha = 1 only")
+        res = acc.to(out_dtype) + cls._serve_mm(aten.mm.dtype, (a, b, out_dtype), {})
+        if func is aten.addmm.dtype_out:
+            return kwargs["out"].copy_(res)
+        return res
 
     def _account(self, func, args, kwargs, out) -> None:
         packet = func.overloadpacket
@@ -456,6 +474,7 @@ def cuda_branch(*, hidden: Optional[int] = None, scale: int = 1, hidden_scale: O
              (config, "GRAD_BUFFER_BYTES"): config.GRAD_BUFFER_BYTES,
              (_autograd, "HAND_OVER_BYTES"): _autograd.HAND_OVER_BYTES,
              (_logit_blocks, "half_mm_native"): _logit_blocks.half_mm_native,
+             (_logit_blocks, "half_addmm_native"): _logit_blocks.half_addmm_native,
              (_autograd, "casts_in_kernel"): _autograd.casts_in_kernel,
              (_logit_blocks, "three_pass_bytes"): _logit_blocks.three_pass_bytes}
     s2 = scale * scale
@@ -481,6 +500,7 @@ def cuda_branch(*, hidden: Optional[int] = None, scale: int = 1, hidden_scale: O
         config.GRAD_BUFFER_BYTES = max(1, saved[config, "GRAD_BUFFER_BYTES"] // s2)
         _autograd.HAND_OVER_BYTES = max(1, saved[_autograd, "HAND_OVER_BYTES"] // s2)
         _logit_blocks.half_mm_native = lambda device: True
+        _logit_blocks.half_addmm_native = lambda device: True
         _autograd.casts_in_kernel = lambda device: True
         _logit_blocks.three_pass_bytes = full_three_pass_bytes
         with _kernels.TRITON.as_compiled(), _kernels.fast_device("cpu"), _counted(mod, state, interpret):
@@ -520,7 +540,8 @@ def measure(op: str, *, scale: int = 32, dtype=torch.bfloat16, shape: Optional[t
     ``bytes_per_logit`` (elementwise traffic over the ``[rows, columns]`` logit blocks, per logit of the call),
     ``working_bytes`` (the peak of the call's allocations beyond its results, scaled back),
     ``hidden_traffic_bytes`` (elementwise traffic over the ``[*, H]`` tensors: hidden states, weight and
-    their gradients, scaled back) and the shape.
+    their gradients, scaled back), ``ops`` (launches by op name: aten's, and the Triton kernels') and the
+    shape.
     ``hidden``: the scaled hidden size (default the full one over ``scale``, moved off any block width)."""
     import chunked_entropy as ce
 
@@ -563,6 +584,7 @@ def measure(op: str, *, scale: int = 32, dtype=torch.bfloat16, shape: Optional[t
         figures = dict(op=op, tokens=n_full, vocab=v_full, hidden=h_full, chunk_size=c_full, scale=scale,
                        launches=log.launches, gemms=log.gemms, triton_launches=log.triton_launches,
                        bytes_per_logit=log.logit_bytes / (n * v), working_bytes=log.working_bytes(),
-                       hidden_traffic_bytes=log.hidden_bytes * scale * (h_full / h) if h else 0)
+                       hidden_traffic_bytes=log.hidden_bytes * scale * (h_full / h) if h else 0,
+                       ops=dict(log.ops))
         del grads, total
     return figures

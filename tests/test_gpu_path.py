@@ -301,6 +301,51 @@ def test_hand_over_is_one_pass_on_cuda_with_the_cpu_branchs_bits(kept_graph, mon
     assert log.vector_bytes + log.logit_bytes <= t.numel() * 4 + 64
 
 
+@pytest.mark.parametrize("rows", [40, 7])
+def test_the_hidden_gradients_partial_sums_accumulate_inside_the_matmul(rows, monkeypatch):
+    """Item 6: on CUDA a vocabulary block's ``g @ W`` is added to the float32 hidden-gradient accumulator inside
+    one GEMM (``addmm`` with ``out_dtype``, served as CUDA forms it: no ``[rows, H]`` temporary, no ``add_``),
+    with the bits of the fallback of a torch without that kernel (``mm`` with ``out_dtype``, then ``add_``);
+    the weight gradient's float32 accumulator likewise. Where the kernel refuses a float32 accumulator (tried
+    once a device type), the fallback."""
+    import chunked_entropy._logit_blocks as blocks
+
+    g = torch.Generator().manual_seed(7)
+    acc0 = torch.randn(rows, 24, generator=g) * 1e3
+    a = (torch.randn(rows, 300, generator=g) * 3).bfloat16()
+    b = torch.randn(300, 24, generator=g).bfloat16()
+    h = torch.randn(rows, 24, generator=g).bfloat16()
+    wacc0 = torch.randn(300, 24, generator=g) * 1e3
+    monkeypatch.setattr(blocks, "half_mm_native", lambda device: True)
+    got = {}
+    for native in (True, False):
+        monkeypatch.setattr(blocks, "half_addmm_native", lambda device, on=native: on)
+        acc, wacc, a32 = acc0.clone(), wacc0.clone(), a.float()
+        with GpuLog() as log:
+            blocks._acc_mm_(acc, a, b, whole=False)
+            blocks._acc_weight_mm_(wacc, a32, a, h)  # wacc += a.T @ h
+        got[native] = (acc, wacc, dict(log.ops), log.gemms)
+    (acc, wacc, ops, gemms), (acc_f, wacc_f, ops_f, _) = got[True], got[False]
+    assert ops == {"addmm": 2} and gemms == 2, ops
+    assert ops_f["add_"] == 2 and "addmm" not in ops_f, ops_f
+    assert torch.equal(acc, acc_f) and torch.equal(wacc, wacc_f)
+    torch.testing.assert_close(acc.double(), acc0.double() + a.double() @ b.double(), rtol=1e-6, atol=1e-3)
+    monkeypatch.undo()
+    assert not blocks.half_addmm_native(torch.device("cpu"))
+    monkeypatch.setattr(blocks, "HALF_MM_DEVICES", {"cpu": "CPU"})
+    monkeypatch.setattr(blocks, "mm_out_dtype_kernel", lambda key: True)
+    monkeypatch.setattr(blocks, "addmm_out_dtype_kernel", lambda key: True)
+    monkeypatch.setattr(blocks, "_float32_acc", {})
+    assert not blocks.half_addmm_native(torch.device("cpu")) and blocks._float32_acc == {"cpu": False}
+
+
+def test_the_head_adds_every_partial_hidden_gradient_inside_its_matmul(figures):
+    """At the H200 shape the head's backward walks 38 vocabulary blocks (4096 columns), all 8192 tokens a
+    block: 38 ``addmm`` into the hidden-gradient accumulator, no ``add_`` (item 6)."""
+    ops = figures["head"]["ops"]
+    assert ops.get("addmm") == -(-151936 // 4096) and "add_" not in ops, ops
+
+
 _INTERPRETED = """
 import json, torch
 import chunked_entropy as ce
