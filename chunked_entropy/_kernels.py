@@ -92,22 +92,25 @@ class _Compiled(_Lazy):
     def __init__(self):
         super().__init__(lambda: (_stats.stats_of_block, _stats.grad_of_block, _stats.grad_of_block_))
 
-    def stats(self, z, tf, k, target, v0, want_w, want_q, dtype, out=None, merge=False):
+    #: ``k`` None is taken as a tensor of ones (the compiled kernels take the multiplier as a column).
+    k_optional = False
+
+    def stats(self, z, tf, k, target, v0, want_w, want_q, dtype, out=None, merge=False, cap=None):
         n = z.shape[0]
         kc = k_column(k, n, dtype, z.device)
         z, kk, target = _rows_of(n, z.detach(), kc, target)
-        st = self.fns()[0](z, _cap_factor(tf, dtype, z.device), kk, target, v0, dtype)
+        st = self.fns()[0](z, _cap_factor(tf, dtype, z.device, cap), kk, target, v0, dtype)
         keep = (True, True, True, want_w, want_q, True)
         st = _stats.BlockStats(*(t[:n] if on else None for t, on in zip(st, keep, strict=True)))
         return _into(st, out, merge, kc)
 
-    def grad(self, z, out, tf, k, row, target, v0, co, dtype):
+    def grad(self, z, out, tf, k, row, target, v0, co, dtype, cap=None):
         n, z_in = z.shape[0], z
         zero = lambda: torch.zeros(n, dtype=dtype, device=z.device)  # noqa: E731 - one each: no aliasing guard
         per_row = [row.m, row.ls, _or(row.ws, zero), _or(row.s2, zero), target, *(_or(t, zero) for t in co)]
         z, k, *per_row = _rows_of(n, z.detach(), k_column(k, n, dtype, z.device), *per_row)
         m, ls, ws, s2, target, c, b, a = per_row
-        args = (_cap_factor(tf, dtype, z.device), k, m, ls, ws, s2, target, v0, c, b, a, dtype)
+        args = (_cap_factor(tf, dtype, z.device, cap), k, m, ls, ws, s2, target, v0, c, b, a, dtype)
         if n > 1 and out is z_in:  # the fused head's buffer, overwritten with its gradient
             self.fns()[2](out, *args)
             return out
@@ -165,10 +168,13 @@ class _PairKernels(_Lazy):
 PAIR = _PairKernels()
 
 
-def _cap_factor(tf, dtype, device):
-    """``logit_scale / softcap`` as a 0-d tensor (a value, not a constant of the kernel), or None."""
+def _cap_factor(tf, dtype, device, cap=None):
+    """``logit_scale / softcap`` as a 0-d tensor (a value, not a constant of the kernel), or None; ``cap``: the
+    one-element tensor the caller filled once (the chunk loop's walk: :func:`chunked_entropy._loop.kernel_cap`)."""
     if tf.softcap is None:
         return None
+    if cap is not None:
+        return cap.reshape(())
     # filled on the device: torch.tensor(value, device=cuda) would copy from the host (a host sync)
     return torch.full((), (tf.logit_scale or 1.0) / tf.softcap, dtype=dtype, device=device)
 
@@ -255,11 +261,14 @@ class _Triton:
         """Whether compiled (not interpreted) kernels can run on ``device``: what ``backend="auto"`` may pick."""
         return self.why_not(device) is None and (self._as_compiled or not self.module().INTERPRETED)
 
-    def stats(self, z, tf, k, target, v0, want_w, want_q, dtype, out=None, merge=False):
-        return self.module().stats(z, tf, k, target, v0, want_w, want_q, dtype, out=out, merge=merge)
+    #: ``k`` None is no multiplier and no tensor (the kernels' ``HAS_K`` off).
+    k_optional = True
 
-    def grad(self, z, out, tf, k, row, target, v0, co, dtype):
-        return self.module().grad(z, out, tf, k, row, target, v0, co, dtype)
+    def stats(self, z, tf, k, target, v0, want_w, want_q, dtype, out=None, merge=False, cap=None):
+        return self.module().stats(z, tf, k, target, v0, want_w, want_q, dtype, out=out, merge=merge, cap=cap)
+
+    def grad(self, z, out, tf, k, row, target, v0, co, dtype, cap=None):
+        return self.module().grad(z, out, tf, k, row, target, v0, co, dtype, cap=cap)
 
     @contextlib.contextmanager
     def as_compiled(self):

@@ -153,17 +153,33 @@ def _block_kept(kept, entries, z, v0, tf, k, dtype):
     return None if kept is None else _keep.gather(z, entries, v0, tf, dtype)
 
 
-def kernel_k(k, n: int, dtype, device, const: dict):
+def kernel_k(k, n: int, dtype, device, const: dict, kernels: Kernels = None):
     """The per-row multiplier ``k`` as the compiled and Triton kernels take it: a per-row tensor as it is;
     None or a float as an ``[n, 1]`` view (stride 0) of a one-element tensor filled once per walk and kept in
-    ``const``: one fill a call, not one a launch."""
+    ``const``: one fill a call, not one a launch. None stays None for ``kernels`` that take no multiplier
+    (``kernels.k_optional``: the Triton kernels, which then multiply by nothing): no fill at all."""
     if isinstance(k, torch.Tensor):
         return k
+    if k is None and getattr(kernels, "k_optional", False):
+        return None
     value = 1.0 if k is None else float(k)
     t = const.get(value)
     if t is None:
         t = const[value] = torch.full((1, 1), value, dtype=dtype, device=device)
     return t.expand(n, 1)
+
+
+def kernel_cap(tf: _stats.Transform, dtype, device, const: dict) -> Optional[torch.Tensor]:
+    """The soft-cap's factor ``logit_scale / softcap`` as the compiled and Triton kernels take it, a
+    one-element tensor filled once per walk and kept in ``const`` (None without a soft-cap): one fill a call,
+    not one a launch."""
+    if tf.softcap is None:
+        return None
+    value = (tf.logit_scale or 1.0) / tf.softcap
+    t = const.get(("cap", value))
+    if t is None:
+        t = const[("cap", value)] = torch.full((1,), value, dtype=dtype, device=device)
+    return t
 
 
 def _row_stats_blocks_outer(tok: Tokens, fill: Fill, plan: Plan, bufs: Buffers, *, width: int, dtype, device,
@@ -184,9 +200,9 @@ def _row_stats_blocks_outer(tok: Tokens, fill: Fill, plan: Plan, bufs: Buffers, 
         for a, b in chunks(n, chunk_size):
             x, _, _ = bufs.get(b - a, v1 - v0)
             z = _read(fill, view, x, a, b, v0, v1)
-            k = kernel_k(tok.k_rows(a, b), b - a, dtype, device, const)
+            k = kernel_k(tok.k_rows(a, b), b - a, dtype, device, const, compiled)
             compiled.stats(z, tok.transform, k, tok.target[a:b], v0, want.entropy, want.sum_pi_squared, dtype,
-                           out=running[:, a:b], merge=v0 > 0)
+                           out=running[:, a:b], merge=v0 > 0, cap=kernel_cap(tok.transform, dtype, device, const))
     on = (True, True, True, want.entropy, want.sum_pi_squared, True)
     st = _stats.BlockStats(*(t if o else None for t, o in zip(running.unbind(0), on, strict=True)))
     merged, _, _ = reduce_stats(st, group, tok.k_rows(0, n))
@@ -211,6 +227,7 @@ def row_stats(tok: Tokens, fill: Fill, plan: Plan, *, width: int, dtype, device,
     at = tok.at
     if at is not None:
         at.start(n, dtype, device)
+    const = {}  # the kernels' constants (kernel_k, kernel_cap): filled once a walk
     for a, b in chunks(n, chunk_size):
         k, target = tok.k_rows(a, b), tok.target[a:b]
         entries = None if kept is None else kept.chunk(a, b, n, chunk_size)
@@ -222,7 +239,9 @@ def row_stats(tok: Tokens, fill: Fill, plan: Plan, *, width: int, dtype, device,
             if at is not None:  # distillation's ids and top-k, read before the block is overwritten
                 cand = at.block(z, a, b, v0, cand)
             if compiled:
-                blk = compiled.stats(z, tok.transform, k, target, v0, want.entropy, want.sum_pi_squared, dtype)
+                blk = compiled.stats(z, tok.transform, kernel_k(k, b - a, dtype, device, const, compiled), target,
+                                     v0, want.entropy, want.sum_pi_squared, dtype,
+                                     cap=kernel_cap(tok.transform, dtype, device, const))
             else:
                 blk = _stats.block_stats(x, tok.transform, k, target, v0, scratch, want_w=want.entropy,
                                          want_q=want.sum_pi_squared, src=None if z is x else z)
@@ -314,8 +333,9 @@ def grad_blocks(
         if grad_rows is not None:  # filled, then overwritten by its gradient, where the weight's matmul reads it
             x = grad_rows(a, b, v0, v1)
             fill(x, a, b, v0, v1)
-            k = kernel_k(tok.k_rows(a, b), b - a, dtype, device, const)
-            return compiled.grad(x, x, tok.transform, k, parts["rows"], tok.target[a:b], v0, parts["co"], dtype)
+            k = kernel_k(tok.k_rows(a, b), b - a, dtype, device, const, compiled)
+            return compiled.grad(x, x, tok.transform, k, parts["rows"], tok.target[a:b], v0, parts["co"], dtype,
+                                 cap=kernel_cap(tok.transform, dtype, device, const))
         return _refilled_grad(tok, fill, view, bufs, a, b, v0, v1, parts["rows"], parts["co"], dtype,
                               compiled=compiled, into=into, entries=parts["entries"], co_k=parts["co_k"],
                               at=parts["at"], const=const)
@@ -345,7 +365,8 @@ def _refilled_grad(tok: Tokens, fill: Fill, view: View, bufs: Buffers, a, b, v0,
                    compiled: Kernels, into, entries=None, co_k=None, at=None, const=None) -> torch.Tensor:
     """The gradient w.r.t. the raw logits of rows ``[a, b)``, columns ``[v0, v1)``, the block filled again,
     from the rows' finished statistics and coefficients; with replay's and distillation's sparse terms
-    (``at``: ``(ids, coefficients, their sums)``). ``const``: the walk's :func:`kernel_k` constants."""
+    (``at``: ``(ids, coefficients, their sums)``). ``const``: the walk's :func:`kernel_k` and
+    :func:`kernel_cap` constants."""
     kept, k, target = tok.keep, tok.k_rows(a, b), tok.target[a:b]
     at_ids = None if at is None else at[0]
     x, scratch, aux = bufs.get(b - a, v1 - v0)
@@ -354,8 +375,9 @@ def _refilled_grad(tok: Tokens, fill: Fill, view: View, bufs: Buffers, a, b, v0,
         gk = _block_kept(kept, entries, z, v0, tok.transform, k, dtype)
         ea, ra = _block_at(tok.at, at_ids, target, a, b, v0, z, tok.transform)
         out = x if into is None else into(a, b)
-        kk = k if const is None else kernel_k(k, b - a, dtype, z.device, const)
-        g = compiled.grad(z, out, tok.transform, kk, rows, target, v0, co, dtype)
+        const = {} if const is None else const
+        g = compiled.grad(z, out, tok.transform, kernel_k(k, b - a, dtype, z.device, const, compiled), rows, target,
+                          v0, co, dtype, cap=kernel_cap(tok.transform, dtype, z.device, const))
     else:
         if into is not None:
             x = into(a, b)
@@ -441,6 +463,8 @@ def loss_grad_blocks(
     bufs = Buffers(min(chunk_size, n), width, dtype, device, work=into is None or (compiled and view is None),
                    scratch=not compiled, aux=softcap and not compiled)
 
+    const = {}  # the kernels' constants (kernel_k, kernel_cap): filled once a walk
+
     def coefficients(a, b, g0, ups, rows):
         co = tok.coefficients(a, b, *(None if u is None else u[a - g0:b - g0] for u in ups), None)
         return (co, None) if kept is None else _keep.split(co, rows.truncated, kept.of_kept)
@@ -454,7 +478,9 @@ def loss_grad_blocks(
             if compiled:  # the kernels only read the block: statistics, then the gradient, from the same one
                 z = _read(fill, view, x, a, b, 0, width)
                 gk = _block_kept(kept, entries, z, 0, tok.transform, k, dtype)
-                local = compiled.stats(z, tok.transform, k, target, 0, want.entropy, want.sum_pi_squared, dtype)
+                local = compiled.stats(z, tok.transform, kernel_k(k, b - a, dtype, device, const, compiled), target,
+                                       0, want.entropy, want.sum_pi_squared, dtype,
+                                       cap=kernel_cap(tok.transform, dtype, device, const))
             else:
                 if into is not None:
                     x = into(a, b)
@@ -469,7 +495,8 @@ def loss_grad_blocks(
         co, co_k = coefficients(a, b, g0, ups, rows)  # the last chunk, from its kept block
         if compiled:
             out = x if into is None else into(a, b)
-            g = compiled.grad(z, out, tok.transform, k, rows, target, 0, co, dtype)
+            g = compiled.grad(z, out, tok.transform, kernel_k(k, b - a, dtype, device, const, compiled), rows,
+                              target, 0, co, dtype, cap=kernel_cap(tok.transform, dtype, device, const))
         else:
             y = _stats.shift_offsets_(x, local.m, merged.m, k) if merged is not local else x
             g = _stats.grad_from_offsets_(y, tok.transform, rows, target, 0, co, scratch, aux)
@@ -482,7 +509,8 @@ def loss_grad_blocks(
             co, co_k = coefficients(a, b, g0, ups, rows)
             entries = None if kept is None else kept.chunk(a, b, n, chunk_size)
             yield a, b, 0, width, _refilled_grad(tok, fill, view, bufs, a, b, 0, width, rows, co, dtype,
-                                                 compiled=compiled, into=into, entries=entries, co_k=co_k)
+                                                 compiled=compiled, into=into, entries=entries, co_k=co_k,
+                                                 const=const)
 
 
 # ----------------------------------------------------------------------------- two heads: a divergence
@@ -531,6 +559,7 @@ class _PairWalk:
         self.bufs_t = Buffers(rows, block, dtype, device, work=True, scratch=eager and teacher_scratch)
         self.no_label = torch.full((rows,), -1, dtype=torch.int64, device=device)
         self.fold = FOLD_KL and block < width and self.math.weighs is not None
+        self.const = {}  # the kernels' constants (kernel_k, kernel_cap)
         self.teacher_weighs = self.math.weighs == "t"
 
     def k(self, a: int, b: int):
@@ -591,9 +620,12 @@ class _PairWalk:
         st = stt = cross = None
         for v0, v1 in chunks(self.width, self.block):
             x, xt, scratch, scratch_t, cap = self.raw(a, b, v0, v1)
-            if compiled:
-                local = compiled.stats(x, tok.transform, k, target, v0, want_entropy, False, self.dtype)
-                local_t = compiled.stats(xt, self.tf_t, kt, no_label, v0, False, False, self.dtype)
+            if compiled:  # their constants filled once a walk (kernel_k, kernel_cap)
+                c, dt, dev = self.const, self.dtype, self.device
+                local = compiled.stats(x, tok.transform, kernel_k(k, b - a, dt, dev, c, compiled), target, v0,
+                                       want_entropy, False, dt, cap=kernel_cap(tok.transform, dt, dev, c))
+                local_t = compiled.stats(xt, self.tf_t, kernel_k(kt, b - a, dt, dev, c, compiled), no_label, v0,
+                                         False, False, dt, cap=kernel_cap(self.tf_t, dt, dev, c))
             else:
                 local = _stats.block_stats(x, tok.transform, k, target, v0, scratch, want_w=want_entropy,
                                            want_q=False, aux=cap if cap_single else None)

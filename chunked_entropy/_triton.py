@@ -234,7 +234,7 @@ def _merge_running(m_ptr, ones_ptr, rest_ptr, w_ptr, q_ptr, zl_ptr, at, mb, ones
 def _stats_kernel(
     z_ptr, stride_zr, stride_zc, width, span, cap_ptr, k_ptr, stride_k, target_ptr, v0,
     m_ptr, ones_ptr, rest_ptr, w_ptr, q_ptr, zl_ptr, n, span_class,
-    HAS_CAP: tl.constexpr, WANT_W: tl.constexpr, WANT_Q: tl.constexpr, MERGE: tl.constexpr,
+    HAS_CAP: tl.constexpr, HAS_K: tl.constexpr, WANT_W: tl.constexpr, WANT_Q: tl.constexpr, MERGE: tl.constexpr,
     TILE: tl.constexpr, COMPUTE: tl.constexpr, NEG_FLOOR: tl.constexpr,
 ):
     """Program ``(row, part)``: the statistics of columns ``[part * span, (part + 1) * span)`` of the row, written
@@ -249,7 +249,9 @@ def _stats_kernel(
     lo = part * span
     hi = tl.minimum(lo + span, width)
     z_row = z_ptr + row * stride_zr
-    k = tl.load(k_ptr + row * stride_k).to(COMPUTE)
+    k = 1.0  # no per-row multiplier (HAS_K off): x * 1.0, the bits of a loaded 1.0
+    if HAS_K:
+        k = tl.load(k_ptr + row * stride_k).to(COMPUTE)
     cap = 0.0
     if HAS_CAP:
         cap = tl.load(cap_ptr).to(COMPUTE)
@@ -292,15 +294,17 @@ def _stats_kernel(
 def _merge_parts_kernel(
     pm_ptr, pones_ptr, prest_ptr, pw_ptr, pq_ptr, pzl_ptr, parts, n, k_ptr, stride_k,
     m_ptr, ones_ptr, rest_ptr, w_ptr, q_ptr, zl_ptr,
-    WANT_W: tl.constexpr, WANT_Q: tl.constexpr, MERGE: tl.constexpr, PARTS: tl.constexpr, COMPUTE: tl.constexpr,
-    NEG_FLOOR: tl.constexpr,
+    HAS_K: tl.constexpr, WANT_W: tl.constexpr, WANT_Q: tl.constexpr, MERGE: tl.constexpr, PARTS: tl.constexpr,
+    COMPUTE: tl.constexpr, NEG_FLOOR: tl.constexpr,
 ):
     """The second stage of a row split across programs: its ``parts`` partial statistics (at ``part * n +
     row``) merged into the row's, as lanes are (:func:`_merge_lanes`), with the label's ``u`` the parts wrote
     at ``pzl_ptr + row``; ``MERGE``: then merged with the running statistics of the row's previous vocabulary
     blocks (:func:`_merge_running`), as the one-part statistics kernel merges them."""
     row = tl.program_id(0).to(tl.int64)
-    k = tl.load(k_ptr + row * stride_k).to(COMPUTE)
+    k = 1.0  # no per-row multiplier (HAS_K off): x * 1.0, the bits of a loaded 1.0
+    if HAS_K:
+        k = tl.load(k_ptr + row * stride_k).to(COMPUTE)
     idx = tl.arange(0, PARTS).to(tl.int64)
     inside = idx < parts
     at = idx * n + row
@@ -333,7 +337,8 @@ def _merge_parts_kernel(
 def _grad_kernel(
     z_ptr, stride_zr, stride_zc, out_ptr, stride_or, stride_oc, width, span, cap_ptr, k_ptr, stride_k,
     m_ptr, ls_ptr, ws_ptr, s2_ptr, target_ptr, v0, c_ptr, b_ptr, a_ptr, span_class,
-    HAS_CAP: tl.constexpr, HAS_C: tl.constexpr, HAS_B: tl.constexpr, HAS_A: tl.constexpr, OUT_BF16: tl.constexpr,
+    HAS_CAP: tl.constexpr, HAS_K: tl.constexpr, HAS_C: tl.constexpr, HAS_B: tl.constexpr, HAS_A: tl.constexpr,
+    OUT_BF16: tl.constexpr,
     TILE: tl.constexpr, COMPUTE: tl.constexpr, NEG_FLOOR: tl.constexpr,
 ):
     """Program ``(row, part)``: the gradient of columns ``[part * span, (part + 1) * span)`` of the row."""
@@ -343,7 +348,9 @@ def _grad_kernel(
     hi = tl.minimum(lo + span, width)
     z_row = z_ptr + row * stride_zr
     out_row = out_ptr + row * stride_or
-    k = tl.load(k_ptr + row * stride_k).to(COMPUTE)
+    k = 1.0  # no per-row multiplier (HAS_K off): x * 1.0, the bits of a loaded 1.0
+    if HAS_K:
+        k = tl.load(k_ptr + row * stride_k).to(COMPUTE)
     m = tl.load(m_ptr + row).to(COMPUTE)
     shift = tl.where(m == -float("inf"), 0.0, m)
     ls = tl.load(ls_ptr + row).to(COMPUTE)
@@ -485,8 +492,8 @@ def _launcher(kernel, kind: str):
     """``kernel`` as autotuned (:data:`AUTOTUNE`), built once; each restores its outputs between the timed runs
     (the gradient may overwrite its own input; the statistics may merge into theirs)."""
     if kind not in _tuned:
-        variant = (["HAS_CAP", "WANT_W", "WANT_Q", "MERGE"] if kind == "stats"
-                   else ["HAS_CAP", "HAS_C", "HAS_B", "HAS_A"])
+        variant = (["HAS_CAP", "HAS_K", "WANT_W", "WANT_Q", "MERGE"] if kind == "stats"
+                   else ["HAS_CAP", "HAS_K", "HAS_C", "HAS_B", "HAS_A"])
         kw = dict(configs=_autotune_configs(kind), key=["span_class", *variant],  # and the tensors' dtypes
                   prune_configs_by={"early_config_prune": _prune})
         if kind == "grad":
@@ -509,17 +516,24 @@ def _launch(kernel, kind: str, grid, args: tuple, consts: dict, config: tuple):
 
 def _per_row(t, n: int, dtype, device):
     """A per-row factor (None: 1, a float, an ``[n]`` or ``[n, 1]`` tensor) as ``(tensor, row stride)``:
-    a float is a one-element tensor read with stride 0 (a fill on the device, no host copy)."""
+    None is no tensor at all (the kernels' ``HAS_K`` off: no launch); a float a one-element tensor read with
+    stride 0 (a fill on the device, no host copy; the chunk loop passes its walk's own, filled once:
+    :func:`chunked_entropy._loop.kernel_k`)."""
+    if t is None:
+        return None, 0
     if isinstance(t, torch.Tensor):
         t = t.reshape(n) if t.dim() > 1 else t
         return t, t.stride(0)
-    return torch.full((1,), 1.0 if t is None else float(t), dtype=dtype, device=device), 0
+    return torch.full((1,), float(t), dtype=dtype, device=device), 0
 
 
-def _cap(tf: _stats.Transform, dtype, device):
-    """``logit_scale / softcap`` as a one-element tensor (None without a cap)."""
+def _cap(tf: _stats.Transform, dtype, device, cap=None):
+    """``logit_scale / softcap`` as a one-element tensor (None without a cap): ``cap`` where the caller holds it
+    (the chunk loop fills it once a walk: :func:`chunked_entropy._loop.kernel_cap`), else filled here."""
     if tf.softcap is None:
         return None
+    if cap is not None:
+        return cap.reshape(1)
     return torch.full((1,), (tf.logit_scale or 1.0) / tf.softcap, dtype=dtype, device=device)
 
 
@@ -529,15 +543,17 @@ def _vec(t):
 
 
 def stats(z, tf: _stats.Transform, k, target, v0: int, want_w: bool, want_q: bool, dtype, out=None,
-          merge: bool = False) -> _stats.BlockStats:
+          merge: bool = False, cap=None) -> _stats.BlockStats:
     """:func:`chunked_entropy._stats.stats_of_block` of the raw ``[n, width]`` block ``z`` (read only), with
     ``w`` and ``q`` None unless wanted, written into ``out`` (a ``[6, n]`` tensor of the compute dtype: rows
     ``m, ones, rest, w, q, zl``, each row contiguous; a column slice of the walk's running statistics) or,
     None, into six ``[n]`` vectors allocated here. ``merge``: ``out`` holds the running statistics of the
     rows' previous vocabulary blocks, and each program merges its block's into them
     (:func:`chunked_entropy._stats.merge_stats`, op for op, inside the kernel: no launch of its own) before it
-    writes the result over them. Where a row is split across programs (few long rows: :func:`_parts`), also
-    ``6 * parts`` floats a row of partial statistics, merged (and merged into ``out``) by a second launch."""
+    writes the result over them. ``cap``: the soft-cap's one-element factor, filled by the caller once (else
+    here); ``k`` None: no multiplier, no tensor. Where a row is split across programs (few long rows:
+    :func:`_parts`), also ``6 * parts`` floats a row of partial statistics, merged (and merged into ``out``)
+    by a second launch."""
     n, width = z.shape
     if out is None:
         out = torch.empty((6, n), dtype=dtype, device=z.device)
@@ -546,7 +562,9 @@ def stats(z, tf: _stats.Transform, k, target, v0: int, want_w: bool, want_q: boo
         return _stats.BlockStats(m, ones, rest, w if want_w else None, q if want_q else None, zl)
     z = z.detach()
     kt, sk = _per_row(k, n, dtype, z.device)
-    cap = _cap(tf, dtype, z.device)
+    cap = _cap(tf, dtype, z.device, cap)
+    target = _vec(target)
+    kp = target if kt is None else kt  # an absent input's pointer (HAS_K, HAS_CAP off): never read
     config = _stats_config(width, z.element_size())
     parts = _parts(n, width, config[0], z.device)
     span = -(-width // parts)
@@ -554,29 +572,31 @@ def stats(z, tf: _stats.Transform, k, target, v0: int, want_w: bool, want_q: boo
         config = _stats_config(span, z.element_size())
     part = torch.empty((6, parts * n), dtype=dtype, device=z.device) if parts > 1 else None
     dst = (m, ones, rest, w, q, zl) if part is None else part.unbind(0)
-    flags = dict(WANT_W=bool(want_w), WANT_Q=bool(want_q), COMPUTE=_COMPUTE[dtype], NEG_FLOOR=_NEG_FLOOR)
+    flags = dict(HAS_K=kt is not None, WANT_W=bool(want_w), WANT_Q=bool(want_q), COMPUTE=_COMPUTE[dtype],
+                 NEG_FLOOR=_NEG_FLOOR)
     _launch(_stats_kernel, "stats", (n, parts),
-            (z, z.stride(0), z.stride(1), width, span, kt if cap is None else cap, kt, sk, _vec(target), v0,
+            (z, z.stride(0), z.stride(1), width, span, kp if cap is None else cap, kp, sk, target, v0,
              *dst, n, _span_class(span)),
             dict(HAS_CAP=cap is not None, MERGE=bool(merge) and part is None, **flags), config)
     if part is not None:
-        _merge_parts_kernel[(n,)](*part.unbind(0), parts, n, kt, sk, m, ones, rest, w, q, zl,
+        _merge_parts_kernel[(n,)](*part.unbind(0), parts, n, kp, sk, m, ones, rest, w, q, zl,
                                   MERGE=bool(merge), PARTS=triton.next_power_of_2(parts), num_warps=1, **flags)
     return _stats.BlockStats(m, ones, rest, w if want_w else None, q if want_q else None, zl)
 
 
-def grad(z, out, tf: _stats.Transform, k, row: _stats.RowStats, target, v0: int, co: _stats.Coefficients, dtype):
+def grad(z, out, tf: _stats.Transform, k, row: _stats.RowStats, target, v0: int, co: _stats.Coefficients, dtype,
+         cap=None):
     """:func:`chunked_entropy._stats.grad_of_block` of the raw ``[n, width]`` block ``z`` (read only) written
     into ``out`` (``[n, width]``, any float dtype, any strides; it may be ``z`` itself) and returned.
     ``row`` holds the rows' statistics (``ws`` needed with ``co.b``, ``s2`` with ``co.a``); an absent
     coefficient costs nothing. Few long rows are split across programs as the statistics' are (no second
-    stage: each column's gradient is its own). Allocates nothing beyond a contiguous copy of a strided per-row
-    input."""
+    stage: each column's gradient is its own). ``cap`` and ``k`` as :func:`stats` takes them. Allocates nothing
+    beyond a contiguous copy of a strided per-row input."""
     n, width = z.shape
     if not n:
         return out
     kt, sk = _per_row(k, n, dtype, z.device)
-    cap = _cap(tf, dtype, z.device)
+    cap = _cap(tf, dtype, z.device, cap)
     c, b, a = co
     dummy = row.ls  # pointer arguments of absent terms (never read)
     vec = lambda t: dummy if t is None else _vec(t)  # noqa: E731
@@ -587,11 +607,11 @@ def grad(z, out, tf: _stats.Transform, k, row: _stats.RowStats, target, v0: int,
         config = _grad_config(span, z.element_size())
     _launch(_grad_kernel, "grad", (n, parts),
             (z.detach(), z.stride(0), z.stride(1), out, out.stride(0), out.stride(1), width, span,
-             kt if cap is None else cap, kt, sk,
+             dummy if cap is None else cap, dummy if kt is None else kt, sk,
              _vec(row.m), _vec(row.ls), vec(row.ws if b is not None else None),
              vec(row.s2 if a is not None else None), _vec(target), v0, vec(c), vec(b), vec(a), _span_class(span)),
-            dict(HAS_CAP=cap is not None, HAS_C=c is not None, HAS_B=b is not None, HAS_A=a is not None,
-                 OUT_BF16=out.dtype == torch.bfloat16 and dtype == torch.float32, COMPUTE=_COMPUTE[dtype],
-                 NEG_FLOOR=_NEG_FLOOR),
+            dict(HAS_CAP=cap is not None, HAS_K=kt is not None, HAS_C=c is not None, HAS_B=b is not None,
+                 HAS_A=a is not None, OUT_BF16=out.dtype == torch.bfloat16 and dtype == torch.float32,
+                 COMPUTE=_COMPUTE[dtype], NEG_FLOOR=_NEG_FLOOR),
             config)
     return out

@@ -313,8 +313,11 @@ class _CountedKernel:
 _TORCH = {"fp32": torch.float32, "fp64": torch.float64}
 
 
-def _column(ptr, stride, n: int, dtype):
-    """A per-row input the kernels read at ``ptr + row * stride``, as an ``[n, 1]`` column."""
+def _column(ptr, stride, n: int, dtype, present: bool = True):
+    """A per-row input the kernels read at ``ptr + row * stride``, as an ``[n, 1]`` column; 1 where it is absent
+    (``present``: the kernels' ``HAS_K``)."""
+    if not present:
+        return torch.ones(n, 1, dtype=dtype, device=ptr.device)
     return (ptr.reshape(-1)[:1].expand(n) if stride == 0 else ptr.reshape(-1)[:n]).to(dtype).reshape(n, 1)
 
 
@@ -345,7 +348,7 @@ def _stats_stand_in(grid, z, szr, szc, width, span, cap, k, sk, target, v0, m, o
 
     dtype = _TORCH[str(meta["COMPUTE"])]
     parts = grid[1] if len(grid) > 1 else 1
-    col = _column(k, sk, n, dtype)
+    col = _column(k, sk, n, dtype, meta["HAS_K"])
     if meta["MERGE"]:
         st = _stats.stats_of_block(z, cap.reshape(()) if meta["HAS_CAP"] else None, col, target, v0, dtype)
         _merged_into((m, ones, rest, w, q, zl), st, col, meta)
@@ -373,7 +376,7 @@ def _merge_parts_stand_in(grid, pm, pones, prest, pw, pq, pzl, parts, n, k, sk, 
     from . import _stats
 
     dtype = _TORCH[str(meta["COMPUTE"])]
-    col = _column(k, sk, n, dtype)
+    col = _column(k, sk, n, dtype, meta["HAS_K"])
     want_w, want_q = meta["WANT_W"], meta["WANT_Q"]
     merged = None
     zero = torch.zeros(n, dtype=dtype, device=pm.device)
@@ -397,9 +400,9 @@ def _grad_stand_in(grid, z, szr, szc, out, sor, soc, width, span, cap, k, sk, m,
     zero = torch.zeros(n, dtype=dtype, device=z.device)
     on = lambda flag, t: t.to(dtype) if meta[flag] else zero  # noqa: E731
     res = torch.empty(z.shape, dtype=dtype, device=z.device)
-    _stats.grad_of_block(z, res, cap.reshape(()) if meta["HAS_CAP"] else None, _column(k, sk, n, dtype), m, ls,
-                         on("HAS_B", ws), on("HAS_A", s2), target, v0, on("HAS_C", c), on("HAS_B", b),
-                         on("HAS_A", a), dtype)
+    _stats.grad_of_block(z, res, cap.reshape(()) if meta["HAS_CAP"] else None,
+                         _column(k, sk, n, dtype, meta["HAS_K"]), m, ls, on("HAS_B", ws), on("HAS_A", s2), target, v0,
+                         on("HAS_C", c), on("HAS_B", b), on("HAS_A", a), dtype)
     out.copy_(res)
 
 

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -77,9 +78,15 @@ def test_the_log_scales_each_allocation_back_by_its_dimensions():
 # ----------------------------------------------------------------------------- the branch
 
 
-def _head_call(hidden, weight, labels, ups, backend="auto"):
-    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    out = ce.linear_log_probs_and_entropy(h, w, labels, chunking=ce.Chunking(8, 128, backend=backend))
+def _head_call(hidden, weight, labels, ups, backend="auto", **kw):
+    """The head's outputs and gradients (a weight, or an OutputLayer whose weight is the leaf)."""
+    h = hidden.clone().requires_grad_()
+    if isinstance(weight, ce.OutputLayer):
+        w = weight.weight.clone().requires_grad_()
+        layer = dataclasses.replace(weight, weight=w)
+    else:
+        w = layer = weight.clone().requires_grad_()
+    out = ce.linear_log_probs_and_entropy(h, layer, labels, chunking=ce.Chunking(8, 128, backend=backend), **kw)
     grads = torch.autograd.grad((out.log_probs * ups[0]).sum() + (out.entropy * ups[1]).sum(), [h, w])
     return out.log_probs, out.entropy, *grads
 
@@ -91,9 +98,13 @@ def test_cuda_branch_takes_the_half_matmuls_and_the_triton_kernels_with_the_cpu_
     weight = (torch.randn(300, 16, generator=g) / 4).bfloat16()
     labels = torch.randint(0, 300, (24,), generator=g)
     ups = torch.randn(2, 24, generator=g)
+    layer = ce.OutputLayer(weight, softcap=5.0)
     with cuda_branch() as log:
         got = _head_call(hidden, weight, labels, ups)
-    assert log.ops["triton_stats"] and log.ops["triton_grad"], log.ops
+        plain = dict(log.ops)
+        log.reset()
+        capped = _head_call(hidden, layer, labels, ups, temperature=0.7)
+    assert plain["triton_stats"] and plain["triton_grad"], plain
     assert log.half_mms > 0, "no half-precision matmul into float32 was dispatched"
     want = _head_call(hidden, weight, labels, ups, backend="eager")
     for a, b in zip(got[:2], want[:2], strict=True):
@@ -101,6 +112,12 @@ def test_cuda_branch_takes_the_half_matmuls_and_the_triton_kernels_with_the_cpu_
     for a, b in zip(got[2:], want[2:], strict=True):  # bf16 gradients: within one rounding
         assert a.dtype == b.dtype == torch.bfloat16
         torch.testing.assert_close(a.float(), b.float(), rtol=2**-7, atol=1e-6)
+    # the per-row constants of every launch are built once a walk: without a temperature no multiplier at all
+    # (the Triton kernels' HAS_K off), with a soft-cap and a float temperature one fill each, forward and backward
+    assert "full" not in plain, plain
+    assert log.ops["triton_stats"] == 3 * 3 and log.ops["full"] == 2 * 2, log.ops
+    for a, b in zip(capped, _head_call(hidden, layer, labels, ups, backend="eager", temperature=0.7), strict=True):
+        torch.testing.assert_close(a.float(), b.float(), rtol=2**-7, atol=2e-6)
     # outside the block: the CPU branch again
     from chunked_entropy import _kernels
     assert _kernels.use_compiled("auto", torch.device("cpu")) is None
