@@ -125,30 +125,35 @@ class _PairKernels(_Lazy):
     :func:`~chunked_entropy._divergence.cross_of_blocks`) through ``torch.compile``, built on first use: the
     pair walk's per-block math, beside either kernels object's one-head ``stats`` (the Triton backend's
     divergence blocks run through these too: there is no hand-written divergence kernel). One compilation
-    per divergence kind and ``beta`` (its value is a constant of the kernel) and dtype."""
+    per divergence kind and ``beta`` (its value is a constant of the kernel) and dtype. Each method takes the
+    heads' soft-cap factors (``cap``...) as the walk filled them once (:func:`chunked_entropy._loop.kernel_cap`;
+    None: filled here), and their multipliers as columns (the walk's once-a-walk ones)."""
 
     def __init__(self):
         super().__init__(lambda: (_divergence.terms_of_blocks, _divergence.grad_of_blocks_,
                                   _divergence.cross_of_blocks))
 
-    def terms(self, math_, x, xt, tf, k, m, ls, tf_t, k_t, m_t, ls_t, dtype):
+    def terms(self, math_, x, xt, tf, k, m, ls, tf_t, k_t, m_t, ls_t, dtype, cap=None, cap_t=None):
         """Per-row ``(D, aux)`` of one block of each head (raw logits, read only)."""
         n, dev = x.shape[0], x.device
         x, xt, k, k_t, m, ls, m_t, ls_t = _rows_of(n, x, xt, k_column(k, n, dtype, dev), k_column(k_t, n, dtype, dev),
                                                    m, ls, m_t, ls_t)
-        d, aux = self.fns()[0](math_, x, xt, _cap_factor(tf, dtype, dev), k, m, ls, _cap_factor(tf_t, dtype, dev),
+        d, aux = self.fns()[0](math_, x, xt, _cap_factor(tf, dtype, dev, cap), k, m, ls,
+                               _cap_factor(tf_t, dtype, dev, cap_t),
                                k_t, m_t, ls_t, dtype)
         return d[:n], aux[:n]
 
-    def cross(self, x_a, x_b, tf_a, k_a, m_a, tf_b, k_b, m_b, dtype):
+    def cross(self, x_a, x_b, tf_a, k_a, m_a, tf_b, k_b, m_b, dtype, cap_a=None, cap_b=None):
         """A KL's cross sum of one block of each head (raw logits, read only; offsets to the blocks' maxima)."""
         n, dev = x_a.shape[0], x_a.device
         x_a, x_b, k_a, k_b, m_a, m_b = _rows_of(n, x_a, x_b, k_column(k_a, n, dtype, dev),
                                                 k_column(k_b, n, dtype, dev), m_a, m_b)
-        return self.fns()[2](x_a, x_b, _cap_factor(tf_a, dtype, dev), k_a, m_a, _cap_factor(tf_b, dtype, dev), k_b,
+        return self.fns()[2](x_a, x_b, _cap_factor(tf_a, dtype, dev, cap_a), k_a, m_a,
+                             _cap_factor(tf_b, dtype, dev, cap_b), k_b,
                              m_b, dtype)[:n]
 
-    def grad_(self, math_, x, xt, tf, k, row, target, v0, co, tf_t, k_t, m_t, ls_t, aux, scale, dtype):
+    def grad_(self, math_, x, xt, tf, k, row, target, v0, co, tf_t, k_t, m_t, ls_t, aux, scale, dtype, cap=None,
+              cap_t=None):
         """The gradient w.r.t. the student's raw logits ``x`` (our buffer), written over it."""
         n, dev = x.shape[0], x.device
         zero = lambda: torch.zeros(n, dtype=dtype, device=dev)  # noqa: E731
@@ -157,8 +162,8 @@ class _PairKernels(_Lazy):
         z, zt, k, k_t, *per_row = _rows_of(n, x, xt, k_column(k, n, dtype, dev), k_column(k_t, n, dtype, dev),
                                            *per_row)
         m, ls, ws, target, c, b, m_t, ls_t, aux, scale = per_row
-        self.fns()[1](math_, z, zt, _cap_factor(tf, dtype, dev), k, m, ls, ws, target, v0, c, b,
-                      _cap_factor(tf_t, dtype, dev), k_t, m_t, ls_t, aux, scale, dtype)
+        self.fns()[1](math_, z, zt, _cap_factor(tf, dtype, dev, cap), k, m, ls, ws, target, v0, c, b,
+                      _cap_factor(tf_t, dtype, dev, cap_t), k_t, m_t, ls_t, aux, scale, dtype)
         if n == 1:  # the doubled row (see _rows_of)
             x.copy_(z[:1])
         return x

@@ -157,15 +157,19 @@ def kernel_k(k, n: int, dtype, device, const: dict, kernels: Kernels = None):
     """The per-row multiplier ``k`` as the compiled and Triton kernels take it: a per-row tensor as it is;
     None or a float as an ``[n, 1]`` view (stride 0) of a one-element tensor filled once per walk and kept in
     ``const``: one fill a call, not one a launch. None stays None for ``kernels`` that take no multiplier
-    (``kernels.k_optional``: the Triton kernels, which then multiply by nothing): no fill at all."""
+    (``kernels.k_optional``: the Triton kernels, which then multiply by nothing): no fill at all. The compiled
+    kernels (any other ``kernels``: :data:`~chunked_entropy._kernels.COMPILED`, ``PAIR``) take contiguous
+    columns: an ``[n, 1]`` one filled once a walk and chunk size (a stride-0 view would be copied each launch)."""
     if isinstance(k, torch.Tensor):
         return k
-    if k is None and getattr(kernels, "k_optional", False):
+    optional = getattr(kernels, "k_optional", False)
+    if k is None and optional:
         return None
     value = 1.0 if k is None else float(k)
-    t = const.get(value)
+    key = value if optional else (value, n)
+    t = const.get(key)
     if t is None:
-        t = const[value] = torch.full((1, 1), value, dtype=dtype, device=device)
+        t = const[key] = torch.full((1, 1) if optional else (n, 1), value, dtype=dtype, device=device)
     return t.expand(n, 1)
 
 
@@ -566,6 +570,14 @@ class _PairWalk:
         """Both heads' per-row multipliers of rows ``[a, b)``."""
         return self.tok.k_rows(a, b), self.tf_t.k(self.tok.inv_t_rows(a, b))
 
+    def pair_constants(self, a: int, b: int) -> tuple:
+        """``(k, k_t, cap, cap_t)`` of rows ``[a, b)`` as the divergence's compiled kernels (``PAIR``) take them:
+        both heads' multipliers as contiguous columns and their soft-caps' factors, filled once a walk."""
+        k, kt = self.k(a, b)
+        c, dt, dev, n = self.const, self.dtype, self.device, b - a
+        return (kernel_k(k, n, dt, dev, c, PAIR), kernel_k(kt, n, dt, dev, c, PAIR),
+                kernel_cap(self.tok.transform, dt, dev, c), kernel_cap(self.tf_t, dt, dev, c))
+
     def raw(self, a, b, v0, v1):
         """Both raw blocks of rows ``[a, b)``, columns ``[v0, v1)``: ``(x_s, x_t, scratch_s, scratch_t, aux_s)``."""
         x, scratch, cap = self.bufs.get(b - a, v1 - v0)
@@ -593,16 +605,21 @@ class _PairWalk:
             return _stats.rescale_cross(c, stt, st, m_t, m, kt, k)
         return _stats.rescale_cross(c, st, stt, m, m_t, k, kt)
 
-    def _cross(self, x, xt, scratch, scratch_t, local, local_t, k, kt):
+    def _cross(self, x, xt, scratch, scratch_t, local, local_t, k, kt, a, b):
         """A KL's cross sum of one block (see :meth:`~chunked_entropy._divergence.DivergenceMath.folded`), from the
         blocks as the statistics left them: eager, offsets to the local maxima (the two scratch buffers
         written); compiled, raw."""
+        if self.compiled:
+            k, kt, cap, cap_t = self.pair_constants(a, b)
+            if self.teacher_weighs:
+                return PAIR.cross(xt, x, self.tf_t, kt, local_t.m, self.tok.transform, k, local.m, self.dtype, cap_t,
+                                  cap)
+            return PAIR.cross(x, xt, self.tok.transform, k, local.m, self.tf_t, kt, local_t.m, self.dtype, cap,
+                              cap_t)
         if self.teacher_weighs:
             args = (xt, x, self.tf_t, kt, local_t.m, self.tok.transform, k, local.m)
         else:
             args = (x, xt, self.tok.transform, k, local.m, self.tf_t, kt, local_t.m)
-        if self.compiled:
-            return PAIR.cross(*args, self.dtype)
         y_a, y_b = args[0], args[1]
         d = torch.sub(y_a, y_b, out=scratch)
         return d.mul_(torch.exp(y_a, out=scratch_t)).sum(dim=1)
@@ -634,7 +651,7 @@ class _PairWalk:
             prev, prev_t = st, stt
             st, stt = _stats.merge_stats(st, local, k), _stats.merge_stats(stt, local_t, kt)
             if self.fold:
-                c = self._cross(x, xt, scratch, scratch_t, local, local_t, k, kt)
+                c = self._cross(x, xt, scratch, scratch_t, local, local_t, k, kt, a, b)
                 cross = c if prev is None else (self._cross_to(cross, prev, prev_t, st.m, stt.m, k, kt)
                                                 + self._cross_to(c, local, local_t, st.m, stt.m, k, kt))
         if self.fold:  # the cross sum rides in the statistics' gather
@@ -662,10 +679,11 @@ class _PairWalk:
         parts = None
         if compiled:
             div = aux = None
+            kk, kkt, cap, cap_t = self.pair_constants(a, b)
             for v0, v1 in chunks(self.width, self.block):
                 x, xt = held[:2] if single else self.raw(a, b, v0, v1)[:2]
-                d, ka = PAIR.terms(math_, x, xt, tok.transform, k, m[0], rows.ls, self.tf_t, kt, m[1], ls_t,
-                                   self.dtype)
+                d, ka = PAIR.terms(math_, x, xt, tok.transform, kk, m[0], rows.ls, self.tf_t, kkt, m[1], ls_t,
+                                   self.dtype, cap, cap_t)
                 div, aux = (d, ka) if div is None else (div + d, aux + ka)
             if not self.spec.needs_aux:
                 aux = None
@@ -695,10 +713,10 @@ class _PairWalk:
         tok = self.tok
         if self.compiled:
             x, xt = held[:2] if held is not None else self.raw(a, b, v0, v1)[:2]
-            k, kt = self.k(a, b)
+            k, kt, cap, cap_t = self.pair_constants(a, b)
             co = co if co is not None else _stats.Coefficients(None, None, None)
             return PAIR.grad_(self.math, x, xt, tok.transform, k, rows, tok.target[a:b], v0, co, self.tf_t, kt,
-                              here.m_t, here.ls_t, here.aux, scale, self.dtype)
+                              here.m_t, here.ls_t, here.aux, scale, self.dtype, cap, cap_t)
         if held is not None:
             y, yt, cap = held[0], held[1], held[4]
             scratch = None

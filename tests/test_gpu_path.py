@@ -318,6 +318,28 @@ def test_hand_over_is_one_pass_on_cuda_with_the_cpu_branchs_bits(kept_graph, mon
     assert log.vector_bytes + log.logit_bytes <= t.numel() * 4 + 64
 
 
+def test_the_kernels_constants_are_filled_once_a_walk():
+    """``kernel_k`` / ``kernel_cap``: the per-row multiplier and the soft-cap's factor as the kernels take them,
+    kept in the walk's ``const``: the Triton kernels get no multiplier tensor without a temperature and a
+    stride-0 view of one fill with one; the compiled kernels (and the divergence's, ``PAIR``) a contiguous
+    column filled once a chunk size; the cap one fill a walk, its value ``logit_scale / softcap``."""
+    from chunked_entropy import _kernels, _loop, _stats
+
+    cpu, f32 = torch.device("cpu"), torch.float32
+    const = {}
+    assert _loop.kernel_k(None, 5, f32, cpu, const, _kernels.TRITON) is None and not const
+    a, b = (_loop.kernel_k(0.7, n, f32, cpu, const, _kernels.TRITON) for n in (5, 3))
+    assert a.shape == (5, 1) and a.stride(0) == 0 and a.data_ptr() == b.data_ptr() and len(const) == 1
+    cols = [_loop.kernel_k(None, n, f32, cpu, const, kernels) for n, kernels in
+            ((5, _kernels.COMPILED), (5, _kernels.PAIR), (3, _kernels.COMPILED))]
+    assert all(c.is_contiguous() and (c == 1).all() for c in cols) and cols[0].data_ptr() == cols[1].data_ptr()
+    assert len(const) == 3  # 0.7; ones of 5 rows; ones of 3 rows
+    tf = _stats.Transform(softcap=5.0, logit_scale=0.5)
+    cap = _loop.kernel_cap(tf, f32, cpu, const)
+    assert cap is _loop.kernel_cap(tf, f32, cpu, const) and cap.item() == torch.tensor(0.5 / 5.0).item()
+    assert _loop.kernel_cap(_stats.Transform(), f32, cpu, const) is None
+
+
 @pytest.mark.parametrize("rows", [40, 7])
 def test_the_hidden_gradients_partial_sums_accumulate_inside_the_matmul(rows, monkeypatch):
     """Item 6: on CUDA a vocabulary block's ``g @ W`` is added to the float32 hidden-gradient accumulator inside
