@@ -104,10 +104,22 @@ class _Compiled(_Lazy):
         st = _stats.BlockStats(*(t[:n] if on else None for t, on in zip(st, keep, strict=True)))
         return _into(st, out, merge, kc)
 
-    def grad(self, z, out, tf, k, row, target, v0, co, dtype, cap=None):
+    def grad(self, z, out, tf, k, row, target, v0, co, dtype, cap=None, const=None):
+        """``const``: the walk's constants (:func:`chunked_entropy._loop.kernel_k`), where the zero vectors of
+        absent terms are kept once a walk and chunk size (else filled here, one a term a call)."""
         n, z_in = z.shape[0], z
-        zero = lambda: torch.zeros(n, dtype=dtype, device=z.device)  # noqa: E731 - one each: no aliasing guard
-        per_row = [row.m, row.ls, _or(row.ws, zero), _or(row.s2, zero), target, *(_or(t, zero) for t in co)]
+        const = {} if const is None else const
+
+        def absent(t, slot):  # zeros for an absent term: one each (no aliasing guard), kept in const
+            if t is not None:
+                return t
+            key = ("zero", slot, n, dtype)
+            if key not in const:
+                const[key] = torch.zeros(n, dtype=dtype, device=z.device)
+            return const[key]
+
+        per_row = [row.m, row.ls, absent(row.ws, "ws"), absent(row.s2, "s2"), target,
+                   *(absent(t, slot) for t, slot in zip(co, "cba", strict=True))]
         z, k, *per_row = _rows_of(n, z.detach(), k_column(k, n, dtype, z.device), *per_row)
         m, ls, ws, s2, target, c, b, a = per_row
         args = (_cap_factor(tf, dtype, z.device, cap), k, m, ls, ws, s2, target, v0, c, b, a, dtype)
@@ -272,7 +284,7 @@ class _Triton:
     def stats(self, z, tf, k, target, v0, want_w, want_q, dtype, out=None, merge=False, cap=None):
         return self.module().stats(z, tf, k, target, v0, want_w, want_q, dtype, out=out, merge=merge, cap=cap)
 
-    def grad(self, z, out, tf, k, row, target, v0, co, dtype, cap=None):
+    def grad(self, z, out, tf, k, row, target, v0, co, dtype, cap=None, const=None):
         return self.module().grad(z, out, tf, k, row, target, v0, co, dtype, cap=cap)
 
     @contextlib.contextmanager

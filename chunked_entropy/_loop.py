@@ -339,7 +339,7 @@ def grad_blocks(
             fill(x, a, b, v0, v1)
             k = kernel_k(tok.k_rows(a, b), b - a, dtype, device, const, compiled)
             return compiled.grad(x, x, tok.transform, k, parts["rows"], tok.target[a:b], v0, parts["co"], dtype,
-                                 cap=kernel_cap(tok.transform, dtype, device, const))
+                                 cap=kernel_cap(tok.transform, dtype, device, const), const=const)
         return _refilled_grad(tok, fill, view, bufs, a, b, v0, v1, parts["rows"], parts["co"], dtype,
                               compiled=compiled, into=into, entries=parts["entries"], co_k=parts["co_k"],
                               at=parts["at"], const=const)
@@ -381,7 +381,7 @@ def _refilled_grad(tok: Tokens, fill: Fill, view: View, bufs: Buffers, a, b, v0,
         out = x if into is None else into(a, b)
         const = {} if const is None else const
         g = compiled.grad(z, out, tok.transform, kernel_k(k, b - a, dtype, z.device, const, compiled), rows, target,
-                          v0, co, dtype, cap=kernel_cap(tok.transform, dtype, z.device, const))
+                          v0, co, dtype, cap=kernel_cap(tok.transform, dtype, z.device, const), const=const)
     else:
         if into is not None:
             x = into(a, b)
@@ -500,7 +500,7 @@ def loss_grad_blocks(
         if compiled:
             out = x if into is None else into(a, b)
             g = compiled.grad(z, out, tok.transform, kernel_k(k, b - a, dtype, device, const, compiled), rows,
-                              target, 0, co, dtype, cap=kernel_cap(tok.transform, dtype, device, const))
+                              target, 0, co, dtype, cap=kernel_cap(tok.transform, dtype, device, const), const=const)
         else:
             y = _stats.shift_offsets_(x, local.m, merged.m, k) if merged is not local else x
             g = _stats.grad_from_offsets_(y, tok.transform, rows, target, 0, co, scratch, aux)

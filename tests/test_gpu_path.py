@@ -340,6 +340,33 @@ def test_the_kernels_constants_are_filled_once_a_walk():
     assert _loop.kernel_cap(_stats.Transform(), f32, cpu, const) is None
 
 
+def test_the_compiled_gradients_zero_terms_are_filled_once_a_walk(monkeypatch):
+    """The compiled backend's gradient takes a zero vector for each absent term (``s2``, ``b``, ``a`` here):
+    with the walk's ``const`` they are filled on the first block and reused (one each: no aliasing), the same
+    gradient as fresh zeros. The kernels run eagerly here (their compiled form is the same functions)."""
+    from chunked_entropy import _kernels, _stats
+
+    monkeypatch.setattr(_kernels.COMPILED, "_fns", (_stats.stats_of_block, _stats.grad_of_block,
+                                                    _stats.grad_of_block_))
+    g = torch.Generator().manual_seed(9)
+    z = torch.randn(6, 50, generator=g) * 3
+    target = torch.randint(0, 50, (6,), generator=g)
+    k = torch.full((6, 1), 1.0)
+    row = _stats.RowStats.from_block(_kernels.COMPILED.stats(z, _stats.Transform(), k, target, 0, True, False,
+                                                             torch.float32), k)
+    co = _stats.Coefficients(torch.randn(6, generator=g), None, None)
+    const, grads, fills = {}, [], []
+    for _ in range(2):
+        with GpuLog() as log:
+            grads.append(_kernels.COMPILED.grad(z, torch.empty_like(z), _stats.Transform(), k, row, target, 0, co,
+                                                torch.float32, const=const))
+        fills.append(log.ops.get("zeros", 0))
+    assert fills == [3, 0], fills
+    assert len({t.data_ptr() for t in const.values()}) == 3
+    fresh = _kernels.COMPILED.grad(z, torch.empty_like(z), _stats.Transform(), k, row, target, 0, co, torch.float32)
+    assert torch.equal(grads[0], fresh) and torch.equal(grads[1], fresh)
+
+
 @pytest.mark.parametrize("rows", [40, 7])
 def test_the_hidden_gradients_partial_sums_accumulate_inside_the_matmul(rows, monkeypatch):
     """Item 6: on CUDA a vocabulary block's ``g @ W`` is added to the float32 hidden-gradient accumulator inside
