@@ -216,9 +216,14 @@ class Requirements:
             by_device.setdefault(ok.device, []).append(i)
         bad = []
         for idx in by_device.values():
-            oks = torch.stack([self.pending[i][0].to(torch.bool) for i in idx])
-            if bool(oks.all()):  # the host sync (free on the CPU)
-                continue
+            if len(idx) == 1:  # one check: read as it is (no stack, no all: one launch, the read)
+                oks = self.pending[idx[0]][0].to(torch.bool).reshape(1)
+                if bool(oks[0]):  # the host sync (free on the CPU)
+                    continue
+            else:
+                oks = torch.stack([self.pending[i][0].to(torch.bool) for i in idx])
+                if bool(oks.all()):  # the host sync (free on the CPU)
+                    continue
             bad += [i for i, v in zip(idx, oks.tolist(), strict=True) if not v]  # only on failure: a second read
         return [self.pending[i][1] for i in sorted(bad)]
 

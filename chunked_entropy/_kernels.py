@@ -27,7 +27,10 @@ the environment before Triton is first imported; slow, for tests).
 
 The loop (:mod:`chunked_entropy._loop`) takes the chosen kernels as an object
 with ``stats`` and ``grad`` (:data:`COMPILED`, :data:`TRITON`), or None for
-eager: :func:`use_compiled`.
+eager: :func:`use_compiled`. Both ``stats`` take ``out=`` (a ``[6, n]`` tensor
+of the walk's running statistics to write into) and ``merge=`` (merge the
+block's statistics into what ``out`` holds): the Triton kernel merges inside
+its launch; the compiled backend merges eagerly (:func:`_into`).
 
 One compiled kernel of each kind serves every call with the same input dtype and the
 same presence of a soft-cap (its value is a tensor, not a constant of the
@@ -92,20 +95,37 @@ class _Compiled(_Lazy):
     def __init__(self):
         super().__init__(lambda: (_stats.stats_of_block, _stats.grad_of_block, _stats.grad_of_block_))
 
-    def stats(self, z, tf, k, target, v0, want_w, want_q, dtype):
-        n = z.shape[0]
-        z, k, target = _rows_of(n, z.detach(), k_column(k, n, dtype, z.device), target)
-        st = self.fns()[0](z, _cap_factor(tf, dtype, z.device), k, target, v0, dtype)
-        keep = (True, True, True, want_w, want_q, True)
-        return _stats.BlockStats(*(t[:n] if on else None for t, on in zip(st, keep, strict=True)))
+    #: ``k`` None is taken as a tensor of ones (the compiled kernels take the multiplier as a column).
+    k_optional = False
 
-    def grad(self, z, out, tf, k, row, target, v0, co, dtype):
+    def stats(self, z, tf, k, target, v0, want_w, want_q, dtype, out=None, merge=False, cap=None):
+        n = z.shape[0]
+        kc = k_column(k, n, dtype, z.device)
+        z, kk, target = _rows_of(n, z.detach(), kc, target)
+        st = self.fns()[0](z, _cap_factor(tf, dtype, z.device, cap), kk, target, v0, dtype)
+        keep = (True, True, True, want_w, want_q, True)
+        st = _stats.BlockStats(*(t[:n] if on else None for t, on in zip(st, keep, strict=True)))
+        return _into(st, out, merge, kc)
+
+    def grad(self, z, out, tf, k, row, target, v0, co, dtype, cap=None, const=None):
+        """``const``: the walk's constants (:func:`chunked_entropy._loop.kernel_k`), where the zero vectors of
+        absent terms are kept once a walk and chunk size (else filled here, one a term a call)."""
         n, z_in = z.shape[0], z
-        zero = lambda: torch.zeros(n, dtype=dtype, device=z.device)  # noqa: E731 - one each: no aliasing guard
-        per_row = [row.m, row.ls, _or(row.ws, zero), _or(row.s2, zero), target, *(_or(t, zero) for t in co)]
+        const = {} if const is None else const
+
+        def absent(t, slot):  # zeros for an absent term: one each (no aliasing guard), kept in const
+            if t is not None:
+                return t
+            key = ("zero", slot, n, dtype)
+            if key not in const:
+                const[key] = torch.zeros(n, dtype=dtype, device=z.device)
+            return const[key]
+
+        per_row = [row.m, row.ls, absent(row.ws, "ws"), absent(row.s2, "s2"), target,
+                   *(absent(t, slot) for t, slot in zip(co, "cba", strict=True))]
         z, k, *per_row = _rows_of(n, z.detach(), k_column(k, n, dtype, z.device), *per_row)
         m, ls, ws, s2, target, c, b, a = per_row
-        args = (_cap_factor(tf, dtype, z.device), k, m, ls, ws, s2, target, v0, c, b, a, dtype)
+        args = (_cap_factor(tf, dtype, z.device, cap), k, m, ls, ws, s2, target, v0, c, b, a, dtype)
         if n > 1 and out is z_in:  # the fused head's buffer, overwritten with its gradient
             self.fns()[2](out, *args)
             return out
@@ -120,30 +140,35 @@ class _PairKernels(_Lazy):
     :func:`~chunked_entropy._divergence.cross_of_blocks`) through ``torch.compile``, built on first use: the
     pair walk's per-block math, beside either kernels object's one-head ``stats`` (the Triton backend's
     divergence blocks run through these too: there is no hand-written divergence kernel). One compilation
-    per divergence kind and ``beta`` (its value is a constant of the kernel) and dtype."""
+    per divergence kind and ``beta`` (its value is a constant of the kernel) and dtype. Each method takes the
+    heads' soft-cap factors (``cap``...) as the walk filled them once (:func:`chunked_entropy._loop.kernel_cap`;
+    None: filled here), and their multipliers as columns (the walk's once-a-walk ones)."""
 
     def __init__(self):
         super().__init__(lambda: (_divergence.terms_of_blocks, _divergence.grad_of_blocks_,
                                   _divergence.cross_of_blocks))
 
-    def terms(self, math_, x, xt, tf, k, m, ls, tf_t, k_t, m_t, ls_t, dtype):
+    def terms(self, math_, x, xt, tf, k, m, ls, tf_t, k_t, m_t, ls_t, dtype, cap=None, cap_t=None):
         """Per-row ``(D, aux)`` of one block of each head (raw logits, read only)."""
         n, dev = x.shape[0], x.device
         x, xt, k, k_t, m, ls, m_t, ls_t = _rows_of(n, x, xt, k_column(k, n, dtype, dev), k_column(k_t, n, dtype, dev),
                                                    m, ls, m_t, ls_t)
-        d, aux = self.fns()[0](math_, x, xt, _cap_factor(tf, dtype, dev), k, m, ls, _cap_factor(tf_t, dtype, dev),
+        d, aux = self.fns()[0](math_, x, xt, _cap_factor(tf, dtype, dev, cap), k, m, ls,
+                               _cap_factor(tf_t, dtype, dev, cap_t),
                                k_t, m_t, ls_t, dtype)
         return d[:n], aux[:n]
 
-    def cross(self, x_a, x_b, tf_a, k_a, m_a, tf_b, k_b, m_b, dtype):
+    def cross(self, x_a, x_b, tf_a, k_a, m_a, tf_b, k_b, m_b, dtype, cap_a=None, cap_b=None):
         """A KL's cross sum of one block of each head (raw logits, read only; offsets to the blocks' maxima)."""
         n, dev = x_a.shape[0], x_a.device
         x_a, x_b, k_a, k_b, m_a, m_b = _rows_of(n, x_a, x_b, k_column(k_a, n, dtype, dev),
                                                 k_column(k_b, n, dtype, dev), m_a, m_b)
-        return self.fns()[2](x_a, x_b, _cap_factor(tf_a, dtype, dev), k_a, m_a, _cap_factor(tf_b, dtype, dev), k_b,
+        return self.fns()[2](x_a, x_b, _cap_factor(tf_a, dtype, dev, cap_a), k_a, m_a,
+                             _cap_factor(tf_b, dtype, dev, cap_b), k_b,
                              m_b, dtype)[:n]
 
-    def grad_(self, math_, x, xt, tf, k, row, target, v0, co, tf_t, k_t, m_t, ls_t, aux, scale, dtype):
+    def grad_(self, math_, x, xt, tf, k, row, target, v0, co, tf_t, k_t, m_t, ls_t, aux, scale, dtype, cap=None,
+              cap_t=None):
         """The gradient w.r.t. the student's raw logits ``x`` (our buffer), written over it."""
         n, dev = x.shape[0], x.device
         zero = lambda: torch.zeros(n, dtype=dtype, device=dev)  # noqa: E731
@@ -152,8 +177,8 @@ class _PairKernels(_Lazy):
         z, zt, k, k_t, *per_row = _rows_of(n, x, xt, k_column(k, n, dtype, dev), k_column(k_t, n, dtype, dev),
                                            *per_row)
         m, ls, ws, target, c, b, m_t, ls_t, aux, scale = per_row
-        self.fns()[1](math_, z, zt, _cap_factor(tf, dtype, dev), k, m, ls, ws, target, v0, c, b,
-                      _cap_factor(tf_t, dtype, dev), k_t, m_t, ls_t, aux, scale, dtype)
+        self.fns()[1](math_, z, zt, _cap_factor(tf, dtype, dev, cap), k, m, ls, ws, target, v0, c, b,
+                      _cap_factor(tf_t, dtype, dev, cap_t), k_t, m_t, ls_t, aux, scale, dtype)
         if n == 1:  # the doubled row (see _rows_of)
             x.copy_(z[:1])
         return x
@@ -163,10 +188,13 @@ class _PairKernels(_Lazy):
 PAIR = _PairKernels()
 
 
-def _cap_factor(tf, dtype, device):
-    """``logit_scale / softcap`` as a 0-d tensor (a value, not a constant of the kernel), or None."""
+def _cap_factor(tf, dtype, device, cap=None):
+    """``logit_scale / softcap`` as a 0-d tensor (a value, not a constant of the kernel), or None; ``cap``: the
+    one-element tensor the caller filled once (the chunk loop's walk: :func:`chunked_entropy._loop.kernel_cap`)."""
     if tf.softcap is None:
         return None
+    if cap is not None:
+        return cap.reshape(())
     # filled on the device: torch.tensor(value, device=cuda) would copy from the host (a host sync)
     return torch.full((), (tf.logit_scale or 1.0) / tf.softcap, dtype=dtype, device=device)
 
@@ -188,6 +216,21 @@ def _no_duck_shapes(fn):
             return fn(*args)
 
     return call
+
+
+def _into(st: _stats.BlockStats, out, merge: bool, k) -> _stats.BlockStats:
+    """A block's statistics written into ``out`` (the kernels objects' ``stats(..., out=, merge=)``: a ``[6, n]``
+    tensor, rows ``m, ones, rest, w, q, zl``), merged first with the running statistics ``out`` holds
+    (``merge``: :func:`chunked_entropy._stats.merge_stats`, eager); ``st`` itself without ``out``."""
+    if out is None:
+        return st
+    fields = _stats.BlockStats(*(None if t is None else r for t, r in zip(st, out.unbind(0), strict=True)))
+    if merge:
+        st = _stats.merge_stats(fields, st, k)
+    for dst, src in zip(fields, st, strict=True):
+        if dst is not None:
+            dst.copy_(src)
+    return fields
 
 
 def _or(t, default):
@@ -238,11 +281,14 @@ class _Triton:
         """Whether compiled (not interpreted) kernels can run on ``device``: what ``backend="auto"`` may pick."""
         return self.why_not(device) is None and (self._as_compiled or not self.module().INTERPRETED)
 
-    def stats(self, z, tf, k, target, v0, want_w, want_q, dtype):
-        return self.module().stats(z, tf, k, target, v0, want_w, want_q, dtype)
+    #: ``k`` None is no multiplier and no tensor (the kernels' ``HAS_K`` off).
+    k_optional = True
 
-    def grad(self, z, out, tf, k, row, target, v0, co, dtype):
-        return self.module().grad(z, out, tf, k, row, target, v0, co, dtype)
+    def stats(self, z, tf, k, target, v0, want_w, want_q, dtype, out=None, merge=False, cap=None):
+        return self.module().stats(z, tf, k, target, v0, want_w, want_q, dtype, out=out, merge=merge, cap=cap)
+
+    def grad(self, z, out, tf, k, row, target, v0, co, dtype, cap=None, const=None):
+        return self.module().grad(z, out, tf, k, row, target, v0, co, dtype, cap=cap)
 
     @contextlib.contextmanager
     def as_compiled(self):

@@ -312,7 +312,8 @@ def _grads_vocab_outer(blocks, rows: Rows, weight, n, hidden_dtype, need, main_g
             gblk[a:b].copy_(gq)
         if b == n:  # the block's last chunk: its weight gradient over every token, in one matmul
             if main_grad is not None:
-                main_grad[v0:v1].add_(_half_mm(gblk.t(), h_all, cdt, float32))
+                if float32 or not _addmm_into_(main_grad[v0:v1], gblk.t(), h_all):
+                    main_grad[v0:v1].add_(_half_mm(gblk.t(), h_all, cdt, float32))
             elif gw.dtype == gdt and h_all.dtype == gdt:
                 torch.mm(gblk.t(), h_all, out=gw[v0:v1])
             else:
@@ -323,7 +324,9 @@ def _grads_vocab_outer(blocks, rows: Rows, weight, n, hidden_dtype, need, main_g
 
 def _acc_mm_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, whole: bool = True) -> None:
     """``acc += a @ b``, ``acc`` float32 (or float64). Operands of ``acc``'s dtype: an ``addmm_``. Half-precision
-    operands: their product, accumulated in float32 inside the matmul (:func:`_half_mm`); ``whole``: this is the
+    operands: their product, accumulated in float32 inside the matmul and added to ``acc`` there where the
+    device has that kernel (:func:`_addmm_into_`: one GEMM, no ``[rows, H]`` float32 temporary, no ``add_``),
+    else formed by :func:`_half_mm` and added; ``whole``: this is the
     entire sum (one vocabulary block), rounded to the operands' dtype first as half-precision autograd rounds its
     ``g @ W`` (a partial sum over blocks is kept in float32, where it cannot overflow). Mixed (``float32``
     logits: a float32 ``a``, half ``b``): the float32 product, on half-precision operands where the device has
@@ -336,7 +339,7 @@ def _acc_mm_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, whole: bool = 
         acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
     elif whole:
         acc.add_(torch.mm(a, b))
-    else:
+    elif not _addmm_into_(acc, a, b):
         acc.add_(_half_mm(a, b, acc.dtype))
 
 
@@ -347,6 +350,7 @@ def _acc_weight_mm_(acc: torch.Tensor, g: torch.Tensor, gq: torch.Tensor, h: tor
     (rounded to the weight's dtype, or ``g`` itself).
 
     Half-precision operands: each product is exact in float32, summed in float32 inside the matmul. On CUDA
+    added to ``acc`` inside the matmul where torch has that kernel (:func:`_addmm_into_`: no temporary), else
     ``out_dtype=torch.float32`` in row slices of ``acc`` (a float32 temporary of at most
     :data:`~chunked_entropy.config.GRAD_BUFFER_BYTES`, never one of ``acc``'s size); a CPU has no such
     kernel, and multiplies float32 copies: ``gq``'s values written back into ``g`` (no new buffer; a
@@ -357,6 +361,8 @@ def _acc_weight_mm_(acc: torch.Tensor, g: torch.Tensor, gq: torch.Tensor, h: tor
         acc.addmm_(gq.t(), h)
     elif gq.dtype != h.dtype:
         acc.addmm_(gq.t(), h.to(acc.dtype))
+    elif _addmm_into_(acc, gq.t(), h):
+        pass
     elif half_mm_native(acc.device):
         step = max(1, GRAD_BUFFER_BYTES // (4 * max(1, h.shape[1])))
         for r in range(0, acc.shape[0], step):
@@ -385,6 +391,19 @@ def _half_mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, widen: bo
     if native:
         return torch.mm(a, b, out_dtype=out_dtype)
     return torch.mm(a.to(out_dtype), b.to(out_dtype))
+
+
+def _addmm_into_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``acc += a @ b`` in one GEMM, the half-precision products of ``a`` and ``b`` summed in float32 and added
+    to the float32 ``acc`` inside the matmul (``torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)``), where
+    the device has that kernel (:func:`half_addmm_native`); returns whether it did. Where it returns False
+    nothing was done: the caller forms ``a @ b`` (:func:`_half_mm`) and adds it, the same float32 sum added to
+    ``acc`` once (a float32 ``[rows, cols]`` temporary and an ``add_`` more)."""
+    if not (a.dtype == b.dtype and a.dtype in (torch.bfloat16, torch.float16) and acc.dtype == torch.float32
+            and half_addmm_native(acc.device)):
+        return False
+    torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+    return True
 
 
 #: The power of 2 :func:`_split_mm` scales each row's largest entry to (below float16's largest, 65504).
@@ -459,6 +478,46 @@ def half_mm_native(device: torch.device) -> bool:
     matmul's speed and with the copies' memory."""
     key = HALF_MM_DEVICES.get(device.type)
     return key is not None and mm_out_dtype_kernel(key)
+
+
+@functools.lru_cache(maxsize=None)
+def addmm_out_dtype_kernel(dispatch_key: str) -> bool:
+    """Whether the installed torch has ``torch.addmm(acc, a, b, out_dtype=..., out=acc)`` for ``dispatch_key``:
+    the overload ``aten::addmm.dtype_out`` exists and has a kernel there (torch >= 2.8, CUDA). A feature test,
+    as :func:`mm_out_dtype_kernel`; asked once per key (cached)."""
+    if "dtype_out" not in set(torch.ops.aten.addmm.overloads()):
+        return False
+    has = getattr(torch._C, "_dispatch_has_kernel_for_dispatch_key", None)
+    if has is None:
+        return False
+    try:
+        return bool(has("aten::addmm.dtype_out", dispatch_key))
+    except RuntimeError:  # a dispatch key this torch does not know
+        return False
+
+
+_float32_acc = {}  # device type -> whether its addmm.dtype_out takes a float32 acc beside half operands
+
+
+def half_addmm_native(device: torch.device) -> bool:
+    """Whether this device adds half-precision products into a float32 accumulator inside one GEMM
+    (``torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)``): where :func:`half_mm_native` holds, torch
+    has the ``addmm.dtype_out`` kernel (:func:`addmm_out_dtype_kernel`), and that kernel takes a float32 ``acc``
+    beside half-precision operands (some versions ask ``acc`` to have the operands' dtype: tried once per device
+    type on ``1 x 1`` tensors, a refusal raised on the host before any work). Elsewhere (a CPU; CUDA under
+    torch 2.4-2.7, or a refusing kernel) the library forms the float32 product and adds it: the same sum."""
+    key = HALF_MM_DEVICES.get(device.type)
+    if key is None or not half_mm_native(device) or not addmm_out_dtype_kernel(key):
+        return False
+    if device.type not in _float32_acc:
+        try:
+            acc = torch.zeros(1, 1, dtype=torch.float32, device=device)
+            one = torch.zeros(1, 1, dtype=torch.bfloat16, device=device)
+            torch.addmm(acc, one, one, out_dtype=torch.float32, out=acc)
+            _float32_acc[device.type] = True
+        except (RuntimeError, TypeError, NotImplementedError):
+            _float32_acc[device.type] = False
+    return _float32_acc[device.type]
 
 
 def reduce_hidden_grad(grad_h: torch.Tensor, full_shape, plan: Plan) -> torch.Tensor:

@@ -164,45 +164,64 @@ def _block_kept(kept, entries, z, v0, tf, k, dtype):
     return None if kept is None else _keep.gather(z, entries, v0, tf, dtype)
 
 
-def kernel_k(k, n: int, dtype, device, const: dict):
+def kernel_k(k, n: int, dtype, device, const: dict, kernels: Kernels = None):
     """The per-row multiplier ``k`` as the compiled and Triton kernels take it: a per-row tensor as it is;
     None or a float as an ``[n, 1]`` view (stride 0) of a one-element tensor filled once per walk and kept in
-    ``const``: one fill a call, not one a launch."""
+    ``const``: one fill a call, not one a launch. None stays None for ``kernels`` that take no multiplier
+    (``kernels.k_optional``: the Triton kernels, which then multiply by nothing): no fill at all. The compiled
+    kernels (any other ``kernels``: :data:`~chunked_entropy._kernels.COMPILED`, ``PAIR``) take contiguous
+    columns: an ``[n, 1]`` one filled once a walk and chunk size (a stride-0 view would be copied each launch)."""
     if isinstance(k, torch.Tensor):
         return k
+    optional = getattr(kernels, "k_optional", False)
+    if k is None and optional:
+        return None
     value = 1.0 if k is None else float(k)
-    t = const.get(value)
+    key = value if optional else (value, n)
+    t = const.get(key)
     if t is None:
-        t = const[value] = torch.full((1, 1), value, dtype=dtype, device=device)
+        t = const[key] = torch.full((1, 1) if optional else (n, 1), value, dtype=dtype, device=device)
     return t.expand(n, 1)
+
+
+def kernel_cap(tf: _stats.Transform, dtype, device, const: dict) -> Optional[torch.Tensor]:
+    """The soft-cap's factor ``logit_scale / softcap`` as the compiled and Triton kernels take it, a
+    one-element tensor filled once per walk and kept in ``const`` (None without a soft-cap): one fill a call,
+    not one a launch."""
+    if tf.softcap is None:
+        return None
+    value = (tf.logit_scale or 1.0) / tf.softcap
+    t = const.get(("cap", value))
+    if t is None:
+        t = const[("cap", value)] = torch.full((1,), value, dtype=dtype, device=device)
+    return t
 
 
 def _row_stats_blocks_outer(tok: Tokens, fill: Fill, plan: Plan, bufs: Buffers, *, width: int, dtype, device,
                             view: View) -> _stats.RowStats:
-    """:func:`row_stats` with compiled kernels and no replay or distillation: each block's statistics of
-    every chunk written into the rows of one ``[n, 6]`` tensor (the kernel's six vectors stacked there: one
-    copy), then merged into the running statistics of all ``n`` rows at once (the merge is per row, so it is
-    the same arithmetic as a chunk's, in the same order of blocks), merged over the group and finished once:
-    a few launches a chunk, the merge's a block."""
+    """:func:`row_stats` with compiled kernels and no replay or distillation: the statistics of every row
+    kept in one ``[6, n]`` tensor (rows ``m, ones, rest, w, q, zl``), each block's written into its chunk's
+    columns by the kernel itself (``out=``), the first block's as they are and every later block's merged
+    into the running ones (``merge=``: :func:`~chunked_entropy._stats.merge_stats` per row, the same
+    arithmetic in the same order of blocks; the Triton kernel merges inside its launch); then merged over
+    the group and finished once. One launch a (chunk, block) of the Triton kernels, nothing else a block.
+    Allocates the ``[6, n]`` statistics (the results' ``m`` is its first row)."""
     block, chunk_size, group, want, compiled = (plan.vocab_chunk_size, plan.chunk_size, plan.group, plan.want,
                                                 plan.compiled)
     n = tok.n
-    on = (True, True, True, want.entropy, want.sum_pi_squared, True)  # m, ones, rest, w, q, zl
-    cols = [i for i, o in enumerate(on) if o]
-    const, st = {}, None
+    running = torch.empty(6, n, dtype=dtype, device=device)  # m, ones, rest, w, q, zl of every row
+    const = {}
     for v0, v1 in chunks(width, block):
-        rows = torch.empty(n, len(cols), dtype=dtype, device=device)
         for a, b in chunks(n, chunk_size):
             x, _, _ = bufs.get(b - a, v1 - v0)
             z = _read(fill, view, x, a, b, v0, v1)
-            k = kernel_k(tok.k_rows(a, b), b - a, dtype, device, const)
-            blk = compiled.stats(z, tok.transform, k, tok.target[a:b], v0, want.entropy, want.sum_pi_squared, dtype)
-            torch.stack([blk[i] for i in cols], dim=1, out=rows[a:b])
-        fields = iter(rows.unbind(1))
-        st = _stats.merge_stats(st, _stats.BlockStats(*(next(fields) if o else None for o in on)), tok.k_rows(0, n))
+            k = kernel_k(tok.k_rows(a, b), b - a, dtype, device, const, compiled)
+            compiled.stats(z, tok.transform, k, tok.target[a:b], v0, want.entropy, want.sum_pi_squared, dtype,
+                           out=running[:, a:b], merge=v0 > 0, cap=kernel_cap(tok.transform, dtype, device, const))
+    on = (True, True, True, want.entropy, want.sum_pi_squared, True)
+    st = _stats.BlockStats(*(t if o else None for t, o in zip(running.unbind(0), on, strict=True)))
     merged, _, _ = reduce_stats(st, group, tok.k_rows(0, n))
-    out = _stats.RowStats.from_block(merged, tok.k_rows(0, n))
-    return out._replace(m=out.m.contiguous())  # a column of ``rows`` where the vocabulary is one block
+    return _stats.RowStats.from_block(merged, tok.k_rows(0, n))
 
 
 def row_stats(tok: Tokens, fill: Fill, plan: Plan, *, width: int, dtype, device, view: View = None) -> _stats.RowStats:
@@ -223,6 +242,7 @@ def row_stats(tok: Tokens, fill: Fill, plan: Plan, *, width: int, dtype, device,
     at = tok.at
     if at is not None:
         at.start(n, dtype, device)
+    const = {}  # the kernels' constants (kernel_k, kernel_cap): filled once a walk
     for a, b in chunks(n, chunk_size):
         k, target = tok.k_rows(a, b), tok.target[a:b]
         entries = None if kept is None else kept.chunk(a, b, n, chunk_size)
@@ -234,7 +254,9 @@ def row_stats(tok: Tokens, fill: Fill, plan: Plan, *, width: int, dtype, device,
             if at is not None:  # distillation's ids and top-k, read before the block is overwritten
                 cand = at.block(z, a, b, v0, cand)
             if compiled:
-                blk = compiled.stats(z, tok.transform, k, target, v0, want.entropy, want.sum_pi_squared, dtype)
+                blk = compiled.stats(z, tok.transform, kernel_k(k, b - a, dtype, device, const, compiled), target,
+                                     v0, want.entropy, want.sum_pi_squared, dtype,
+                                     cap=kernel_cap(tok.transform, dtype, device, const))
             else:
                 blk = _stats.block_stats(x, tok.transform, k, target, v0, scratch, want_w=want.entropy,
                                          want_q=want.sum_pi_squared, src=None if z is x else z)
@@ -325,8 +347,9 @@ def grad_blocks(
         if grad_rows is not None:  # filled, then overwritten by its gradient, where the weight's matmul reads it
             x = grad_rows(a, b, v0, v1)
             fill(x, a, b, v0, v1)
-            k = kernel_k(tok.k_rows(a, b), b - a, dtype, device, const)
-            return compiled.grad(x, x, tok.transform, k, parts["rows"], tok.target[a:b], v0, parts["co"], dtype)
+            k = kernel_k(tok.k_rows(a, b), b - a, dtype, device, const, compiled)
+            return compiled.grad(x, x, tok.transform, k, parts["rows"], tok.target[a:b], v0, parts["co"], dtype,
+                                 cap=kernel_cap(tok.transform, dtype, device, const), const=const)
         return _refilled_grad(tok, fill, view, bufs, a, b, v0, v1, parts["rows"], parts["co"], dtype,
                               compiled=compiled, into=into, entries=parts["entries"], co_k=parts["co_k"],
                               at=parts["at"], const=const)
@@ -356,7 +379,8 @@ def _refilled_grad(tok: Tokens, fill: Fill, view: View, bufs: Buffers, a, b, v0,
                    compiled: Kernels, into, entries=None, co_k=None, at=None, const=None) -> torch.Tensor:
     """The gradient w.r.t. the raw logits of rows ``[a, b)``, columns ``[v0, v1)``, the block filled again,
     from the rows' finished statistics and coefficients; with replay's and distillation's sparse terms
-    (``at``: ``(ids, coefficients, their sums)``). ``const``: the walk's :func:`kernel_k` constants."""
+    (``at``: ``(ids, coefficients, their sums)``). ``const``: the walk's :func:`kernel_k` and
+    :func:`kernel_cap` constants."""
     kept, k, target = tok.keep, tok.k_rows(a, b), tok.target[a:b]
     at_ids = None if at is None else at[0]
     x, scratch, aux = bufs.get(b - a, v1 - v0)
@@ -365,8 +389,9 @@ def _refilled_grad(tok: Tokens, fill: Fill, view: View, bufs: Buffers, a, b, v0,
         gk = _block_kept(kept, entries, z, v0, tok.transform, k, dtype)
         ea, ra = _block_at(tok.at, at_ids, target, a, b, v0, z, tok.transform)
         out = x if into is None else into(a, b)
-        kk = k if const is None else kernel_k(k, b - a, dtype, z.device, const)
-        g = compiled.grad(z, out, tok.transform, kk, rows, target, v0, co, dtype)
+        const = {} if const is None else const
+        g = compiled.grad(z, out, tok.transform, kernel_k(k, b - a, dtype, z.device, const, compiled), rows, target,
+                          v0, co, dtype, cap=kernel_cap(tok.transform, dtype, z.device, const), const=const)
     else:
         if into is not None:
             x = into(a, b)
@@ -427,7 +452,8 @@ def loss_grad_blocks(
     instead of four; a group of ``g`` chunks fills ``2g - 1``. With
     vocabulary blocks (``block < width``) a row's statistics are complete only
     after its last block: a statistics pass runs first and the gradient pass
-    refills each block. ``grad_block``: the same two passes, the gradient pass
+    refills each block, with ``token_grads`` asked once, for every row. ``grad_block``: the same two passes,
+    the gradient pass
     walking vocabulary blocks of that width outermost (``vocab_outer`` of
     :func:`grad_blocks`: a half-precision weight's gradient, one matmul per
     block; ``grad_rows`` as there).
@@ -438,21 +464,20 @@ def loss_grad_blocks(
     if block < width or grad_block is not None:
         full = row_stats(tok, fill, plan, width=width, dtype=dtype, device=device, view=view)
         _store(stats, full, 0, n)
-        if span == 1:
-            parts = [token_grads(a, b, stats.rows(a, b).log_probs()) for a, b in chunks(n, chunk_size)]
-        else:
-            parts = [token_grads(0, n, stats.rows(0, n).log_probs())]
-        # None: that output has no term
-        ups = [None if p[0] is None else torch.cat(p) for p in zip(*parts, strict=True)]
-        yield from grad_blocks(tok, fill, plan, width=width, block=grad_block, stats=stats,
-                               grads=(ups[0], ups[1], None), dtype=dtype, device=device, into=into, view=view,
-                               vocab_outer=grad_block is not None, grad_rows=grad_rows)
+        # every row's statistics are final: the upstream gradients of all rows at once (per-token arithmetic,
+        # the same values as chunk by chunk; one set of launches a call, not one a chunk). None: no term
+        g_lp, g_h = token_grads(0, n, stats.rows(0, n).log_probs())
+        yield from grad_blocks(tok, fill, plan, width=width, block=grad_block, stats=stats, grads=(g_lp, g_h, None),
+                               dtype=dtype, device=device, into=into, view=view, vocab_outer=grad_block is not None,
+                               grad_rows=grad_rows)
         return
     chunk_size, group_size = _grouping(n, span, chunk_size)
     softcap = tok.transform.softcap is not None
     view = _block_view(view, compiled, tok.transform)
     bufs = Buffers(min(chunk_size, n), width, dtype, device, work=into is None or (compiled and view is None),
                    scratch=not compiled, aux=softcap and not compiled)
+
+    const = {}  # the kernels' constants (kernel_k, kernel_cap): filled once a walk
 
     def coefficients(a, b, g0, ups, rows):
         co = tok.coefficients(a, b, *(None if u is None else u[a - g0:b - g0] for u in ups), None)
@@ -467,7 +492,9 @@ def loss_grad_blocks(
             if compiled:  # the kernels only read the block: statistics, then the gradient, from the same one
                 z = _read(fill, view, x, a, b, 0, width)
                 gk = _block_kept(kept, entries, z, 0, tok.transform, k, dtype)
-                local = compiled.stats(z, tok.transform, k, target, 0, want.entropy, want.sum_pi_squared, dtype)
+                local = compiled.stats(z, tok.transform, kernel_k(k, b - a, dtype, device, const, compiled), target,
+                                       0, want.entropy, want.sum_pi_squared, dtype,
+                                       cap=kernel_cap(tok.transform, dtype, device, const))
             else:
                 if into is not None:
                     x = into(a, b)
@@ -482,7 +509,8 @@ def loss_grad_blocks(
         co, co_k = coefficients(a, b, g0, ups, rows)  # the last chunk, from its kept block
         if compiled:
             out = x if into is None else into(a, b)
-            g = compiled.grad(z, out, tok.transform, k, rows, target, 0, co, dtype)
+            g = compiled.grad(z, out, tok.transform, kernel_k(k, b - a, dtype, device, const, compiled), rows,
+                              target, 0, co, dtype, cap=kernel_cap(tok.transform, dtype, device, const), const=const)
         else:
             y = _stats.shift_offsets_(x, local.m, merged.m, k) if merged is not local else x
             g = _stats.grad_from_offsets_(y, tok.transform, rows, target, 0, co, scratch, aux)
@@ -495,7 +523,8 @@ def loss_grad_blocks(
             co, co_k = coefficients(a, b, g0, ups, rows)
             entries = None if kept is None else kept.chunk(a, b, n, chunk_size)
             yield a, b, 0, width, _refilled_grad(tok, fill, view, bufs, a, b, 0, width, rows, co, dtype,
-                                                 compiled=compiled, into=into, entries=entries, co_k=co_k)
+                                                 compiled=compiled, into=into, entries=entries, co_k=co_k,
+                                                 const=const)
 
 
 # ----------------------------------------------------------------------------- two heads: a divergence
@@ -544,11 +573,20 @@ class _PairWalk:
         self.bufs_t = Buffers(rows, block, dtype, device, work=True, scratch=eager and teacher_scratch)
         self.no_label = torch.full((rows,), -1, dtype=torch.int64, device=device)
         self.fold = FOLD_KL and block < width and self.math.weighs is not None
+        self.const = {}  # the kernels' constants (kernel_k, kernel_cap)
         self.teacher_weighs = self.math.weighs == "t"
 
     def k(self, a: int, b: int):
         """Both heads' per-row multipliers of rows ``[a, b)``."""
         return self.tok.k_rows(a, b), self.tf_t.k(self.tok.inv_t_rows(a, b))
+
+    def pair_constants(self, a: int, b: int) -> tuple:
+        """``(k, k_t, cap, cap_t)`` of rows ``[a, b)`` as the divergence's compiled kernels (``PAIR``) take them:
+        both heads' multipliers as contiguous columns and their soft-caps' factors, filled once a walk."""
+        k, kt = self.k(a, b)
+        c, dt, dev, n = self.const, self.dtype, self.device, b - a
+        return (kernel_k(k, n, dt, dev, c, PAIR), kernel_k(kt, n, dt, dev, c, PAIR),
+                kernel_cap(self.tok.transform, dt, dev, c), kernel_cap(self.tf_t, dt, dev, c))
 
     def raw(self, a, b, v0, v1):
         """Both raw blocks of rows ``[a, b)``, columns ``[v0, v1)``: ``(x_s, x_t, scratch_s, scratch_t, aux_s)``."""
@@ -577,16 +615,21 @@ class _PairWalk:
             return _stats.rescale_cross(c, stt, st, m_t, m, kt, k)
         return _stats.rescale_cross(c, st, stt, m, m_t, k, kt)
 
-    def _cross(self, x, xt, scratch, scratch_t, local, local_t, k, kt):
+    def _cross(self, x, xt, scratch, scratch_t, local, local_t, k, kt, a, b):
         """A KL's cross sum of one block (see :meth:`~chunked_entropy._divergence.DivergenceMath.folded`), from the
         blocks as the statistics left them: eager, offsets to the local maxima (the two scratch buffers
         written); compiled, raw."""
+        if self.compiled:
+            k, kt, cap, cap_t = self.pair_constants(a, b)
+            if self.teacher_weighs:
+                return PAIR.cross(xt, x, self.tf_t, kt, local_t.m, self.tok.transform, k, local.m, self.dtype, cap_t,
+                                  cap)
+            return PAIR.cross(x, xt, self.tok.transform, k, local.m, self.tf_t, kt, local_t.m, self.dtype, cap,
+                              cap_t)
         if self.teacher_weighs:
             args = (xt, x, self.tf_t, kt, local_t.m, self.tok.transform, k, local.m)
         else:
             args = (x, xt, self.tok.transform, k, local.m, self.tf_t, kt, local_t.m)
-        if self.compiled:
-            return PAIR.cross(*args, self.dtype)
         y_a, y_b = args[0], args[1]
         d = torch.sub(y_a, y_b, out=scratch)
         return d.mul_(torch.exp(y_a, out=scratch_t)).sum(dim=1)
@@ -604,9 +647,12 @@ class _PairWalk:
         st = stt = cross = None
         for v0, v1 in chunks(self.width, self.block):
             x, xt, scratch, scratch_t, cap = self.raw(a, b, v0, v1)
-            if compiled:
-                local = compiled.stats(x, tok.transform, k, target, v0, want_entropy, False, self.dtype)
-                local_t = compiled.stats(xt, self.tf_t, kt, no_label, v0, False, False, self.dtype)
+            if compiled:  # their constants filled once a walk (kernel_k, kernel_cap)
+                c, dt, dev = self.const, self.dtype, self.device
+                local = compiled.stats(x, tok.transform, kernel_k(k, b - a, dt, dev, c, compiled), target, v0,
+                                       want_entropy, False, dt, cap=kernel_cap(tok.transform, dt, dev, c))
+                local_t = compiled.stats(xt, self.tf_t, kernel_k(kt, b - a, dt, dev, c, compiled), no_label, v0,
+                                         False, False, dt, cap=kernel_cap(self.tf_t, dt, dev, c))
             else:
                 local = _stats.block_stats(x, tok.transform, k, target, v0, scratch, want_w=want_entropy,
                                            want_q=False, aux=cap if cap_single else None)
@@ -615,7 +661,7 @@ class _PairWalk:
             prev, prev_t = st, stt
             st, stt = _stats.merge_stats(st, local, k), _stats.merge_stats(stt, local_t, kt)
             if self.fold:
-                c = self._cross(x, xt, scratch, scratch_t, local, local_t, k, kt)
+                c = self._cross(x, xt, scratch, scratch_t, local, local_t, k, kt, a, b)
                 cross = c if prev is None else (self._cross_to(cross, prev, prev_t, st.m, stt.m, k, kt)
                                                 + self._cross_to(c, local, local_t, st.m, stt.m, k, kt))
         if self.fold:  # the cross sum rides in the statistics' gather
@@ -643,10 +689,11 @@ class _PairWalk:
         parts = None
         if compiled:
             div = aux = None
+            kk, kkt, cap, cap_t = self.pair_constants(a, b)
             for v0, v1 in chunks(self.width, self.block):
                 x, xt = held[:2] if single else self.raw(a, b, v0, v1)[:2]
-                d, ka = PAIR.terms(math_, x, xt, tok.transform, k, m[0], rows.ls, self.tf_t, kt, m[1], ls_t,
-                                   self.dtype)
+                d, ka = PAIR.terms(math_, x, xt, tok.transform, kk, m[0], rows.ls, self.tf_t, kkt, m[1], ls_t,
+                                   self.dtype, cap, cap_t)
                 div, aux = (d, ka) if div is None else (div + d, aux + ka)
             if not self.spec.needs_aux:
                 aux = None
@@ -676,10 +723,10 @@ class _PairWalk:
         tok = self.tok
         if self.compiled:
             x, xt = held[:2] if held is not None else self.raw(a, b, v0, v1)[:2]
-            k, kt = self.k(a, b)
+            k, kt, cap, cap_t = self.pair_constants(a, b)
             co = co if co is not None else _stats.Coefficients(None, None, None)
             return PAIR.grad_(self.math, x, xt, tok.transform, k, rows, tok.target[a:b], v0, co, self.tf_t, kt,
-                              here.m_t, here.ls_t, here.aux, scale, self.dtype)
+                              here.m_t, here.ls_t, here.aux, scale, self.dtype, cap, cap_t)
         if held is not None:
             y, yt, cap = held[0], held[1], held[4]
             scratch = None

@@ -15,7 +15,11 @@ for float64 blocks).
   reduction across lanes (:func:`_lane_step`); the lanes are merged once, at
   the end (:func:`_merge_lanes`), as :func:`~chunked_entropy._stats.merge_stats`
   merges vocabulary blocks (an online softmax). A row's statistics are the
-  same sums as the eager reference's, reassociated. Writes six per-row values.
+  same sums as the eager reference's, reassociated. Writes six per-row values,
+  into the caller's ``[6, n]`` rows (``out``); with ``merge``, the running
+  statistics of the previous vocabulary blocks there are read and merged
+  with the block's first (:func:`_merge_running`: ``merge_stats`` op for op),
+  so a walk over vocabulary blocks launches no merge of its own.
 - **Split rows.** Where the rows are too few to fill the device (fewer than
   twice its multiprocessors) and long (each part at least
   :data:`MIN_SPLIT_TILES` tiles), a row is split across programs
@@ -31,9 +35,9 @@ for float64 blocks).
   among a few configurations, once per shape class (the part's power-of-2
   width, the dtypes and the variant); :data:`AUTOTUNE`.
 
-Memory: no buffer beyond the outputs (six ``[n]`` vectors; the gradient block
-is the caller's ``out``), and for split rows ``5 * parts`` floats a row (at
-most :data:`MAX_PARTS` parts). Offsets are int64, so a block may exceed 2**31
+Memory: no buffer beyond the outputs (six ``[n]`` vectors, or the caller's
+``out``; the gradient block is the caller's ``out``), and for split rows
+``6 * parts`` floats a row (at most :data:`MAX_PARTS` parts). Offsets are int64, so a block may exceed 2**31
 elements.
 
 This module imports Triton and is imported only on first use of the backend
@@ -187,23 +191,67 @@ def _merge_lanes(m, ones, rest, w, q, k, WANT_W: tl.constexpr, WANT_Q: tl.conste
 
 
 @triton.jit
+def _rescale_to(m, ones, rest, w, q, m_new, k, WANT_W: tl.constexpr, WANT_Q: tl.constexpr,
+                NEG_FLOOR: tl.constexpr):
+    """One side's statistics relative to the larger maximum ``m_new``: :func:`chunked_entropy._stats.rescale`,
+    op for op (a factor of exactly 1 keeps ``ones`` apart; any other moves the whole sum into ``rest``)."""
+    d = _shift(m, m_new, k, NEG_FLOOR)
+    f = tl.exp(d)
+    keep = f == 1.0
+    s = ones + rest
+    ones = tl.where(keep, ones, 0.0)
+    rest = tl.where(keep, rest, s * f)
+    if WANT_W:
+        w = w * f + s * f * d
+    if WANT_Q:
+        q = q * (f * f)
+    return ones, rest, w, q
+
+
+@triton.jit
+def _merge_running(m_ptr, ones_ptr, rest_ptr, w_ptr, q_ptr, zl_ptr, at, mb, ones_b, rest_b, w_b, q_b, zl_b, k,
+                   WANT_W: tl.constexpr, WANT_Q: tl.constexpr, COMPUTE: tl.constexpr, NEG_FLOOR: tl.constexpr):
+    """The running statistics of the previous vocabulary blocks (read at ``at``) merged with this block's
+    (``mb``, ...): :func:`chunked_entropy._stats.merge_stats` of the two, op for op, in its order (the
+    running side first). Returns the merged six values."""
+    ma = tl.load(m_ptr + at).to(COMPUTE)
+    ones_a = tl.load(ones_ptr + at).to(COMPUTE)
+    rest_a = tl.load(rest_ptr + at).to(COMPUTE)
+    zl_a = tl.load(zl_ptr + at).to(COMPUTE)
+    w_a = 0.0
+    q_a = 0.0
+    if WANT_W:
+        w_a = tl.load(w_ptr + at).to(COMPUTE)
+    if WANT_Q:
+        q_a = tl.load(q_ptr + at).to(COMPUTE)
+    m = _max_nan(ma, mb)
+    ones_a, rest_a, w_a, q_a = _rescale_to(ma, ones_a, rest_a, w_a, q_a, m, k, WANT_W, WANT_Q, NEG_FLOOR)
+    ones_b, rest_b, w_b, q_b = _rescale_to(mb, ones_b, rest_b, w_b, q_b, m, k, WANT_W, WANT_Q, NEG_FLOOR)
+    return m, ones_a + ones_b, rest_a + rest_b, w_a + w_b, q_a + q_b, zl_a + zl_b
+
+
+@triton.jit
 def _stats_kernel(
     z_ptr, stride_zr, stride_zc, width, span, cap_ptr, k_ptr, stride_k, target_ptr, v0,
     m_ptr, ones_ptr, rest_ptr, w_ptr, q_ptr, zl_ptr, n, span_class,
-    HAS_CAP: tl.constexpr, WANT_W: tl.constexpr, WANT_Q: tl.constexpr,
+    HAS_CAP: tl.constexpr, HAS_K: tl.constexpr, WANT_W: tl.constexpr, WANT_Q: tl.constexpr, MERGE: tl.constexpr,
     TILE: tl.constexpr, COMPUTE: tl.constexpr, NEG_FLOOR: tl.constexpr,
 ):
     """Program ``(row, part)``: the statistics of columns ``[part * span, (part + 1) * span)`` of the row, written
     at ``part * n + row`` (the row's own, when the row is one part; else the second stage merges the parts).
     Each of the ``TILE`` lanes keeps running statistics over its columns (:func:`_lane_step`, no reduction
-    inside the loop); they are merged once, at the end (:func:`_merge_lanes`). ``span_class`` only keys the
-    autotuner's choice of ``TILE`` and warps."""
+    inside the loop); they are merged once, at the end (:func:`_merge_lanes`). ``MERGE`` (one part a row
+    only): the outputs hold the running statistics of the row's previous vocabulary blocks, which the program
+    reads and merges with its own (:func:`_merge_running`) before it writes them over. ``span_class`` only keys
+    the autotuner's choice of ``TILE`` and warps."""
     row = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1).to(tl.int64)
     lo = part * span
     hi = tl.minimum(lo + span, width)
     z_row = z_ptr + row * stride_zr
-    k = tl.load(k_ptr + row * stride_k).to(COMPUTE)
+    k = 1.0  # no per-row multiplier (HAS_K off): x * 1.0, the bits of a loaded 1.0
+    if HAS_K:
+        k = tl.load(k_ptr + row * stride_k).to(COMPUTE)
     cap = 0.0
     if HAS_CAP:
         cap = tl.load(cap_ptr).to(COMPUTE)
@@ -220,6 +268,16 @@ def _stats_kernel(
         u = tl.where(inside, u, -float("inf"))
         m, ones, rest, w, q = _lane_step(m, ones, rest, w, q, u, k, WANT_W, WANT_Q, NEG_FLOOR)
     mr, ones_r, rest_r, w_r, q_r = _merge_lanes(m, ones, rest, w, q, k, WANT_W, WANT_Q, NEG_FLOOR)
+    # the label's u, where the label is in this block (0 elsewhere, and for -1): written by the part holding
+    # it, or by the first part where the block does not hold it
+    col = tl.load(target_ptr + row) - v0
+    has = (col >= 0) & (col < width)
+    zl = _u(tl.load(z_row + tl.where(has, col, 0) * stride_zc), cap, HAS_CAP, COMPUTE)
+    zl = tl.where(has, zl, 0.0)
+    if MERGE:
+        mr, ones_r, rest_r, w_r, q_r, zl = _merge_running(m_ptr, ones_ptr, rest_ptr, w_ptr, q_ptr, zl_ptr, row, mr,
+                                                          ones_r, rest_r, w_r, q_r, zl, k, WANT_W, WANT_Q, COMPUTE,
+                                                          NEG_FLOOR)
     out = part * n + row
     tl.store(m_ptr + out, mr)
     tl.store(ones_ptr + out, ones_r)
@@ -228,26 +286,25 @@ def _stats_kernel(
         tl.store(w_ptr + out, w_r)
     if WANT_Q:
         tl.store(q_ptr + out, q_r)
-    # the label's u, where the label is in this block (0 elsewhere, and for -1): written by the part holding
-    # it, or by the first part where the block does not hold it
-    col = tl.load(target_ptr + row) - v0
-    has = (col >= 0) & (col < width)
-    zl = _u(tl.load(z_row + tl.where(has, col, 0) * stride_zc), cap, HAS_CAP, COMPUTE)
     if (has & (col >= lo) & (col < hi)) | ((has == 0) & (part == 0)):
-        tl.store(zl_ptr + row, tl.where(has, zl, 0.0))
+        tl.store(zl_ptr + row, zl)
 
 
 @triton.jit
 def _merge_parts_kernel(
-    pm_ptr, pones_ptr, prest_ptr, pw_ptr, pq_ptr, parts, n, k_ptr, stride_k,
-    m_ptr, ones_ptr, rest_ptr, w_ptr, q_ptr,
-    WANT_W: tl.constexpr, WANT_Q: tl.constexpr, PARTS: tl.constexpr, COMPUTE: tl.constexpr,
-    NEG_FLOOR: tl.constexpr,
+    pm_ptr, pones_ptr, prest_ptr, pw_ptr, pq_ptr, pzl_ptr, parts, n, k_ptr, stride_k,
+    m_ptr, ones_ptr, rest_ptr, w_ptr, q_ptr, zl_ptr,
+    HAS_K: tl.constexpr, WANT_W: tl.constexpr, WANT_Q: tl.constexpr, MERGE: tl.constexpr, PARTS: tl.constexpr,
+    COMPUTE: tl.constexpr, NEG_FLOOR: tl.constexpr,
 ):
     """The second stage of a row split across programs: its ``parts`` partial statistics (at ``part * n +
-    row``) merged into the row's, as lanes are (:func:`_merge_lanes`)."""
+    row``) merged into the row's, as lanes are (:func:`_merge_lanes`), with the label's ``u`` the parts wrote
+    at ``pzl_ptr + row``; ``MERGE``: then merged with the running statistics of the row's previous vocabulary
+    blocks (:func:`_merge_running`), as the one-part statistics kernel merges them."""
     row = tl.program_id(0).to(tl.int64)
-    k = tl.load(k_ptr + row * stride_k).to(COMPUTE)
+    k = 1.0  # no per-row multiplier (HAS_K off): x * 1.0, the bits of a loaded 1.0
+    if HAS_K:
+        k = tl.load(k_ptr + row * stride_k).to(COMPUTE)
     idx = tl.arange(0, PARTS).to(tl.int64)
     inside = idx < parts
     at = idx * n + row
@@ -261,6 +318,11 @@ def _merge_parts_kernel(
     if WANT_Q:
         q = tl.load(pq_ptr + at, mask=inside, other=0.0).to(COMPUTE)
     mr, ones_r, rest_r, w_r, q_r = _merge_lanes(m, ones, rest, w, q, k, WANT_W, WANT_Q, NEG_FLOOR)
+    zl = tl.load(pzl_ptr + row).to(COMPUTE)
+    if MERGE:
+        mr, ones_r, rest_r, w_r, q_r, zl = _merge_running(m_ptr, ones_ptr, rest_ptr, w_ptr, q_ptr, zl_ptr, row, mr,
+                                                          ones_r, rest_r, w_r, q_r, zl, k, WANT_W, WANT_Q, COMPUTE,
+                                                          NEG_FLOOR)
     tl.store(m_ptr + row, mr)
     tl.store(ones_ptr + row, ones_r)
     tl.store(rest_ptr + row, rest_r)
@@ -268,13 +330,15 @@ def _merge_parts_kernel(
         tl.store(w_ptr + row, w_r)
     if WANT_Q:
         tl.store(q_ptr + row, q_r)
+    tl.store(zl_ptr + row, zl)
 
 
 @triton.jit
 def _grad_kernel(
     z_ptr, stride_zr, stride_zc, out_ptr, stride_or, stride_oc, width, span, cap_ptr, k_ptr, stride_k,
     m_ptr, ls_ptr, ws_ptr, s2_ptr, target_ptr, v0, c_ptr, b_ptr, a_ptr, span_class,
-    HAS_CAP: tl.constexpr, HAS_C: tl.constexpr, HAS_B: tl.constexpr, HAS_A: tl.constexpr, OUT_BF16: tl.constexpr,
+    HAS_CAP: tl.constexpr, HAS_K: tl.constexpr, HAS_C: tl.constexpr, HAS_B: tl.constexpr, HAS_A: tl.constexpr,
+    OUT_BF16: tl.constexpr,
     TILE: tl.constexpr, COMPUTE: tl.constexpr, NEG_FLOOR: tl.constexpr,
 ):
     """Program ``(row, part)``: the gradient of columns ``[part * span, (part + 1) * span)`` of the row."""
@@ -284,7 +348,9 @@ def _grad_kernel(
     hi = tl.minimum(lo + span, width)
     z_row = z_ptr + row * stride_zr
     out_row = out_ptr + row * stride_or
-    k = tl.load(k_ptr + row * stride_k).to(COMPUTE)
+    k = 1.0  # no per-row multiplier (HAS_K off): x * 1.0, the bits of a loaded 1.0
+    if HAS_K:
+        k = tl.load(k_ptr + row * stride_k).to(COMPUTE)
     m = tl.load(m_ptr + row).to(COMPUTE)
     shift = tl.where(m == -float("inf"), 0.0, m)
     ls = tl.load(ls_ptr + row).to(COMPUTE)
@@ -423,14 +489,17 @@ _BENCH = None
 
 
 def _launcher(kernel, kind: str):
-    """``kernel`` as autotuned (:data:`AUTOTUNE`), built once; the gradient's restores its output between the
-    timed runs (it may overwrite its own input)."""
+    """``kernel`` as autotuned (:data:`AUTOTUNE`), built once; each restores its outputs between the timed runs
+    (the gradient may overwrite its own input; the statistics may merge into theirs)."""
     if kind not in _tuned:
-        variant = ["HAS_CAP", "WANT_W", "WANT_Q"] if kind == "stats" else ["HAS_CAP", "HAS_C", "HAS_B", "HAS_A"]
+        variant = (["HAS_CAP", "HAS_K", "WANT_W", "WANT_Q", "MERGE"] if kind == "stats"
+                   else ["HAS_CAP", "HAS_K", "HAS_C", "HAS_B", "HAS_A"])
         kw = dict(configs=_autotune_configs(kind), key=["span_class", *variant],  # and the tensors' dtypes
                   prune_configs_by={"early_config_prune": _prune})
         if kind == "grad":
             kw["restore_value"] = ["out_ptr"]
+        else:  # a merging launch reads its outputs: each timed run starts from the running statistics
+            kw["restore_value"] = ["m_ptr", "ones_ptr", "rest_ptr", "w_ptr", "q_ptr", "zl_ptr"]
         if _BENCH is not None:
             kw["do_bench"] = _BENCH
         _tuned[kind] = triton.autotune(**kw)(kernel)
@@ -447,17 +516,24 @@ def _launch(kernel, kind: str, grid, args: tuple, consts: dict, config: tuple):
 
 def _per_row(t, n: int, dtype, device):
     """A per-row factor (None: 1, a float, an ``[n]`` or ``[n, 1]`` tensor) as ``(tensor, row stride)``:
-    a float is a one-element tensor read with stride 0 (a fill on the device, no host copy)."""
+    None is no tensor at all (the kernels' ``HAS_K`` off: no launch); a float a one-element tensor read with
+    stride 0 (a fill on the device, no host copy; the chunk loop passes its walk's own, filled once:
+    :func:`chunked_entropy._loop.kernel_k`)."""
+    if t is None:
+        return None, 0
     if isinstance(t, torch.Tensor):
         t = t.reshape(n) if t.dim() > 1 else t
         return t, t.stride(0)
-    return torch.full((1,), 1.0 if t is None else float(t), dtype=dtype, device=device), 0
+    return torch.full((1,), float(t), dtype=dtype, device=device), 0
 
 
-def _cap(tf: _stats.Transform, dtype, device):
-    """``logit_scale / softcap`` as a one-element tensor (None without a cap)."""
+def _cap(tf: _stats.Transform, dtype, device, cap=None):
+    """``logit_scale / softcap`` as a one-element tensor (None without a cap): ``cap`` where the caller holds it
+    (the chunk loop fills it once a walk: :func:`chunked_entropy._loop.kernel_cap`), else filled here."""
     if tf.softcap is None:
         return None
+    if cap is not None:
+        return cap.reshape(1)
     return torch.full((1,), (tf.logit_scale or 1.0) / tf.softcap, dtype=dtype, device=device)
 
 
@@ -466,49 +542,61 @@ def _vec(t):
     return t.detach().contiguous()
 
 
-def stats(z, tf: _stats.Transform, k, target, v0: int, want_w: bool, want_q: bool, dtype) -> _stats.BlockStats:
+def stats(z, tf: _stats.Transform, k, target, v0: int, want_w: bool, want_q: bool, dtype, out=None,
+          merge: bool = False, cap=None) -> _stats.BlockStats:
     """:func:`chunked_entropy._stats.stats_of_block` of the raw ``[n, width]`` block ``z`` (read only), with
-    ``w`` and ``q`` None unless wanted. Allocates the six ``[n]`` results; where a row is split across
-    programs (few long rows: :func:`_parts`), also ``5 * parts`` floats a row of partial statistics, merged by
-    a second launch."""
+    ``w`` and ``q`` None unless wanted, written into ``out`` (a ``[6, n]`` tensor of the compute dtype: rows
+    ``m, ones, rest, w, q, zl``, each row contiguous; a column slice of the walk's running statistics) or,
+    None, into six ``[n]`` vectors allocated here. ``merge``: ``out`` holds the running statistics of the
+    rows' previous vocabulary blocks, and each program merges its block's into them
+    (:func:`chunked_entropy._stats.merge_stats`, op for op, inside the kernel: no launch of its own) before it
+    writes the result over them. ``cap``: the soft-cap's one-element factor, filled by the caller once (else
+    here); ``k`` None: no multiplier, no tensor. Where a row is split across programs (few long rows:
+    :func:`_parts`), also ``6 * parts`` floats a row of partial statistics, merged (and merged into ``out``)
+    by a second launch."""
     n, width = z.shape
-    out = torch.empty((6, n), dtype=dtype, device=z.device)
+    if out is None:
+        out = torch.empty((6, n), dtype=dtype, device=z.device)
     m, ones, rest, w, q, zl = out.unbind(0)
     if not n:
         return _stats.BlockStats(m, ones, rest, w if want_w else None, q if want_q else None, zl)
     z = z.detach()
     kt, sk = _per_row(k, n, dtype, z.device)
-    cap = _cap(tf, dtype, z.device)
+    cap = _cap(tf, dtype, z.device, cap)
+    target = _vec(target)
+    kp = target if kt is None else kt  # an absent input's pointer (HAS_K, HAS_CAP off): never read
     config = _stats_config(width, z.element_size())
     parts = _parts(n, width, config[0], z.device)
     span = -(-width // parts)
     if parts > 1:
         config = _stats_config(span, z.element_size())
-    part = torch.empty((5, parts * n), dtype=dtype, device=z.device) if parts > 1 else None
-    dst = (m, ones, rest, w, q) if part is None else part.unbind(0)
-    flags = dict(WANT_W=bool(want_w), WANT_Q=bool(want_q), COMPUTE=_COMPUTE[dtype], NEG_FLOOR=_NEG_FLOOR)
+    part = torch.empty((6, parts * n), dtype=dtype, device=z.device) if parts > 1 else None
+    dst = (m, ones, rest, w, q, zl) if part is None else part.unbind(0)
+    flags = dict(HAS_K=kt is not None, WANT_W=bool(want_w), WANT_Q=bool(want_q), COMPUTE=_COMPUTE[dtype],
+                 NEG_FLOOR=_NEG_FLOOR)
     _launch(_stats_kernel, "stats", (n, parts),
-            (z, z.stride(0), z.stride(1), width, span, kt if cap is None else cap, kt, sk, _vec(target), v0,
-             *dst, zl, n, _span_class(span)),
-            dict(HAS_CAP=cap is not None, **flags), config)
+            (z, z.stride(0), z.stride(1), width, span, kp if cap is None else cap, kp, sk, target, v0,
+             *dst, n, _span_class(span)),
+            dict(HAS_CAP=cap is not None, MERGE=bool(merge) and part is None, **flags), config)
     if part is not None:
-        _merge_parts_kernel[(n,)](*part.unbind(0), parts, n, kt, sk, m, ones, rest, w, q,
-                                  PARTS=triton.next_power_of_2(parts), num_warps=1, **flags)
+        _merge_parts_kernel[(n,)](*part.unbind(0), parts, n, kp, sk, m, ones, rest, w, q, zl,
+                                  MERGE=bool(merge), PARTS=triton.next_power_of_2(parts), num_warps=1, **flags)
     return _stats.BlockStats(m, ones, rest, w if want_w else None, q if want_q else None, zl)
 
 
-def grad(z, out, tf: _stats.Transform, k, row: _stats.RowStats, target, v0: int, co: _stats.Coefficients, dtype):
+def grad(z, out, tf: _stats.Transform, k, row: _stats.RowStats, target, v0: int, co: _stats.Coefficients, dtype,
+         cap=None):
     """:func:`chunked_entropy._stats.grad_of_block` of the raw ``[n, width]`` block ``z`` (read only) written
     into ``out`` (``[n, width]``, any float dtype, any strides; it may be ``z`` itself) and returned.
     ``row`` holds the rows' statistics (``ws`` needed with ``co.b``, ``s2`` with ``co.a``); an absent
     coefficient costs nothing. Few long rows are split across programs as the statistics' are (no second
-    stage: each column's gradient is its own). Allocates nothing beyond a contiguous copy of a strided per-row
-    input."""
+    stage: each column's gradient is its own). ``cap`` and ``k`` as :func:`stats` takes them. Allocates nothing
+    beyond a contiguous copy of a strided per-row input."""
     n, width = z.shape
     if not n:
         return out
     kt, sk = _per_row(k, n, dtype, z.device)
-    cap = _cap(tf, dtype, z.device)
+    cap = _cap(tf, dtype, z.device, cap)
     c, b, a = co
     dummy = row.ls  # pointer arguments of absent terms (never read)
     vec = lambda t: dummy if t is None else _vec(t)  # noqa: E731
@@ -519,11 +607,11 @@ def grad(z, out, tf: _stats.Transform, k, row: _stats.RowStats, target, v0: int,
         config = _grad_config(span, z.element_size())
     _launch(_grad_kernel, "grad", (n, parts),
             (z.detach(), z.stride(0), z.stride(1), out, out.stride(0), out.stride(1), width, span,
-             kt if cap is None else cap, kt, sk,
+             dummy if cap is None else cap, dummy if kt is None else kt, sk,
              _vec(row.m), _vec(row.ls), vec(row.ws if b is not None else None),
              vec(row.s2 if a is not None else None), _vec(target), v0, vec(c), vec(b), vec(a), _span_class(span)),
-            dict(HAS_CAP=cap is not None, HAS_C=c is not None, HAS_B=b is not None, HAS_A=a is not None,
-                 OUT_BF16=out.dtype == torch.bfloat16 and dtype == torch.float32, COMPUTE=_COMPUTE[dtype],
-                 NEG_FLOOR=_NEG_FLOOR),
+            dict(HAS_CAP=cap is not None, HAS_K=kt is not None, HAS_C=c is not None, HAS_B=b is not None,
+                 HAS_A=a is not None, OUT_BF16=out.dtype == torch.bfloat16 and dtype == torch.float32,
+                 COMPUTE=_COMPUTE[dtype], NEG_FLOOR=_NEG_FLOOR),
             config)
     return out

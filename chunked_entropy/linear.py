@@ -220,13 +220,16 @@ def linear_log_probs_and_entropy(
           half-precision operands (float32 accumulation inside it), from a
           ``[tokens, block]`` gradient buffer of at most 64 MiB in the weight's
           dtype (the block no wider than the forward's); plus a float32
-          ``[tokens, H]`` hidden-state accumulator and the block's float32
-          partial product. The compiled and Triton kernels fill each block
+          ``[tokens, H]`` hidden-state accumulator, to which each block's
+          ``g @ W`` is added inside its matmul (a torch without that
+          ``addmm`` kernel, before 2.8, forms the block's float32 partial
+          product first: one ``[tokens, H]`` float32 more). The compiled and
+          Triton kernels fill each block
           for all tokens straight into that buffer and overwrite it with its
           gradient; the eager ones go through ``[chunk_size, block]`` chunk
           buffers. No float32 ``[V_local, H]`` tensor. At 8192 tokens,
           H = 4096, V = 151936, bf16, chunk 1024, on CUDA: 64 MiB in forward,
-          320 MiB in backward, measured from the allocations of a call down
+          192 MiB in backward, measured from the allocations of a call down
           the CUDA branch (``chunked-entropy bench --traffic``, as
           ``chunked-entropy plan`` states it).
         - ``main_grad`` (Megatron's gradient-accumulation fusion): the weight

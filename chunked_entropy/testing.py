@@ -8,9 +8,10 @@ A CUDA device takes branches a CPU does not: half-precision matmuls into a float
 Triton kernels. Inside ``with cuda_branch() as log:`` a CPU run takes every one of them:
 
 - ``chunked_entropy._autograd.casts_in_kernel`` says yes (an op over mixed dtypes is one pass);
-- ``chunked_entropy._logit_blocks.half_mm_native`` says yes on the CPU, and the ``mm.dtype`` /
-  ``mm.dtype_out`` overloads CPU torch lacks are served as a CUDA kernel computes them (float32 accumulation
-  of the half-precision products, written once in ``out_dtype``);
+- ``chunked_entropy._logit_blocks.half_mm_native`` and ``half_addmm_native`` say yes on the CPU, and the
+  ``mm.dtype`` / ``mm.dtype_out`` and ``addmm.dtype`` / ``addmm.dtype_out`` overloads CPU torch lacks are
+  served as a CUDA kernel computes them (float32 accumulation of the half-precision products, added once to
+  an accumulator for ``addmm``, written once in ``out_dtype``);
 - ``backend="auto"`` treats the CPU as a fast device and chooses the Triton kernels, run through Triton's
   interpreter; its first-call probe runs on entering, outside the log. The interpreter must be on before
   Triton is imported (its own library functions are decorated then): set ``TRITON_INTERPRET=1`` in the
@@ -185,6 +186,9 @@ class GpuLog(TorchDispatchMode):
         if func in (aten.mm.dtype, aten.mm.dtype_out):
             out = self._serve_mm(func, args, kwargs)
             self.half_mms += not self.paused
+        elif func in (aten.addmm.dtype, aten.addmm.dtype_out):
+            out = self._serve_addmm(func, args, kwargs)
+            self.half_mms += not self.paused
         else:
             out = func(*args, **kwargs)
         if not self.paused:
@@ -203,6 +207,20 @@ class GpuLog(TorchDispatchMode):
         if func is aten.mm.dtype_out:
             return kwargs["out"].copy_(res)
         return res.to(out_dtype)
+
+    @classmethod
+    def _serve_addmm(cls, func, args, kwargs):
+        """``addmm.dtype(_out)`` as a CUDA kernel forms it with ``beta = alpha = 1``: the half-precision products
+        summed in float32 (:meth:`_serve_mm`), added once to ``self`` (the float32 accumulator, which may be
+        ``out`` itself), written in ``out_dtype``: the bits of ``acc.add_(torch.mm(a, b, out_dtype=...))``."""
+        acc, a, b = args[0], args[1], args[2]
+        out_dtype = args[3] if len(args) > 3 else kwargs["out_dtype"]
+        if kwargs.get("beta", 1) != 1 or kwargs.get("alpha", 1) != 1:
+            raise NotImplementedError("cuda_branch serves addmm with out_dtype for beta = alpha = 1 only")
+        res = acc.to(out_dtype) + cls._serve_mm(aten.mm.dtype, (a, b, out_dtype), {})
+        if func is aten.addmm.dtype_out:
+            return kwargs["out"].copy_(res)
+        return res
 
     def _account(self, func, args, kwargs, out) -> None:
         packet = func.overloadpacket
@@ -295,9 +313,27 @@ class _CountedKernel:
 _TORCH = {"fp32": torch.float32, "fp64": torch.float64}
 
 
-def _column(ptr, stride, n: int, dtype):
-    """A per-row input the kernels read at ``ptr + row * stride``, as an ``[n, 1]`` column."""
+def _column(ptr, stride, n: int, dtype, present: bool = True):
+    """A per-row input the kernels read at ``ptr + row * stride``, as an ``[n, 1]`` column; 1 where it is absent
+    (``present``: the kernels' ``HAS_K``)."""
+    if not present:
+        return torch.ones(n, 1, dtype=dtype, device=ptr.device)
     return (ptr.reshape(-1)[:1].expand(n) if stride == 0 else ptr.reshape(-1)[:n]).to(dtype).reshape(n, 1)
+
+
+def _merged_into(dsts, st, col, meta) -> None:
+    """``st`` (a row's statistics) written into ``dsts`` (``m, ones, rest, w, q, zl``; ``w``, ``q`` only where
+    wanted), merged first with the running statistics they hold where ``meta["MERGE"]``
+    (:func:`chunked_entropy._stats.merge_stats`, the running side first, as ``_merge_running``)."""
+    from . import _stats
+
+    wanted = (True, True, True, meta["WANT_W"], meta["WANT_Q"], True)
+    if meta["MERGE"]:
+        running = _stats.BlockStats(*(d if on else None for d, on in zip(dsts, wanted, strict=True)))
+        st = _stats.merge_stats(running, st, col)
+    for dst, src, on in zip(dsts, st, wanted, strict=True):
+        if on:
+            dst.copy_(src)
 
 
 def _stats_stand_in(grid, z, szr, szc, width, span, cap, k, sk, target, v0, m, ones, rest, w, q, zl, n,
@@ -306,12 +342,17 @@ def _stats_stand_in(grid, z, szr, szc, width, span, cap, k, sk, target, v0, m, o
     math, run eagerly; reassociated sums, within a few ulps of the kernel's): program ``(row, part)`` of the
     grid ``(n, parts)`` holds columns ``[part * span, (part + 1) * span)`` and writes its statistics at
     ``part * n + row`` (``w``, ``q`` only where wanted); ``zl`` (``[n]``) gets the label's ``u`` from the part
-    holding it, 0 where no part does."""
+    holding it, 0 where no part does. ``MERGE`` (one part): merged into the running statistics the outputs
+    hold (:func:`_merged_into`)."""
     from . import _stats
 
     dtype = _TORCH[str(meta["COMPUTE"])]
     parts = grid[1] if len(grid) > 1 else 1
-    col = _column(k, sk, n, dtype)
+    col = _column(k, sk, n, dtype, meta["HAS_K"])
+    if meta["MERGE"]:
+        st = _stats.stats_of_block(z, cap.reshape(()) if meta["HAS_CAP"] else None, col, target, v0, dtype)
+        _merged_into((m, ones, rest, w, q, zl), st, col, meta)
+        return
     label = None
     for part in range(parts):
         lo, hi = part * span, min((part + 1) * span, width)
@@ -325,16 +366,17 @@ def _stats_stand_in(grid, z, szr, szc, width, span, cap, k, sk, target, v0, m, o
             if wanted:
                 dst[at].copy_(src)
         label = st.zl if label is None else label + st.zl  # 0 from every part but the label's
-    zl.copy_(label)
+    zl[:n].copy_(label)
 
 
-def _merge_parts_stand_in(grid, pm, pones, prest, pw, pq, parts, n, k, sk, m, ones, rest, w, q, **meta):
+def _merge_parts_stand_in(grid, pm, pones, prest, pw, pq, pzl, parts, n, k, sk, m, ones, rest, w, q, zl, **meta):
     """``_merge_parts_kernel``'s outputs: the ``parts`` partial statistics of each row (at ``part * n + row``)
-    merged by :func:`chunked_entropy._stats.merge_stats` (an online softmax over the parts, in order)."""
+    merged by :func:`chunked_entropy._stats.merge_stats` (an online softmax over the parts, in order), the
+    label's ``u`` from ``pzl``; ``MERGE``: then merged into the running statistics (:func:`_merged_into`)."""
     from . import _stats
 
     dtype = _TORCH[str(meta["COMPUTE"])]
-    col = _column(k, sk, n, dtype)
+    col = _column(k, sk, n, dtype, meta["HAS_K"])
     want_w, want_q = meta["WANT_W"], meta["WANT_Q"]
     merged = None
     zero = torch.zeros(n, dtype=dtype, device=pm.device)
@@ -343,9 +385,7 @@ def _merge_parts_stand_in(grid, pm, pones, prest, pw, pq, parts, n, k, sk, m, on
         st = _stats.BlockStats(pm[at].to(dtype), pones[at].to(dtype), prest[at].to(dtype),
                                pw[at].to(dtype) if want_w else None, pq[at].to(dtype) if want_q else None, zero)
         merged = _stats.merge_stats(merged, st, col)
-    for dst, src in zip((m, ones, rest, w, q), merged[:5], strict=True):
-        if src is not None:
-            dst.copy_(src)
+    _merged_into((m, ones, rest, w, q, zl), merged._replace(zl=pzl[:n].to(dtype)), col, meta)
 
 
 def _grad_stand_in(grid, z, szr, szc, out, sor, soc, width, span, cap, k, sk, m, ls, ws, s2, target, v0, c, b, a,
@@ -360,9 +400,9 @@ def _grad_stand_in(grid, z, szr, szc, out, sor, soc, width, span, cap, k, sk, m,
     zero = torch.zeros(n, dtype=dtype, device=z.device)
     on = lambda flag, t: t.to(dtype) if meta[flag] else zero  # noqa: E731
     res = torch.empty(z.shape, dtype=dtype, device=z.device)
-    _stats.grad_of_block(z, res, cap.reshape(()) if meta["HAS_CAP"] else None, _column(k, sk, n, dtype), m, ls,
-                         on("HAS_B", ws), on("HAS_A", s2), target, v0, on("HAS_C", c), on("HAS_B", b),
-                         on("HAS_A", a), dtype)
+    _stats.grad_of_block(z, res, cap.reshape(()) if meta["HAS_CAP"] else None,
+                         _column(k, sk, n, dtype, meta["HAS_K"]), m, ls, on("HAS_B", ws), on("HAS_A", s2), target, v0,
+                         on("HAS_C", c), on("HAS_B", b), on("HAS_A", a), dtype)
     out.copy_(res)
 
 
@@ -437,6 +477,7 @@ def cuda_branch(*, hidden: Optional[int] = None, scale: int = 1, hidden_scale: O
              (config, "GRAD_BUFFER_BYTES"): config.GRAD_BUFFER_BYTES,
              (_autograd, "HAND_OVER_BYTES"): _autograd.HAND_OVER_BYTES,
              (_logit_blocks, "half_mm_native"): _logit_blocks.half_mm_native,
+             (_logit_blocks, "half_addmm_native"): _logit_blocks.half_addmm_native,
              (_autograd, "casts_in_kernel"): _autograd.casts_in_kernel,
              (_logit_blocks, "three_pass_bytes"): _logit_blocks.three_pass_bytes}
     s2 = scale * scale
@@ -462,6 +503,7 @@ def cuda_branch(*, hidden: Optional[int] = None, scale: int = 1, hidden_scale: O
         config.GRAD_BUFFER_BYTES = max(1, saved[config, "GRAD_BUFFER_BYTES"] // s2)
         _autograd.HAND_OVER_BYTES = max(1, saved[_autograd, "HAND_OVER_BYTES"] // s2)
         _logit_blocks.half_mm_native = lambda device: True
+        _logit_blocks.half_addmm_native = lambda device: True
         _autograd.casts_in_kernel = lambda device: True
         _logit_blocks.three_pass_bytes = full_three_pass_bytes
         with _kernels.TRITON.as_compiled(), _kernels.fast_device("cpu"), _counted(mod, state, interpret):
@@ -501,7 +543,8 @@ def measure(op: str, *, scale: int = 32, dtype=torch.bfloat16, shape: Optional[t
     ``bytes_per_logit`` (elementwise traffic over the ``[rows, columns]`` logit blocks, per logit of the call),
     ``working_bytes`` (the peak of the call's allocations beyond its results, scaled back),
     ``hidden_traffic_bytes`` (elementwise traffic over the ``[*, H]`` tensors: hidden states, weight and
-    their gradients, scaled back) and the shape.
+    their gradients, scaled back), ``ops`` (launches by op name: aten's, and the Triton kernels') and the
+    shape.
     ``hidden``: the scaled hidden size (default the full one over ``scale``, moved off any block width)."""
     import chunked_entropy as ce
 
@@ -544,6 +587,7 @@ def measure(op: str, *, scale: int = 32, dtype=torch.bfloat16, shape: Optional[t
         figures = dict(op=op, tokens=n_full, vocab=v_full, hidden=h_full, chunk_size=c_full, scale=scale,
                        launches=log.launches, gemms=log.gemms, triton_launches=log.triton_launches,
                        bytes_per_logit=log.logit_bytes / (n * v), working_bytes=log.working_bytes(),
-                       hidden_traffic_bytes=log.hidden_bytes * scale * (h_full / h) if h else 0)
+                       hidden_traffic_bytes=log.hidden_bytes * scale * (h_full / h) if h else 0,
+                       ops=dict(log.ops))
         del grads, total
     return figures

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -77,9 +78,15 @@ def test_the_log_scales_each_allocation_back_by_its_dimensions():
 # ----------------------------------------------------------------------------- the branch
 
 
-def _head_call(hidden, weight, labels, ups, backend="auto"):
-    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    out = ce.linear_log_probs_and_entropy(h, w, labels, chunking=ce.Chunking(8, 128, backend=backend))
+def _head_call(hidden, weight, labels, ups, backend="auto", **kw):
+    """The head's outputs and gradients (a weight, or an OutputLayer whose weight is the leaf)."""
+    h = hidden.clone().requires_grad_()
+    if isinstance(weight, ce.OutputLayer):
+        w = weight.weight.clone().requires_grad_()
+        layer = dataclasses.replace(weight, weight=w)
+    else:
+        w = layer = weight.clone().requires_grad_()
+    out = ce.linear_log_probs_and_entropy(h, layer, labels, chunking=ce.Chunking(8, 128, backend=backend), **kw)
     grads = torch.autograd.grad((out.log_probs * ups[0]).sum() + (out.entropy * ups[1]).sum(), [h, w])
     return out.log_probs, out.entropy, *grads
 
@@ -91,9 +98,13 @@ def test_cuda_branch_takes_the_half_matmuls_and_the_triton_kernels_with_the_cpu_
     weight = (torch.randn(300, 16, generator=g) / 4).bfloat16()
     labels = torch.randint(0, 300, (24,), generator=g)
     ups = torch.randn(2, 24, generator=g)
+    layer = ce.OutputLayer(weight, softcap=5.0)
     with cuda_branch() as log:
         got = _head_call(hidden, weight, labels, ups)
-    assert log.ops["triton_stats"] and log.ops["triton_grad"], log.ops
+        plain = dict(log.ops)
+        log.reset()
+        capped = _head_call(hidden, layer, labels, ups, temperature=0.7)
+    assert plain["triton_stats"] and plain["triton_grad"], plain
     assert log.half_mms > 0, "no half-precision matmul into float32 was dispatched"
     want = _head_call(hidden, weight, labels, ups, backend="eager")
     for a, b in zip(got[:2], want[:2], strict=True):
@@ -101,6 +112,12 @@ def test_cuda_branch_takes_the_half_matmuls_and_the_triton_kernels_with_the_cpu_
     for a, b in zip(got[2:], want[2:], strict=True):  # bf16 gradients: within one rounding
         assert a.dtype == b.dtype == torch.bfloat16
         torch.testing.assert_close(a.float(), b.float(), rtol=2**-7, atol=1e-6)
+    # the per-row constants of every launch are built once a walk: without a temperature no multiplier at all
+    # (the Triton kernels' HAS_K off), with a soft-cap and a float temperature one fill each, forward and backward
+    assert "full" not in plain, plain
+    assert log.ops["triton_stats"] == 3 * 3 and log.ops["full"] == 2 * 2, log.ops
+    for a, b in zip(capped, _head_call(hidden, layer, labels, ups, backend="eager", temperature=0.7), strict=True):
+        torch.testing.assert_close(a.float(), b.float(), rtol=2**-7, atol=2e-6)
     # outside the block: the CPU branch again
     from chunked_entropy import _kernels
     assert _kernels.use_compiled("auto", torch.device("cpu")) is None
@@ -158,9 +175,9 @@ TARGETS = [
     ("loss", "bytes_per_logit", 16, None),
     ("logits", "bytes_per_logit", 6, None),
     ("logits_forward", "bytes_per_logit", 2, None),
-    ("head", "launches", 300, 480),
-    ("loss", "launches", 350, 960),
-    ("logits", "launches", 4 * 16, 85),  # 16 chunks of 1024 rows: <= 4 a chunk
+    ("head", "launches", 300, None),
+    ("loss", "launches", 350, 415),  # 146 of them the policy objective's own arithmetic (chunked_entropy/losses)
+    ("logits", "launches", 4 * 16, None),  # 16 chunks of 1024 rows: <= 4 a chunk
     ("logits_forward", "launches", 4 * 16, None),
     ("head", "working_bytes", GiB // 2, None),
     ("loss", "working_bytes", GiB // 2, None),
@@ -179,7 +196,7 @@ def test_issue_44_target(figures, op, figure, target):
 
 
 #: Launches a call measured at this tree: a regression fails here before it reaches a target above.
-MEASURED_LAUNCHES = {"head": 480, "loss": 960, "logits": 85, "logits_forward": 59}
+MEASURED_LAUNCHES = {"head": 266, "loss": 415, "logits": 64, "logits_forward": 39}
 
 
 @pytest.mark.parametrize("op", sorted(MEASURED_LAUNCHES))
@@ -226,7 +243,12 @@ def test_results_bit_for_bit_those_before_the_data_path_work():
     ``_autograd.casts_in_kernel`` only where it exists), ``TRITON_INTERPRET=1 python tests/bits_cases.py``.
     Against 22568fa's digests only the five bf16 fused-loss cases over the whole vocabulary differ there (the
     fused loss's three-GEMM-pass walk rounds the weight gradient once); every other case, the Triton ones
-    included, is 22568fa's."""
+    included, is 22568fa's. Four Triton cases over vocabulary blocks (``head/bfloat16/triton/{cpu,cuda}/256``,
+    ``head/float32/triton/cpu/256``, ``loss/float32/triton/cpu/256``) were then rewritten on 85905c2, where the
+    statistics kernel merges each block into the running statistics inside its launch: the merge's ``exp`` is
+    now the kernel's (numpy's, interpreted) where it was torch's. With the interpreter's ``exp`` replaced by
+    torch's, main's tree before it (3197cd9, which gives this file's digests) and 85905c2's give the same
+    digests in all 14 Triton cases: nothing else moved."""
     want = json.loads((ROOT / "tests" / "data" / "gpu_path_bits.json").read_text())
     env = {"TRITON_INTERPRET": "1"} if _triton_importable() else {}
     got = _bits(env)
@@ -294,6 +316,100 @@ def test_hand_over_is_one_pass_on_cuda_with_the_cpu_branchs_bits(kept_graph, mon
     assert (got is src) != kept_graph  # handed over in place only where the graph is freed
     assert log.ops["mul"] == 1 and log.launches <= 3, log.ops  # g cast, the product (and a copy of none)
     assert log.vector_bytes + log.logit_bytes <= t.numel() * 4 + 64
+
+
+def test_the_kernels_constants_are_filled_once_a_walk():
+    """``kernel_k`` / ``kernel_cap``: the per-row multiplier and the soft-cap's factor as the kernels take them,
+    kept in the walk's ``const``: the Triton kernels get no multiplier tensor without a temperature and a
+    stride-0 view of one fill with one; the compiled kernels (and the divergence's, ``PAIR``) a contiguous
+    column filled once a chunk size; the cap one fill a walk, its value ``logit_scale / softcap``."""
+    from chunked_entropy import _kernels, _loop, _stats
+
+    cpu, f32 = torch.device("cpu"), torch.float32
+    const = {}
+    assert _loop.kernel_k(None, 5, f32, cpu, const, _kernels.TRITON) is None and not const
+    a, b = (_loop.kernel_k(0.7, n, f32, cpu, const, _kernels.TRITON) for n in (5, 3))
+    assert a.shape == (5, 1) and a.stride(0) == 0 and a.data_ptr() == b.data_ptr() and len(const) == 1
+    cols = [_loop.kernel_k(None, n, f32, cpu, const, kernels) for n, kernels in
+            ((5, _kernels.COMPILED), (5, _kernels.PAIR), (3, _kernels.COMPILED))]
+    assert all(c.is_contiguous() and (c == 1).all() for c in cols) and cols[0].data_ptr() == cols[1].data_ptr()
+    assert len(const) == 3  # 0.7; ones of 5 rows; ones of 3 rows
+    tf = _stats.Transform(softcap=5.0, logit_scale=0.5)
+    cap = _loop.kernel_cap(tf, f32, cpu, const)
+    assert cap is _loop.kernel_cap(tf, f32, cpu, const) and cap.item() == torch.tensor(0.5 / 5.0).item()
+    assert _loop.kernel_cap(_stats.Transform(), f32, cpu, const) is None
+
+
+def test_the_compiled_gradients_zero_terms_are_filled_once_a_walk(monkeypatch):
+    """The compiled backend's gradient takes a zero vector for each absent term (``s2``, ``b``, ``a`` here):
+    with the walk's ``const`` they are filled on the first block and reused (one each: no aliasing), the same
+    gradient as fresh zeros. The kernels run eagerly here (their compiled form is the same functions)."""
+    from chunked_entropy import _kernels, _stats
+
+    monkeypatch.setattr(_kernels.COMPILED, "_fns", (_stats.stats_of_block, _stats.grad_of_block,
+                                                    _stats.grad_of_block_))
+    g = torch.Generator().manual_seed(9)
+    z = torch.randn(6, 50, generator=g) * 3
+    target = torch.randint(0, 50, (6,), generator=g)
+    k = torch.full((6, 1), 1.0)
+    row = _stats.RowStats.from_block(_kernels.COMPILED.stats(z, _stats.Transform(), k, target, 0, True, False,
+                                                             torch.float32), k)
+    co = _stats.Coefficients(torch.randn(6, generator=g), None, None)
+    const, grads, fills = {}, [], []
+    for _ in range(2):
+        with GpuLog() as log:
+            grads.append(_kernels.COMPILED.grad(z, torch.empty_like(z), _stats.Transform(), k, row, target, 0, co,
+                                                torch.float32, const=const))
+        fills.append(log.ops.get("zeros", 0))
+    assert fills == [3, 0], fills
+    assert len({t.data_ptr() for t in const.values()}) == 3
+    fresh = _kernels.COMPILED.grad(z, torch.empty_like(z), _stats.Transform(), k, row, target, 0, co, torch.float32)
+    assert torch.equal(grads[0], fresh) and torch.equal(grads[1], fresh)
+
+
+@pytest.mark.parametrize("rows", [40, 7])
+def test_the_hidden_gradients_partial_sums_accumulate_inside_the_matmul(rows, monkeypatch):
+    """Item 6: on CUDA a vocabulary block's ``g @ W`` is added to the float32 hidden-gradient accumulator inside
+    one GEMM (``addmm`` with ``out_dtype``, served as CUDA forms it: no ``[rows, H]`` temporary, no ``add_``),
+    with the bits of the fallback of a torch without that kernel (``mm`` with ``out_dtype``, then ``add_``);
+    the weight gradient's float32 accumulator likewise. Where the kernel refuses a float32 accumulator (tried
+    once a device type), the fallback."""
+    import chunked_entropy._logit_blocks as blocks
+
+    g = torch.Generator().manual_seed(7)
+    acc0 = torch.randn(rows, 24, generator=g) * 1e3
+    a = (torch.randn(rows, 300, generator=g) * 3).bfloat16()
+    b = torch.randn(300, 24, generator=g).bfloat16()
+    h = torch.randn(rows, 24, generator=g).bfloat16()
+    wacc0 = torch.randn(300, 24, generator=g) * 1e3
+    monkeypatch.setattr(blocks, "half_mm_native", lambda device: True)
+    got = {}
+    for native in (True, False):
+        monkeypatch.setattr(blocks, "half_addmm_native", lambda device, on=native: on)
+        acc, wacc, a32 = acc0.clone(), wacc0.clone(), a.float()
+        with GpuLog() as log:
+            blocks._acc_mm_(acc, a, b, whole=False)
+            blocks._acc_weight_mm_(wacc, a32, a, h)  # wacc += a.T @ h
+        got[native] = (acc, wacc, dict(log.ops), log.gemms)
+    (acc, wacc, ops, gemms), (acc_f, wacc_f, ops_f, _) = got[True], got[False]
+    assert ops == {"addmm": 2} and gemms == 2, ops
+    assert ops_f["add_"] == 2 and "addmm" not in ops_f, ops_f
+    assert torch.equal(acc, acc_f) and torch.equal(wacc, wacc_f)
+    torch.testing.assert_close(acc.double(), acc0.double() + a.double() @ b.double(), rtol=1e-6, atol=1e-3)
+    monkeypatch.undo()
+    assert not blocks.half_addmm_native(torch.device("cpu"))
+    monkeypatch.setattr(blocks, "HALF_MM_DEVICES", {"cpu": "CPU"})
+    monkeypatch.setattr(blocks, "mm_out_dtype_kernel", lambda key: True)
+    monkeypatch.setattr(blocks, "addmm_out_dtype_kernel", lambda key: True)
+    monkeypatch.setattr(blocks, "_float32_acc", {})
+    assert not blocks.half_addmm_native(torch.device("cpu")) and blocks._float32_acc == {"cpu": False}
+
+
+def test_the_head_adds_every_partial_hidden_gradient_inside_its_matmul(figures):
+    """At the H200 shape the head's backward walks 38 vocabulary blocks (4096 columns), all 8192 tokens a
+    block: 38 ``addmm`` into the hidden-gradient accumulator, no ``add_`` (item 6)."""
+    ops = figures["head"]["ops"]
+    assert ops.get("addmm") == -(-151936 // 4096) and "add_" not in ops, ops
 
 
 _INTERPRETED = """

@@ -238,9 +238,10 @@ def _compile_for_sm90(kernel, types: dict, consts: dict, warps: int = 8):
 @pytest.mark.skipif(INTERPRETING, reason="this process interprets Triton kernels")
 @pytest.mark.parametrize("half", ["bf16", "fp16"])
 def test_the_kernels_compile_for_a_gpu(half):
-    """The richest variant of each kernel (a half-precision block, the soft-cap, every statistic and gradient
-    term) through the whole compiler, down to a cubin, at the widest tile and warps the launches use; and the
-    second stage of a split row."""
+    """The richest variant of each kernel (a half-precision block, the soft-cap, a per-row multiplier, every
+    statistic and gradient term, the statistics merged into the running ones of earlier vocabulary blocks)
+    through the whole compiler, down to a cubin, at the widest tile and warps the launches use; and the second
+    stage of a split row, merging too."""
     from chunked_entropy import _triton
 
     if _triton.INTERPRETED:
@@ -253,13 +254,13 @@ def test_the_kernels_compile_for_a_gpu(half):
         dict(z_ptr=f"*{half}", stride_zr="i64", stride_zc="i32", width="i32", span="i32", cap_ptr=f32, k_ptr=f32,
              stride_k="i32", target_ptr="*i64", v0="i32", m_ptr=f32, ones_ptr=f32, rest_ptr=f32, w_ptr=f32,
              q_ptr=f32, zl_ptr=f32, n="i32", span_class="i32"),
-        dict(HAS_CAP=True, WANT_W=True, WANT_Q=True, TILE=stats_tile, COMPUTE=_triton.tl.float32,
-             NEG_FLOOR=_triton._NEG_FLOOR), stats_warps)
+        dict(HAS_CAP=True, HAS_K=True, WANT_W=True, WANT_Q=True, MERGE=True, TILE=stats_tile,
+             COMPUTE=_triton.tl.float32, NEG_FLOOR=_triton._NEG_FLOOR), stats_warps)
     merge = _compile_for_sm90(
         _triton._merge_parts_kernel,
-        dict(pm_ptr=f32, pones_ptr=f32, prest_ptr=f32, pw_ptr=f32, pq_ptr=f32, parts="i32", n="i32", k_ptr=f32,
-             stride_k="i32", m_ptr=f32, ones_ptr=f32, rest_ptr=f32, w_ptr=f32, q_ptr=f32),
-        dict(WANT_W=True, WANT_Q=True, PARTS=_triton.MAX_PARTS, COMPUTE=_triton.tl.float32,
+        dict(pm_ptr=f32, pones_ptr=f32, prest_ptr=f32, pw_ptr=f32, pq_ptr=f32, pzl_ptr=f32, parts="i32", n="i32",
+             k_ptr=f32, stride_k="i32", m_ptr=f32, ones_ptr=f32, rest_ptr=f32, w_ptr=f32, q_ptr=f32, zl_ptr=f32),
+        dict(HAS_K=True, WANT_W=True, WANT_Q=True, MERGE=True, PARTS=_triton.MAX_PARTS, COMPUTE=_triton.tl.float32,
              NEG_FLOOR=_triton._NEG_FLOOR), 1)
     grad = _compile_for_sm90(
         _triton._grad_kernel,
@@ -267,7 +268,7 @@ def test_the_kernels_compile_for_a_gpu(half):
              stride_oc="i32", width="i32", span="i32", cap_ptr=f32, k_ptr=f32, stride_k="i32", m_ptr=f32,
              ls_ptr=f32, ws_ptr=f32, s2_ptr=f32, target_ptr="*i64", v0="i32", c_ptr=f32, b_ptr=f32, a_ptr=f32,
              span_class="i32"),
-        dict(HAS_CAP=True, HAS_C=True, HAS_B=True, HAS_A=True, OUT_BF16=half == "bf16", TILE=grad_tile,
+        dict(HAS_CAP=True, HAS_K=True, HAS_C=True, HAS_B=True, HAS_A=True, OUT_BF16=half == "bf16", TILE=grad_tile,
              COMPUTE=_triton.tl.float32, NEG_FLOOR=_triton._NEG_FLOOR), grad_warps)
     for k in (stats, merge, grad):
         assert k.asm["cubin"] and "ld.global" in k.asm["ptx"]

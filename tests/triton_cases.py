@@ -150,6 +150,62 @@ def test_stats_of_blocks_merge_into_the_rows():
         torch.testing.assert_close(a, b, rtol=2e-6, atol=2e-6)
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["rows", "split"])
+@pytest.mark.parametrize("dtype,tf", [("f32", "capped"), ("bf16", "plain"), ("f64", "capped")])
+def test_stats_merge_into_running_statistics_inside_the_launch(dtype, tf, split, monkeypatch):
+    """``out=`` and ``merge=``: a row's vocabulary blocks through the kernel into one ``[6, n]`` tensor, the first
+    written, each later one merged into what it holds inside the launch (``split``: by the second stage of rows
+    split across programs). Against ``merge_stats`` of the blocks' own statistics (the same ops; the kernel's
+    ``exp`` may be an ulp from torch's) and against float64 from the definitions over the whole row: a row
+    whose later block holds the maximum, one whose first block is all ``-inf`` (padding), an offset of 1e4, a
+    confident row, labels in each block and none; per-row temperatures. Without ``w`` and ``q`` their rows of
+    ``out`` are never written."""
+    if split:
+        _split_rows(monkeypatch)
+    dtype, tf = DTYPES[dtype], TRANSFORMS[tf]
+    cdt = torch.float64 if dtype == torch.float64 else torch.float32
+    g = torch.Generator().manual_seed(31)
+    n, width = 6, 3 * W
+    z = torch.randn(n, width, generator=g, dtype=torch.float64) * 3
+    z[0, 2 * W + 5] += 30.0  # the maximum in the last block
+    z[1, :W] = -math.inf  # padding: the first block adds nothing
+    z[2] += 1e4
+    z[3, 4] += 40.0  # confident, in the first block
+    z = z.to(dtype)
+    target = torch.tensor([2 * W + 5, 3, W + 7, 4, -1, 2 * W + 36])
+    k = torch.linspace(0.6, 1.9, n, dtype=cdt).unsqueeze(1)
+    blocks = [(v0, v0 + W) for v0 in range(0, width, W)]
+    out = torch.full((6, n), math.nan, dtype=cdt)
+    for v0, v1 in blocks:
+        got = _triton.stats(z[:, v0:v1], tf, k, target, v0, True, True, cdt, out=out, merge=v0 > 0)
+        assert all(t.data_ptr() == r.data_ptr() for t, r in zip(got, out.unbind(0), strict=True))
+    want = None
+    for v0, v1 in blocks:
+        want = _stats.merge_stats(want, _triton.stats(z[:, v0:v1], tf, k, target, v0, True, True, cdt), k)
+    close = dict(rtol=1e-12, atol=1e-12) if cdt == torch.float64 else dict(rtol=2e-6, atol=2e-6)
+    for a, b in zip(out.unbind(0), want, strict=True):
+        torch.testing.assert_close(a, b, **close)
+    mine = _stats.RowStats.from_block(_stats.BlockStats(*out.unbind(0)), k)
+    u = z.double() * (tf.logit_scale or 1.0)
+    if tf.softcap is not None:
+        u = torch.tanh(u / tf.softcap)
+    y = k.double() * (u - u.amax(dim=1, keepdim=True))
+    lse = torch.logsumexp(y, dim=1)
+    p = torch.exp(y - lse.unsqueeze(1))
+    ws = (p * torch.where(p > 0, y, 0.0)).sum(dim=1)
+    yl = torch.where(target >= 0, y.gather(1, target.clamp_min(0).unsqueeze(1)).squeeze(1),
+                     -k.double()[:, 0] * u.amax(dim=1))
+    exact = dict(rtol=1e-12, atol=1e-12) if cdt == torch.float64 else dict(rtol=1e-5, atol=1e-5)
+    for a, b in zip((mine.ls, mine.ws, mine.s2, mine.yl), (lse, ws, (p * p).sum(dim=1), yl), strict=True):
+        torch.testing.assert_close(a.double(), b, **exact)
+    lean = torch.full((6, n), 7.0, dtype=cdt)
+    for v0, v1 in blocks:
+        _triton.stats(z[:, v0:v1], tf, k, target, v0, False, False, cdt, out=lean, merge=v0 > 0)
+    assert (lean[3:5] == 7.0).all()
+    for i in (0, 1, 2, 5):
+        torch.testing.assert_close(lean[i], out[i], rtol=0, atol=0)
+
+
 def _grad64(z, tf, inv_t, target, v0, g):
     """float64 ``d/dz sum(g_lp * log_prob + g_h * entropy + g_q * sum p^2)`` of rows that are this block, by
     autograd from the definitions; a label off the block (another shard's column) contributes ``-lse``, -1 none."""

@@ -54,15 +54,19 @@ Two figures per approach:
       accumulator). On CUDA (``backend="auto"``: the Triton kernels),
       without a bias: forward ``c*Vf*B``, one block buffer in the weight's
       dtype, which the matmul writes and the kernels read; backward ``Wg'
-      + Hg + N*Vg*B + 2*N*H*4``: each block filled for all tokens into the
+      + Hg + N*Vg*B + N*H*4``: each block filled for all tokens into the
       ``[N, Vg]`` buffer and overwritten there by its gradient, which the
-      weight gradient's matmul reads, the hidden states' float32
-      accumulator and the block's float32 partial product ``g @ W``
-      (together 320 MiB at 8192 tokens, H = 4096, V = 151936, chunk 1024:
-      what ``bench --traffic`` measures from the allocations). With a
+      weight gradient's matmul reads, and the hidden states' float32
+      accumulator, to which each block's ``g @ W`` is added inside the
+      matmul (together 192 MiB at 8192 tokens, H = 4096, V = 151936, chunk
+      1024: what ``bench --traffic`` measures from the allocations; a torch
+      whose ``addmm`` cannot add half-precision products into a float32
+      accumulator, before 2.8, forms the block's float32 ``[N, H]``
+      product first: ``N*H*4`` more). With a
       bias, float32 blocks: forward ``c*Vf*4 + c*Vf*B`` (the matmul's
       output widened), backward ``Wg' + Hg + c*Vg*4 + c*Vg*B + N*Vg*B +
-      N*H*4 + c*H*4`` (chunks of ``c`` rows). On a CPU (``--device cpu``,
+      N*H*4`` (chunks of ``c`` rows; ``c*H*4`` more without that
+      ``addmm``). On a CPU (``--device cpu``,
       the eager kernels): forward ``2C + c*Vf*B``; backward ``Wg' + Hg +
       2*c*Vg*4 + N*H*4 + N*Vg*B + c*Vg*B + c*H*4 + Vg*H*4 + c*Vg*4``, the
       last two float32 copies of the half-precision operands (a CPU has no
@@ -208,10 +212,10 @@ def estimate(approach: str, shape: Shape, chunk: int = 0) -> Estimate:
         grads = v * h * b + n * h * b + (v * 4 if shape.bias else 0)
         if shape.device == "cuda" and not shape.bias:  # the Triton kernels read and write the weight's dtype
             fwd = c * vf * b
-            bwd = grads + n * vg * b + 2 * n * h * 4
+            bwd = grads + n * vg * b + n * h * 4
         elif shape.device == "cuda":  # the Triton kernels on float32 blocks (the bias is added in float32)
             fwd = c * vf * 4 + c * vf * b
-            bwd = grads + c * vg * 4 + c * vg * b + n * vg * b + n * h * 4 + c * h * 4
+            bwd = grads + c * vg * 4 + c * vg * b + n * vg * b + n * h * 4
         else:  # the eager kernels; no half-precision matmul into float32: float32 copies of its operands
             bwd = grads + 2 * c * vg * 4 + n * h * 4 + n * vg * b + c * vg * b + c * h * 4 + vg * h * 4 + c * vg * 4
         return Estimate("head", chunk, None, max(fwd, bwd), max(fwd, bwd - grads))
