@@ -76,7 +76,20 @@ def require(*modules: str) -> None:
             )
 
 
-def _worker(rank, world_size, store_file, fn, args, errfile, timeout_s=None, error_filters=()):
+#: What the ranks' fork server imports once a session (``forkserver`` start method): each rank forked from it
+#: starts with these loaded instead of importing torch again (about 2 s of CPU a rank on a 2-core machine). The
+#: last one is what ``torch._check`` imports on its first call (sympy). None of them starts a thread.
+FORKSERVER_PRELOAD = ("torch", "torch.distributed", "torch.multiprocessing", "chunked_entropy", "tests.helpers",
+                      "torch.fx.experimental.symbolic_shapes")
+
+
+def _worker(rank, world_size, store_file, fn, args, errfile, timeout_s=None, error_filters=(), parent=None):
+    if parent is not None:  # the caller's environment, working directory and sys.path now, not the fork server's
+        env, cwd, path = parent
+        os.environ.clear()
+        os.environ.update(env)
+        os.chdir(cwd)
+        sys.path[:] = path
     torch.set_num_threads(1)
     for _, message, category, module, lineno in error_filters:  # the parent's warnings-as-errors, here too
         warnings.filterwarnings("error", message=message, category=category, module=module, lineno=lineno)
@@ -100,7 +113,7 @@ def _worker(rank, world_size, store_file, fn, args, errfile, timeout_s=None, err
 
 
 def run_distributed(fn, world_size: int, *args, timeout_s=None, deadline_s=None) -> None:
-    """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned gloo processes.
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` fresh gloo processes.
 
     ``fn`` must be a module-level function (it is pickled). A failure on any
     rank fails the caller with that rank's traceback. ``timeout_s`` bounds
@@ -109,6 +122,11 @@ def run_distributed(fn, world_size: int, *args, timeout_s=None, deadline_s=None)
     run: past it the processes are terminated and the caller fails (a rank
     stuck outside a collective). The caller's "error" warning
     filters (pytest's ``-W error:...`` / ``filterwarnings``) apply on every rank.
+
+    The ranks are forked from a fork server (Python's ``forkserver`` start method) that imported
+    :data:`FORKSERVER_PRELOAD` once, instead of each importing torch anew; each rank then takes the
+    caller's environment variables, working directory and ``sys.path`` as they are at this call, as a
+    spawned process would (a variable read when torch or the library is imported is the fork server's).
     """
     error_filters = [(a, m.pattern if m else "", c, mod.pattern if mod else "", ln)
                      for a, m, c, mod, ln in warnings.filters if a == "error"]
@@ -116,8 +134,10 @@ def run_distributed(fn, world_size: int, *args, timeout_s=None, deadline_s=None)
         errfile = os.path.join(d, "err")
         try:
             store = os.path.join(d, "rendezvous")  # a fresh file per run: the group's store
-            ctx = mp.start_processes(_worker, args=(world_size, store, fn, args, errfile, timeout_s, error_filters),
-                                     nprocs=world_size, join=False, start_method="spawn")
+            parent = (dict(os.environ), os.getcwd(), list(sys.path))
+            mp.get_context("forkserver").set_forkserver_preload(list(FORKSERVER_PRELOAD))  # before its first start
+            ctx = mp.start_processes(_worker, args=(world_size, store, fn, args, errfile, timeout_s, error_filters,
+                                                    parent), nprocs=world_size, join=False, start_method="forkserver")
             end = None if deadline_s is None else time.monotonic() + deadline_s
             while not ctx.join(timeout=None if end is None else max(end - time.monotonic(), 0.1)):
                 if end is not None and time.monotonic() > end:

@@ -191,10 +191,8 @@ def test_fused_loss(c, mode, clip, entropy_coeff, kl, dp, path):
     loss.backward()
     h64, w64 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     lp, ent = reference(h64 @ w64.t(), labels, temperature=temperature, softcap=c["softcap"])
-    agg = dict(loss_agg_mode=mode, **norm)
-    pg, _ = losses.policy_loss(lp, old, adv, mask, clip_ratio_low=clip[0], clip_ratio_high=clip[1],
-                               clip_ratio_c=clip[2], **agg)
-    agg = dict(agg, mode=agg.pop("loss_agg_mode"))
+    pg, _ = losses.policy_loss(lp, old, adv, mask, PolicyLoss(options=options, aggregation=mode).for_batch(**norm))
+    agg = dict(mode=mode, **norm)
     want = pg - entropy_coeff * losses.agg_loss(ent, mask, **agg)
     want = want + kl[0] * losses.agg_loss(losses.kl_penalty(lp, ref_lp, kl[1]), mask, **agg)
     if want.requires_grad:

@@ -142,7 +142,7 @@ def _plain_loss_step(d, mode, weighted=False):
     lp = torch.randn(B, T, generator=torch.Generator().manual_seed(1)).sub(3).requires_grad_()
     mask = d["mask"].to(torch.float32) * 0.5 if weighted else d["mask"]
     kw = dict(rollout_is="token") if mode == "bypass_mode" else {}
-    loss, _ = losses.policy_loss(lp, d["old"], d["adv"], mask, loss_mode=mode, **kw)
+    loss, _ = losses.policy_loss(lp, d["old"], d["adv"], mask, PolicyLoss(mode, kw))
     loss.backward()
 
 
@@ -326,8 +326,8 @@ def _run_loss(op, d, kw):
     args = dict(labels=d["labels"], old_log_probs=d["old"], advantages=d["adv"], loss_mask=d["mask"])
     args.update(kw)
     pos = [args.pop(k) for k in ("labels", "old_log_probs", "advantages", "loss_mask")]
-    if op in ("linear_policy_loss", "policy_loss_from_logits"):  # the global counts ride in the PolicyLoss
-        args["loss"] = PolicyLoss().for_batch(**{k: args.pop(k) for k in ("dp_size", "batch_num_tokens") if k in args})
+    # the global counts ride in the PolicyLoss
+    args["loss"] = PolicyLoss().for_batch(**{k: args.pop(k) for k in ("dp_size", "batch_num_tokens") if k in args})
     if op == "linear_policy_loss":
         return linear_policy_loss(h, w, *pos, chunking=N // 2, **args)
     if op == "policy_loss_from_logits":

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from chunked_entropy import losses
+from chunked_entropy import PolicyLoss, losses
 from chunked_entropy.losses import AGG_MODES, agg_loss, entropy_bonus, kl_penalty, policy_loss
 
 MODES = losses.AGG_MODES
@@ -183,7 +183,7 @@ def test_policy_loss_hand_worked_numbers():
     }
     for c, (want, want_grad, want_lower) in cases.items():
         lp = lp0.clone().requires_grad_(True)
-        loss, metrics = policy_loss(lp, old, adv, mask, clip_ratio_c=c)
+        loss, metrics = policy_loss(lp, old, adv, mask, PolicyLoss(options={"clip_ratio_c": c}))
         assert loss.item() == pytest.approx(want, rel=1e-12)
         loss.backward()
         torch.testing.assert_close(lp.grad, torch.tensor([want_grad], dtype=torch.float64), rtol=1e-12, atol=1e-15)
@@ -215,7 +215,7 @@ def test_policy_loss_matches_hand_loop(mode, low, high, c):
         lp = lp64.to(dtype, copy=True).requires_grad_(True)
         loss, metrics = policy_loss(
             lp, old.to(dtype), adv.to(dtype), mask,
-            clip_ratio_low=low, clip_ratio_high=high, clip_ratio_c=c, loss_agg_mode=mode,
+            PolicyLoss(options={"clip_ratio_low": low, "clip_ratio_high": high, "clip_ratio_c": c}, aggregation=mode),
         )
         assert loss.dtype == dtype
         assert loss.item() == pytest.approx(want, rel=rtol, abs=rtol)
@@ -238,10 +238,11 @@ def test_policy_loss_grads_for_every_input_and_no_writes():
     inputs = [t.clone().requires_grad_(True) for t in (lp, old, adv)]
     # gradcheck away from the kinks: only smooth pieces are compared
     torch.autograd.gradcheck(
-        lambda a, b, c: policy_loss(a, b, c, mask, clip_ratio_c=3.0, loss_agg_mode="seq-mean-token-mean")[0],
+        lambda a, b, c: policy_loss(a, b, c, mask, PolicyLoss(options={"clip_ratio_c": 3.0},
+                                                             aggregation="seq-mean-token-mean"))[0],
         inputs,
     )
-    policy_loss(lp, old, adv, mask, clip_ratio_c=3.0)
+    policy_loss(lp, old, adv, mask, PolicyLoss(options={"clip_ratio_c": 3.0}))
     for before, after in zip(snapshot, (lp, old, adv, mask), strict=True):
         assert torch.equal(before, after)
 
@@ -339,7 +340,7 @@ def test_bad_input_names_the_argument():
     with pytest.raises(TypeError, match="loss_mat"):
         agg_loss(torch.zeros(2, 3, dtype=torch.long), m, "token-mean")
     with pytest.raises(ValueError, match="loss_agg_mode"):
-        policy_loss(x, x, x, m, loss_agg_mode="seq-sum")
+        policy_loss(x, x, x, m, PolicyLoss(aggregation="seq-sum"))
     with pytest.raises(ValueError, match="old_log_probs"):
         policy_loss(x, x[:1], x, m)
     with pytest.raises(ValueError, match="advantages"):
@@ -348,11 +349,11 @@ def test_bad_input_names_the_argument():
         policy_loss(x, x, x, m.t())
     for c in (1.0, 0.5, -3.0, True, "3"):
         with pytest.raises(ValueError, match="clip_ratio_c"):
-            policy_loss(x, x, x, m, clip_ratio_c=c)
+            policy_loss(x, x, x, m, PolicyLoss(options={"clip_ratio_c": c}))
     with pytest.raises(ValueError, match="clip_ratio_low"):
-        policy_loss(x, x, x, m, clip_ratio_low=1.5)
+        policy_loss(x, x, x, m, PolicyLoss(options={"clip_ratio_low": 1.5}))
     with pytest.raises(ValueError, match="clip_ratio_high"):
-        policy_loss(x, x, x, m, clip_ratio_high=-0.1)
+        policy_loss(x, x, x, m, PolicyLoss(options={"clip_ratio_high": -0.1}))
     for kind in ("full", "k4", None):
         with pytest.raises(ValueError, match="kind"):
             kl_penalty(x, x, kind)
@@ -387,7 +388,7 @@ def test_nan_at_a_masked_position_gives_no_nan_gradient():
     mask = torch.tensor([[True, False, True]])
     for mode in AGG_MODES:
         lp.grad = None
-        loss, metrics = policy_loss(lp, old, adv, mask, loss_agg_mode=mode, clip_ratio_c=3.0)
+        loss, metrics = policy_loss(lp, old, adv, mask, PolicyLoss(options={"clip_ratio_c": 3.0}, aggregation=mode))
         loss.backward()
         assert torch.isfinite(loss) and torch.isfinite(lp.grad).all(), mode
         assert lp.grad[0, 1] == 0

@@ -78,17 +78,6 @@ def _run_both(mode, agg, norm, dtype, with_weights, seed=0, **over):
     loss = PolicyLoss(mode, options=PolicyOptions.from_actor_config(cfg), aggregation=losses.Aggregation(agg, **norm))
     ours, o_metrics = losses.policy_loss(y, old, adv, mask, loss, rollout_is_weights=weights)
     ours.backward()
-    # the deprecated flat keywords: the same call, bitwise, with a DeprecationWarning naming the new form
-    z = lp.clone().requires_grad_()
-    torch.manual_seed(123)
-    with pytest.warns(DeprecationWarning, match=r"losses.policy_loss: the keyword\(s\) .*loss_mode.* are the flat "
-                      r"form and go in 0.3.0; pass loss=PolicyLoss\("):
-        flat, f_metrics = losses.policy_loss(z, old, adv, mask, loss_mode=mode, rollout_is_weights=weights,
-                                             loss_agg_mode=agg, options=PolicyOptions.from_actor_config(cfg), **norm)
-    flat.backward()
-    assert torch.equal(flat, ours) and set(f_metrics) == set(o_metrics)
-    assert all(torch.equal(torch.as_tensor(f_metrics[k]), torch.as_tensor(o_metrics[k])) for k in o_metrics)
-    assert (z.grad is None and y.grad is None) or torch.equal(z.grad, y.grad)
     return (theirs, t_metrics, x.grad), (ours, o_metrics, y.grad)
 
 
@@ -170,7 +159,7 @@ def test_written_down_gradients_are_autograds(mode):
     """What the fused loss forms per token in its forward pass: the derivative of each token's loss."""
     lp, old, adv, mask, _ = _data(3)
     x = lp.clone().requires_grad_()
-    loss, _ = losses.policy_loss(x, old, adv, mask, loss_mode=mode, loss_agg_mode="token-sum", **OPTIONS)
+    loss, _ = losses.policy_loss(x, old, adv, mask, PolicyLoss(mode, OPTIONS, aggregation="token-sum"))
     loss.backward()
     grad = losses.policy_loss_grad(lp, old, adv, mask, loss_mode=mode, **OPTIONS)
     # the aggregation's weights: 1 per token for "token-sum"; SAPO imposes its "seq-mean-token-mean"
@@ -189,22 +178,22 @@ def test_options_from_a_verl_actor_config_and_bad_options():
     assert PolicyOptions().ppo_kl_coef == PolicyLossConfig().ppo_kl_coef
     lp, old, adv, mask, w = _data(0)
     bad = [
-        (dict(loss_mode="ppo"), ValueError, "loss_mode must be one of"),
-        (dict(loss_mode="dro"), ValueError, "dro_beta"),
-        (dict(tau_pos=-1.0), ValueError, "tau_pos"),
-        (dict(clip_ratio_c=1.0), ValueError, "clip_ratio_c"),
-        (dict(clip_ratio_low=1.5), ValueError, "clip_ratio_low"),
-        (dict(kl_cov_ratio=0.0), ValueError, "kl_cov_ratio"),
-        (dict(rollout_is="tokens"), ValueError, "rollout_is"),
-        (dict(loss_type="ppo"), ValueError, "loss_type"),
-        (dict(clip_ratio_hgih=0.2), TypeError, "clip_ratio_hgih"),
-        (dict(rollout_is_weights=w[:, :3]), ValueError, "rollout_is_weights"),
-        (dict(rollout_is_weights=w.long()), TypeError, "rollout_is_weights"),
-        (dict(generator=3), TypeError, "generator"),
+        (dict(mode="ppo"), {}, ValueError, "loss_mode must be one of"),
+        (dict(mode="dro"), {}, ValueError, "dro_beta"),
+        (dict(options={"tau_pos": -1.0}), {}, ValueError, "tau_pos"),
+        (dict(options={"clip_ratio_c": 1.0}), {}, ValueError, "clip_ratio_c"),
+        (dict(options={"clip_ratio_low": 1.5}), {}, ValueError, "clip_ratio_low"),
+        (dict(options={"kl_cov_ratio": 0.0}), {}, ValueError, "kl_cov_ratio"),
+        (dict(options={"rollout_is": "tokens"}), {}, ValueError, "rollout_is"),
+        (dict(options={"loss_type": "ppo"}), {}, ValueError, "loss_type"),
+        (dict(options={"clip_ratio_hgih": 0.2}), {}, TypeError, "clip_ratio_hgih"),
+        ({}, dict(rollout_is_weights=w[:, :3]), ValueError, "rollout_is_weights"),
+        ({}, dict(rollout_is_weights=w.long()), TypeError, "rollout_is_weights"),
+        ({}, dict(generator=3), TypeError, "generator"),
     ]
-    for kw, exc, name in bad:
+    for fields, kw, exc, name in bad:
         with pytest.raises(exc, match=name):
-            losses.policy_loss(lp.requires_grad_(), old, adv, mask, **kw)
+            losses.policy_loss(lp.requires_grad_(), old, adv, mask, PolicyLoss(**fields), **kw)
     with pytest.raises(ValueError, match="not token-local"):
         losses.policy_loss_grad(lp, old, adv, mask, loss_mode="gspo")
     with pytest.raises(ValueError, match="rollout_rs_threshold"):
@@ -217,8 +206,9 @@ def test_options_from_a_verl_actor_config_and_bad_options():
 
 def test_clip_cov_takes_a_generator():
     lp, old, adv, mask, _ = _data(5)
-    runs = [losses.policy_loss(lp, old, adv, mask, loss_mode="clip_cov", generator=torch.Generator().manual_seed(s),
-                               **OPTIONS)[1]["actor/pg_clipfrac"] for s in (1, 1, 2, 3, 4)]
+    runs = [losses.policy_loss(lp, old, adv, mask, PolicyLoss("clip_cov", OPTIONS),
+                               generator=torch.Generator().manual_seed(s))[1]["actor/pg_clipfrac"]
+            for s in (1, 1, 2, 3, 4)]
     assert runs[0] == runs[1] and runs[0] > 0  # the same generator state cuts the same tokens
 
 
@@ -317,19 +307,55 @@ def test_policy_loss_from_a_config_that_is_not_a_mapping_is_a_type_error(config,
 
 def test_policy_loss_takes_the_ops_policy_loss_and_names_what_it_cannot_take():
     """``losses.policy_loss`` takes a ``PolicyLoss`` (None: its defaults, no warning); a loss with an entropy
-    bonus or a KL penalty is refused naming the field (it is the objective alone), as are a loss beside the flat
-    keywords and an object of another type."""
+    bonus or a KL penalty is refused naming the field (it is the objective alone), as is an object of another
+    type (a loss beside the flat keywords: test_the_deprecated_flat_keywords_are_the_same_call_and_warn)."""
     lp, old, adv, mask, _ = _data(0, torch.float64)
     with warnings.catch_warnings():
         warnings.simplefilter("error", DeprecationWarning)
         default, _ = losses.policy_loss(lp, old, adv, mask)
         assert torch.equal(default, losses.policy_loss(lp, old, adv, mask, PolicyLoss())[0])
-    with pytest.warns(DeprecationWarning, match="loss_mode"):
-        assert torch.equal(default, losses.policy_loss(lp, old, adv, mask, loss_mode="vanilla")[0])
     for field in ("entropy_coeff", "kl_coef"):
         with pytest.raises(ValueError, match=rf"losses.policy_loss is the policy objective alone: loss.{field} must"):
             losses.policy_loss(lp, old, adv, mask, PolicyLoss(**{field: 0.1}))
-    with pytest.raises(TypeError, match=r"loss= and the flat keyword\(s\) clip_ratio_c both given"):
-        losses.policy_loss(lp, old, adv, mask, PolicyLoss(), clip_ratio_c=3.0)
     with pytest.raises(TypeError, match="loss must be a chunked_entropy.PolicyLoss or None, got str"):
         losses.policy_loss(lp, old, adv, mask, "vanilla")
+
+
+@pytest.mark.parametrize("mode", losses.LOSS_MODES)
+def test_the_deprecated_flat_keywords_are_the_same_call_and_warn(mode):
+    """The suite's one call of ``losses.policy_loss``'s flat keywords (0.2.0 deprecates them, 0.3.0 removes
+    them): in every mode and aggregation, with and without the global batch's counts and rollout weights, the
+    same loss, metrics and gradient bit for bit as the ``PolicyLoss`` call, with a ``DeprecationWarning`` naming
+    the new form; an option by its verl name is one of them; a ``loss`` beside them is refused."""
+    lp, old, adv, mask, w = _data(1, torch.float64)
+    corr = dict(loss_type="ppo_clip", rollout_is="token") if mode == "bypass_mode" else {}
+    options = PolicyOptions(**OPTIONS, **corr)
+    for agg in losses.AGG_MODES:
+        for norm in NORMS:
+            for weights in (None, w):
+                y, z = lp.clone().requires_grad_(), lp.clone().requires_grad_()
+                torch.manual_seed(123)  # clip_cov draws its tokens from torch's global generator
+                loss = PolicyLoss(mode, options, aggregation=losses.Aggregation(agg, **norm))
+                ours, o_metrics = losses.policy_loss(y, old, adv, mask, loss, rollout_is_weights=weights)
+                torch.manual_seed(123)
+                with pytest.warns(DeprecationWarning, match=r"losses.policy_loss: the keyword\(s\) .*loss_mode.* "
+                                  r"are the flat form and go in 0.3.0; pass loss=PolicyLoss\("):
+                    flat, f_metrics = losses.policy_loss(z, old, adv, mask, loss_mode=mode, options=options,
+                                                         loss_agg_mode=agg, rollout_is_weights=weights, **norm)
+                ours.backward()
+                flat.backward()
+                assert torch.equal(flat, ours) and set(f_metrics) == set(o_metrics), (agg, norm)
+                for k in o_metrics:
+                    assert torch.equal(torch.as_tensor(f_metrics[k]), torch.as_tensor(o_metrics[k])), (agg, norm, k)
+                assert (z.grad is None and y.grad is None) or torch.equal(z.grad, y.grad), (agg, norm)
+    torch.manual_seed(123)
+    with pytest.warns(DeprecationWarning, match=r"losses.policy_loss: the keyword\(s\) .*clip_ratio_c.* are the flat"):
+        by_name, _ = losses.policy_loss(lp, old, adv, mask, loss_mode=mode, clip_ratio_c=3.0, **OPTIONS_BUT_C, **corr)
+    torch.manual_seed(123)
+    assert torch.equal(by_name, losses.policy_loss(lp, old, adv, mask, PolicyLoss(
+        mode, dict(OPTIONS_BUT_C, clip_ratio_c=3.0, **corr)))[0])
+    with pytest.raises(TypeError, match=r"loss= and the flat keyword\(s\) clip_ratio_c both given"):
+        losses.policy_loss(lp, old, adv, mask, PolicyLoss(), clip_ratio_c=3.0)
+
+
+OPTIONS_BUT_C = {k: v for k, v in OPTIONS.items() if k != "clip_ratio_c"}

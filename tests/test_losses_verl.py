@@ -122,8 +122,9 @@ def test_policy_loss_is_verls_vanilla(mode, low, high, c):
     mask = torch.rand(shape, generator=g) < 0.7
     mask[-1] = False
     norm = dict(dp_size=2, batch_num_tokens=int(mask.sum()) * 2, global_batch_size=10)
-    ours, metrics = losses.policy_loss(lp, old, adv, mask, clip_ratio_low=low, clip_ratio_high=high,
-                                       clip_ratio_c=c, loss_agg_mode=mode, **norm)
+    options = {"clip_ratio_low": low, "clip_ratio_high": high, "clip_ratio_c": c}
+    loss = PolicyLoss(options=options, aggregation=mode).for_batch(**norm)
+    ours, metrics = losses.policy_loss(lp, old, adv, mask, loss)
     lp2 = lp.detach().clone().requires_grad_()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -63,8 +63,9 @@ def _composition(d, *, path, temperature, opts, softcap=None):
         lp, ent = log_probs_and_entropy(logits, labels, temperature=temperature, layer=OutputLayer(softcap=softcap))
     mode = opts.get("loss_agg_mode", "token-mean")
     lsf = opts.get("loss_scale_factor")
-    pg, metrics = losses.policy_loss(lp, d["old"], d["adv"], d["mask"], loss_agg_mode=mode, loss_scale_factor=lsf,
-                                     **{k: v for k, v in opts.items() if k.startswith("clip")})
+    options = {k: v for k, v in opts.items() if k.startswith("clip")}
+    pg, metrics = losses.policy_loss(lp, d["old"], d["adv"], d["mask"],
+                                     PolicyLoss(options=options, aggregation=losses.Aggregation(mode, lsf)))
     loss = pg - opts.get("entropy_coeff", 0.0) * losses.entropy_bonus(ent, d["mask"], mode, loss_scale_factor=lsf)
     if opts.get("kl_coef"):
         kl = losses.agg_loss(losses.kl_penalty(lp, d["ref"], opts["kl_kind"]), d["mask"], mode, loss_scale_factor=lsf)
@@ -264,7 +265,8 @@ def _composition_full(d, opts):
     logits.retain_grad()
     lp, ent = log_probs_and_entropy(logits, d["labels"].clamp(max=V - 1), temperature=0.9)
     mode = opts["loss_agg_mode"]
-    pg, _ = losses.policy_loss(lp, d["old"], d["adv"], d["mask"], clip_ratio_c=opts["clip_ratio_c"], loss_agg_mode=mode)
+    pg, _ = losses.policy_loss(lp, d["old"], d["adv"], d["mask"],
+                               PolicyLoss(options={"clip_ratio_c": opts["clip_ratio_c"]}, aggregation=mode))
     loss = (pg - opts["entropy_coeff"] * losses.entropy_bonus(ent, d["mask"], mode)
             + opts["kl_coef"] * losses.agg_loss(losses.kl_penalty(lp, d["ref"], opts["kl_kind"]), d["mask"], mode))
     (loss * d["up"]).backward()

@@ -70,8 +70,8 @@ def _composition(d, mode, *, path, agg, weights, kl, keep=None, up=1.7, temperat
         lp, ent = linear_log_probs_and_entropy(leaves["hidden"], OutputLayer(leaves["weight"], leaves["bias"]),
                                                d["labels"], keep=keep, temperature=temperature)
     torch.manual_seed(11)
-    pg, metrics = losses.policy_loss(lp, d["old"], d["adv"], d["mask"], loss_mode=mode, loss_agg_mode=agg,
-                                     rollout_is_weights=d["w"] if weights else None, **opts)
+    pg, metrics = losses.policy_loss(lp, d["old"], d["adv"], d["mask"], PolicyLoss(mode, opts, aggregation=agg),
+                                     rollout_is_weights=d["w"] if weights else None)
     ent_loss = losses.entropy_bonus(ent, d["mask"], agg)
     loss = pg - 0.03 * ent_loss
     metrics = dict(metrics, **{"actor/pg_loss": pg.detach(), "actor/entropy_loss": ent_loss.detach()})
@@ -138,7 +138,7 @@ def test_modes_with_sampling_replay_and_the_module(mode):
     h2 = d["hidden"].clone().requires_grad_()
     lp, _ = linear_log_probs_and_entropy(h2, OutputLayer(d["weight"], d["bias"]), d["labels"])
     torch.manual_seed(11)
-    ref, _ = losses.policy_loss(lp, d["old"], d["adv"], d["mask"], loss_mode=mode, **OPTS)
+    ref, _ = losses.policy_loss(lp, d["old"], d["adv"], d["mask"], PolicyLoss(mode, OPTS))
     loss.backward()
     ref.backward()
     torch.testing.assert_close(h.grad, h2.grad, rtol=1e-9, atol=1e-11)
@@ -252,8 +252,8 @@ def _tp_worker(rank, world):
         (loss * 1.7).backward()
         h2, w2 = d["hidden"].clone().requires_grad_(), weight.clone().requires_grad_()
         lp, ent = linear_log_probs_and_entropy(h2, OutputLayer(w2, bias), d["labels"])
-        pg, ref_metrics = losses.policy_loss(lp, d["old"], d["adv"], d["mask"], loss_mode=mode,
-                                             rollout_is_weights=d["w"], **OPTS)
+        pg, ref_metrics = losses.policy_loss(lp, d["old"], d["adv"], d["mask"], PolicyLoss(mode, OPTS),
+                                             rollout_is_weights=d["w"])
         ref = pg - 0.03 * losses.entropy_bonus(ent, d["mask"])
         (ref * 1.7).backward()
         torch.testing.assert_close(loss.detach(), ref.detach(), rtol=1e-10, atol=1e-12)
@@ -271,7 +271,7 @@ def _tp_worker(rank, world):
     (loss * 1.7).backward()
     h2, w2 = d["hidden"].clone().requires_grad_(), weight.clone().requires_grad_()
     lp, ent = linear_log_probs_and_entropy(h2, OutputLayer(w2, bias), d["labels"])
-    pg, _ = losses.policy_loss(lp, d["old"], d["adv"], d["mask"], loss_mode="gspo", **OPTS)
+    pg, _ = losses.policy_loss(lp, d["old"], d["adv"], d["mask"], PolicyLoss("gspo", OPTS))
     ((pg - 0.03 * losses.entropy_bonus(ent, d["mask"])) * 1.7).backward()
     torch.testing.assert_close(h.grad, h2.grad.transpose(0, 1)[rows], rtol=1e-9, atol=1e-11)
     torch.testing.assert_close(w.grad, w2.grad[shard], rtol=1e-9, atol=1e-11)
@@ -319,7 +319,7 @@ def test_rows_longer_than_a_chunk(mode, t, chunk_size):
     (loss * 1.3).backward()
     h2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     lp, ent = linear_log_probs_and_entropy(h2, w2, labels)
-    pg, ref_metrics = losses.policy_loss(lp, old, adv, mask, loss_mode=mode, **OPTS)
+    pg, ref_metrics = losses.policy_loss(lp, old, adv, mask, PolicyLoss(mode, OPTS))
     ref = pg - 0.03 * losses.entropy_bonus(ent, mask)
     (ref * 1.3).backward()
     torch.testing.assert_close(loss.detach(), ref.detach(), rtol=1e-10, atol=1e-12)

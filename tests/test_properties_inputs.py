@@ -83,7 +83,7 @@ def _plain_composition(d, mode, up):
     lp = logp.gather(-1, d["labels"].unsqueeze(-1)).squeeze(-1)
     ent = -(logp.exp() * logp).sum(-1)
     torch.manual_seed(11)
-    pg, metrics = losses.policy_loss(lp, d["old"], d["adv"], d["mask"], loss_mode=mode, **OPTS)
+    pg, metrics = losses.policy_loss(lp, d["old"], d["adv"], d["mask"], PolicyLoss(mode, OPTS))
     ent_loss = losses.entropy_bonus(ent, d["mask"], "token-mean")
     kl = losses.agg_loss(losses.kl_penalty(lp, d["ref"], "low_var_kl"), d["mask"], "token-mean")
     loss = pg - 0.03 * ent_loss + 0.1 * kl
@@ -141,8 +141,7 @@ def test_policy_loss_grad_takes_every_mask_dtype(kind):
             torch.testing.assert_close(written, as_bool, rtol=0, atol=0)
             continue
         x = lp.clone().requires_grad_()
-        loss, _ = losses.policy_loss(x, d["old"], d["adv"], d["mask"], loss_mode=mode, loss_agg_mode="token-sum",
-                                     **OPTS)
+        loss, _ = losses.policy_loss(x, d["old"], d["adv"], d["mask"], PolicyLoss(mode, OPTS, aggregation="token-sum"))
         loss.backward()  # the token-sum weighs each token's loss by the mask: autograd gives mask * derivative
         torch.testing.assert_close(written * w, x.grad, rtol=1e-10, atol=1e-12, msg=mode)
         assert torch.equal(written[w == 0], torch.zeros_like(written[w == 0])), mode

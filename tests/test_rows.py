@@ -209,7 +209,7 @@ def test_policy_loss_index_is_the_unpacked_layout():
         h2, w2 = _leaves(d["h"], d["w"])
         lp, ent = reference(h2.reshape(-1, H)[rows] @ w2.t(), lab)
         torch.manual_seed(3)
-        pg, _ = losses.policy_loss(lp, old, adv, mask, loss_mode=mode, loss_agg_mode=agg, **OPTS)
+        pg, _ = losses.policy_loss(lp, old, adv, mask, PolicyLoss(mode, OPTS, aggregation=agg))
         want_loss = pg - 0.02 * losses.entropy_bonus(ent, mask, agg)
         torch.testing.assert_close(loss.double(), want_loss)
         for a, e in zip(got, torch.autograd.grad(want_loss, [h2, w2]), strict=True):
@@ -345,7 +345,7 @@ def _tp_sp(rank, world):
     loss.backward()
     h64, w64 = _leaves(h_full, w_full)
     lp, _ = reference(h64.reshape(-1, H)[rows2] @ w64.t(), lab2)
-    want = losses.policy_loss(lp, old, adv, mask2, loss_mode="gspo", loss_agg_mode="seq-mean-token-mean")[0]
+    want = losses.policy_loss(lp, old, adv, mask2, PolicyLoss("gspo", aggregation="seq-mean-token-mean"))[0]
     want.backward()
     torch.testing.assert_close(loss.double(), want)
     torch.testing.assert_close(h.grad, h64.grad[rank * sl:(rank + 1) * sl])
@@ -460,7 +460,7 @@ def test_tree_packed_rollouts_equal_each_rollout_on_its_own():
         loss.backward()
         h2 = packed.clone().requires_grad_()
         lp, ent = reference(h2[rows] @ w.t(), labels, label_mask=mask)
-        ref_loss = (losses.policy_loss(lp, old, adv, mask, loss_mode="gspo", loss_agg_mode=agg)[0]
+        ref_loss = (losses.policy_loss(lp, old, adv, mask, PolicyLoss("gspo", aggregation=agg))[0]
                     - 0.01 * losses.entropy_bonus(ent, mask, agg))
         ref_loss.backward()
         torch.testing.assert_close(loss.double(), ref_loss)
