@@ -24,32 +24,56 @@ from ._kernels import use_compiled
 from ._logit_blocks import main_grad_result, resolve_vocab_chunk
 from ._loop import Plan
 from ._stats import Want
+from ._tiles import ROWS, Tiles, tiles_for
 from .options import Chunking, OutputLayer, as_chunking, as_layer
-from .parallel import refused_together
+from .parallel import group_rank_size, refused_together
 
 __all__ = [
-    "agree_objects", "apply_or_forward", "group_of", "plan_for", "refused_together", "settings", "zeros_connected",
+    "agree_objects", "apply_or_forward", "group_of", "invariant_tiles", "plan_for", "refused_together", "settings",
+    "zeros_connected",
 ]
 
 
 def settings(layer, chunking, *, logits: bool = False, default: Optional[Chunking] = None,
-             name: str = "layer") -> tuple[OutputLayer, Chunking]:
-    """An op's ``layer`` and ``chunking`` arguments as objects (bare tensors and ints accepted)."""
-    return as_layer(layer, name, logits=logits), as_chunking(chunking, default=default)
+             name: str = "layer", invariant: bool = False) -> tuple[OutputLayer, Chunking]:
+    """An op's ``layer`` and ``chunking`` arguments as objects (bare tensors and ints accepted); ``invariant``:
+    the op has the invariant mode (``Chunking.invariant``; refused by the others)."""
+    return as_layer(layer, name, logits=logits), as_chunking(chunking, default=default, invariant_ok=invariant)
+
+
+def invariant_tiles(chunking: Chunking, v_local: int, group, keep=None) -> Optional[Tiles]:
+    """The invariant mode's tiles of this rank's shard (:mod:`chunked_entropy._tiles`), or None where
+    ``chunking.invariant`` is off. Refuses, by name, a shard that is not a whole number of tiles, a group
+    whose size is not a power of two, and ``keep`` (sampling replay's kept sets merge over the ranks in the
+    default mode's all-reduces)."""
+    if not chunking.invariant:
+        return None
+    if keep is not None:
+        raise ValueError("keep= (sampling replay) is not available with Chunking(invariant=True): the kept sets' "
+                         "statistics are not merged in the invariant mode's fixed order; pass keep=None or "
+                         "Chunking(invariant=False)")
+    rank, world = group_rank_size(group)
+    return tiles_for(chunking.tile, v_local, rank, world)
 
 
 def plan_for(layer: OutputLayer, chunking: Chunking, *, lead, want: Want, device, buffers: Optional[int] = None,
-             compiled: bool = True, pair=None) -> Plan:
+             compiled: bool = True, pair=None, keep=None) -> Plan:
     """How an op over hidden states walks ``lead``'s tokens and the layer's vocabulary shard.
 
     The chunk size is ``chunking``'s (``"auto"`` resolved for ``buffers`` float32 buffers of the vocabulary
     block; by default one, two with a scratch output); the vocabulary block its ``vocab_chunk_size``, or the
     default of :func:`~chunked_entropy.config.vocab_block_for`; the kernels its ``backend`` (``compiled=False``:
     the eager ones, for a walk without compiled kernels; ``pair``: a divergence's math, whose kernels are
-    probed too: :func:`~chunked_entropy._kernels.use_compiled`)."""
+    probed too: :func:`~chunked_entropy._kernels.use_compiled`). ``Chunking.invariant``: the eager kernels, the
+    shard's tiles (:func:`invariant_tiles`, ``keep`` refused), chunks of a multiple of
+    :data:`chunked_entropy._tiles.ROWS` rows (rounded up from a smaller one, down from a larger one) and
+    vocabulary blocks of a multiple of the tile (at least one tile)."""
     v_local = layer.weight.shape[0]
     buffers = 1 + want.scratch if buffers is None else buffers
     chunk_size = chunking.resolve(min(chunking.vocab_chunk_size or v_local, v_local), buffers=buffers)
+    tiles = invariant_tiles(chunking, v_local, layer.process_group, keep)
+    if tiles is not None:
+        return _invariant_plan(layer, chunking, chunk_size, tiles, lead, want)
     kernels = use_compiled(chunking.backend, device, pair=pair) if compiled else None
     # compiled kernels read a half-precision block as the matmul wrote it (no float32 copy first) and write its
     # gradient in that dtype; a bias is added in float32 to the rounded product, so its blocks stay float32
@@ -65,6 +89,17 @@ def plan_for(layer: OutputLayer, chunking: Chunking, *, lead, want: Want, device
         float32_logits=layer.float32_logits,
         block_dtype=layer.weight.dtype if direct else None,
     )
+
+
+def _invariant_plan(layer: OutputLayer, chunking: Chunking, chunk_size: int, tiles: Tiles, lead, want: Want) -> Plan:
+    """:func:`plan_for` in the invariant mode: whole row tiles a chunk, whole tiles a vocabulary block."""
+    v_local, t = layer.weight.shape[0], tiles.width
+    chunk_size = max(ROWS, chunk_size - chunk_size % ROWS)
+    block = resolve_vocab_chunk(chunking.vocab_chunk_size, chunk_size, math.prod(lead), v_local)
+    block = v_local if block >= v_local else max(t, block - block % t)
+    return Plan(chunk_size=chunk_size, vocab_chunk_size=block, group=layer.process_group,
+                sequence_parallel=layer.sequence_parallel, want=want, compiled=None,
+                float32_logits=layer.float32_logits, tiles=tiles)
 
 
 def group_of(layer):

@@ -83,14 +83,14 @@ class _HeadFunction(torch.autograd.Function):
         vocab_block = grad_vocab_block(n, weight, plan, need_w)
         gr = grad_rows_for(n, weight, plan, vocab_block)
         blocks = grad_blocks(
-            tok, linear_filler(rows, weight, bias, plan.float32_logits), plan, width=v, block=vocab_block,
+            tok, linear_filler(rows, weight, bias, plan.float32_logits, plan.tiles), plan, width=v, block=vocab_block,
             vocab_outer=vocab_block is not None, stats=stats, grads=grads, dtype=cdt, device=dev, at_grads=at_grads,
             grad_rows=gr,
         )
         grad_h, grad_weight, gb = linear_grads(
             blocks, rows, weight, n=n, hidden_dtype=hidden.dtype, chunk_size=plan.chunk_size,
             need=(need_h, need_w, need_b), main_grad=ctx.main_grad if need_w else None,
-            float32=plan.float32_logits, vocab_block=vocab_block, grad_rows=gr,
+            float32=plan.float32_logits, vocab_block=vocab_block, grad_rows=gr, tiles=plan.tiles, group=plan.group,
         )
         grad_hidden = None if grad_h is None else reduce_hidden_grad(grad_h, h_full.shape, plan)
         if need_w and ctx.main_grad is not None:
@@ -243,7 +243,7 @@ def linear_log_probs_and_entropy(
         outside the chunk loop), and a ``[tokens, H]`` hidden gradient.
     """
     with refused_together(group_of(layer)):
-        layer, chunking = settings(layer, chunking)
+        layer, chunking = settings(layer, chunking, invariant=True)
         kept = parse_kept(rows)
     weight, bias, process_group, sequence_parallel = layer.weight, layer.bias, layer.process_group, \
         layer.sequence_parallel
@@ -268,7 +268,7 @@ def linear_log_probs_and_entropy(
         cdt = compute_dtype(weight.dtype)
         main_grad = main_grad_of(weight, layer.gradient_accumulation_fusion)
         grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
-        plan = plan_for(layer, chunking, lead=lead, want=want, device=hidden.device)
+        plan = plan_for(layer, chunking, lead=lead, want=want, device=hidden.device, keep=keep)
         if no_labels:
             labels = torch.full(lead, ignore_index, dtype=torch.int64, device=hidden.device)
         tok = prepare_tokens(
@@ -276,6 +276,8 @@ def linear_log_probs_and_entropy(
             temperature=temperature, device=hidden.device, dtype=cdt, transform=layer.transform,
             keep=keep, entropy_of=entropy_of, log_probs_at=log_probs_at, top_k=top_k,
         )
+        if plan.tiles is not None and tok.at is not None:  # the invariant mode: top-k ties by the lower id
+            tok.at.tie_break = True
         call.agree_all(linear_settings(hidden, weight, bias, plan, grads))
         agree_objects(call, layer=layer, chunking=chunking)
     if tok.n == 0:

@@ -12,7 +12,7 @@ from typing import Optional, Union
 import torch
 
 from ._autograd import once_differentiable
-from ._call import agree_objects, group_of, refused_together, settings
+from ._call import agree_objects, group_of, invariant_tiles, refused_together, settings
 from ._checks import check_flag, check_float
 from ._dtensor import dtensor_logits_op
 from ._inputs import Tokens, compute_dtype, dtype_code, prepare_tokens
@@ -234,7 +234,7 @@ def log_probs_and_entropy(
     ``[M, V_local]`` gather of the selected logit rows.
     """
     with refused_together(group_of(layer)):
-        layer, chunking = settings(layer, chunking, logits=True)
+        layer, chunking = settings(layer, chunking, logits=True, invariant=True)
     process_group = layer.process_group
     if rows is not None:
         logits = select_logit_rows(rows, logits, process_group, labels=labels, label_mask=label_mask,
@@ -247,8 +247,9 @@ def log_probs_and_entropy(
         want = Want(check_flag("compute_entropy", compute_entropy),
                     check_flag("compute_sum_pi_squared", compute_sum_pi_squared))
         chunk_size = chunking.resolve(logits.shape[-1], buffers=1 + want.scratch)
+        tiles = invariant_tiles(chunking, logits.shape[-1], process_group, keep)
         plan = logits_plan(chunk_size, logits.shape[-1], process_group, want,
-                           use_compiled(chunking.backend, logits.device))
+                           None if tiles else use_compiled(chunking.backend, logits.device), tiles=tiles)
         cdt = compute_dtype(logits.dtype)
         grads = torch.is_grad_enabled() and logits.requires_grad
         no_labels = labels is None and (log_probs_at is not None or top_k is not None)
@@ -260,6 +261,8 @@ def log_probs_and_entropy(
             transform=layer.transform, keep=keep, entropy_of=entropy_of,
             log_probs_at=log_probs_at, top_k=top_k, logits=logits,
         )
+        if tiles is not None and tok.at is not None:  # the invariant mode: top-k ties by the lower id
+            tok.at.tie_break = True
         agree_objects(call, layer=layer, chunking=chunking)
         call.agree_all({"compute_entropy": want.entropy,
                         "compute_sum_pi_squared": want.sum_pi_squared, "logits.requires_grad": grads,
