@@ -241,6 +241,18 @@ def linear_log_probs_and_entropy(
         plus one ``[M, H]`` gather of the hidden rows, kept for backward
         (under sequence parallelism the ``[S, B, H]`` gather is made once,
         outside the chunk loop), and a ``[tokens, H]`` hidden gradient.
+
+        In the invariant mode (``Chunking(invariant=True)``, eager kernels;
+        docs/exact-tp.md): chunks of a multiple of 64 rows and blocks of a
+        multiple of the tile; each block's logits from ``[64, tile]``
+        matmuls through a buffer of that size (and a zero-padded ``[64, H]``
+        row tile); forward as above plus the tiles' statistics of a block.
+        Backward walks chunks outermost for every dtype: a float32 ``[tokens,
+        H]`` hidden gradient (all-gathered from every rank in slices of 64
+        MiB, in place of its all-reduce), at most ``log2(tiles) + 1``
+        float32 ``[chunk_size, H]`` partial sums of it, a ``[64, tile]``
+        gradient tile, and for half-precision weights a float32 ``[V_local,
+        H]`` weight-gradient accumulator (rounded once).
     """
     with refused_together(group_of(layer)):
         layer, chunking = settings(layer, chunking, invariant=True)

@@ -23,6 +23,7 @@ from tests.helpers import reference, run_distributed
 N, V, H, TILE = 150, 2048, 32, 128
 CHUNKS = (1024, 7, 64)  # the logits path; the fused head's chunks are whole row tiles of 64 (7 -> 64)
 K = 3  # log_probs_at's ids a row, and top_k
+SOFTCAP = 30.0  # the fused head's logits are soft-capped (Gemma's final_logit_softcapping)
 
 
 def _data(dtype):
@@ -67,7 +68,7 @@ def _head_call(h, w, b, labels, temp, ids, ups, group, cols, chunk, sel=None, vo
     hh, ww, bb = h.clone().requires_grad_(), w[cols].clone().requires_grad_(), b[cols].clone().requires_grad_()
     s = slice(None) if sel is None else sel
     o = linear_log_probs_and_entropy(
-        hh, OutputLayer(ww, bb, process_group=group), labels[s], temperature=temp[s],
+        hh, OutputLayer(ww, bb, softcap=SOFTCAP, process_group=group), labels[s], temperature=temp[s],
         chunking=Chunking(chunk, vocab_chunk_size=vocab, invariant=True, tile=TILE), compute_sum_pi_squared=True,
         log_probs_at=ids[s], top_k=K, rows=sel)
     _loss(o, ups, s).backward()
@@ -143,7 +144,7 @@ def _sequence_parallel(h, w, b, labels, temp, ids, ups, group, r, size, cols, dt
     hh = h[mine].unsqueeze(1).clone().requires_grad_()
     ww, bb = w[cols].clone().requires_grad_(), b[cols].clone().requires_grad_()
     o = linear_log_probs_and_entropy(
-        hh, OutputLayer(ww, bb, process_group=group, sequence_parallel=True), labels[:s].unsqueeze(1),
+        hh, OutputLayer(ww, bb, softcap=SOFTCAP, process_group=group, sequence_parallel=True), labels[:s].unsqueeze(1),
         temperature=temp[:s].unsqueeze(1), chunking=Chunking(64, invariant=True, tile=TILE),
         compute_sum_pi_squared=True, log_probs_at=ids[:s].unsqueeze(1), top_k=K)
     u = ups[:, :s]
@@ -164,7 +165,7 @@ def test_invariant_bits_equal_at_tp_1_2_4_every_chunk_rows_and_batch():
 def _head_reference(h, w, b, labels, temp):
     h64, w64, b64 = (t.detach().double().requires_grad_() for t in (h, w, b))
     z = (h64 @ w64.t() + b64)
-    lp, ent, s2 = reference(z, labels, temperature=temp, sum_pi_squared=True)
+    lp, ent, s2 = reference(z, labels, temperature=temp, softcap=SOFTCAP, sum_pi_squared=True)
     return (lp, ent, s2), (h64, w64, b64)
 
 
@@ -183,7 +184,8 @@ def test_invariant_mode_is_exact_against_float64():
     (rlp, rent, rs2), leaves = _head_reference(h, w, b, labels, temp)
     (rlp * ups[0].double() + rent * ups[1].double() + rs2 * ups[2].double()).sum().backward()
     hh, ww, bb = (t.clone().requires_grad_() for t in (h, w, b))
-    o = linear_log_probs_and_entropy(hh, OutputLayer(ww, bb), labels, temperature=temp, compute_sum_pi_squared=True,
+    o = linear_log_probs_and_entropy(hh, OutputLayer(ww, bb, softcap=SOFTCAP), labels, temperature=temp,
+                                     compute_sum_pi_squared=True,
                                      chunking=Chunking(128, vocab_chunk_size=2 * TILE, invariant=True, tile=TILE))
     (o.log_probs * ups[0] + o.entropy * ups[1] + o.sum_pi_squared * ups[2]).sum().backward()
     for got, want in zip((o.log_probs, o.entropy, o.sum_pi_squared), (rlp, rent, rs2), strict=True):
@@ -205,3 +207,26 @@ def test_invariant_mode_refusals_name_what_to_do():
     with pytest.raises(ValueError, match=r"chunking.invariant=True: this op has no invariant mode"):
         policy_loss_from_logits(x, torch.zeros(4, dtype=torch.int64), torch.zeros(4), torch.zeros(4), torch.ones(4),
                                 chunking=Chunking(invariant=True))
+
+
+def test_torch_cpu_row_reductions_and_exp_depend_on_the_row_alone():
+    """What the invariant mode rests on (``chunked_entropy._tiles``): torch's CPU ``max``, ``sum`` along a row of a
+    tile's width and its elementwise ``exp`` give bits that depend on the row's values alone, not on the rows
+    beside it, their count or where the row sits (one thread and two). If torch changes that, this says so."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(300, TILE, generator=g) * 7
+    threads = torch.get_num_threads()
+    try:
+        for n_threads in (1, 2):
+            torch.set_num_threads(n_threads)
+            whole = (x.max(dim=1), x.sum(dim=1), torch.exp(x))
+            for a, b in ((0, 1), (5, 12), (17, 300), (299, 300)):
+                part = x[a:b].clone()
+                assert torch.equal(part.max(dim=1).values, whole[0].values[a:b])
+                assert torch.equal(part.max(dim=1).indices, whole[0].indices[a:b])
+                assert torch.equal(part.sum(dim=1), whole[1][a:b])
+                assert torch.equal(torch.exp(part), whole[2][a:b])
+                flat = slice(a * TILE + 3, b * TILE)  # a start off the vector width
+                assert torch.equal(torch.exp(x.view(-1)[flat]), whole[2].view(-1)[flat])
+    finally:
+        torch.set_num_threads(threads)
