@@ -29,8 +29,8 @@ from .options import Chunking, OutputLayer, as_chunking, as_layer
 from .parallel import group_rank_size, refused_together
 
 __all__ = [
-    "agree_objects", "apply_or_forward", "group_of", "invariant_tiles", "plan_for", "refused_together", "settings",
-    "zeros_connected",
+    "agree_objects", "apply_or_forward", "group_of", "invariant_backend", "invariant_tiles", "plan_for",
+    "refused_together", "settings", "zeros_connected",
 ]
 
 
@@ -64,7 +64,8 @@ def plan_for(layer: OutputLayer, chunking: Chunking, *, lead, want: Want, device
     block; by default one, two with a scratch output); the vocabulary block its ``vocab_chunk_size``, or the
     default of :func:`~chunked_entropy.config.vocab_block_for`; the kernels its ``backend`` (``compiled=False``:
     the eager ones, for a walk without compiled kernels; ``pair``: a divergence's math, whose kernels are
-    probed too: :func:`~chunked_entropy._kernels.use_compiled`). ``Chunking.invariant``: the eager kernels, the
+    probed too: :func:`~chunked_entropy._kernels.use_compiled`). ``Chunking.invariant``: the eager kernels (the
+    compiled ones with ``backend="compile"``: :func:`invariant_backend`), the
     shard's tiles (:func:`invariant_tiles`, ``keep`` refused), chunks of a multiple of
     :data:`chunked_entropy._tiles.ROWS` rows (rounded up from a smaller one, down from a larger one) and
     vocabulary blocks of a multiple of the tile (at least one tile)."""
@@ -98,8 +99,15 @@ def _invariant_plan(layer: OutputLayer, chunking: Chunking, chunk_size: int, til
     block = resolve_vocab_chunk(chunking.vocab_chunk_size, chunk_size, math.prod(lead), v_local)
     block = v_local if block >= v_local else max(t, block - block % t)
     return Plan(chunk_size=chunk_size, vocab_chunk_size=block, group=layer.process_group,
-                sequence_parallel=layer.sequence_parallel, want=want, compiled=None,
+                sequence_parallel=layer.sequence_parallel, want=want,
+                compiled=use_compiled(invariant_backend(chunking), layer.weight.device),
                 float32_logits=layer.float32_logits, tiles=tiles)
+
+
+def invariant_backend(chunking: Chunking) -> str:
+    """The kernels of the invariant mode: the compiled ones where ``chunking.backend`` asks for them, else eager
+    (``"auto"`` included, on every device: the Triton kernels cannot honour the mode)."""
+    return "compile" if chunking.backend == "compile" else "eager"
 
 
 def group_of(layer):

@@ -229,9 +229,10 @@ def row_stats(tok: Tokens, fill: Fill, plan: Plan, *, width: int, dtype, device,
             g = _block_kept(kept, entries, z, v0, tok.transform, k, dtype)
             if at is not None:  # distillation's ids and top-k, read before the block is overwritten
                 cand = at.block(z, a, b, v0, cand)
-            if tree is not None:  # the invariant mode: the block's tiles into the chunk's tree (eager kernels)
-                _tiles.push_block_stats(tree, tiles, x, tok.transform, k, target, v0, scratch, want_w=want.entropy,
-                                        want_q=want.sum_pi_squared, src=None if z is x else z)
+            if tree is not None:  # the invariant mode: the block's tiles into the chunk's tree
+                _tiles.push_block_stats(tree, tiles, z if compiled else x, tok.transform, k, target, v0, scratch,
+                                        want_w=want.entropy, want_q=want.sum_pi_squared,
+                                        src=None if compiled or z is x else z, compiled=compiled, dtype=dtype)
                 continue
             if compiled:
                 blk = compiled.stats(z, tok.transform, k, target, v0, want.entropy, want.sum_pi_squared, dtype)

@@ -156,12 +156,14 @@ def _view_rows(t: torch.Tensor, n: int, k: int, width: int) -> torch.Tensor:
 
 def push_block_stats(tree: TreeSum, tiles: Tiles, x: torch.Tensor, tf, k, target: torch.Tensor, v0: int,
                      scratch: Optional[torch.Tensor], *, want_w: bool, want_q: bool,
-                     src: Optional[torch.Tensor] = None) -> None:
+                     src: Optional[torch.Tensor] = None, compiled=None, dtype=None) -> None:
     """Push the statistics of each tile of the ``[n, width]`` block ``x`` (shard columns ``[v0, v0 + width)``,
     ``v0`` on a tile boundary) into ``tree``, in order. ``x``, ``scratch`` and ``src`` as for
     :func:`chunked_entropy._stats.block_stats` (``x`` consumed), here of the block seen as ``[n * tiles, T]``
-    (a partial last tile, the shard's tail at TP 1, on its own). Allocates the per-tile vectors
-    (``6 * n * tiles`` floats) and the tiled per-row inputs (``n * tiles`` labels and multipliers)."""
+    (a partial last tile, the shard's tail at TP 1, on its own). ``compiled``: the compiled kernels' ``stats``
+    (:mod:`chunked_entropy._kernels`) of that view of the raw block (``src``, else ``x``; read only), in
+    ``dtype``. Allocates the per-tile vectors (``6 * n * tiles`` floats) and the tiled per-row inputs
+    (``n * tiles`` labels and multipliers)."""
     n, width = x.shape
     t = tiles.width
     full, tail = divmod(width, t)
@@ -174,11 +176,15 @@ def push_block_stats(tree: TreeSum, tiles: Tiles, x: torch.Tensor, tf, k, target
         starts = torch.arange(count, device=target.device) * w + (v0 + c0)
         tgt = (target.unsqueeze(1) - starts.unsqueeze(0) + v0).reshape(-1)  # v0 + each row's column in its tile
         kk = k.repeat_interleave(count, dim=0) if isinstance(k, torch.Tensor) else k
-        st = _stats.block_stats(
-            _view_rows(x[:, cols], n, count, w), tf, kk, tgt, v0,
-            None if scratch is None else _view_rows(scratch[:, cols], n, count, w), want_w=want_w, want_q=want_q,
-            src=None if src is None else _view_rows(src[:, cols], n, count, w),
-        )
+        if compiled is not None:
+            raw = x if src is None else src
+            st = compiled.stats(_view_rows(raw[:, cols], n, count, w), tf, kk, tgt, v0, want_w, want_q, dtype)
+        else:
+            st = _stats.block_stats(
+                _view_rows(x[:, cols], n, count, w), tf, kk, tgt, v0,
+                None if scratch is None else _view_rows(scratch[:, cols], n, count, w), want_w=want_w, want_q=want_q,
+                src=None if src is None else _view_rows(src[:, cols], n, count, w),
+            )
         per_tile = [None if f is None else f.view(n, count).t() for f in st]  # [count, n] each
         for j in range(count):
             g = first + c0 // t + j

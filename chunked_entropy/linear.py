@@ -242,7 +242,7 @@ def linear_log_probs_and_entropy(
         (under sequence parallelism the ``[S, B, H]`` gather is made once,
         outside the chunk loop), and a ``[tokens, H]`` hidden gradient.
 
-        In the invariant mode (``Chunking(invariant=True)``, eager kernels;
+        In the invariant mode (``Chunking(invariant=True)``, eager or compiled kernels;
         docs/exact-tp.md): chunks of a multiple of 64 rows and blocks of a
         multiple of the tile; each block's logits from ``[64, tile]``
         matmuls through a buffer of that size (and a zero-padded ``[64, H]``

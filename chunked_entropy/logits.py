@@ -12,7 +12,7 @@ from typing import Optional, Union
 import torch
 
 from ._autograd import once_differentiable
-from ._call import agree_objects, group_of, invariant_tiles, refused_together, settings
+from ._call import agree_objects, group_of, invariant_backend, invariant_tiles, refused_together, settings
 from ._checks import check_flag, check_float
 from ._dtensor import dtensor_logits_op
 from ._inputs import Tokens, compute_dtype, dtype_code, prepare_tokens
@@ -220,7 +220,8 @@ def log_probs_and_entropy(
         The row's own filter also sorts ``2**24 / V`` full rows at a time
         once per call (about 26 bytes per element; under a process group
         each rank all-gathers those rows' shards).
-        In the invariant mode (``Chunking(invariant=True)``, eager kernels):
+        In the invariant mode (``Chunking(invariant=True)``, eager kernels;
+        the compiled ones read the block in place as above):
         the same buffers, plus per chunk the tiles' statistics of the block
         (``6 * chunk_size * V_local / tile`` floats) and the merge tree's
         partial statistics; under a group one all-gather a chunk of 5 (6
@@ -256,7 +257,8 @@ def log_probs_and_entropy(
         chunk_size = chunking.resolve(logits.shape[-1], buffers=1 + want.scratch)
         tiles = invariant_tiles(chunking, logits.shape[-1], process_group, keep)
         plan = logits_plan(chunk_size, logits.shape[-1], process_group, want,
-                           None if tiles else use_compiled(chunking.backend, logits.device), tiles=tiles)
+                           use_compiled(chunking.backend if tiles is None else invariant_backend(chunking),
+                                        logits.device), tiles=tiles)
         cdt = compute_dtype(logits.dtype)
         grads = torch.is_grad_enabled() and logits.requires_grad
         no_labels = labels is None and (log_probs_at is not None or top_k is not None)

@@ -361,10 +361,10 @@ class Chunking:
             formed alone and merged in one fixed tree on every rank
             (:mod:`chunked_entropy._tiles`); the fused head's matmuls have
             fixed shapes. Every rank's shard must be a whole number of tiles
-            (refused otherwise) and the group's size a power of two. Eager
-            kernels only (``"auto"`` takes them; ``"compile"`` and
-            ``"triton"`` are refused); not with ``keep=``; the other ops
-            refuse it. Default False.
+            (refused otherwise) and the group's size a power of two. The eager
+            kernels (``"auto"`` takes them) or the compiled ones
+            (``"compile"``); ``"triton"`` is refused; not with ``keep=``; the
+            other ops refuse it. Default False.
         tile: the tile width of the invariant mode, an int in ``[1, 32768]``
             (default 1024; read only with ``invariant``). A tile of at most
             32768 columns is reduced by one thread on the CPU (torch splits a
@@ -395,9 +395,10 @@ class Chunking:
             raise ValueError(f"Chunking.tile must be an int in [1, {MAX_TILE}] (the invariant mode's tile width), got "
                              f"{self.tile!r}")
         object.__setattr__(self, "tile", int(self.tile))
-        if self.invariant and self.backend not in ("auto", "eager"):
-            raise ValueError(f"Chunking.backend={self.backend!r} cannot honour Chunking.invariant=True: the invariant "
-                             "mode runs the eager kernels (backend='auto' or 'eager' takes them)")
+        if self.invariant and self.backend == "triton":
+            raise ValueError("Chunking.backend='triton' cannot honour Chunking.invariant=True: the Triton kernels "
+                             "split a row's reduction by its length and the device; the invariant mode runs the eager "
+                             "kernels (backend='auto' or 'eager') or the compiled ones (backend='compile')")
 
     def resolve(self, width: int, *, buffers: int = 2) -> int:
         """The chunk size for ``width`` columns a block (the vocabulary block or shard): ``chunk_size``, or

@@ -9,6 +9,11 @@ fused head, each rank's gradient the shard of TP 1's), with random upstream grad
 +1000 logit offset and confident rows; float32 and bf16. The invariant mode's values and gradients are held
 to float64 as every path is (float32 within its rounding). A shard not aligned to the tiles is refused on
 every rank of the group, with the rank and what to do.
+
+The compiled kernels (``backend="compile"``) are held to their own bits at every chunk size and in a row alone,
+in this process (a compilation in each of four spawned ranks would take a minute on two cores): what they add
+to the eager mode is each tile's statistics, a row of the ``[rows * tiles, T]`` view each, whose bits the chunk
+size moves if anything does; the merge tree and its gather are the same code at every layout.
 """
 
 from __future__ import annotations
@@ -54,22 +59,24 @@ def _outs(o):
     return [o.log_probs, o.entropy, o.sum_pi_squared, o.log_probs_at, o.top_k_ids, o.top_k_log_probs]
 
 
-def _logits_call(x, labels, temp, ids, ups, group, cols, chunk, sel=None):
+def _logits_call(x, labels, temp, ids, ups, group, cols, chunk, sel=None, backend="auto"):
     xl = x[:, cols].clone().requires_grad_()
     s = slice(None) if sel is None else sel
     o = log_probs_and_entropy(xl, labels[s], layer=OutputLayer(process_group=group), temperature=temp[s],
-                              chunking=Chunking(chunk, invariant=True, tile=TILE), compute_sum_pi_squared=True,
+                              chunking=Chunking(chunk, invariant=True, tile=TILE, backend=backend),
+                              compute_sum_pi_squared=True,
                               log_probs_at=ids[s], top_k=K, rows=sel)
     _loss(o, ups, s).backward()
     return [t.detach() for t in _outs(o)], [xl.grad]
 
 
-def _head_call(h, w, b, labels, temp, ids, ups, group, cols, chunk, sel=None, vocab=None):
+def _head_call(h, w, b, labels, temp, ids, ups, group, cols, chunk, sel=None, vocab=None, backend="auto"):
     hh, ww, bb = h.clone().requires_grad_(), w[cols].clone().requires_grad_(), b[cols].clone().requires_grad_()
     s = slice(None) if sel is None else sel
     o = linear_log_probs_and_entropy(
         hh, OutputLayer(ww, bb, softcap=SOFTCAP, process_group=group), labels[s], temperature=temp[s],
-        chunking=Chunking(chunk, vocab_chunk_size=vocab, invariant=True, tile=TILE), compute_sum_pi_squared=True,
+        chunking=Chunking(chunk, vocab_chunk_size=vocab, invariant=True, tile=TILE, backend=backend),
+        compute_sum_pi_squared=True,
         log_probs_at=ids[s], top_k=K, rows=sel)
     _loss(o, ups, s).backward()
     return [t.detach() for t in _outs(o)], [hh.grad, ww.grad, bb.grad]
@@ -162,6 +169,19 @@ def test_invariant_bits_equal_at_tp_1_2_4_every_chunk_rows_and_batch():
     run_distributed(_bits_at_every_layout, 4, timeout_s=60, deadline_s=300)
 
 
+def test_invariant_compiled_kernels_same_bits_at_every_chunk_and_batch():
+    x, labels, temp, ids, h, w, b, ups = _data(torch.float32)
+    lp_base, lg_base = _logits_call(x, labels, temp, ids, ups, None, slice(None), 1024, backend="compile")
+    outs, grads = _logits_call(x, labels, temp, ids, ups, None, slice(None), 7, backend="compile")
+    _same(outs + grads, lp_base + lg_base, "compiled logits chunk 7")
+    sel = torch.tensor([77, 3, 3])  # the rows of another batch: a repeat, the offset row
+    outs, _ = _logits_call(x, labels, temp, ids, ups, None, slice(None), 1024, sel=sel, backend="compile")
+    _same(outs, [t[sel] for t in lp_base], "compiled logits, rows=")
+    hd_base, hg_base = _head_call(h, w, b, labels, temp, ids, ups, None, slice(None), 128, backend="compile")
+    outs, grads = _head_call(h, w, b, labels, temp, ids, ups, None, slice(None), 64, vocab=2 * TILE, backend="compile")
+    _same(outs + grads, hd_base + hg_base, "compiled fused head chunk 64, vocabulary blocks")
+
+
 def _head_reference(h, w, b, labels, temp):
     h64, w64, b64 = (t.detach().double().requires_grad_() for t in (h, w, b))
     z = (h64 @ w64.t() + b64)
@@ -195,7 +215,8 @@ def test_invariant_mode_is_exact_against_float64():
 
 
 def test_invariant_mode_refusals_name_what_to_do():
-    with pytest.raises(ValueError, match=r"Chunking.backend='triton' cannot honour Chunking.invariant=True"):
+    with pytest.raises(ValueError, match=r"Chunking.backend='triton' cannot honour Chunking.invariant=True.*"
+                                         r"backend='compile'"):
         Chunking(invariant=True, backend="triton")
     with pytest.raises(ValueError, match=r"Chunking.tile must be an int in \[1, 32768\]"):
         Chunking(invariant=True, tile=65536)
