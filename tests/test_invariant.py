@@ -6,7 +6,9 @@ at TP 2 and TP 4 (and at other chunk sizes, ``rows=`` selections and a row alone
 ``torch.equal``: bits, not tolerances. Values and every gradient (logits; hidden states, weight and bias of the
 fused head, each rank's gradient the shard of TP 1's), with random upstream gradients on every output
 (log-probs, entropy, ``sum_pi_squared``, ``log_probs_at``, ``top_k``), per-row temperatures down to 0.05, a
-+1000 logit offset and confident rows; float32 and bf16. The invariant mode's values and gradients are held
++1000 logit offset and confident rows, a soft-capped head; float32 and bf16; the fused head under sequence
+parallelism and a vocabulary-sharded DTensor's logits (a 1-D mesh of the four ranks) too. The invariant mode's
+values and gradients are held
 to float64 as every path is (float32 within its rounding). A shard not aligned to the tiles is refused on
 every rank of the group, with the rank and what to do.
 
@@ -127,6 +129,8 @@ def _bits_at_every_layout(rank, world):
             _same(outs + grads, [t[one] for t in lp_base] + [lg_base[0][one, cols]], f"{dtype} logits {name} alone")
             outs, grads = _head_call(alone_h, w, b, labels[one], temp[one], ids[one], ups[:, one], group, cols, 64)
             _same(outs + grads[:1], [t[one] for t in hd_base] + [hg_base[0][one]], f"{dtype} head {name} alone")
+        if dtype == torch.float32:
+            _dtensor_logits(x, labels, temp, ups, rank, world, lp_base)
     # a shard that is not a whole number of tiles: refused on every rank of the group, no rank left waiting
     pair = layouts[1][1]
     x = torch.randn(4, 100)
@@ -141,6 +145,32 @@ def _bits_at_every_layout(rank, world):
     t = torch.ones(1)
     dist.all_reduce(t, group=pair)  # the group is still usable
     assert t.item() == 2
+
+
+def _dtensor_logits(x, labels, temp, ups, rank, world, lp_base):
+    """A vocabulary-sharded DTensor's logits (torchtitan's, a 1-D mesh of the four ranks): TP 1's bits, the
+    gradient a DTensor of the logits' placements whose shard is TP 1's."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    def call(logits, up):
+        o = log_probs_and_entropy(logits, labels, temperature=temp, chunking=Chunking(7, invariant=True, tile=TILE),
+                                  compute_sum_pi_squared=True)
+        loss = (o.log_probs * up(ups[0])).sum() + (o.entropy * up(ups[1])).sum()
+        (loss + (o.sum_pi_squared * up(ups[2])).sum()).backward()
+        return o
+
+    xl = x.clone().requires_grad_()
+    base = call(xl, lambda t: t)  # TP 1, a plain tensor
+    mesh = init_device_mesh("cpu", (world,))
+    d = distribute_tensor(x, mesh, [Shard(1)]).requires_grad_()
+    o = call(d, lambda t: DTensor.from_local(t, mesh, [Replicate()], run_check=False))
+    vl = V // world
+    cols = slice(rank * vl, (rank + 1) * vl)
+    _same([o.log_probs.to_local(), o.entropy.to_local(), o.sum_pi_squared.to_local(), d.grad.to_local()],
+          [base.log_probs, base.entropy, base.sum_pi_squared, xl.grad[:, cols]], "DTensor logits TP 4")
+    _same([o.log_probs.to_local()], [lp_base[0]], "DTensor logits TP 4 log-probs")
+    assert d.grad.placements == (Shard(1),)
 
 
 def _sequence_parallel(h, w, b, labels, temp, ids, ups, group, r, size, cols, dtype):
