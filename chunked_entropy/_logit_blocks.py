@@ -451,13 +451,20 @@ def _grads_tiled(blocks, rows: Rows, weight, n, hidden_dtype, need, main_grad, f
     grad_h = torch.empty(n, hdim, dtype=cdt, device=dev) if need_h else None
     pad, bufs, tree = {}, {}, None
     lo, hi = tiles.first, tiles.first + tiles.local
+    # Off CUDA a half-precision product is formed from float32 copies (_half_mm): the weight tile widened once a
+    # chunk and tile, the chunk's hidden rows once a chunk (a zero-padded float32 [chunk, H]), not once a row tile
+    widen = weight.dtype != cdt and not half_mm_native(dev)
+    h_wide = None
     for a, b, v0, v1, g in blocks:
         if v0 == 0:
             tree = tiles.sum_tree() if need_h else None
             padded = -(-(b - a) // ROWS) * ROWS
+            if widen and need_w:
+                h_wide = torch.zeros(padded, hdim, dtype=cdt, device=dev)
+                h_wide[: b - a].copy_(rows(a, b))
         for c0 in range(v0, v1, t):
             c1 = min(c0 + t, v1)
-            w_t = weight[c0:c1]
+            w_t = weight[c0:c1].to(cdt) if widen and need_h else weight[c0:c1]
             leaf = torch.empty(padded, hdim, dtype=cdt, device=dev) if need_h else None
             gt = bufs.get(c1 - c0)
             if gt is None:
@@ -467,10 +474,17 @@ def _grads_tiled(blocks, rows: Rows, weight, n, hidden_dtype, need, main_grad, f
                 gt[r1 - r0:].zero_()
                 gt[: r1 - r0].copy_(g[r0 - a:r1 - a, c0 - v0:c1 - v0])
                 gq = gt if gdt == cdt else gt.to(gdt)
-                if need_h:
-                    leaf[r0 - a:r0 - a + ROWS] = _half_mm(gq, w_t, cdt)
-                if need_w:
-                    acc_w[c0:c1].add_(_half_mm(gq.t(), _row_tile(rows, r0, r1, pad), cdt))
+                if widen:  # the values _half_mm multiplies, from the copies made above
+                    gq = gq.to(cdt)
+                    if need_h:
+                        leaf[r0 - a:r0 - a + ROWS] = torch.mm(gq, w_t)
+                    if need_w:
+                        acc_w[c0:c1].add_(torch.mm(gq.t(), h_wide[r0 - a:r0 - a + ROWS]))
+                else:
+                    if need_h:
+                        leaf[r0 - a:r0 - a + ROWS] = _half_mm(gq, w_t, cdt)
+                    if need_w:
+                        acc_w[c0:c1].add_(_half_mm(gq.t(), _row_tile(rows, r0, r1, pad), cdt))
                 if need_b:
                     gb[c0:c1].add_(gt.sum(dim=0))
             if need_h:
