@@ -45,7 +45,7 @@ from .parallel import all_gather_stack
 #: their gradient is formed as matmuls of ``ROWS`` hidden rows (the last tile padded with zeros) by one tile
 #: of ``T`` weight rows, so that a logit's bits depend on its own row and column alone; the chunks of the
 #: fused head are a multiple of it.
-ROWS = 64
+ROWS = 128
 
 
 @functools.lru_cache(maxsize=64)

@@ -243,14 +243,14 @@ def linear_log_probs_and_entropy(
         outside the chunk loop), and a ``[tokens, H]`` hidden gradient.
 
         In the invariant mode (``Chunking(invariant=True)``, eager or compiled kernels;
-        docs/exact-tp.md): chunks of a multiple of 64 rows and blocks of a
-        multiple of the tile; each block's logits from ``[64, tile]``
-        matmuls through a buffer of that size (and a zero-padded ``[64, H]``
+        docs/exact-tp.md): chunks of a multiple of 128 rows and blocks of a
+        multiple of the tile; each block's logits from ``[128, tile]``
+        matmuls through a buffer of that size (and a zero-padded ``[128, H]``
         row tile); forward as above plus the tiles' statistics of a block.
         Backward walks chunks outermost for every dtype: a float32 ``[tokens,
         H]`` hidden gradient (all-gathered from every rank in slices of 64
         MiB, in place of its all-reduce), at most ``log2(tiles) + 1``
-        float32 ``[chunk_size, H]`` partial sums of it, a ``[64, tile]``
+        float32 ``[chunk_size, H]`` partial sums of it, a ``[128, tile]``
         gradient tile, and for half-precision weights a float32 ``[V_local,
         H]`` weight-gradient accumulator (rounded once).
     """

@@ -28,7 +28,7 @@ from chunked_entropy import Chunking, OutputLayer, linear_log_probs_and_entropy,
 from tests.helpers import reference, run_distributed
 
 N, V, H, TILE = 150, 2048, 32, 128
-CHUNKS = (1024, 7, 64)  # the logits path; the fused head's chunks are whole row tiles of 64 (7 -> 64)
+CHUNKS = (1024, 7, 64)  # the logits path; the fused head's chunks are whole row tiles of 128 (a smaller one: 128)
 K = 3  # log_probs_at's ids a row, and top_k
 SOFTCAP = 30.0  # the fused head's logits are soft-capped (Gemma's final_logit_softcapping)
 
@@ -104,14 +104,14 @@ def _bits_at_every_layout(rank, world):
         x, labels, temp, ids, h, w, b, ups = _data(dtype)
         # TP 1 at the first chunk size: what every other layout must give, bit for bit
         lp_base, lg_base = _logits_call(x, labels, temp, ids, ups, None, slice(None), CHUNKS[0])
-        hd_base, hg_base = _head_call(h, w, b, labels, temp, ids, ups, None, slice(None), 64)
+        hd_base, hg_base = _head_call(h, w, b, labels, temp, ids, ups, None, slice(None), 128)
         for name, group, r, size in layouts:
             vl = V // size
             cols = slice(r * vl, (r + 1) * vl)
             for chunk in CHUNKS:
                 outs, grads = _logits_call(x, labels, temp, ids, ups, group, cols, chunk)
                 _same(outs + grads, lp_base + [lg_base[0][:, cols]], f"{dtype} logits {name} chunk {chunk}")
-            for chunk, vocab in ((64, None), (128, 2 * TILE), (7, None)):
+            for chunk, vocab in ((128, None), (256, 2 * TILE), (1024, None)):
                 outs, grads = _head_call(h, w, b, labels, temp, ids, ups, group, cols, chunk, vocab=vocab)
                 want = hd_base + [hg_base[0], hg_base[1][cols], hg_base[2][cols]]
                 _same(outs + grads, want, f"{dtype} fused head {name} chunk {chunk} vocab block {vocab}")
@@ -119,7 +119,7 @@ def _bits_at_every_layout(rank, world):
             for pick in (sel, torch.tensor([77])):
                 outs, grads = _logits_call(x, labels, temp, ids, ups, group, cols, 7, sel=pick)
                 _same(outs, [t[pick] for t in lp_base], f"{dtype} logits {name} rows={pick.tolist()}")
-                outs, grads = _head_call(h, w, b, labels, temp, ids, ups, group, cols, 64, sel=pick)
+                outs, grads = _head_call(h, w, b, labels, temp, ids, ups, group, cols, 128, sel=pick)
                 _same(outs, [t[pick] for t in hd_base], f"{dtype} fused head {name} rows={pick.tolist()}")
             if size > 1:  # sequence parallelism: this rank's slice of the hidden states, its slice of TP 1's gradient
                 _sequence_parallel(h, w, b, labels, temp, ids, ups, group, r, size, cols, dtype)
@@ -127,7 +127,7 @@ def _bits_at_every_layout(rank, world):
             one = slice(77, 78)
             outs, grads = _logits_call(alone_x, labels[one], temp[one], ids[one], ups[:, one], group, cols, 1024)
             _same(outs + grads, [t[one] for t in lp_base] + [lg_base[0][one, cols]], f"{dtype} logits {name} alone")
-            outs, grads = _head_call(alone_h, w, b, labels[one], temp[one], ids[one], ups[:, one], group, cols, 64)
+            outs, grads = _head_call(alone_h, w, b, labels[one], temp[one], ids[one], ups[:, one], group, cols, 128)
             _same(outs + grads[:1], [t[one] for t in hd_base] + [hg_base[0][one]], f"{dtype} head {name} alone")
         if dtype == torch.float32:
             _dtensor_logits(x, labels, temp, ups, rank, world, lp_base)
@@ -182,14 +182,14 @@ def _sequence_parallel(h, w, b, labels, temp, ids, ups, group, r, size, cols, dt
     ww, bb = w[cols].clone().requires_grad_(), b[cols].clone().requires_grad_()
     o = linear_log_probs_and_entropy(
         hh, OutputLayer(ww, bb, softcap=SOFTCAP, process_group=group, sequence_parallel=True), labels[:s].unsqueeze(1),
-        temperature=temp[:s].unsqueeze(1), chunking=Chunking(64, invariant=True, tile=TILE),
+        temperature=temp[:s].unsqueeze(1), chunking=Chunking(128, invariant=True, tile=TILE),
         compute_sum_pi_squared=True, log_probs_at=ids[:s].unsqueeze(1), top_k=K)
     u = ups[:, :s]
     loss = (o.log_probs.squeeze(1) * u[0]).sum() + (o.entropy.squeeze(1) * u[1]).sum()
     loss = loss + (o.sum_pi_squared.squeeze(1) * u[2]).sum() + (o.log_probs_at.squeeze(1) * u[3:3 + K].t()).sum()
     (loss + (o.top_k_log_probs.squeeze(1) * u[3 + K:].t()).sum()).backward()
     # TP 1 on the first 144 rows: its own call (the weight's and bias's gradients sum over those rows only)
-    base, grads = _head_call(h[:s], w, b, labels[:s], temp[:s], ids[:s], ups[:, :s], None, slice(None), 64)
+    base, grads = _head_call(h[:s], w, b, labels[:s], temp[:s], ids[:s], ups[:, :s], None, slice(None), 128)
     _same([t.squeeze(1) for t in _outs(o)], base, f"{dtype} fused head sequence parallel TP {size}")
     _same([hh.grad.squeeze(1), ww.grad, bb.grad], [grads[0][mine], grads[1][cols], grads[2][cols]],
           f"{dtype} fused head sequence parallel TP {size} gradients")
@@ -208,8 +208,8 @@ def test_invariant_compiled_kernels_same_bits_at_every_chunk_and_batch():
     outs, _ = _logits_call(x, labels, temp, ids, ups, None, slice(None), 1024, sel=sel, backend="compile")
     _same(outs, [t[sel] for t in lp_base], "compiled logits, rows=")
     hd_base, hg_base = _head_call(h, w, b, labels, temp, ids, ups, None, slice(None), 128, backend="compile")
-    outs, grads = _head_call(h, w, b, labels, temp, ids, ups, None, slice(None), 64, vocab=2 * TILE, backend="compile")
-    _same(outs + grads, hd_base + hg_base, "compiled fused head chunk 64, vocabulary blocks")
+    outs, grads = _head_call(h, w, b, labels, temp, ids, ups, None, slice(None), 256, vocab=2 * TILE, backend="compile")
+    _same(outs + grads, hd_base + hg_base, "compiled fused head chunk 256, vocabulary blocks")
 
 
 def _head_reference(h, w, b, labels, temp):
