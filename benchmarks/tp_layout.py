@@ -10,8 +10,8 @@ share of tokens whose bits differ. The same for the fused head (``linear_log_pro
 the weight sharded by rows) against its own TP 1 default.
 
 Then the invariant mode's cost at TP 1 in this process (one thread, as the ranks): the time of a forward and
-backward (log-probs and entropy, random upstream gradients; the fastest of ``--reps``, the two modes' runs
-alternating) of the logits path and
+backward (log-probs and entropy, random upstream gradients; this process's CPU time, the fastest of
+``--reps``, the two modes' runs alternating) of the logits path and
 of the fused head (float32, and bf16 weights and hidden states) in each mode, and the peak of the bytes the
 call allocates (an allocation log, ``tests.helpers.LivePeak``: each storage an op made, held until its last
 tensor is gone), and their ratios.
@@ -96,9 +96,10 @@ def _step(fn, x, labels, h, w, chunking, g):
 
 
 def _cost(n, v, reps):
-    """``[(path, mode, fastest seconds, peak bytes)]`` at TP 1 in this process, one thread. The two modes' runs
-    alternate (default, invariant, default, ...), and each mode's fastest of ``reps`` is taken: on a shared
-    machine the load then falls on both alike, and the fastest run is the one it disturbed least."""
+    """``[(path, mode, fastest seconds, peak bytes)]`` at TP 1 in this process, one thread, in CPU time (this
+    process's: the work, not the machine's other load). The two modes' runs alternate (default, invariant,
+    default, ...) and each mode's fastest of ``reps`` is taken: on a shared machine the remaining disturbance
+    (caches, memory bandwidth) then falls on both alike, and the fastest run is the one it disturbed least."""
     from tests.helpers import LivePeak
 
     torch.set_num_threads(1)
@@ -112,9 +113,9 @@ def _cost(n, v, reps):
             _step(fn, x, labels, h, w, chunking[mode], g)  # warm
         for _ in range(reps):
             for mode in MODES:
-                t0 = time.perf_counter()
+                t0 = time.process_time()
                 _step(fn, x, labels, h, w, chunking[mode], g)
-                times[mode].append(time.perf_counter() - t0)
+                times[mode].append(time.process_time() - t0)
         for mode in MODES:
             with LivePeak() as live:
                 _step(fn, x, labels, h, w, chunking[mode], g)
@@ -155,9 +156,9 @@ def _bits(a):
 
 def _print_cost(a):
     cost = _cost(a.tokens, a.vocab, a.reps)
-    print(f"\nThe invariant mode's cost at TP 1 (one thread, forward + backward of log-probs and entropy, chunk 1024, "
-          f"the fastest of {a.reps}, the modes alternating; peak: the bytes the call allocates, from an allocation "
-          "log)\n")
+    print("\nThe invariant mode's cost at TP 1 (one thread, CPU time, forward + backward of log-probs and entropy, "
+          f"chunk 1024, the fastest of {a.reps}, the modes alternating; peak: the bytes the call allocates, from an "
+          "allocation log)\n")
     print("| path | default: time | invariant: time | ratio | default: peak | invariant: peak | ratio |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for fn, name in PATHS.items():

@@ -474,12 +474,13 @@ def _grads_tiled(blocks, rows: Rows, weight, n, hidden_dtype, need, main_grad, f
                 gt[r1 - r0:].zero_()
                 gt[: r1 - r0].copy_(g[r0 - a:r1 - a, c0 - v0:c1 - v0])
                 gq = gt if gdt == cdt else gt.to(gdt)
-                if widen:  # the values _half_mm multiplies, from the copies made above
+                if widen or gq.dtype == weight.dtype == cdt:  # float32 operands (widened: the values _half_mm takes)
                     gq = gq.to(cdt)
-                    if need_h:
-                        leaf[r0 - a:r0 - a + ROWS] = torch.mm(gq, w_t)
+                    if need_h:  # into the leaf's rows, an addmm into the accumulator: no temporary
+                        torch.mm(gq, w_t, out=leaf[r0 - a:r0 - a + ROWS])
                     if need_w:
-                        acc_w[c0:c1].add_(torch.mm(gq.t(), h_wide[r0 - a:r0 - a + ROWS]))
+                        h_t = h_wide[r0 - a:r0 - a + ROWS] if widen else _row_tile(rows, r0, r1, pad)
+                        acc_w[c0:c1].addmm_(gq.t(), h_t)
                 else:
                     if need_h:
                         leaf[r0 - a:r0 - a + ROWS] = _half_mm(gq, w_t, cdt)
