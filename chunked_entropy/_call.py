@@ -58,6 +58,7 @@ from ._rows import (
     take_rows,
 )
 from ._stats import RowStats, Transform, Want
+from ._tiles import Tiles, tiles_for
 from .config import walk_plan
 from .losses._objective import Objective
 from .losses.aggregation import Aggregation
@@ -92,21 +93,38 @@ __all__ = [
 
 
 def plan_for(layer: OutputLayer, chunking: Chunking, *, lead, want: Want, device, buffers: Optional[int] = None,
-             compiled: bool = True, pair=None, width: Optional[int] = None) -> Plan:
+             compiled: bool = True, pair=None, width: Optional[int] = None, keep=None) -> Plan:
     """How an op walks ``lead``'s tokens and the layer's vocabulary shard: :func:`chunked_entropy.config.walk_plan`
     (the one place the sizes are decided) with the layer's weight, bias, ``logits_dtype``, group and sequence
     parallelism. ``width``: an op over given logits of that many columns (the layer holds no weight then).
     ``buffers``: the float32 buffers ``chunk_size="auto"`` is sized for (by default one, two with a scratch
     output); ``compiled=False``: the eager kernels; ``pair``: a divergence's math, whose kernels are probed too
-    (:func:`~chunked_entropy._kernels.use_compiled`)."""
+    (:func:`~chunked_entropy._kernels.use_compiled`). ``Chunking.invariant``: the shard's tiles
+    (:func:`invariant_tiles`, ``keep`` refused) go to the plan, which walks them in the invariant mode."""
+    tiles = invariant_tiles(chunking, layer.weight.shape[0] if width is None else width, layer.process_group, keep)
     common = dict(tokens=math.prod(lead), want=want, device=device, group=layer.process_group, buffers=buffers,
-                  kernels=compiled, pair=pair)
+                  kernels=compiled, pair=pair, tiles=tiles)
     if width is not None:
         return walk_plan(chunking, width=width, dtype=None, over_logits=True, **common)
     w = layer.weight
     return walk_plan(chunking, width=w.shape[0], dtype=w.dtype, sequence_parallel=layer.sequence_parallel,
                      float32_logits=layer.float32_logits, bias=layer.bias is not None, weight_grad=w.requires_grad,
                      **common)
+
+
+def invariant_tiles(chunking: Chunking, v_local: int, group, keep=None) -> Optional[Tiles]:
+    """The invariant mode's tiles of this rank's shard (:mod:`chunked_entropy._tiles`), or None where
+    ``chunking.invariant`` is off. Refuses, by name, a shard that is not a whole number of tiles, a group
+    whose size is not a power of two, and ``keep`` (sampling replay's kept sets merge over the ranks in the
+    default mode's all-reduces)."""
+    if not chunking.invariant:
+        return None
+    if keep is not None:
+        raise ValueError("keep= (sampling replay) is not available with Chunking(invariant=True): the kept sets' "
+                         "statistics are not merged in the invariant mode's fixed order; pass keep=None or "
+                         "Chunking(invariant=False)")
+    rank, world = group_rank_size(group)
+    return tiles_for(chunking.tile, v_local, rank, world)
 
 
 def group_of(layer):
@@ -228,7 +246,7 @@ def _objects(a: dict, spec: RowsOf) -> list:
     layers = [as_layer(a[n], n, logits=spec.logits) for n in spec.layers]
     if "divergence" in a:
         as_divergence(a["divergence"])
-    as_chunking(a["chunking"], default=spec.default)
+    as_chunking(a["chunking"], default=spec.default, invariant_ok="loss" not in a and "divergence" not in a)
     if "loss" in a:
         as_loss(a["loss"])
     if len(layers) == 2:
@@ -466,7 +484,7 @@ def prepare(source: torch.Tensor, layer, labels=None, *, chunking=None, logits: 
         if teacher is not None:
             teacher_layer = as_layer(teacher_layer, "teacher_layer", logits=logits)
             divergence = as_divergence(divergence)
-        chunking = as_chunking(chunking, default=default)
+        chunking = as_chunking(chunking, default=default, invariant_ok=teacher is None and policy is None)
         loss = None if policy is None else as_loss(loss)
         if teacher is not None:
             one_group(layer, teacher_layer)
@@ -502,10 +520,12 @@ def _from_logits(call, logits, layer, chunking, flags, loss, policy, *, labels, 
     cdt = compute_dtype(logits.dtype)
     objective = None if policy is None else Objective(loss, labels, dtype=cdt, **policy)
     plan = plan_for(layer, chunking, lead=logits.shape[:-1], want=Want() if want is None else want,
-                    device=logits.device, width=v_local)
+                    device=logits.device, width=v_local, keep=args["keep"])
     grads = torch.is_grad_enabled() and logits.requires_grad
     labels, no_labels = _labels(labels, logits.shape[:-1], args, logits.device, objective)
     tok = _tokens(call, labels, logits.shape[:-1], v_local, layer, cdt, logits.device, objective, args, logits=logits)
+    if plan.tiles is not None and tok.at is not None:  # the invariant mode: top-k ties by the lower id
+        tok.at.tie_break = True
     agree_objects(call, layer=layer, chunking=chunking)
     fields = {} if want is None else {"compute_entropy": want.entropy, "compute_sum_pi_squared": want.sum_pi_squared}
     call.agree_all({**fields, "logits.requires_grad": grads, f"logits.dtype {_DTYPE_FIELD}": dtype_code(logits.dtype)})
@@ -537,9 +557,11 @@ def _from_hidden(call, hidden, layer, chunking, flags, loss, policy, *, labels, 
     main_grad = main_grad_of(weight, layer.gradient_accumulation_fusion)
     grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
     plan = plan_for(layer, chunking, lead=lead, want=Want() if want is None else want, device=hidden.device,
-                    buffers=2 if want is None else None)
+                    buffers=2 if want is None else None, keep=args["keep"])
     labels, no_labels = _labels(labels, lead, args, hidden.device, objective)
     tok = _tokens(call, labels, lead, v_local, layer, cdt, hidden.device, objective, args)
+    if plan.tiles is not None and tok.at is not None:  # the invariant mode: top-k ties by the lower id
+        tok.at.tie_break = True
     call.agree_all(linear_settings(hidden, weight, bias, plan, grads))
     agree_objects(call, layer=layer, chunking=chunking)
     _agree_loss(call, loss, objective)

@@ -25,8 +25,10 @@ from typing import Optional
 import torch
 from einops import rearrange
 
+from . import _tiles
 from ._inputs import Rows, Tokens, compute_dtype, dtype_code
 from ._loop import Plan, row_stats
+from ._tiles import ROWS, Tiles
 from .config import GRAD_BUFFER_BYTES, three_pass_bytes
 from .parallel import all_gather_dim0, all_reduce_sum_, reduce_scatter_dim0
 
@@ -107,8 +109,11 @@ def _logits_block(h, w, bias, out, float32: bool = False):
     return out
 
 
-def linear_filler(rows: Rows, weight, bias, float32: bool = False):
-    """``fill`` for the chunk loop: a block of logits computed from hidden rows and weight rows."""
+def linear_filler(rows: Rows, weight, bias, float32: bool = False, tiles: Optional[Tiles] = None):
+    """``fill`` for the chunk loop: a block of logits computed from hidden rows and weight rows (``tiles``: the
+    invariant mode's fixed-shape matmuls, :func:`_tiled_filler`)."""
+    if tiles is not None:
+        return _tiled_filler(rows, weight, bias, float32, tiles)
 
     def fill(x, a, b, v0, v1):
         _logits_block(rows(a, b), weight[v0:v1], None if bias is None else bias[v0:v1], x, float32)
@@ -116,9 +121,48 @@ def linear_filler(rows: Rows, weight, bias, float32: bool = False):
     return fill
 
 
+def _row_tile(rows: Rows, r0: int, r1: int, pad: dict) -> torch.Tensor:
+    """Hidden rows ``[r0, r1)`` as a ``[ROWS, H]`` tile: the rows themselves, or (fewer than ``ROWS``) copied into
+    a zero-padded tile of ours (kept in ``pad``: one a call)."""
+    h = rows(r0, r1)
+    if r1 - r0 == ROWS:
+        return h
+    tile = pad.get("h")
+    if tile is None:
+        tile = pad["h"] = torch.zeros(ROWS, h.shape[1], dtype=h.dtype, device=h.device)
+    tile[r1 - r0:].zero_()
+    tile[: r1 - r0].copy_(h)
+    return tile
+
+
+def _tiled_filler(rows: Rows, weight, bias, float32: bool, tiles: Tiles):
+    """The invariant mode's ``fill``: each ``[ROWS, T]`` piece of a block (a row tile of the chunk, zero-padded,
+    by one vocabulary tile) is its own matmul of that fixed shape (:func:`_logits_block`) into a tile buffer of
+    ours, then copied into the block, so that a logit's bits depend on its own hidden row and weight row only,
+    not on the rows or the shard beside it (on the CPU BLAS a product's order of summation follows the shapes
+    of the call). ``(chunk / ROWS) x (block / T)`` matmuls a block; beyond the block, a ``[ROWS, T]`` buffer and
+    a ``[ROWS, H]`` padded row tile."""
+    t = tiles.width
+    pad, out = {}, {}
+
+    def fill(x, a, b, v0, v1):
+        for r0 in range(a, b, ROWS):
+            r1 = min(r0 + ROWS, b)
+            h = _row_tile(rows, r0, r1, pad)
+            for c0 in range(v0, v1, t):
+                c1 = min(c0 + t, v1)
+                o = out.get(c1 - c0)
+                if o is None:
+                    o = out[c1 - c0] = torch.empty(ROWS, c1 - c0, dtype=x.dtype, device=x.device)
+                _logits_block(h, weight[c0:c1], None if bias is None else bias[c0:c1], o, float32)
+                x[r0 - a:r1 - a, c0 - v0:c1 - v0].copy_(o[: r1 - r0])
+
+    return fill
+
+
 def linear_row_stats(h_full, weight, bias, tok: Tokens, plan: Plan):
     """Per-token :class:`~chunked_entropy._stats.RowStats` of ``h_full @ weight.T + bias``, never formed whole."""
-    return row_stats(tok, linear_filler(Rows(h_full), weight, bias, plan.float32_logits), plan,
+    return row_stats(tok, linear_filler(Rows(h_full), weight, bias, plan.float32_logits, plan.tiles), plan,
                      width=weight.shape[0], dtype=compute_dtype(weight.dtype), device=weight.device)
 
 
@@ -137,7 +181,7 @@ def grad_vocab_block(n: int, weight: torch.Tensor, plan: Plan, need_w: bool) -> 
     ``vocab_chunk_size``. Float32 weights accumulate straight into their
     float32 gradient, chunk by chunk: no buffer at all.
     """
-    return plan.grad_vocab_chunk_size if need_w else None
+    return plan.grad_vocab_chunk_size if need_w and plan.tiles is None else None
 
 
 class GradRows:
@@ -204,7 +248,7 @@ def three_pass_plan(n: int, weight: torch.Tensor, plan: Plan, *, budget: int, vo
 
 def linear_grads(blocks, rows: Rows, weight, *, n: int, hidden_dtype, chunk_size: int, need, main_grad=None,
                  float32: bool = False, vocab_block: Optional[int] = None, weight_grad_dtype=None,
-                 grad_rows: Optional[GradRows] = None):
+                 grad_rows: Optional[GradRows] = None, tiles: Optional[Tiles] = None, group=None):
     """Turn the logit-gradient blocks of the chunk loop into gradients of hidden, weight and bias.
 
     ``blocks`` yields ``(a, b, v0, v1, g)`` with ``g = dL/dlogits`` of rows
@@ -239,7 +283,12 @@ def linear_grads(blocks, rows: Rows, weight, *, n: int, hidden_dtype, chunk_size
     buffer in the weight's dtype (64 MiB at most), no ``[V, H]``
     float32 tensor. ``grad_rows``: that buffer, given (the walk's compiled
     kernels write the gradient straight into it: no copy).
+
+    ``tiles`` (the invariant mode; chunks outermost, whole row tiles a chunk): :func:`_grads_tiled`, the hidden
+    states' gradient summed over ``group`` there.
     """
+    if tiles is not None:
+        return _grads_tiled(blocks, rows, weight, n, hidden_dtype, need, main_grad, float32, tiles, group)
     need_h, need_w, need_b = need
     v, hdim = weight.shape
     dev = weight.device
@@ -275,6 +324,100 @@ def linear_grads(blocks, rows: Rows, weight, *, n: int, hidden_dtype, chunk_size
         gq = None  # freed before the walk makes the next block's (two [rows, block] half blocks otherwise)
     if need_w and acc_w is not gw and acc_w is not main_grad:
         (gw if main_grad is None else main_grad).add_(acc_w)
+    return grad_h, gw, gb
+
+
+#: The rows of the hidden states' gradient summed over the group at a time in the invariant mode (the
+#: all-gather receives ``world`` times as many): 64 MiB of float32 at ``world * H`` columns.
+TILED_SUM_BYTES = 64 * 2**20
+
+
+def _grads_tiled(blocks, rows: Rows, weight, n, hidden_dtype, need, main_grad, float32, tiles: Tiles, group):
+    """:func:`linear_grads` in the invariant mode: every product a fixed-shape matmul of one ``[ROWS, T]`` tile of
+    the logit gradient (copied into a buffer of ours, the last row tile zero-padded), so that no sum depends on
+    the chunk size, the rows beside a row or the TP size:
+
+    - the hidden states' gradient: each vocabulary tile's ``[rows, H]`` share (``g_tile @ W_tile``) pushed into
+      the fixed merge tree (:class:`~chunked_entropy._tiles.TreeSum`); the chunk's rows get this rank's
+      subtree, summed over ``group`` through the tree's top after the walk
+      (:func:`~chunked_entropy._tiles.summed`), in float32, rounded once to ``hidden_dtype``;
+    - the weight's: ``g_tile.T @ h_tile`` added in row-tile order into a float32 ``[V_local, H]`` accumulator
+      (``main_grad`` itself where it is float32), rounded once to the weight's dtype;
+    - the bias's: each tile's column sums, added in row-tile order.
+
+    Half-precision operands: the gradient rounded to the weight's dtype (float32 with ``float32``) and each
+    product formed in float32 (:func:`_half_mm`). Memory beyond the gradients: the float32 ``[n, H]`` hidden
+    gradient, a float32 ``[V_local, H]`` accumulator (half-precision weights), the tree's partial sums of a
+    chunk (at most ``log2`` of the tiles plus one ``[chunk, H]`` float32), a ``[ROWS, T]`` and a ``[ROWS, H]``
+    tile, and the gather of :data:`TILED_SUM_BYTES`' rows."""
+    need_h, need_w, need_b = need
+    v, hdim = weight.shape
+    dev = weight.device
+    cdt = compute_dtype(weight.dtype)
+    gdt = cdt if float32 else weight.dtype  # what the matmuls take, as the default mode rounds it
+    t = tiles.width
+    gb = torch.zeros(v, dtype=cdt, device=dev) if need_b else None
+    acc_w = None
+    if need_w:
+        direct = main_grad is not None and main_grad.dtype == cdt
+        acc_w = main_grad if direct else torch.zeros(v, hdim, dtype=cdt, device=dev)
+    grad_h = torch.empty(n, hdim, dtype=cdt, device=dev) if need_h else None
+    pad, bufs, tree = {}, {}, None
+    lo, hi = tiles.first, tiles.first + tiles.local
+    # Off CUDA a half-precision product is formed from float32 copies (_half_mm): the weight tile widened once a
+    # chunk and tile, the chunk's hidden rows once a chunk (a zero-padded float32 [chunk, H]), not once a row tile
+    widen = weight.dtype != cdt and not half_mm_native(dev)
+    h_wide = None
+    for a, b, v0, v1, g in blocks:
+        if v0 == 0:
+            tree = tiles.sum_tree() if need_h else None
+            padded = -(-(b - a) // ROWS) * ROWS
+            if widen and need_w:
+                h_wide = torch.zeros(padded, hdim, dtype=cdt, device=dev)
+                h_wide[: b - a].copy_(rows(a, b))
+        for c0 in range(v0, v1, t):
+            c1 = min(c0 + t, v1)
+            w_t = weight[c0:c1].to(cdt) if widen and need_h else weight[c0:c1]
+            leaf = torch.empty(padded, hdim, dtype=cdt, device=dev) if need_h else None
+            gt = bufs.get(c1 - c0)
+            if gt is None:
+                gt = bufs[c1 - c0] = torch.empty(ROWS, c1 - c0, dtype=cdt, device=dev)
+            for r0 in range(a, b, ROWS):
+                r1 = min(r0 + ROWS, b)
+                gt[r1 - r0:].zero_()
+                gt[: r1 - r0].copy_(g[r0 - a:r1 - a, c0 - v0:c1 - v0])
+                gq = gt if gdt == cdt else gt.to(gdt)
+                if widen or gq.dtype == weight.dtype == cdt:  # float32 operands (widened: the values _half_mm takes)
+                    gq = gq.to(cdt)
+                    if need_h:  # into the leaf's rows, an addmm into the accumulator: no temporary
+                        torch.mm(gq, w_t, out=leaf[r0 - a:r0 - a + ROWS])
+                    if need_w:
+                        h_t = h_wide[r0 - a:r0 - a + ROWS] if widen else _row_tile(rows, r0, r1, pad)
+                        acc_w[c0:c1].addmm_(gq.t(), h_t)
+                else:
+                    if need_h:
+                        leaf[r0 - a:r0 - a + ROWS] = _half_mm(gq, w_t, cdt)
+                    if need_w:
+                        acc_w[c0:c1].add_(_half_mm(gq.t(), _row_tile(rows, r0, r1, pad), cdt))
+                if need_b:
+                    gb[c0:c1].add_(gt.sum(dim=0))
+            if need_h:
+                first = tiles.block(c0, c1)
+                tree.push(first, first + 1, leaf)
+        if need_h and v1 == v:  # the chunk's last block: this rank's subtree of its rows
+            grad_h[a:b] = tree.result(lo, hi)[: b - a]
+            tree = None
+    if need_h:
+        rows_at_once = max(1, TILED_SUM_BYTES // (4 * hdim * tiles.world))
+        grad_h = _tiles.summed(grad_h, tiles, group, rows_at_once)
+        grad_h = grad_h if hidden_dtype == cdt else grad_h.to(hidden_dtype)
+    gw = None
+    if need_w:
+        if main_grad is not None:
+            if acc_w is not main_grad:
+                main_grad.add_(acc_w)
+        else:
+            gw = acc_w if weight.dtype == cdt else acc_w.to(weight.dtype)
     return grad_h, gw, gb
 
 
@@ -521,8 +664,14 @@ def half_addmm_native(device: torch.device) -> bool:
 
 
 def reduce_hidden_grad(grad_h: torch.Tensor, full_shape, plan: Plan) -> torch.Tensor:
-    """hidden is replicated over the group: its gradient is the sum of every shard's (reduce-scattered under SP)."""
+    """hidden is replicated over the group: its gradient is the sum of every shard's (reduce-scattered under SP).
+    In the invariant mode (``plan.tiles``) :func:`_grads_tiled` summed it already: this rank's slice under SP."""
     grad_h = grad_h.view(full_shape)
+    if plan.tiles is not None:
+        if plan.sequence_parallel and plan.tiles.world > 1:
+            part = full_shape[0] // plan.tiles.world
+            return grad_h.narrow(0, plan.tiles.rank * part, part).contiguous()
+        return grad_h
     if plan.sequence_parallel:
         return reduce_scatter_dim0(grad_h, plan.group)
     return all_reduce_sum_(grad_h, plan.group)

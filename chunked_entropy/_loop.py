@@ -31,7 +31,7 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from . import _divergence, _keep, _stats, _token_ids
+from . import _divergence, _keep, _stats, _tiles, _token_ids
 from ._inputs import Tokens, chunks
 from ._kernels import PAIR, Kernels
 from .parallel import all_reduce_sum_, reduce_stats, reduce_stats_pair
@@ -57,6 +57,9 @@ class Plan:
     # The backward's vocabulary block where it walks blocks outermost (half-precision weights whose gradient is
     # wanted), or None: chunks outermost. Sized with the rest by chunked_entropy.config.plan.
     grad_vocab_chunk_size: Optional[int] = None
+    # The invariant mode (Chunking(invariant=True)): the shard's global tiles, whose statistics merge in one fixed
+    # tree (chunked_entropy._tiles) in place of the blocks' running merge and the group's all-reduces. None: off.
+    tiles: Optional[_tiles.Tiles] = None
 
 
 def block_dtype(plan: Plan, dtype, *, sparse: bool = False):
@@ -229,6 +232,8 @@ def row_stats(tok: Tokens, fill: Fill, plan: Plan, *, width: int, dtype, device,
 
     With sampling replay (``tok.keep``) also those of each row's kept set. With compiled kernels and neither
     replay nor distillation, the blocks are merged over all rows at once (:func:`_row_stats_blocks_outer`).
+    In the invariant mode (``plan.tiles``) each block's tiles' statistics go into the chunk's fixed merge tree
+    and the chunk's rows are merged over the group through its top (:mod:`chunked_entropy._tiles`).
     """
     block, chunk_size, group, want, compiled = (plan.vocab_chunk_size, plan.chunk_size, plan.group, plan.want,
                                                 plan.compiled)
@@ -236,7 +241,8 @@ def row_stats(tok: Tokens, fill: Fill, plan: Plan, *, width: int, dtype, device,
     view = _block_view(view, compiled, tok.transform)
     bufs = Buffers(min(chunk_size, n), block, block_dtype(plan, dtype), device, work=not compiled or view is None,
                    scratch=want.scratch and not compiled)
-    if compiled and kept is None and tok.at is None:
+    tiles = plan.tiles
+    if compiled and kept is None and tok.at is None and tiles is None:
         return _row_stats_blocks_outer(tok, fill, plan, bufs, width=width, dtype=dtype, device=device, view=view)
     out = new_row_stats(n, want, dtype, device, kept)
     at = tok.at
@@ -247,12 +253,18 @@ def row_stats(tok: Tokens, fill: Fill, plan: Plan, *, width: int, dtype, device,
         k, target = tok.k_rows(a, b), tok.target[a:b]
         entries = None if kept is None else kept.chunk(a, b, n, chunk_size)
         st = kst = count = cand = None
+        tree = None if tiles is None else tiles.stats_tree(k)
         for v0, v1 in chunks(width, block):
             x, scratch, _ = bufs.get(b - a, v1 - v0)
             z = _read(fill, view, x, a, b, v0, v1) if compiled else _read_eager(fill, view, x, a, b, v0, v1)
             g = _block_kept(kept, entries, z, v0, tok.transform, k, dtype)
             if at is not None:  # distillation's ids and top-k, read before the block is overwritten
                 cand = at.block(z, a, b, v0, cand)
+            if tree is not None:  # the invariant mode: the block's tiles into the chunk's tree
+                _tiles.push_block_stats(tree, tiles, z if compiled else x, tok.transform, k, target, v0, scratch,
+                                        want_w=want.entropy, want_q=want.sum_pi_squared,
+                                        src=None if compiled or z is x else z, compiled=compiled, dtype=dtype)
+                continue
             if compiled:
                 blk = compiled.stats(z, tok.transform, kernel_k(k, b - a, dtype, device, const, compiled), target,
                                      v0, want.entropy, want.sum_pi_squared, dtype,
@@ -265,7 +277,10 @@ def row_stats(tok: Tokens, fill: Fill, plan: Plan, *, width: int, dtype, device,
                 kb, kc = _keep.block_stats(g, entries, b - a, k, dtype)
                 kst = _stats.merge_stats(kst, kb, k)
                 count = kc if count is None else count + kc
-        _store(out, _rows_of_chunk(st, kst, count, group, k, kept)[0], a, b)
+        if tree is not None:
+            _store(out, _stats.RowStats.from_block(_tiles.merged_stats(tree, tiles, group, k), k), a, b)
+        else:
+            _store(out, _rows_of_chunk(st, kst, count, group, k, kept)[0], a, b)
         if at is not None:
             at.chunk_done(a, b, cand)
     if at is not None:

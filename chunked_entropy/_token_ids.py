@@ -67,6 +67,9 @@ class At:
     top_ids: Optional[torch.Tensor] = None  # [N, k] their global ids
     capped: bool = False  # a soft-cap: the log-probs are relative to u of the row's largest raw logit (see above)
     row_max: Optional[torch.Tensor] = None  # [N] the row's largest raw logit (capped, without top_k)
+    # The invariant mode: the top-k's ties broken by the lower global id (:func:`_top_by_key`), so that the ids
+    # do not depend on the blocks, the chunk or the ranks (torch's topk picks among equal values as it goes)
+    tie_break: bool = False
 
     @property
     def k_ids(self) -> int:
@@ -96,10 +99,17 @@ class At:
             self.row_max[a:b] = torch.maximum(self.row_max[a:b], z.amax(dim=1).to(self.row_max.dtype))
         if not self.top_k:
             return None
-        vals, idx = z.topk(min(self.top_k, width), dim=1)
-        vals, idx = vals.to(self.top_raw.dtype), idx + (self.rank * self.v_local + v0)
+        first = self.rank * self.v_local + v0
+        if self.tie_break:
+            ids = torch.arange(first, first + width, device=z.device).expand(z.shape[0], width)
+            vals, idx = _top_by_key(z.to(self.top_raw.dtype), ids, self.top_k)
+        else:
+            vals, idx = z.topk(min(self.top_k, width), dim=1)
+            vals, idx = vals.to(self.top_raw.dtype), idx + first
         if cand is not None:  # merged with the earlier blocks' candidates, in descending order again
             vals, idx = torch.cat([cand[0], vals], dim=1), torch.cat([cand[1], idx], dim=1)
+            if self.tie_break:
+                return _top_by_key(vals, idx, self.top_k)
             vals, pick = vals.topk(min(self.top_k, vals.shape[1]), dim=1)
             idx = idx.gather(1, pick)
         return vals, idx
@@ -127,6 +137,9 @@ class At:
             idx = all_gather_dim0(self.top_ids.unsqueeze(0).contiguous(), group)
             vals, idx = vals.permute(1, 0, 2).reshape(-1, world * self.top_k), idx.permute(1, 0, 2).reshape(
                 -1, world * self.top_k)
+            if self.tie_break:
+                self.top_raw, self.top_ids = _top_by_key(vals, idx, self.top_k)
+                return
             self.top_raw, pick = vals.topk(self.top_k, dim=1)
             self.top_ids = idx.gather(1, pick)
 
@@ -174,6 +187,22 @@ class At:
         local = ids - (self.rank * self.v_local + v0)
         return (local.clamp(0, width - 1), (local >= 0) & (local < width), (target - v0).clamp(0, width - 1),
                 (target >= v0) & (target < v0 + width))
+
+
+def _top_by_key(vals: torch.Tensor, ids: torch.Tensor, k: int) -> tuple:
+    """The top ``k`` of ``vals`` (``[n, c]``) by value, equal values by the lower id (``ids``, ``[n, c]`` global):
+    ``(values, ids)``, descending. One int64 key an entry, unique, so that the choice does not depend on the
+    entries' order (the invariant mode: ``At.tie_break``): the float32 value's bits made order-preserving in
+    the high half, ``2**31 - 1 - id`` in the low half. Float64 values (gradcheck): torch's topk, ties as it
+    picks them. Allocates the keys (8 bytes an entry) and a float32 copy of half-precision ``vals``."""
+    k = min(k, vals.shape[1])
+    if vals.dtype != torch.float32:
+        picked, pick = vals.topk(k, dim=1)
+        return picked, ids.gather(1, pick)
+    bits = vals.contiguous().view(torch.int32)
+    order = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)
+    _, pick = (order * 2**32 + (2**31 - 1 - ids)).topk(k, dim=1)
+    return vals.gather(1, pick), ids.gather(1, pick)
 
 
 def add_grad_(grad: torch.Tensor, raw, entries, coef: torch.Tensor, total: torch.Tensor, tf: Transform) -> None:

@@ -33,6 +33,7 @@ from ._checks import is_finite_real, is_int, plain_str, value_repr
 from ._kernels import BACKENDS, use_compiled
 from ._loop import Plan
 from ._stats import Want
+from ._tiles import ROWS
 
 #: Bytes per element of the per-chunk buffers (they are float32).
 _BUFFER_ITEMSIZE = 4
@@ -63,7 +64,7 @@ WORKING_BYTES = 1 << 30
 def walk_plan(chunking, *, tokens: int, width: int, dtype: Optional[torch.dtype], device,
               want: Optional[Want] = None, group=None, sequence_parallel: bool = False, over_logits: bool = False,
               float32_logits: bool = False, bias: bool = False, weight_grad: bool = False,
-              buffers: Optional[int] = None, kernels: bool = True, pair=None) -> Plan:
+              buffers: Optional[int] = None, kernels: bool = True, pair=None, tiles=None) -> Plan:
     """How a call walks ``tokens`` tokens and a ``width``-column vocabulary shard: the one place the sizes are
     decided. Every op and ``chunked-entropy plan`` take their :class:`~chunked_entropy._loop.Plan` from here.
 
@@ -83,6 +84,8 @@ def walk_plan(chunking, *, tokens: int, width: int, dtype: Optional[torch.dtype]
             with a scratch output).
         kernels: choose the kernels of ``chunking.backend`` (False: the eager ones, for a walk without
             compiled kernels, and for sizing alone); ``pair``: a divergence's math, whose kernels are probed too.
+        tiles: the invariant mode's tiles of this shard (``Chunking.invariant``,
+            :func:`chunked_entropy._call.invariant_tiles`), or None.
 
     The sizes:
 
@@ -97,15 +100,27 @@ def walk_plan(chunking, *, tokens: int, width: int, dtype: Optional[torch.dtype]
       allows, no wider than the forward's (:func:`grad_vocab_block_for`); None otherwise (chunks outermost).
     - ``block_dtype``: the weight's half precision where compiled kernels read the matmul's rounded blocks
       (no bias, no float32 logits); None otherwise.
+
+    In the invariant mode (``tiles``): the eager kernels (the compiled ones with ``backend="compile"``: the
+    Triton kernels cannot honour the mode); over hidden states chunks of a multiple of
+    :data:`chunked_entropy._tiles.ROWS` rows (rounded down, at least one row tile), forward blocks of whole tiles
+    (at least one), the backward chunks outermost and float32 blocks.
     """
     want = Want() if want is None else want
     buffers = 1 + want.scratch if buffers is None else buffers
     vocab = chunking.vocab_chunk_size
     chunk_size = chunking.resolve(width if over_logits else min(vocab or width, width), buffers=buffers)
-    chosen = use_compiled(chunking.backend, device, pair=pair) if kernels else None
+    backend = chunking.backend if tiles is None else "compile" if chunking.backend == "compile" else "eager"
+    chosen = use_compiled(backend, device, pair=pair) if kernels else None
     if over_logits:
         return Plan(chunk_size=chunk_size, vocab_chunk_size=width, group=group, sequence_parallel=False, want=want,
-                    compiled=chosen)
+                    compiled=chosen, tiles=tiles)
+    if tiles is not None:
+        chunk_size = max(ROWS, chunk_size - chunk_size % ROWS)
+        block = vocab_block_for(vocab, chunk_size, tokens, width)
+        block = width if block >= width else max(tiles.width, block - block % tiles.width)
+        return Plan(chunk_size=chunk_size, vocab_chunk_size=block, group=group, sequence_parallel=sequence_parallel,
+                    want=want, compiled=chosen, float32_logits=float32_logits, tiles=tiles)
     half = dtype in (torch.bfloat16, torch.float16)
     block = vocab_block_for(vocab, chunk_size, tokens, width)
     grad_block = None

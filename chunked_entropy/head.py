@@ -51,7 +51,7 @@ class ChunkedVocabParallelHead(nn.Module):
     def __init__(self, layer: Union[OutputLayer, torch.Tensor], chunking: Union[Chunking, int, None] = None):
         super().__init__()
         self._layer = as_layer(layer)
-        self.chunking = as_chunking(chunking)
+        self.chunking = as_chunking(chunking, invariant_ok=True)
         if self._layer.weight is None:
             raise ValueError("layer must hold a weight (the head computes the logits from hidden states)")
         self.weight = self._layer.weight  # registered as the head's parameter when it is one

@@ -82,14 +82,14 @@ class _HeadFunction(torch.autograd.Function):
         vocab_block = grad_vocab_block(n, weight, plan, need_w)
         gr = grad_rows_for(n, weight, plan, vocab_block)
         blocks = grad_blocks(
-            tok, linear_filler(rows, weight, bias, plan.float32_logits), plan, width=v, block=vocab_block,
+            tok, linear_filler(rows, weight, bias, plan.float32_logits, plan.tiles), plan, width=v, block=vocab_block,
             vocab_outer=vocab_block is not None, stats=stats, grads=grads, dtype=cdt, device=dev, at_grads=at_grads,
             grad_rows=gr,
         )
         grad_h, grad_weight, gb = linear_grads(
             blocks, rows, weight, n=n, hidden_dtype=hidden.dtype, chunk_size=plan.chunk_size,
             need=(need_h, need_w, need_b), main_grad=ctx.main_grad if need_w else None,
-            float32=plan.float32_logits, vocab_block=vocab_block, grad_rows=gr,
+            float32=plan.float32_logits, vocab_block=vocab_block, grad_rows=gr, tiles=plan.tiles, group=plan.group,
         )
         grad_hidden = None if grad_h is None else reduce_hidden_grad(grad_h, h_full.shape, plan)
         if need_w and ctx.main_grad is not None:
@@ -242,6 +242,18 @@ def linear_log_probs_and_entropy(
         plus one ``[M, H]`` gather of the hidden rows, kept for backward
         (under sequence parallelism the ``[S, B, H]`` gather is made once,
         outside the chunk loop), and a ``[tokens, H]`` hidden gradient.
+
+        In the invariant mode (``Chunking(invariant=True)``, eager or compiled kernels;
+        docs/exact-tp.md): chunks of a multiple of 128 rows and blocks of a
+        multiple of the tile; each block's logits from ``[128, tile]``
+        matmuls through a buffer of that size (and a zero-padded ``[128, H]``
+        row tile); forward as above plus the tiles' statistics of a block.
+        Backward walks chunks outermost for every dtype: a float32 ``[tokens,
+        H]`` hidden gradient (all-gathered from every rank in slices of 64
+        MiB, in place of its all-reduce), at most ``log2(tiles) + 1``
+        float32 ``[chunk_size, H]`` partial sums of it, a ``[128, tile]``
+        gradient tile, and for half-precision weights a float32 ``[V_local,
+        H]`` weight-gradient accumulator (rounded once).
     """
     p = prepare(hidden, layer, labels, chunking=chunking, temperature=temperature, label_mask=label_mask,
                 ignore_index=ignore_index, compute_entropy=compute_entropy,

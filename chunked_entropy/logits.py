@@ -210,6 +210,14 @@ def log_probs_and_entropy(
         The row's own filter also sorts ``2**24 / V`` full rows at a time
         once per call (about 26 bytes per element; under a process group
         each rank all-gathers those rows' shards).
+        In the invariant mode (``Chunking(invariant=True)``, eager kernels;
+        the compiled ones read the block in place as above):
+        the same buffers, plus per chunk the tiles' statistics of the block
+        (``6 * chunk_size * V_local / tile`` floats) and the merge tree's
+        partial statistics; under a group one all-gather a chunk of 5 (6
+        with ``sum_pi_squared``) floats per token from every rank, in place
+        of the two all-reduces; with ``top_k``, an int64 key per element of
+        the block for the ties (docs/exact-tp.md).
 
     Example:
         >>> logits = torch.randn(2, 5, 11, requires_grad=True)

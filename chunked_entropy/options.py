@@ -70,6 +70,10 @@ from .parallel import group_rank_size
 
 __all__ = ["Chunking", "Divergence", "OutputLayer", "PolicyLoss", "model_reader"]
 
+#: The invariant mode's default tile width (``Chunking.tile``), and the widest tile it takes.
+INVARIANT_TILE = 1024
+MAX_TILE = 32768
+
 #: The entry-point group through which adapters supply the readers of other frameworks' models.
 READERS = "chunked_entropy.model_readers"
 
@@ -368,6 +372,23 @@ class Chunking:
             float32 tensor). ``vocab_chunk_size`` set below ``V_local``
             always takes four. ``chunked-entropy plan`` prints both walks
             and which one a call takes.
+        invariant: the invariant mode (docs/exact-tp.md): every output and
+            gradient of :func:`~chunked_entropy.log_probs_and_entropy` and
+            :func:`~chunked_entropy.linear_log_probs_and_entropy` bitwise the
+            same at every tensor-parallel size (1, 2, 4, 8), chunk size,
+            ``rows=`` selection and batch a row sits in. The vocabulary is cut
+            into global tiles of ``tile`` columns, each tile's statistics
+            formed alone and merged in one fixed tree on every rank
+            (:mod:`chunked_entropy._tiles`); the fused head's matmuls have
+            fixed shapes. Every rank's shard must be a whole number of tiles
+            (refused otherwise) and the group's size a power of two. The eager
+            kernels (``"auto"`` takes them) or the compiled ones
+            (``"compile"``); ``"triton"`` is refused; not with ``keep=``; the
+            other ops refuse it. Default False.
+        tile: the tile width of the invariant mode, an int in ``[1, 32768]``
+            (default 1024; read only with ``invariant``). A tile of at most
+            32768 columns is reduced by one thread on the CPU (torch splits a
+            longer row across threads, and its sum with them).
 
     Example:
         >>> Chunking(512).chunk_size
@@ -381,11 +402,23 @@ class Chunking:
     backend: str = "auto"
     max_chunk_bytes: int = 1 << 30
     max_working_bytes: int = WORKING_BYTES
+    invariant: bool = False
+    tile: int = INVARIANT_TILE
 
     def __post_init__(self):
         # config.check_field's rules (an actor section's too), each error naming Chunking.<field>
         for f in dataclasses.fields(self):
-            object.__setattr__(self, f.name, check_field(f.name, f"Chunking.{f.name}", getattr(self, f.name)))
+            if f.name not in ("invariant", "tile"):
+                object.__setattr__(self, f.name, check_field(f.name, f"Chunking.{f.name}", getattr(self, f.name)))
+        check_flag("Chunking.invariant", self.invariant)
+        if not (is_int(self.tile) and 1 <= self.tile <= MAX_TILE):
+            raise ValueError(f"Chunking.tile must be an int in [1, {MAX_TILE}] (the invariant mode's tile width), got "
+                             f"{self.tile!r}")
+        object.__setattr__(self, "tile", int(self.tile))
+        if self.invariant and self.backend == "triton":
+            raise ValueError("Chunking.backend='triton' cannot honour Chunking.invariant=True: the Triton kernels "
+                             "split a row's reduction by its length and the device; the invariant mode runs the eager "
+                             "kernels (backend='auto' or 'eager') or the compiled ones (backend='compile')")
 
     def resolve(self, width: int, *, buffers: int = 2) -> int:
         """The chunk size for ``width`` columns a block (the vocabulary block or shard): ``chunk_size``, or
@@ -411,6 +444,8 @@ class Chunking:
             "backend": _crc(self.backend),
             "max_chunk_bytes": self.max_chunk_bytes,
             "max_working_bytes": self.max_working_bytes,
+            "invariant": int(self.invariant),
+            "tile": self.tile,
         }
 
     @classmethod
@@ -433,10 +468,16 @@ class Chunking:
         return cls(**{f.name: fields[f.name] for f in dataclasses.fields(cls) if f.name in fields})
 
 
-def as_chunking(value, name: str = "chunking", *, default: Optional[Chunking] = None) -> Chunking:
+def as_chunking(value, name: str = "chunking", *, default: Optional[Chunking] = None,
+                invariant_ok: bool = False) -> Chunking:
     """An op's ``chunking`` argument as a :class:`Chunking`: one as it is, an int (or ``"auto"``) as the chunk
-    size, None the op's ``default`` (else the defaults)."""
+    size, None the op's ``default`` (else the defaults). ``invariant_ok``: the op has the invariant mode
+    (``Chunking.invariant``); the others refuse it by name."""
     if isinstance(value, Chunking):
+        if value.invariant and not invariant_ok:
+            raise ValueError(f"{name}.invariant=True: this op has no invariant mode; log_probs_and_entropy and "
+                             "linear_log_probs_and_entropy have it (docs/exact-tp.md). Use Chunking(invariant=False) "
+                             "here")
         return value
     if value is None:
         return Chunking() if default is None else default

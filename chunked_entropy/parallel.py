@@ -566,3 +566,23 @@ def default_tp_group() -> Optional[object]:
     if not parallel_state.model_parallel_is_initialized():
         return None
     return parallel_state.get_tensor_model_parallel_group()
+
+
+def all_gather_stack(value, group) -> list:
+    """Every rank's ``value`` (a tensor, or a :class:`~chunked_entropy._stats.BlockStats` of same-shaped
+    vectors, its None fields None on every rank), in rank order: one all-gather (the invariant mode's merge,
+    :mod:`chunked_entropy._tiles`, in place of :func:`reduce_stats`' two all-reduces). Receives ``world`` times
+    ``value``'s elements."""
+    world = dist.get_world_size(group)
+    if isinstance(value, torch.Tensor):
+        t = value.contiguous()
+        out = t.new_empty((world,) + tuple(t.shape))
+        _all_gather_single(out.view(-1), t.view(-1), group)
+        return list(out.unbind(0))
+    present = [f for f in value if f is not None]
+    every = all_gather_stack(torch.stack(present), group)
+    out = []
+    for packed in every:
+        it = iter(packed.unbind(0))
+        out.append(BlockStats(*(None if f is None else next(it) for f in value)))
+    return out
