@@ -58,7 +58,6 @@ from ._rows import (
     take_rows,
 )
 from ._stats import RowStats, Transform, Want
-from ._tiles import Tiles, tiles_for
 from .config import walk_plan
 from .losses._objective import Objective
 from .losses.aggregation import Aggregation
@@ -93,17 +92,15 @@ __all__ = [
 
 
 def plan_for(layer: OutputLayer, chunking: Chunking, *, lead, want: Want, device, buffers: Optional[int] = None,
-             compiled: bool = True, pair=None, width: Optional[int] = None, keep=None) -> Plan:
+             compiled: bool = True, pair=None, width: Optional[int] = None) -> Plan:
     """How an op walks ``lead``'s tokens and the layer's vocabulary shard: :func:`chunked_entropy.config.walk_plan`
     (the one place the sizes are decided) with the layer's weight, bias, ``logits_dtype``, group and sequence
     parallelism. ``width``: an op over given logits of that many columns (the layer holds no weight then).
     ``buffers``: the float32 buffers ``chunk_size="auto"`` is sized for (by default one, two with a scratch
     output); ``compiled=False``: the eager kernels; ``pair``: a divergence's math, whose kernels are probed too
-    (:func:`~chunked_entropy._kernels.use_compiled`). ``Chunking.invariant``: the shard's tiles
-    (:func:`invariant_tiles`, ``keep`` refused) go to the plan, which walks them in the invariant mode."""
-    tiles = invariant_tiles(chunking, layer.weight.shape[0] if width is None else width, layer.process_group, keep)
+    (:func:`~chunked_entropy._kernels.use_compiled`). ``Chunking.invariant``: the plan walks the shard's tiles."""
     common = dict(tokens=math.prod(lead), want=want, device=device, group=layer.process_group, buffers=buffers,
-                  kernels=compiled, pair=pair, tiles=tiles)
+                  kernels=compiled, pair=pair)
     if width is not None:
         return walk_plan(chunking, width=width, dtype=None, over_logits=True, **common)
     w = layer.weight
@@ -112,19 +109,13 @@ def plan_for(layer: OutputLayer, chunking: Chunking, *, lead, want: Want, device
                      **common)
 
 
-def invariant_tiles(chunking: Chunking, v_local: int, group, keep=None) -> Optional[Tiles]:
-    """The invariant mode's tiles of this rank's shard (:mod:`chunked_entropy._tiles`), or None where
-    ``chunking.invariant`` is off. Refuses, by name, a shard that is not a whole number of tiles, a group
-    whose size is not a power of two, and ``keep`` (sampling replay's kept sets merge over the ranks in the
-    default mode's all-reduces)."""
-    if not chunking.invariant:
-        return None
-    if keep is not None:
+def _no_keep_if_invariant(chunking: Chunking, keep) -> None:
+    """``keep`` (sampling replay) is refused in the invariant mode: its kept sets' statistics merge over the ranks
+    in the default mode's all-reduces, not in the tiles' fixed order."""
+    if chunking.invariant and keep is not None:
         raise ValueError("keep= (sampling replay) is not available with Chunking(invariant=True): the kept sets' "
                          "statistics are not merged in the invariant mode's fixed order; pass keep=None or "
                          "Chunking(invariant=False)")
-    rank, world = group_rank_size(group)
-    return tiles_for(chunking.tile, v_local, rank, world)
 
 
 def group_of(layer):
@@ -519,8 +510,9 @@ def _from_logits(call, logits, layer, chunking, flags, loss, policy, *, labels, 
     want = _want(flags)
     cdt = compute_dtype(logits.dtype)
     objective = None if policy is None else Objective(loss, labels, dtype=cdt, **policy)
+    _no_keep_if_invariant(chunking, args["keep"])
     plan = plan_for(layer, chunking, lead=logits.shape[:-1], want=Want() if want is None else want,
-                    device=logits.device, width=v_local, keep=args["keep"])
+                    device=logits.device, width=v_local)
     grads = torch.is_grad_enabled() and logits.requires_grad
     labels, no_labels = _labels(labels, logits.shape[:-1], args, logits.device, objective)
     tok = _tokens(call, labels, logits.shape[:-1], v_local, layer, cdt, logits.device, objective, args, logits=logits)
@@ -556,8 +548,9 @@ def _from_hidden(call, hidden, layer, chunking, flags, loss, policy, *, labels, 
     objective = None if policy is None else Objective(loss, labels, dtype=cdt, **policy)
     main_grad = main_grad_of(weight, layer.gradient_accumulation_fusion)
     grads = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
+    _no_keep_if_invariant(chunking, args["keep"])
     plan = plan_for(layer, chunking, lead=lead, want=Want() if want is None else want, device=hidden.device,
-                    buffers=2 if want is None else None, keep=args["keep"])
+                    buffers=2 if want is None else None)
     labels, no_labels = _labels(labels, lead, args, hidden.device, objective)
     tok = _tokens(call, labels, lead, v_local, layer, cdt, hidden.device, objective, args)
     if plan.tiles is not None and tok.at is not None:  # the invariant mode: top-k ties by the lower id

@@ -62,10 +62,8 @@ from typing import NamedTuple, Optional
 import torch
 
 from ._checks import check_device, float_bits, is_finite_real, value_repr
-from ._stats import NEG_FLOOR, BlockStats, Coefficients, RowStats, Transform
+from ._stats import ENTROPY_OF, NEG_FLOOR, BlockStats, Coefficients, RowStats, Transform
 from .parallel import all_reduce_min_flags, fingerprint
-
-ENTROPY_OF = ("full", "kept")
 
 #: What the ranks of a group agree on: the form of ``keep`` (they exchange statistics of it).
 FORMS = {None: 0, "csr": 1, "dense": 2, "filter": 3}

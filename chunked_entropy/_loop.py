@@ -34,7 +34,7 @@ import torch
 from . import _divergence, _keep, _stats, _tiles, _token_ids
 from ._inputs import Tokens, chunks
 from ._kernels import PAIR, Kernels
-from .parallel import all_reduce_sum_, reduce_stats, reduce_stats_pair
+from .parallel import all_reduce_sum_, group_rank_size, reduce_stats, reduce_stats_pair
 
 Fill = Callable[[torch.Tensor, int, int, int, int], object]
 View = Optional[Callable[[int, int, int, int], torch.Tensor]]
@@ -48,18 +48,28 @@ class Plan:
     vocab_chunk_size: int  # == V_local when the vocabulary is not blocked
     group: object
     sequence_parallel: bool
-    want: _stats.Want
+    want: _stats.Want = _stats.Want()  # the outputs beyond the log-probs
     compiled: Kernels = None  # the per-block kernels (None: eager); see _kernels.use_compiled
     float32_logits: bool = False  # half-precision weights: each block's matmul in float32 (logits_dtype=float32)
     # With ``compiled`` kernels: the dtype of the block buffers the fill's matmul writes and the kernels read
     # (the weight's half precision: no widening copy); None: the compute dtype. See :func:`block_dtype`.
     block_dtype: Optional[torch.dtype] = None
     # The backward's vocabulary block where it walks blocks outermost (half-precision weights whose gradient is
-    # wanted), or None: chunks outermost. Sized with the rest by chunked_entropy.config.plan.
+    # wanted), or None: chunks outermost. Sized with the rest by chunked_entropy.config.walk_plan.
     grad_vocab_chunk_size: Optional[int] = None
     # The invariant mode (Chunking(invariant=True)): the shard's global tiles, whose statistics merge in one fixed
     # tree (chunked_entropy._tiles) in place of the blocks' running merge and the group's all-reduces. None: off.
     tiles: Optional[_tiles.Tiles] = None
+
+
+def shard_tiles(chunking, v_local: int, group) -> Optional[_tiles.Tiles]:
+    """The invariant mode's tiles of this rank's shard (``chunking.invariant``; :func:`chunked_entropy._tiles.tiles_for`
+    refuses, by name, a shard that is not a whole number of tiles and a group whose size is not a power of two),
+    or None where the mode is off."""
+    if not chunking.invariant:
+        return None
+    rank, world = group_rank_size(group)
+    return _tiles.tiles_for(chunking.tile, v_local, rank, world)
 
 
 def block_dtype(plan: Plan, dtype, *, sparse: bool = False):
@@ -767,6 +777,17 @@ def _store_pair(stats: _stats.RowStats, pair: "_divergence.PairRows", rows, here
     for dst, src in zip(pair, here, strict=True):
         if dst is not None:
             dst[a:b] = src
+
+
+def saved_pair_rows(stats: _stats.RowStats, pair: "_divergence.PairRows") -> tuple:
+    """The rows a divergence's Function saves for its backward: the student's statistics and the pair's."""
+    return (stats.m, stats.ls, stats.ws, pair.m_t, pair.ls_t, pair.div, pair.aux)
+
+
+def pair_rows_from_saved(t) -> tuple:
+    """:func:`saved_pair_rows`'s tensors back as ``(RowStats, PairRows)``."""
+    m, ls, ws, m_t, ls_t, div, aux = t
+    return _stats.RowStats(m, ls, ws, None, None), _divergence.PairRows(m_t, ls_t, div, aux)
 
 
 def new_pair_rows(n: int, spec, dtype, device) -> "_divergence.PairRows":

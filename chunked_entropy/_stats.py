@@ -77,6 +77,9 @@ import torch
 
 from ._checks import check_positive
 
+#: What an entropy is taken over: the full distribution, or sampling replay's kept set (``entropy_of``).
+ENTROPY_OF = ("full", "kept")
+
 #: Offsets are clamped from below to this value: finite, so that ``0 * y`` is 0,
 #: and so far below 0 that ``exp(y)`` is exactly 0 in float32 and float64.
 NEG_FLOOR = -1e30

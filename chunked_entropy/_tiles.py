@@ -102,6 +102,11 @@ class Tiles:
     world: int
 
     @property
+    def rows(self) -> int:
+        """The fused head's row tile (:data:`ROWS`): its chunks are whole row tiles."""
+        return ROWS
+
+    @property
     def local(self) -> int:
         """Tiles on this rank (the last one partial where ``V_local`` is not a multiple: one rank only)."""
         return -(-self.v_local // self.width)

@@ -31,9 +31,7 @@ import torch
 
 from ._checks import is_finite_real, is_int, plain_str, value_repr
 from ._kernels import BACKENDS, use_compiled
-from ._loop import Plan
-from ._stats import Want
-from ._tiles import ROWS
+from ._loop import Plan, shard_tiles
 
 #: Bytes per element of the per-chunk buffers (they are float32).
 _BUFFER_ITEMSIZE = 4
@@ -62,9 +60,9 @@ WORKING_BYTES = 1 << 30
 
 
 def walk_plan(chunking, *, tokens: int, width: int, dtype: Optional[torch.dtype], device,
-              want: Optional[Want] = None, group=None, sequence_parallel: bool = False, over_logits: bool = False,
+              want=None, group=None, sequence_parallel: bool = False, over_logits: bool = False,
               float32_logits: bool = False, bias: bool = False, weight_grad: bool = False,
-              buffers: Optional[int] = None, kernels: bool = True, pair=None, tiles=None) -> Plan:
+              buffers: Optional[int] = None, kernels: bool = True, pair=None) -> Plan:
     """How a call walks ``tokens`` tokens and a ``width``-column vocabulary shard: the one place the sizes are
     decided. Every op and ``chunked-entropy plan`` take their :class:`~chunked_entropy._loop.Plan` from here.
 
@@ -74,7 +72,8 @@ def walk_plan(chunking, *, tokens: int, width: int, dtype: Optional[torch.dtype]
         width: ``V_local``, the columns of this rank's shard.
         dtype: the weight's dtype over hidden states (None over given logits: unread).
         device: where the call runs (it chooses the kernels of ``backend="auto"``).
-        want: the outputs beyond the log-probs (default :class:`~chunked_entropy._stats.Want`'s).
+        want: the outputs beyond the log-probs, a :class:`~chunked_entropy._stats.Want` (default: the
+            plan's, log-probs and entropy).
         group, sequence_parallel: the layer's tensor-parallel group and sequence parallelism.
         over_logits: a call over given logits: the whole shard is one block (the logits exist already).
         float32_logits: half-precision weights whose blocks are computed in float32 (``logits_dtype``).
@@ -84,8 +83,6 @@ def walk_plan(chunking, *, tokens: int, width: int, dtype: Optional[torch.dtype]
             with a scratch output).
         kernels: choose the kernels of ``chunking.backend`` (False: the eager ones, for a walk without
             compiled kernels, and for sizing alone); ``pair``: a divergence's math, whose kernels are probed too.
-        tiles: the invariant mode's tiles of this shard (``Chunking.invariant``,
-            :func:`chunked_entropy._call.invariant_tiles`), or None.
 
     The sizes:
 
@@ -101,13 +98,15 @@ def walk_plan(chunking, *, tokens: int, width: int, dtype: Optional[torch.dtype]
     - ``block_dtype``: the weight's half precision where compiled kernels read the matmul's rounded blocks
       (no bias, no float32 logits); None otherwise.
 
-    In the invariant mode (``tiles``): the eager kernels (the compiled ones with ``backend="compile"``: the
-    Triton kernels cannot honour the mode); over hidden states chunks of a multiple of
-    :data:`chunked_entropy._tiles.ROWS` rows (rounded down, at least one row tile), forward blocks of whole tiles
-    (at least one), the backward chunks outermost and float32 blocks.
+    In the invariant mode (``chunking.invariant``: the shard's tiles, :func:`~chunked_entropy._loop.shard_tiles`,
+    refusing a shard that is not a whole number of tiles): the eager kernels (the compiled ones with
+    ``backend="compile"``: the Triton kernels cannot honour the mode); over hidden states chunks of a multiple of
+    ``Tiles.rows`` (128) rows (rounded down, at least one row tile), forward blocks of whole tiles (at least one),
+    the backward chunks outermost and float32 blocks.
     """
-    want = Want() if want is None else want
+    want = Plan.want if want is None else want  # the plan's default
     buffers = 1 + want.scratch if buffers is None else buffers
+    tiles = shard_tiles(chunking, width, group)
     vocab = chunking.vocab_chunk_size
     chunk_size = chunking.resolve(width if over_logits else min(vocab or width, width), buffers=buffers)
     backend = chunking.backend if tiles is None else "compile" if chunking.backend == "compile" else "eager"
@@ -116,7 +115,7 @@ def walk_plan(chunking, *, tokens: int, width: int, dtype: Optional[torch.dtype]
         return Plan(chunk_size=chunk_size, vocab_chunk_size=width, group=group, sequence_parallel=False, want=want,
                     compiled=chosen, tiles=tiles)
     if tiles is not None:
-        chunk_size = max(ROWS, chunk_size - chunk_size % ROWS)
+        chunk_size = max(tiles.rows, chunk_size - chunk_size % tiles.rows)
         block = vocab_block_for(vocab, chunk_size, tokens, width)
         block = width if block >= width else max(tiles.width, block - block % tiles.width)
         return Plan(chunk_size=chunk_size, vocab_chunk_size=block, group=group, sequence_parallel=sequence_parallel,

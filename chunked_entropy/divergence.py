@@ -58,7 +58,6 @@ from ._call import (
     weak_group,
     zeros_connected,
 )
-from ._divergence import PairRows
 from ._logit_blocks import (
     full_hidden,
     grad_vocab_block,
@@ -67,7 +66,16 @@ from ._logit_blocks import (
     logits_source,
     reduce_hidden_grad,
 )
-from ._loop import Plan, new_pair_rows, new_row_stats, pair_grad_blocks, pair_loss_grad_blocks, pair_row_stats
+from ._loop import (
+    Plan,
+    new_pair_rows,
+    new_row_stats,
+    pair_grad_blocks,
+    pair_loss_grad_blocks,
+    pair_row_stats,
+    pair_rows_from_saved,
+    saved_pair_rows,
+)
 
 __all__ = [
     "DivergenceLoss",
@@ -107,7 +115,7 @@ class DivergenceLoss(NamedTuple):
     entropy: Optional[torch.Tensor] = None
 
 
-def _pair_results(tok: Tokens, stats: RowStats, pair: PairRows, valid, want):
+def _pair_results(tok: Tokens, stats: RowStats, pair, valid, want):
     div = torch.where(valid, pair.div, 0.0)
     lp = torch.where(tok.valid, stats.log_probs(), 0.0)
     ent = stats.entropy() if want.entropy else torch.zeros_like(div)
@@ -124,15 +132,6 @@ def _teacher_fill(teacher: Teacher, plan: Plan):
     return linear_filler(Rows(teacher.source), teacher.weight, teacher.bias, teacher.float32_logits)
 
 
-def _saved_rows(stats: RowStats, pair: PairRows) -> tuple:
-    return (stats.m, stats.ls, stats.ws, pair.m_t, pair.ls_t, pair.div, pair.aux)
-
-
-def _rows_from_saved(t) -> tuple:
-    m, ls, ws, m_t, ls_t, div, aux = t
-    return RowStats(m, ls, ws, None, None), PairRows(m_t, ls_t, div, aux)
-
-
 class _LinearDivergenceFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, teacher: Teacher, tok: Tokens, plan: Plan, spec, valid, main_grad=None):
@@ -144,7 +143,7 @@ class _LinearDivergenceFunction(torch.autograd.Function):
         # Saved: references to the student's hidden (this rank's slice under sequence parallelism), weight
         # and bias, the teacher's (detached; its full hidden states under sequence parallelism), and five to
         # seven float32 per token.
-        ctx.save_for_backward(hidden, weight, bias, valid, *_saved_rows(stats, pair))
+        ctx.save_for_backward(hidden, weight, bias, valid, *saved_pair_rows(stats, pair))
         ctx.teacher, ctx.tok, ctx.spec = teacher, tok, spec
         ctx.plan, ctx.group = replace(plan, group=None), weak_group(plan.group)
         ctx.main_grad = main_grad
@@ -156,7 +155,7 @@ class _LinearDivergenceFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, g_div, g_lp, g_h):
         hidden, weight, bias, valid, *saved = ctx.saved_tensors
-        stats, pair = _rows_from_saved(saved)
+        stats, pair = pair_rows_from_saved(saved)
         tok, plan = ctx.tok, replace(ctx.plan, group=live_group(ctx.group))
         need = ctx.needs_input_grad[:3]
         if g_div is None and g_lp is None and g_h is None:
@@ -414,7 +413,7 @@ class _LogitsDivergenceFunction(torch.autograd.Function):
         stats, pair = _walk(tok, logits_source(teacher.source)[0], spec, fill, width=v, plan=plan,
                             teacher=teacher, dtype=cdt, device=logits.device)
         # Saved: the student's logits and the teacher's (references, detached) and five to seven float32 per token.
-        ctx.save_for_backward(logits, valid, *_saved_rows(stats, pair))
+        ctx.save_for_backward(logits, valid, *saved_pair_rows(stats, pair))
         ctx.teacher, ctx.tok, ctx.spec = teacher, tok, spec
         ctx.plan = replace(plan, group=None)
         ctx.set_materialize_grads(False)
@@ -424,7 +423,7 @@ class _LogitsDivergenceFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, g_div, g_lp, g_h):
         logits, valid, *saved = ctx.saved_tensors
-        stats, pair = _rows_from_saved(saved)
+        stats, pair = pair_rows_from_saved(saved)
         if g_div is None and g_lp is None and g_h is None:
             return (None,) * 6
         if g_div is not None:

@@ -51,8 +51,7 @@ from ._checks import (
     same,
 )
 from ._divergence import KINDS, DivergenceMath, check_kind, kind_names, math_of, trl_kind
-from ._keep import ENTROPY_OF
-from ._stats import Transform
+from ._stats import ENTROPY_OF, Transform
 from .config import (
     WORKING_BYTES,
     ChunkedEntropyConfig,
