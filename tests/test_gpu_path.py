@@ -176,7 +176,7 @@ TARGETS = [
     ("logits", "bytes_per_logit", 6, None),
     ("logits_forward", "bytes_per_logit", 2, None),
     ("head", "launches", 300, None),
-    ("loss", "launches", 350, 415),  # 146 of them the policy objective's own arithmetic (chunked_entropy/losses)
+    ("loss", "launches", 350, None),  # 77 of them the policy objective's own arithmetic (chunked_entropy/losses)
     ("logits", "launches", 4 * 16, None),  # 16 chunks of 1024 rows: <= 4 a chunk
     ("logits_forward", "launches", 4 * 16, None),
     ("head", "working_bytes", GiB // 2, None),
@@ -196,7 +196,7 @@ def test_issue_44_target(figures, op, figure, target):
 
 
 #: Launches a call measured at this tree: a regression fails here before it reaches a target above.
-MEASURED_LAUNCHES = {"head": 266, "loss": 415, "logits": 64, "logits_forward": 39}
+MEASURED_LAUNCHES = {"head": 266, "loss": 346, "logits": 64, "logits_forward": 39}
 
 
 @pytest.mark.parametrize("op", sorted(MEASURED_LAUNCHES))

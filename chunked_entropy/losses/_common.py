@@ -60,9 +60,69 @@ def check_mask(loss_mask, loss_mat: torch.Tensor, of: str = "loss_mat", name: st
         require(ok, found)
 
 
-def masked_sum(values: torch.Tensor, weights: torch.Tensor, dim=None) -> torch.Tensor:
-    """``sum(values * weights)`` with masked (weight 0) positions selected away, not multiplied."""
-    picked = torch.where(weights != 0, values * weights, torch.zeros((), dtype=values.dtype, device=values.device))
+class Mask:
+    """A loss mask with what its users share, each formed once: which tokens count (``keep``, the mask itself
+    when it is bool), its weights in a dtype with their count, and an aggregation's per-token weights.
+
+    Every aggregation and masked mean of one objective's value reads the same mask: built once (by the
+    fused loss's :class:`~chunked_entropy.losses._objective.Objective`, or by :func:`as_mask` for a bare
+    tensor), it spares each of them the cast, the count and its guard. Holds a few ``[..., T]`` tensors;
+    the results are those of the tensor form, bit for bit (the same operations, done once).
+    """
+
+    def __init__(self, mask: torch.Tensor):
+        self.mask = mask
+        self._cache = {}
+
+    @property
+    def keep(self) -> torch.Tensor:
+        """Which tokens count: ``mask != 0`` (the mask itself when it is bool)."""
+        return self._get("keep", lambda: self.mask if self.mask.dtype == torch.bool else self.mask != 0)
+
+    def _get(self, key, make):
+        if key not in self._cache:
+            self._cache[key] = make()
+        return self._cache[key]
+
+    def weights(self, dtype) -> torch.Tensor:
+        """The mask's weights in ``dtype`` (``mask.to(dtype)``)."""
+        return self._get(("w", dtype), lambda: self.mask.to(dtype))
+
+    def total(self, dtype) -> torch.Tensor:
+        """Their sum, guarded: 1 where it is 0 (see :func:`safe_div`)."""
+        return self._get(("n", dtype), lambda: guarded(self.weights(dtype).sum()))
+
+    def nonzero(self, dtype) -> torch.Tensor:
+        """Where the weights in ``dtype`` are not 0 (``keep``, unless a weight rounds to 0 in ``dtype``)."""
+        return self._get(("nz", dtype), lambda: self.keep if self.mask.dtype == torch.bool
+                         else self.weights(dtype) != 0)
+
+    def aggregation(self, agg, dtype):
+        """``(W, W != 0)``: ``agg``'s per-token weights (:meth:`~chunked_entropy.losses.Aggregation.weights`)
+        in ``dtype``, once per aggregation's settings and dtype."""
+        def make():
+            w = agg.weights(self, dtype)
+            return w, w != 0
+        return self._get(("agg", agg, dtype), make)
+
+
+def as_mask(mask) -> Mask:
+    """``mask`` as a :class:`Mask` (itself when it is one)."""
+    return mask if isinstance(mask, Mask) else Mask(mask)
+
+
+def guarded(den: torch.Tensor) -> torch.Tensor:
+    """``den`` with 1 where it is 0: a denominator whose numerator is 0 there (nothing was selected)."""
+    return torch.where(den != 0, den, 1)
+
+
+def masked_sum(values: torch.Tensor, weights: torch.Tensor, dim=None, nonzero=None, ones: bool = False
+               ) -> torch.Tensor:
+    """``sum(values * weights)`` with masked (weight 0) positions selected away, not multiplied. ``nonzero``:
+    ``weights != 0`` if already at hand; ``ones``: every weight is 0 or 1 (a bool mask's), so that the
+    product is ``values`` itself (``x * 1 == x`` exactly) and is not formed."""
+    nonzero = weights != 0 if nonzero is None else nonzero
+    picked = torch.where(nonzero, values if ones else values * weights, 0.0)
     return picked.sum() if dim is None else picked.sum(dim=dim)
 
 
@@ -70,18 +130,20 @@ def safe_div(num: torch.Tensor, den) -> torch.Tensor:
     """``num / den``, with 0 where ``den == 0`` (then ``num`` is 0 too: nothing was selected)."""
     if not isinstance(den, torch.Tensor):
         return num / den if den else torch.zeros_like(num)
-    return num / torch.where(den != 0, den, torch.ones_like(den))
+    return num / guarded(den)
 
 
-def masked_mean(values: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
-    """The mean of ``values`` over the mask (weights multiply); 0 for an empty mask."""
-    w = loss_mask.to(values.dtype)
-    return safe_div(masked_sum(values, w), w.sum())
+def masked_mean(values: torch.Tensor, loss_mask) -> torch.Tensor:
+    """The mean of ``values`` over the mask (weights multiply); 0 for an empty mask. ``loss_mask``: a tensor,
+    or a :class:`Mask` whose weights and count are shared with its other means."""
+    m = as_mask(loss_mask)
+    dt = values.dtype
+    return masked_sum(values, m.weights(dt), nonzero=m.nonzero(dt), ones=m.mask.dtype == torch.bool) / m.total(dt)
 
 
-def metric_mean(values: torch.Tensor, keep: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """A metric: the token mean of ``values`` (flags too) over the mask, detached, in ``like``'s dtype or at
-    least float32 (no host sync)."""
+def metric_mean(values: torch.Tensor, keep, like: torch.Tensor) -> torch.Tensor:
+    """A metric: the token mean of ``values`` (flags too) over the mask (a tensor or a :class:`Mask`),
+    detached, in ``like``'s dtype or at least float32 (no host sync)."""
     return masked_mean(values.detach().to(torch.promote_types(like.dtype, torch.float32)), keep)
 
 

@@ -15,7 +15,7 @@ import torch
 
 from .._checks import check_float, require
 from ..parallel import fingerprint, fingerprint_floats
-from ._common import check_mask, check_same_shape
+from ._common import Mask, check_mask, check_same_shape
 from .aggregation import aggregate
 from .kl import kl_penalty, kl_penalty_grad
 from .registry import check_weights, evaluate, objective
@@ -60,7 +60,8 @@ class Objective:
                     "(its rollout correction, as verl's, has nothing to measure otherwise)")
         self.generator = generator
         self.mask = loss_mask
-        self.keep = loss_mask != 0
+        self.masks = Mask(loss_mask)  # its cast, count and aggregation weights, formed once for every use
+        self.keep = self.masks.keep
         flat = lambda t: None if t is None else t.detach().reshape(-1).to(dtype)  # noqa: E731
         old, adv, ref, w = selected(self.keep.reshape(-1), flat(old_log_probs), flat(advantages), flat(ref_log_probs),
                                     flat(weights))
@@ -69,8 +70,8 @@ class Objective:
         self.mask_flat = loss_mask.reshape(-1)
         agg = opts.aggregation
         pg_agg = agg if self.objective.agg_mode is None else agg.with_mode(self.objective.agg_mode)
-        self.weights = opts.aggregation.weights(loss_mask, dtype).reshape(-1)  # the entropy's and the KL's
-        self.pg_weights = pg_agg.weights(loss_mask, dtype).reshape(-1)
+        self.weights = self.masks.aggregation(agg, dtype)[0].reshape(-1)  # the entropy's and the KL's
+        self.pg_weights = self.masks.aggregation(pg_agg, dtype)[0].reshape(-1)  # the same unless the mode imposes
         self.inputs = (old_log_probs, advantages, ref_log_probs)
         self.pg = None  # (pg loss, metrics) of a sequence-level objective, from its one evaluation
         self.result = None  # (loss, metrics), set by the forward
@@ -105,9 +106,10 @@ class Objective:
         any other's from autograd of the objective over the ``[B, T]`` log-probs. A row-local objective may be
         asked for whole rows: the other rows then hold the old log-probs, which no gradient of these rows reads."""
         if self.objective.token_local:
+            # the derivative as written (Objective.grad), each token's from its own inputs: masked tokens hold
+            # anything until token_grads selects them away, so their log-probs are not selected first
             keep = self.keep.reshape(-1)[a:b]
-            lp_k, = selected(keep, lp)
-            g = self.objective.token_grad(lp_k, self.old[a:b], self.adv[a:b], self.mask_flat[a:b], self.opts.options)
+            g = self.objective.grad(lp, self.old[a:b], self.adv[a:b], keep, self.opts.options)
             if self.is_w is not None:
                 g = g * self.is_w[a:b]
             return g * self.pg_weights[a:b]
@@ -150,16 +152,16 @@ class Objective:
         if self.pg is None:
             lp_k, = selected(self.keep, lp)
             pg, metrics = evaluate(self.objective, lp_k, self.old.view(self.shape).to(lp.dtype),
-                                   self.adv.view(self.shape).to(lp.dtype), self.mask, o.options, agg,
+                                   self.adv.view(self.shape).to(lp.dtype), self.masks, o.options, agg,
                                    None if self.is_w is None else self.is_w.view(self.shape).to(lp.dtype),
                                    self.generator)
         else:
             pg, metrics = self.pg
-        entropy_loss = aggregate(ent, self.mask, agg)
+        entropy_loss = aggregate(ent, self.masks, agg)
         loss = pg - o.entropy_coeff * entropy_loss
         metrics = dict(metrics, **{"actor/pg_loss": pg.detach(), "actor/entropy_loss": entropy_loss.detach()})
         if self.ref is not None:
-            kl = aggregate(kl_penalty(lp, self.ref.view(self.shape).to(lp.dtype), o.kl_kind), self.mask, agg)
+            kl = aggregate(kl_penalty(lp, self.ref.view(self.shape).to(lp.dtype), o.kl_kind), self.masks, agg)
             loss = loss + o.kl_coef * kl
             metrics["kl_loss"] = kl.detach()
         return loss.detach(), metrics

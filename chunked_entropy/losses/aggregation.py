@@ -15,7 +15,7 @@ import torch
 
 from .._checks import ByValue, check_real, checked_call, float_bits, is_int, plain_str, require
 from ..parallel import fingerprint_floats
-from ._common import check_mask, check_tensor, masked_sum, safe_div
+from ._common import as_mask, check_mask, check_tensor, masked_sum, safe_div
 
 AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 """Loss-aggregation modes of :func:`agg_loss` (verl's ``actor.loss_agg_mode`` values)."""
@@ -104,16 +104,20 @@ class Aggregation(ByValue):
                 raise ValueError("global_batch_size (the non-empty sequences of the global batch) is required with "
                                  f"loss_agg_mode={self.mode!r} and dp_size > 1")
 
-    def weights(self, loss_mask: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    def weights(self, loss_mask, dtype=torch.float32) -> torch.Tensor:
         """Per-token weights ``W`` with ``agg_loss(L) == sum(W * L)`` (every mode is linear in the losses).
+        ``loss_mask``: a tensor, or a :class:`~chunked_entropy.losses._common.Mask` (its cast and count shared).
 
         The counts given as tensors are value-checked here, as part of the checks of the call that uses them
         (built once per step, e.g. in a :class:`~chunked_entropy.PolicyLoss`, they cost no host sync then)."""
         self.check_counts()
-        m = loss_mask.to(dtype)
+        mask = as_mask(loss_mask)  # a Mask shares its weights and their count with its other users
+        m, loss_mask = mask.weights(dtype), mask.mask
         dp = self.dp_size
         if self.mode == "token-mean":
-            n = m.sum() if self.batch_num_tokens is None else self.batch_num_tokens
+            if self.batch_num_tokens is None:  # (m * 1 is m: not formed)
+                return (m if dp == 1 else m * dp) / mask.total(dtype)
+            n = self.batch_num_tokens
             return safe_div(m * dp, n.to(dtype) if isinstance(n, torch.Tensor) else n)
         if self.mode == "token-sum":
             return m * dp
@@ -230,7 +234,8 @@ def aggregate(loss_mat: torch.Tensor, loss_mask: torch.Tensor, agg: Aggregation)
     overflows at 65504 tokens).
     """
     acc = torch.promote_types(loss_mat.dtype, torch.float32)
-    return masked_sum(loss_mat.to(acc), agg.weights(loss_mask, acc)).to(loss_mat.dtype)
+    w, nonzero = as_mask(loss_mask).aggregation(agg, acc)  # a Mask's: formed once for every aggregate of it
+    return masked_sum(loss_mat.to(acc), w, nonzero=nonzero).to(loss_mat.dtype)
 
 
 def agg_weights(

@@ -99,4 +99,4 @@ def kl_penalty_grad(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, kind: 
     e = torch.exp(neg)
     value = e - neg - 1.0
     kept = (value >= -K3_CLAMP) & (value <= K3_CLAMP)
-    return torch.where(inside & kept, 1.0 - e, torch.zeros_like(e))  # d/dd of e^{-d} + d - 1
+    return torch.where(inside & kept, 1.0 - e, 0.0)  # d/dd of e^{-d} + d - 1

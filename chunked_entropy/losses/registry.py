@@ -21,7 +21,7 @@ from typing import Callable, NamedTuple, Optional, Union
 import torch
 
 from .._checks import check_device, checked_call
-from ._common import check_mask, check_same_shape, check_tensor
+from ._common import Mask, as_mask, check_mask, check_same_shape, check_tensor
 from .aggregation import Aggregation, aggregate
 from .policy_options import PolicyOptions
 from .rollout import check_not_empty, check_options, correction
@@ -76,7 +76,7 @@ class Objective(NamedTuple):
         derivative reads only which tokens count, so ``grad`` gets ``loss_mask != 0``. Masked tokens get 0."""
         keep = loss_mask if loss_mask.dtype == torch.bool else loss_mask != 0
         g = self.grad(lp, old, adv, keep, o)
-        return torch.where(keep, g, torch.zeros((), dtype=lp.dtype, device=lp.device))
+        return torch.where(keep, g, 0.0)
 
     def reads_only_its_row(self, o: PolicyOptions) -> bool:
         """Whether, under options ``o``, a token's gradient reads only its own sequence's log-probs."""
@@ -148,13 +148,16 @@ def objective(loss_mode, options: PolicyOptions) -> Objective:
 
 def evaluate(obj: Objective, lp, old, adv, mask, o: PolicyOptions, agg: Aggregation, weights, generator):
     """``(loss, metrics)`` of checked, selected ``[B, T]`` tensors; differentiable in ``lp``. ``mask`` is the
-    loss mask as given (bool, or weights that multiply, as in ``agg_loss`` and verl's masked means)."""
+    loss mask as given (bool, or weights that multiply, as in ``agg_loss`` and verl's masked means), or a
+    :class:`~chunked_entropy.losses._common.Mask` of it: a token-local objective's metrics and aggregation
+    then share its weights and count (the sequence- and batch-level ones take the tensor)."""
     if obj.agg_mode is not None:
         agg = agg.with_mode(obj.agg_mode)
     if obj.token_local:
+        mask = as_mask(mask)
         losses, metrics = obj.loss(lp, old, adv, mask, o)
         return aggregate(losses if weights is None else losses * weights, mask, agg), metrics
-    return obj.loss(lp, old, adv, mask, o, agg, weights, generator)
+    return obj.loss(lp, old, adv, mask.mask if isinstance(mask, Mask) else mask, o, agg, weights, generator)
 
 
 def row_local(loss_mode: str, options: Optional[PolicyOptions] = None, **fields) -> bool:

@@ -27,8 +27,7 @@ from .kl import LOG_RATIO_CLAMP
 def selected(keep: torch.Tensor, *ts):
     """``ts`` with masked positions replaced by 0 *before* any arithmetic: a NaN there (padding) would
     otherwise turn into ``0 * NaN`` in backward."""
-    return tuple(None if t is None else torch.where(keep, t, torch.zeros((), dtype=t.dtype, device=t.device))
-                 for t in ts)
+    return tuple(None if t is None else torch.where(keep, t, 0.0) for t in ts)
 
 
 def _log_ratio(lp, old):
@@ -38,9 +37,10 @@ def _log_ratio(lp, old):
     return d, dc, torch.exp(dc)
 
 
-def _d_ratio(d, ratio):
-    """``d ratio / d lp`` (0 where the log-ratio is clamped, as autograd gives)."""
-    return torch.where((d >= -LOG_RATIO_CLAMP) & (d <= LOG_RATIO_CLAMP), ratio, torch.zeros_like(ratio))
+def _d_ratio(d, dc, ratio):
+    """``d ratio / d lp`` (0 where the log-ratio is clamped, as autograd gives): ``dc == d`` exactly where
+    ``-20 <= d <= 20`` (both bounds exact in every float dtype; false for NaN, as the comparisons)."""
+    return torch.where(dc == d, ratio, 0.0)
 
 
 # ----------------------------------------------------------------------------- vanilla: PPO with dual clip
@@ -50,13 +50,14 @@ def vanilla(lp, old, adv, keep, o):
     r"""verl's ``vanilla``: ``l = max(-A r, -A clip(r, 1 - lo, 1 + hi))``, and where ``A < 0`` at most
     ``-A c`` (dual clip, ``c = clip_ratio_c``; Ye et al. 2020), ``r = exp(clamp(lp - old, -20, 20))``."""
     _, dc, ratio = _log_ratio(lp, old)
-    l1 = -adv * ratio
-    l2 = -adv * torch.clamp(ratio, 1.0 - o.low, 1.0 + o.high)
+    minus_adv = -adv
+    l1 = minus_adv * ratio
+    l2 = minus_adv * torch.clamp(ratio, 1.0 - o.low, 1.0 + o.high)
     clipped = torch.maximum(l1, l2)
     if o.clip_ratio_c is None:
         losses, lower = clipped, torch.zeros(clipped.shape, dtype=torch.bool, device=clipped.device)
     else:
-        l3 = -adv * o.clip_ratio_c
+        l3 = minus_adv * o.clip_ratio_c
         negative = adv < 0
         losses = torch.where(negative, torch.minimum(clipped, l3), clipped)
         lower = negative & (clipped > l3)
@@ -99,7 +100,7 @@ def _dppo_grad(lp, old, adv, keep, o, kind):
     _, _, ratio = _log_ratio(lp, old)
     c = math.inf if o.clip_ratio_c is None else o.clip_ratio_c
     valid = _dppo_valid(lp, old, adv, o, kind)
-    return torch.where(valid, -adv * torch.clamp(ratio, max=c), torch.zeros_like(lp))
+    return torch.where(valid, -adv * torch.clamp(ratio, max=c), 0.0)
 
 
 def dppo_tv(lp, old, adv, keep, o):
@@ -142,8 +143,8 @@ def sapo(lp, old, adv, keep, o):
 
 def sapo_grad(lp, old, adv, keep, o):
     d = lp - old
-    _, ratio, _, s = _sapo_gate(lp, old, adv, o)
-    return -adv * 4.0 * s * (1.0 - s) * _d_ratio(d, ratio)  # d/dlp of sigmoid(tau (r - 1)) * 4 / tau
+    dc, ratio, _, s = _sapo_gate(lp, old, adv, o)
+    return -adv * 4.0 * s * (1.0 - s) * _d_ratio(d, dc, ratio)  # d/dlp of sigmoid(tau (r - 1)) * 4 / tau
 
 
 def gpg(lp, old, adv, keep, o):
@@ -199,21 +200,19 @@ def clipped_objective_grad(log_probs, old_log_probs, advantages, keep, clip_rati
     outside; ``max(l1, l2)`` passes the derivative of the larger term (half of
     each on a tie, as autograd does), and the dual clip ``min(., -A c)`` (where
     ``A < 0``) passes it where the clipped loss is the smaller (half on a tie).
-    Masked tokens get 0.
+    Masked tokens get 0. Each token's value reads only its own inputs, so masked ones need not be selected
+    first: whatever they hold, the last selection puts 0 there.
     """
-    zero = torch.zeros((), dtype=log_probs.dtype, device=log_probs.device)
-    lp, old, adv = (torch.where(keep, t, zero) for t in (log_probs, old_log_probs, advantages))
-    d = lp - old
-    ratio = torch.exp(torch.clamp(d, -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-    d_ratio = torch.where((d >= -LOG_RATIO_CLAMP) & (d <= LOG_RATIO_CLAMP), ratio, zero)
-    l1 = -adv * ratio
-    l2 = -adv * torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
-    dl1 = -adv * d_ratio
-    dl2 = torch.where((ratio >= 1.0 - clip_ratio_low) & (ratio <= 1.0 + clip_ratio_high), dl1, zero)
+    d, dc, ratio = _log_ratio(log_probs, old_log_probs)
+    minus_adv = -advantages
+    l1 = minus_adv * ratio
+    l2 = minus_adv * torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    dl1 = minus_adv * _d_ratio(d, dc, ratio)
+    dl2 = torch.where((ratio >= 1.0 - clip_ratio_low) & (ratio <= 1.0 + clip_ratio_high), dl1, 0.0)
     clipped = torch.maximum(l1, l2)
     grad = torch.where(l1 > l2, dl1, torch.where(l1 < l2, dl2, 0.5 * (dl1 + dl2)))
     if clip_ratio_c is not None:
-        l3 = -adv * float(clip_ratio_c)
-        dual = torch.where(clipped < l3, grad, torch.where(clipped > l3, zero, 0.5 * grad))
-        grad = torch.where(adv < 0, dual, grad)
-    return torch.where(keep, grad, zero)
+        l3 = minus_adv * float(clip_ratio_c)
+        dual = torch.where(clipped < l3, grad, torch.where(clipped > l3, 0.0, 0.5 * grad))
+        grad = torch.where(advantages < 0, dual, grad)
+    return torch.where(keep, grad, 0.0)
