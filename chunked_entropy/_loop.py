@@ -14,13 +14,16 @@ raw logits come from, which the caller passes as ``fill(x, a, b, v0, v1)``:
 write the logits of rows ``[a, b)`` and shard columns ``[v0, v1)`` into ``x``
 (a buffer of ours). The math on each block is :mod:`chunked_entropy._stats`.
 
-With ``compiled`` set to a kernels object of :mod:`chunked_entropy._kernels`
-(the compiled or the Triton kernels: its ``stats`` and ``grad``; None for the
-eager ones), the blocks go through those kernels, which only read a block: the
-logits path then passes ``view(a, b, v0, v1)``, its own rows, and nothing is
-copied. The eager kernels read those rows too where they have the compute
-dtype and there is no soft-cap (:func:`_read_eager`): their first op over a
-block reads the caller's rows and writes our buffer.
+``compiled`` is a kernels object of :mod:`chunked_entropy._kernels` (the
+eager, the compiled or the Triton kernels); the walks ask it, never which one
+it is, where a block is read (``view``, ``read``), what it computes there
+(``block_stats``, ``block_grad``, ``held_grad``) and which buffers it needs
+(``in_place``: the eager kernels write a block's offsets over our buffer and
+need an ``exp`` scratch). The compiled and Triton kernels only read a block:
+the logits path then passes ``view(a, b, v0, v1)``, its own rows, and nothing
+is copied. The eager kernels read those rows too where they have the compute
+dtype and there is no soft-cap (:func:`chunked_entropy._kernels._read_eager`):
+their first op over a block reads the caller's rows and writes our buffer.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import torch
 
 from . import _divergence, _keep, _stats, _token_ids
 from ._inputs import Tokens, chunks
-from ._kernels import PAIR, Kernels
+from ._kernels import EAGER, PAIR, Kernels, kernel_cap, kernel_k  # noqa: F401 - kernel_k, kernel_cap: walks' names
 from .parallel import all_reduce_sum_, reduce_stats, reduce_stats_pair
 
 Fill = Callable[[torch.Tensor, int, int, int, int], object]
@@ -49,7 +52,7 @@ class Plan:
     group: object
     sequence_parallel: bool
     want: _stats.Want
-    compiled: Kernels = None  # the per-block kernels (None: eager); see _kernels.use_compiled
+    compiled: Kernels = EAGER  # the per-block kernels; see _kernels.use_compiled
     float32_logits: bool = False  # half-precision weights: each block's matmul in float32 (logits_dtype=float32)
     # With ``compiled`` kernels: the dtype of the block buffers the fill's matmul writes and the kernels read
     # (the weight's half precision: no widening copy); None: the compute dtype. See :func:`block_dtype`.
@@ -64,37 +67,9 @@ def block_dtype(plan: Plan, dtype, *, sparse: bool = False):
     (they widen each element as they read it, and write a gradient in its buffer's dtype, rounded once) and no
     sparse term is added to a gradient after the kernel wrote it (``sparse``: sampling replay's kept sets,
     distillation's ids; those are added in ``dtype`` before the one rounding); else ``dtype``."""
-    if plan.compiled is None or plan.block_dtype is None or sparse:
+    if plan.block_dtype is None or sparse:
         return dtype
     return plan.block_dtype
-
-
-def _block_view(view: View, compiled: Kernels, tf: _stats.Transform) -> View:
-    """Where a walk reads its blocks: the caller's own rows (``view``) for the compiled and Triton kernels, and
-    for the eager ones without a soft-cap (:func:`_read_eager`); None where each block is copied into our
-    buffer by ``fill`` (a soft-cap's ``tanh`` is taken in our buffer)."""
-    return view if compiled or tf.softcap is None else None
-
-
-def _read_eager(fill: Fill, view: View, x, a: int, b: int, v0: int, v1: int) -> torch.Tensor:
-    """The eager kernels' block: the caller's rows where they have ``x``'s dtype (the first op over the block,
-    the max and then the offsets, reads them and writes ``x``: ``src`` of
-    :func:`chunked_entropy._stats.block_stats`; no copy first), else ``x`` filled. Half-precision rows are
-    copied: on the CPU an op that mixes dtypes takes several times a copy plus a same-dtype op."""
-    if view is not None:
-        z = view(a, b, v0, v1)
-        if z.dtype == x.dtype:
-            return z
-    fill(x, a, b, v0, v1)
-    return x
-
-
-def _read(fill: Fill, view: View, x, a: int, b: int, v0: int, v1: int) -> torch.Tensor:
-    """The block to read: the caller's own view when it has one, else ``x`` filled."""
-    if view is not None:
-        return view(a, b, v0, v1)
-    fill(x, a, b, v0, v1)
-    return x
 
 
 class Buffers:
@@ -164,39 +139,6 @@ def _block_kept(kept, entries, z, v0, tf, k, dtype):
     return None if kept is None else _keep.gather(z, entries, v0, tf, dtype)
 
 
-def kernel_k(k, n: int, dtype, device, const: dict, kernels: Kernels = None):
-    """The per-row multiplier ``k`` as the compiled and Triton kernels take it: a per-row tensor as it is;
-    None or a float as an ``[n, 1]`` view (stride 0) of a one-element tensor filled once per walk and kept in
-    ``const``: one fill a call, not one a launch. None stays None for ``kernels`` that take no multiplier
-    (``kernels.k_optional``: the Triton kernels, which then multiply by nothing): no fill at all. The compiled
-    kernels (any other ``kernels``: :data:`~chunked_entropy._kernels.COMPILED`, ``PAIR``) take contiguous
-    columns: an ``[n, 1]`` one filled once a walk and chunk size (a stride-0 view would be copied each launch)."""
-    if isinstance(k, torch.Tensor):
-        return k
-    optional = getattr(kernels, "k_optional", False)
-    if k is None and optional:
-        return None
-    value = 1.0 if k is None else float(k)
-    key = value if optional else (value, n)
-    t = const.get(key)
-    if t is None:
-        t = const[key] = torch.full((1, 1) if optional else (n, 1), value, dtype=dtype, device=device)
-    return t.expand(n, 1)
-
-
-def kernel_cap(tf: _stats.Transform, dtype, device, const: dict) -> Optional[torch.Tensor]:
-    """The soft-cap's factor ``logit_scale / softcap`` as the compiled and Triton kernels take it, a
-    one-element tensor filled once per walk and kept in ``const`` (None without a soft-cap): one fill a call,
-    not one a launch."""
-    if tf.softcap is None:
-        return None
-    value = (tf.logit_scale or 1.0) / tf.softcap
-    t = const.get(("cap", value))
-    if t is None:
-        t = const[("cap", value)] = torch.full((1,), value, dtype=dtype, device=device)
-    return t
-
-
 def _row_stats_blocks_outer(tok: Tokens, fill: Fill, plan: Plan, bufs: Buffers, *, width: int, dtype, device,
                             view: View) -> _stats.RowStats:
     """:func:`row_stats` with compiled kernels and no replay or distillation: the statistics of every row
@@ -214,10 +156,9 @@ def _row_stats_blocks_outer(tok: Tokens, fill: Fill, plan: Plan, bufs: Buffers, 
     for v0, v1 in chunks(width, block):
         for a, b in chunks(n, chunk_size):
             x, _, _ = bufs.get(b - a, v1 - v0)
-            z = _read(fill, view, x, a, b, v0, v1)
-            k = kernel_k(tok.k_rows(a, b), b - a, dtype, device, const, compiled)
-            compiled.stats(z, tok.transform, k, tok.target[a:b], v0, want.entropy, want.sum_pi_squared, dtype,
-                           out=running[:, a:b], merge=v0 > 0, cap=kernel_cap(tok.transform, dtype, device, const))
+            z, _ = compiled.read(fill, view, x, None, a, b, v0, v1)
+            compiled.block_stats(z, x, None, None, tok.transform, tok.k_rows(a, b), tok.target[a:b], v0, want.entropy,
+                                 want.sum_pi_squared, dtype, const, out=running[:, a:b], merge=v0 > 0)
     on = (True, True, True, want.entropy, want.sum_pi_squared, True)
     st = _stats.BlockStats(*(t if o else None for t, o in zip(running.unbind(0), on, strict=True)))
     merged, _, _ = reduce_stats(st, group, tok.k_rows(0, n))
@@ -233,10 +174,10 @@ def row_stats(tok: Tokens, fill: Fill, plan: Plan, *, width: int, dtype, device,
     block, chunk_size, group, want, compiled = (plan.vocab_chunk_size, plan.chunk_size, plan.group, plan.want,
                                                 plan.compiled)
     n, kept = tok.n, tok.keep
-    view = _block_view(view, compiled, tok.transform)
-    bufs = Buffers(min(chunk_size, n), block, block_dtype(plan, dtype), device, work=not compiled or view is None,
-                   scratch=want.scratch and not compiled)
-    if compiled and kept is None and tok.at is None:
+    view = compiled.view(view, tok.transform)
+    bufs = Buffers(min(chunk_size, n), block, block_dtype(plan, dtype), device,
+                   work=compiled.in_place or view is None, scratch=want.scratch and compiled.in_place)
+    if compiled.blocks_outer and kept is None and tok.at is None:
         return _row_stats_blocks_outer(tok, fill, plan, bufs, width=width, dtype=dtype, device=device, view=view)
     out = new_row_stats(n, want, dtype, device, kept)
     at = tok.at
@@ -249,17 +190,12 @@ def row_stats(tok: Tokens, fill: Fill, plan: Plan, *, width: int, dtype, device,
         st = kst = count = cand = None
         for v0, v1 in chunks(width, block):
             x, scratch, _ = bufs.get(b - a, v1 - v0)
-            z = _read(fill, view, x, a, b, v0, v1) if compiled else _read_eager(fill, view, x, a, b, v0, v1)
+            z, _ = compiled.read(fill, view, x, None, a, b, v0, v1)
             g = _block_kept(kept, entries, z, v0, tok.transform, k, dtype)
             if at is not None:  # distillation's ids and top-k, read before the block is overwritten
                 cand = at.block(z, a, b, v0, cand)
-            if compiled:
-                blk = compiled.stats(z, tok.transform, kernel_k(k, b - a, dtype, device, const, compiled), target,
-                                     v0, want.entropy, want.sum_pi_squared, dtype,
-                                     cap=kernel_cap(tok.transform, dtype, device, const))
-            else:
-                blk = _stats.block_stats(x, tok.transform, k, target, v0, scratch, want_w=want.entropy,
-                                         want_q=want.sum_pi_squared, src=None if z is x else z)
+            blk = compiled.block_stats(z, x, scratch, None, tok.transform, k, target, v0, want.entropy,
+                                       want.sum_pi_squared, dtype, const)
             st = _stats.merge_stats(st, blk, k)
             if g is not None:
                 kb, kc = _keep.block_stats(g, entries, b - a, k, dtype)
@@ -309,7 +245,7 @@ def grad_blocks(
     at_ids = None if at_grads is None else at.all_ids()
     g_lp, g_h, g_q = (None if g is None else g.reshape(-1).to(dtype) for g in grads)
     softcap = tok.transform.softcap is not None
-    view = _block_view(view, compiled, tok.transform)
+    view = compiled.view(view, tok.transform)
     bdt = block_dtype(plan, dtype, sparse=kept is not None or at_ids is not None)
     if bdt == dtype or not vocab_outer:
         grad_rows = None
@@ -317,8 +253,8 @@ def grad_blocks(
         chunk_size = n
     bufs = Buffers(
         min(chunk_size, n), block, bdt, device,
-        work=grad_rows is None and (into is None or (compiled and view is None)),
-        scratch=(g_h is not None or g_q is not None) and not compiled, aux=softcap and not compiled,
+        work=grad_rows is None and (into is None or (view is None and not compiled.in_place)),
+        scratch=(g_h is not None or g_q is not None) and compiled.in_place, aux=softcap and compiled.in_place,
     )
 
     const = {}  # kernel_k's constants
@@ -347,9 +283,8 @@ def grad_blocks(
         if grad_rows is not None:  # filled, then overwritten by its gradient, where the weight's matmul reads it
             x = grad_rows(a, b, v0, v1)
             fill(x, a, b, v0, v1)
-            k = kernel_k(tok.k_rows(a, b), b - a, dtype, device, const, compiled)
-            return compiled.grad(x, x, tok.transform, k, parts["rows"], tok.target[a:b], v0, parts["co"], dtype,
-                                 cap=kernel_cap(tok.transform, dtype, device, const), const=const)
+            return compiled.block_grad(x, x, None, None, tok.transform, tok.k_rows(a, b), parts["rows"],
+                                       tok.target[a:b], v0, parts["co"], dtype, const)
         return _refilled_grad(tok, fill, view, bufs, a, b, v0, v1, parts["rows"], parts["co"], dtype,
                               compiled=compiled, into=into, entries=parts["entries"], co_k=parts["co_k"],
                               at=parts["at"], const=const)
@@ -384,21 +319,11 @@ def _refilled_grad(tok: Tokens, fill: Fill, view: View, bufs: Buffers, a, b, v0,
     kept, k, target = tok.keep, tok.k_rows(a, b), tok.target[a:b]
     at_ids = None if at is None else at[0]
     x, scratch, aux = bufs.get(b - a, v1 - v0)
-    if compiled:
-        z = _read(fill, view, x, a, b, v0, v1)
-        gk = _block_kept(kept, entries, z, v0, tok.transform, k, dtype)
-        ea, ra = _block_at(tok.at, at_ids, target, a, b, v0, z, tok.transform)
-        out = x if into is None else into(a, b)
-        const = {} if const is None else const
-        g = compiled.grad(z, out, tok.transform, kernel_k(k, b - a, dtype, z.device, const, compiled), rows, target,
-                          v0, co, dtype, cap=kernel_cap(tok.transform, dtype, z.device, const), const=const)
-    else:
-        if into is not None:
-            x = into(a, b)
-        z = _read_eager(fill, view, x, a, b, v0, v1)
-        gk = _block_kept(kept, entries, z, v0, tok.transform, k, dtype)
-        ea, ra = _block_at(tok.at, at_ids, target, a, b, v0, z, tok.transform)
-        g = _stats.block_grad(x, tok.transform, k, rows, target, v0, co, scratch, aux, src=None if z is x else z)
+    z, out = compiled.read(fill, view, x, into, a, b, v0, v1)
+    gk = _block_kept(kept, entries, z, v0, tok.transform, k, dtype)
+    ea, ra = _block_at(tok.at, at_ids, target, a, b, v0, z, tok.transform)
+    const = {} if const is None else const
+    g = compiled.block_grad(z, out, scratch, aux, tok.transform, k, rows, target, v0, co, dtype, const)
     if gk is not None:
         _keep.add_grad_(g, gk, entries, rows.kept, rows.truncated, co_k, tok.transform, k)
     if ea is not None:
@@ -473,9 +398,10 @@ def loss_grad_blocks(
         return
     chunk_size, group_size = _grouping(n, span, chunk_size)
     softcap = tok.transform.softcap is not None
-    view = _block_view(view, compiled, tok.transform)
-    bufs = Buffers(min(chunk_size, n), width, dtype, device, work=into is None or (compiled and view is None),
-                   scratch=not compiled, aux=softcap and not compiled)
+    view = compiled.view(view, tok.transform)
+    bufs = Buffers(min(chunk_size, n), width, dtype, device,
+                   work=into is None or (view is None and not compiled.in_place), scratch=compiled.in_place,
+                   aux=softcap and compiled.in_place)
 
     const = {}  # the kernels' constants (kernel_k, kernel_cap): filled once a walk
 
@@ -489,31 +415,16 @@ def loss_grad_blocks(
             k, target = tok.k_rows(a, b), tok.target[a:b]
             entries = None if kept is None else kept.chunk(a, b, n, chunk_size)
             x, scratch, aux = bufs.get(b - a, width)
-            if compiled:  # the kernels only read the block: statistics, then the gradient, from the same one
-                z = _read(fill, view, x, a, b, 0, width)
-                gk = _block_kept(kept, entries, z, 0, tok.transform, k, dtype)
-                local = compiled.stats(z, tok.transform, kernel_k(k, b - a, dtype, device, const, compiled), target,
-                                       0, want.entropy, want.sum_pi_squared, dtype,
-                                       cap=kernel_cap(tok.transform, dtype, device, const))
-            else:
-                if into is not None:
-                    x = into(a, b)
-                z = _read_eager(fill, view, x, a, b, 0, width)
-                gk = _block_kept(kept, entries, z, 0, tok.transform, k, dtype)
-                local = _stats.block_stats(x, tok.transform, k, target, 0, scratch, want_w=want.entropy,
-                                           want_q=want.sum_pi_squared, aux=aux, src=None if z is x else z)
+            z, out = compiled.read(fill, view, x, into, a, b, 0, width)  # statistics, then the gradient, from it
+            gk = _block_kept(kept, entries, z, 0, tok.transform, k, dtype)
+            local = compiled.block_stats(z, out, scratch, aux, tok.transform, k, target, 0, want.entropy,
+                                         want.sum_pi_squared, dtype, const)
             kb, kc = (None, None) if gk is None else _keep.block_stats(gk, entries, b - a, k, dtype)
             rows, merged = _rows_of_chunk(local, kb, kc, group, k, kept)
             _store(stats, rows, a, b)
         ups = token_grads(g0, g1, stats.rows(g0, g1).log_probs())
         co, co_k = coefficients(a, b, g0, ups, rows)  # the last chunk, from its kept block
-        if compiled:
-            out = x if into is None else into(a, b)
-            g = compiled.grad(z, out, tok.transform, kernel_k(k, b - a, dtype, device, const, compiled), rows,
-                              target, 0, co, dtype, cap=kernel_cap(tok.transform, dtype, device, const), const=const)
-        else:
-            y = _stats.shift_offsets_(x, local.m, merged.m, k) if merged is not local else x
-            g = _stats.grad_from_offsets_(y, tok.transform, rows, target, 0, co, scratch, aux)
+        g = compiled.held_grad(z, out, scratch, aux, local, merged, tok.transform, k, rows, target, 0, co, dtype, const)
         if gk is not None:
             _keep.add_grad_(g, gk, entries, rows.kept, rows.truncated, co_k, tok.transform, k)
         yield a, b, 0, width, g
@@ -567,7 +478,7 @@ class _PairWalk:
         self.fill, self.fill_t, self.width, self.block = fill, fill_t, width, block
         self.chunk_size, self.dtype, self.device, self.compiled = chunk_size, dtype, device, compiled
         rows = min(chunk_size, tok.n)
-        eager = not compiled
+        eager = compiled.in_place
         self.bufs = Buffers(rows, block, dtype, device, work=True, scratch=eager,
                             aux=eager and grad and tok.transform.softcap is not None)
         self.bufs_t = Buffers(rows, block, dtype, device, work=True, scratch=eager and teacher_scratch)
@@ -619,7 +530,7 @@ class _PairWalk:
         """A KL's cross sum of one block (see :meth:`~chunked_entropy._divergence.DivergenceMath.folded`), from the
         blocks as the statistics left them: eager, offsets to the local maxima (the two scratch buffers
         written); compiled, raw."""
-        if self.compiled:
+        if not self.compiled.in_place:
             k, kt, cap, cap_t = self.pair_constants(a, b)
             if self.teacher_weighs:
                 return PAIR.cross(xt, x, self.tf_t, kt, local_t.m, self.tok.transform, k, local.m, self.dtype, cap_t,
@@ -647,7 +558,7 @@ class _PairWalk:
         st = stt = cross = None
         for v0, v1 in chunks(self.width, self.block):
             x, xt, scratch, scratch_t, cap = self.raw(a, b, v0, v1)
-            if compiled:  # their constants filled once a walk (kernel_k, kernel_cap)
+            if not compiled.in_place:  # their constants filled once a walk (kernel_k, kernel_cap)
                 c, dt, dev = self.const, self.dtype, self.device
                 local = compiled.stats(x, tok.transform, kernel_k(k, b - a, dt, dev, c, compiled), target, v0,
                                        want_entropy, False, dt, cap=kernel_cap(tok.transform, dt, dev, c))
@@ -687,7 +598,7 @@ class _PairWalk:
         k, kt = self.k(a, b)
         m = (merged.m, merged_t.m)
         parts = None
-        if compiled:
+        if not compiled.in_place:
             div = aux = None
             kk, kkt, cap, cap_t = self.pair_constants(a, b)
             for v0, v1 in chunks(self.width, self.block):
@@ -721,7 +632,7 @@ class _PairWalk:
         student's log-prob / entropy terms. ``held``: the chunk's blocks, still held (one vocabulary block),
         else both are filled again; ``parts``: what the divergence's sums of this block kept (eager)."""
         tok = self.tok
-        if self.compiled:
+        if not self.compiled.in_place:
             x, xt = held[:2] if held is not None else self.raw(a, b, v0, v1)[:2]
             k, kt, cap, cap_t = self.pair_constants(a, b)
             co = co if co is not None else _stats.Coefficients(None, None, None)

@@ -136,7 +136,7 @@ def test_compiled_from_logits_matches_eager(monkeypatch):
     results, ran = [], []
     grad_ = _kernels.PAIR.grad_
     monkeypatch.setattr(_kernels.PAIR, "grad_", lambda *a: ran.append(1) or grad_(*a))  # counted, still run
-    for compiled in (None, _kernels.COMPILED):
+    for compiled in (_kernels.EAGER, _kernels.COMPILED):
         monkeypatch.setattr(dv._LogitsDivergenceFunction, "apply",
                             lambda x, teacher, tok, plan, *rest, c=compiled: apply(x, teacher, tok,
                                                                                   replace(plan, compiled=c), *rest))
