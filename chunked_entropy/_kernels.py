@@ -27,7 +27,7 @@ the environment before Triton is first imported; slow, for tests).
 
 The loop (:mod:`chunked_entropy._loop`) takes the chosen kernels as an object
 with ``stats`` and ``grad`` (:data:`EAGER`, :data:`COMPILED`, :data:`TRITON`:
-:func:`use_compiled`) and asks it, never which one it is, how a block is read
+:func:`choose_kernels`) and asks it, never which one it is, how a block is read
 and where its gradient is written (:class:`_Fast`, :class:`_Eager`). Both ``stats`` take ``out=`` (a ``[6, n]`` tensor
 of the walk's running statistics to write into) and ``merge=`` (merge the
 block's statistics into what ``out`` holds): the Triton kernel merges inside
@@ -470,7 +470,7 @@ class _Eager(_Fast):
 COMPILED = _Compiled()
 TRITON = _Triton()
 EAGER = _Eager()
-#: What the loop takes as its kernels (``Plan.compiled``): :data:`EAGER`, :data:`COMPILED` or :data:`TRITON`.
+#: What the loop takes as its kernels (``Plan.kernels``): :data:`EAGER`, :data:`COMPILED` or :data:`TRITON`.
 Kernels = Union[_Eager, _Compiled, _Triton]
 #: Device types where ``backend="auto"`` tries the fast kernels (elsewhere it is eager).
 AUTO_FAST = ("cuda",)
@@ -669,7 +669,7 @@ def _choose(device: torch.device):
     return EAGER
 
 
-def use_compiled(backend: str, device: torch.device, pair=None):
+def choose_kernels(backend: str, device: torch.device, pair=None):
     """The kernels this call runs: :data:`EAGER`, :data:`COMPILED` or :data:`TRITON`.
 
     ``pair``: a divergence's math (:class:`chunked_entropy._divergence.DivergenceMath`), whose own kernels

@@ -193,7 +193,7 @@ def three_pass_plan(n: int, weight: torch.Tensor, plan: Plan, *, budget: int, vo
     if plan.vocab_chunk_size >= v and not accumulator:
         return plan
     # the student's block (eager: and its exp scratch, and a soft-cap's derivative); a teacher's block and scratch
-    eager = plan.compiled.in_place
+    eager = plan.kernels.in_place
     buffers = (2 + softcap if eager else 1) + (0 if not teacher else (2 if eager else 1) + teacher)
     need = three_pass_bytes(max(1, min(plan.chunk_size, n)), v, hdim, weight.element_size(),
                             accumulator=accumulator, buffers=buffers, native=half_mm_native(weight.device),

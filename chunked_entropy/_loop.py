@@ -14,7 +14,7 @@ raw logits come from, which the caller passes as ``fill(x, a, b, v0, v1)``:
 write the logits of rows ``[a, b)`` and shard columns ``[v0, v1)`` into ``x``
 (a buffer of ours). The math on each block is :mod:`chunked_entropy._stats`.
 
-``compiled`` is a kernels object of :mod:`chunked_entropy._kernels` (the
+``plan.kernels`` is a kernels object of :mod:`chunked_entropy._kernels` (the
 eager, the compiled or the Triton kernels); the walks ask it, never which one
 it is, where a block is read (``view``, ``read``), what it computes there
 (``block_stats``, ``block_grad``, ``held_grad``) and which buffers it needs
@@ -52,9 +52,9 @@ class Plan:
     group: object
     sequence_parallel: bool
     want: _stats.Want
-    compiled: Kernels = EAGER  # the per-block kernels; see _kernels.use_compiled
+    kernels: Kernels = EAGER  # the per-block kernels; see _kernels.choose_kernels
     float32_logits: bool = False  # half-precision weights: each block's matmul in float32 (logits_dtype=float32)
-    # With ``compiled`` kernels: the dtype of the block buffers the fill's matmul writes and the kernels read
+    # With compiled or Triton kernels: the dtype of the block buffers the fill's matmul writes and the kernels read
     # (the weight's half precision: no widening copy); None: the compute dtype. See :func:`block_dtype`.
     block_dtype: Optional[torch.dtype] = None
     # The backward's vocabulary block where it walks blocks outermost (half-precision weights whose gradient is
@@ -148,16 +148,16 @@ def _row_stats_blocks_outer(tok: Tokens, fill: Fill, plan: Plan, bufs: Buffers, 
     arithmetic in the same order of blocks; the Triton kernel merges inside its launch); then merged over
     the group and finished once. One launch a (chunk, block) of the Triton kernels, nothing else a block.
     Allocates the ``[6, n]`` statistics (the results' ``m`` is its first row)."""
-    block, chunk_size, group, want, compiled = (plan.vocab_chunk_size, plan.chunk_size, plan.group, plan.want,
-                                                plan.compiled)
+    block, chunk_size, group, want, kernels = (plan.vocab_chunk_size, plan.chunk_size, plan.group, plan.want,
+                                                plan.kernels)
     n = tok.n
     running = torch.empty(6, n, dtype=dtype, device=device)  # m, ones, rest, w, q, zl of every row
     const = {}
     for v0, v1 in chunks(width, block):
         for a, b in chunks(n, chunk_size):
             x, _, _ = bufs.get(b - a, v1 - v0)
-            z, _ = compiled.read(fill, view, x, None, a, b, v0, v1)
-            compiled.block_stats(z, x, None, None, tok.transform, tok.k_rows(a, b), tok.target[a:b], v0, want.entropy,
+            z, _ = kernels.read(fill, view, x, None, a, b, v0, v1)
+            kernels.block_stats(z, x, None, None, tok.transform, tok.k_rows(a, b), tok.target[a:b], v0, want.entropy,
                                  want.sum_pi_squared, dtype, const, out=running[:, a:b], merge=v0 > 0)
     on = (True, True, True, want.entropy, want.sum_pi_squared, True)
     st = _stats.BlockStats(*(t if o else None for t, o in zip(running.unbind(0), on, strict=True)))
@@ -171,13 +171,13 @@ def row_stats(tok: Tokens, fill: Fill, plan: Plan, *, width: int, dtype, device,
     With sampling replay (``tok.keep``) also those of each row's kept set. With compiled kernels and neither
     replay nor distillation, the blocks are merged over all rows at once (:func:`_row_stats_blocks_outer`).
     """
-    block, chunk_size, group, want, compiled = (plan.vocab_chunk_size, plan.chunk_size, plan.group, plan.want,
-                                                plan.compiled)
+    block, chunk_size, group, want, kernels = (plan.vocab_chunk_size, plan.chunk_size, plan.group, plan.want,
+                                                plan.kernels)
     n, kept = tok.n, tok.keep
-    view = compiled.view(view, tok.transform)
+    view = kernels.view(view, tok.transform)
     bufs = Buffers(min(chunk_size, n), block, block_dtype(plan, dtype), device,
-                   work=compiled.in_place or view is None, scratch=want.scratch and compiled.in_place)
-    if compiled.blocks_outer and kept is None and tok.at is None:
+                   work=kernels.in_place or view is None, scratch=want.scratch and kernels.in_place)
+    if kernels.blocks_outer and kept is None and tok.at is None:
         return _row_stats_blocks_outer(tok, fill, plan, bufs, width=width, dtype=dtype, device=device, view=view)
     out = new_row_stats(n, want, dtype, device, kept)
     at = tok.at
@@ -190,11 +190,11 @@ def row_stats(tok: Tokens, fill: Fill, plan: Plan, *, width: int, dtype, device,
         st = kst = count = cand = None
         for v0, v1 in chunks(width, block):
             x, scratch, _ = bufs.get(b - a, v1 - v0)
-            z, _ = compiled.read(fill, view, x, None, a, b, v0, v1)
+            z, _ = kernels.read(fill, view, x, None, a, b, v0, v1)
             g = _block_kept(kept, entries, z, v0, tok.transform, k, dtype)
             if at is not None:  # distillation's ids and top-k, read before the block is overwritten
                 cand = at.block(z, a, b, v0, cand)
-            blk = compiled.block_stats(z, x, scratch, None, tok.transform, k, target, v0, want.entropy,
+            blk = kernels.block_stats(z, x, scratch, None, tok.transform, k, target, v0, want.entropy,
                                        want.sum_pi_squared, dtype, const)
             st = _stats.merge_stats(st, blk, k)
             if g is not None:
@@ -240,12 +240,12 @@ def grad_blocks(
     through our buffer in ``dtype``.
     """
     block = plan.vocab_chunk_size if block is None else block  # a backward's own block (vocab_outer)
-    chunk_size, compiled = plan.chunk_size, plan.compiled
+    chunk_size, kernels = plan.chunk_size, plan.kernels
     n, kept, at = tok.n, tok.keep, tok.at
     at_ids = None if at_grads is None else at.all_ids()
     g_lp, g_h, g_q = (None if g is None else g.reshape(-1).to(dtype) for g in grads)
     softcap = tok.transform.softcap is not None
-    view = compiled.view(view, tok.transform)
+    view = kernels.view(view, tok.transform)
     bdt = block_dtype(plan, dtype, sparse=kept is not None or at_ids is not None)
     if bdt == dtype or not vocab_outer:
         grad_rows = None
@@ -253,8 +253,8 @@ def grad_blocks(
         chunk_size = n
     bufs = Buffers(
         min(chunk_size, n), block, bdt, device,
-        work=grad_rows is None and (into is None or (view is None and not compiled.in_place)),
-        scratch=(g_h is not None or g_q is not None) and compiled.in_place, aux=softcap and compiled.in_place,
+        work=grad_rows is None and (into is None or (view is None and not kernels.in_place)),
+        scratch=(g_h is not None or g_q is not None) and kernels.in_place, aux=softcap and kernels.in_place,
     )
 
     const = {}  # kernel_k's constants
@@ -283,10 +283,10 @@ def grad_blocks(
         if grad_rows is not None:  # filled, then overwritten by its gradient, where the weight's matmul reads it
             x = grad_rows(a, b, v0, v1)
             fill(x, a, b, v0, v1)
-            return compiled.block_grad(x, x, None, None, tok.transform, tok.k_rows(a, b), parts["rows"],
+            return kernels.block_grad(x, x, None, None, tok.transform, tok.k_rows(a, b), parts["rows"],
                                        tok.target[a:b], v0, parts["co"], dtype, const)
         return _refilled_grad(tok, fill, view, bufs, a, b, v0, v1, parts["rows"], parts["co"], dtype,
-                              compiled=compiled, into=into, entries=parts["entries"], co_k=parts["co_k"],
+                              kernels=kernels, into=into, entries=parts["entries"], co_k=parts["co_k"],
                               at=parts["at"], const=const)
 
     yield from _gradient_walk(n, width, block, chunk_size, vocab_outer, chunk, block_grad)
@@ -311,7 +311,7 @@ def _gradient_walk(n: int, width: int, block: int, chunk_size: int, vocab_outer:
 
 
 def _refilled_grad(tok: Tokens, fill: Fill, view: View, bufs: Buffers, a, b, v0, v1, rows, co, dtype, *,
-                   compiled: Kernels, into, entries=None, co_k=None, at=None, const=None) -> torch.Tensor:
+                   kernels: Kernels, into, entries=None, co_k=None, at=None, const=None) -> torch.Tensor:
     """The gradient w.r.t. the raw logits of rows ``[a, b)``, columns ``[v0, v1)``, the block filled again,
     from the rows' finished statistics and coefficients; with replay's and distillation's sparse terms
     (``at``: ``(ids, coefficients, their sums)``). ``const``: the walk's :func:`kernel_k` and
@@ -319,11 +319,11 @@ def _refilled_grad(tok: Tokens, fill: Fill, view: View, bufs: Buffers, a, b, v0,
     kept, k, target = tok.keep, tok.k_rows(a, b), tok.target[a:b]
     at_ids = None if at is None else at[0]
     x, scratch, aux = bufs.get(b - a, v1 - v0)
-    z, out = compiled.read(fill, view, x, into, a, b, v0, v1)
+    z, out = kernels.read(fill, view, x, into, a, b, v0, v1)
     gk = _block_kept(kept, entries, z, v0, tok.transform, k, dtype)
     ea, ra = _block_at(tok.at, at_ids, target, a, b, v0, z, tok.transform)
     const = {} if const is None else const
-    g = compiled.block_grad(z, out, scratch, aux, tok.transform, k, rows, target, v0, co, dtype, const)
+    g = kernels.block_grad(z, out, scratch, aux, tok.transform, k, rows, target, v0, co, dtype, const)
     if gk is not None:
         _keep.add_grad_(g, gk, entries, rows.kept, rows.truncated, co_k, tok.transform, k)
     if ea is not None:
@@ -383,8 +383,8 @@ def loss_grad_blocks(
     :func:`grad_blocks`: a half-precision weight's gradient, one matmul per
     block; ``grad_rows`` as there).
     """
-    block, chunk_size, group, want, compiled = (plan.vocab_chunk_size, plan.chunk_size, plan.group, plan.want,
-                                                plan.compiled)
+    block, chunk_size, group, want, kernels = (plan.vocab_chunk_size, plan.chunk_size, plan.group, plan.want,
+                                                plan.kernels)
     n, kept = tok.n, tok.keep
     if block < width or grad_block is not None:
         full = row_stats(tok, fill, plan, width=width, dtype=dtype, device=device, view=view)
@@ -398,10 +398,10 @@ def loss_grad_blocks(
         return
     chunk_size, group_size = _grouping(n, span, chunk_size)
     softcap = tok.transform.softcap is not None
-    view = compiled.view(view, tok.transform)
+    view = kernels.view(view, tok.transform)
     bufs = Buffers(min(chunk_size, n), width, dtype, device,
-                   work=into is None or (view is None and not compiled.in_place), scratch=compiled.in_place,
-                   aux=softcap and compiled.in_place)
+                   work=into is None or (view is None and not kernels.in_place), scratch=kernels.in_place,
+                   aux=softcap and kernels.in_place)
 
     const = {}  # the kernels' constants (kernel_k, kernel_cap): filled once a walk
 
@@ -415,16 +415,16 @@ def loss_grad_blocks(
             k, target = tok.k_rows(a, b), tok.target[a:b]
             entries = None if kept is None else kept.chunk(a, b, n, chunk_size)
             x, scratch, aux = bufs.get(b - a, width)
-            z, out = compiled.read(fill, view, x, into, a, b, 0, width)  # statistics, then the gradient, from it
+            z, out = kernels.read(fill, view, x, into, a, b, 0, width)  # statistics, then the gradient, from it
             gk = _block_kept(kept, entries, z, 0, tok.transform, k, dtype)
-            local = compiled.block_stats(z, out, scratch, aux, tok.transform, k, target, 0, want.entropy,
+            local = kernels.block_stats(z, out, scratch, aux, tok.transform, k, target, 0, want.entropy,
                                          want.sum_pi_squared, dtype, const)
             kb, kc = (None, None) if gk is None else _keep.block_stats(gk, entries, b - a, k, dtype)
             rows, merged = _rows_of_chunk(local, kb, kc, group, k, kept)
             _store(stats, rows, a, b)
         ups = token_grads(g0, g1, stats.rows(g0, g1).log_probs())
         co, co_k = coefficients(a, b, g0, ups, rows)  # the last chunk, from its kept block
-        g = compiled.held_grad(z, out, scratch, aux, local, merged, tok.transform, k, rows, target, 0, co, dtype, const)
+        g = kernels.held_grad(z, out, scratch, aux, local, merged, tok.transform, k, rows, target, 0, co, dtype, const)
         if gk is not None:
             _keep.add_grad_(g, gk, entries, rows.kept, rows.truncated, co_k, tok.transform, k)
         yield a, b, 0, width, g
@@ -434,7 +434,7 @@ def loss_grad_blocks(
             co, co_k = coefficients(a, b, g0, ups, rows)
             entries = None if kept is None else kept.chunk(a, b, n, chunk_size)
             yield a, b, 0, width, _refilled_grad(tok, fill, view, bufs, a, b, 0, width, rows, co, dtype,
-                                                 compiled=compiled, into=into, entries=entries, co_k=co_k,
+                                                 kernels=kernels, into=into, entries=entries, co_k=co_k,
                                                  const=const)
 
 
@@ -466,19 +466,19 @@ class _PairWalk:
     :func:`~chunked_entropy.parallel.reduce_stats_pair` and the kernels objects (their ``stats``).
 
     Buffers: eager, four ``[chunk_size, block]`` in the compute dtype (each head's block and ``exp``
-    scratch) plus, for a gradient with a student soft-cap, the cap's derivative; compiled (``compiled``
+    scratch) plus, for a gradient with a student soft-cap, the cap's derivative; compiled (``kernels``
     set: a kernels object of :mod:`chunked_entropy._kernels`), the two blocks only (the kernels read the
     raw blocks and form the transform, the offsets and the log-probs on the fly; the gradient kernel
     overwrites the student's block).
     """
 
     def __init__(self, tok: Tokens, tf_t, spec, fill: Fill, fill_t: Fill, *, width: int, block: int,
-                 chunk_size: int, dtype, device, compiled: Kernels, grad: bool, teacher_scratch: bool = True):
+                 chunk_size: int, dtype, device, kernels: Kernels, grad: bool, teacher_scratch: bool = True):
         self.tok, self.tf_t, self.spec, self.math = tok, tf_t, spec, spec.math
         self.fill, self.fill_t, self.width, self.block = fill, fill_t, width, block
-        self.chunk_size, self.dtype, self.device, self.compiled = chunk_size, dtype, device, compiled
+        self.chunk_size, self.dtype, self.device, self.kernels = chunk_size, dtype, device, kernels
         rows = min(chunk_size, tok.n)
-        eager = compiled.in_place
+        eager = kernels.in_place
         self.bufs = Buffers(rows, block, dtype, device, work=True, scratch=eager,
                             aux=eager and grad and tok.transform.softcap is not None)
         self.bufs_t = Buffers(rows, block, dtype, device, work=True, scratch=eager and teacher_scratch)
@@ -530,7 +530,7 @@ class _PairWalk:
         """A KL's cross sum of one block (see :meth:`~chunked_entropy._divergence.DivergenceMath.folded`), from the
         blocks as the statistics left them: eager, offsets to the local maxima (the two scratch buffers
         written); compiled, raw."""
-        if not self.compiled.in_place:
+        if not self.kernels.in_place:
             k, kt, cap, cap_t = self.pair_constants(a, b)
             if self.teacher_weighs:
                 return PAIR.cross(xt, x, self.tf_t, kt, local_t.m, self.tok.transform, k, local.m, self.dtype, cap_t,
@@ -552,17 +552,17 @@ class _PairWalk:
         BlockStats, the last blocks ``(x_s, x_t, st_s, st_t, aux_s)`` with each head's local statistics (eager:
         as offsets to their local maxima, the cap's derivative in ``aux_s`` with ``cap_single``; compiled: raw),
         and (a KL folded online, ``self.fold``) its cross sum over the whole vocabulary, else None."""
-        tok, compiled = self.tok, self.compiled
+        tok, kernels = self.tok, self.kernels
         k, kt = self.k(a, b)
         target, no_label = tok.target[a:b], self.no_label[: b - a]
         st = stt = cross = None
         for v0, v1 in chunks(self.width, self.block):
             x, xt, scratch, scratch_t, cap = self.raw(a, b, v0, v1)
-            if not compiled.in_place:  # their constants filled once a walk (kernel_k, kernel_cap)
+            if not kernels.in_place:  # their constants filled once a walk (kernel_k, kernel_cap)
                 c, dt, dev = self.const, self.dtype, self.device
-                local = compiled.stats(x, tok.transform, kernel_k(k, b - a, dt, dev, c, compiled), target, v0,
+                local = kernels.stats(x, tok.transform, kernel_k(k, b - a, dt, dev, c, kernels), target, v0,
                                        want_entropy, False, dt, cap=kernel_cap(tok.transform, dt, dev, c))
-                local_t = compiled.stats(xt, self.tf_t, kernel_k(kt, b - a, dt, dev, c, compiled), no_label, v0,
+                local_t = kernels.stats(xt, self.tf_t, kernel_k(kt, b - a, dt, dev, c, kernels), no_label, v0,
                                          False, False, dt, cap=kernel_cap(self.tf_t, dt, dev, c))
             else:
                 local = _stats.block_stats(x, tok.transform, k, target, v0, scratch, want_w=want_entropy,
@@ -589,7 +589,7 @@ class _PairWalk:
         collective); else from the blocks still ``held`` when the vocabulary is one block, or from each block
         filled again; ``parts`` (eager, one block, ``keep_parts``): what
         :meth:`~chunked_entropy._divergence.DivergenceMath.grad_from_parts` reads."""
-        single, compiled, math_, tok = self.block >= self.width, self.compiled, self.math, self.tok
+        single, kernels, math_, tok = self.block >= self.width, self.kernels, self.math, self.tok
         if cross is not None:
             s_s, s_t = merged.ones + merged.rest, merged_t.ones + merged_t.rest
             div = (math_.folded(cross, s_t, ls_t, rows.ls) if self.teacher_weighs
@@ -598,7 +598,7 @@ class _PairWalk:
         k, kt = self.k(a, b)
         m = (merged.m, merged_t.m)
         parts = None
-        if not compiled.in_place:
+        if not kernels.in_place:
             div = aux = None
             kk, kkt, cap, cap_t = self.pair_constants(a, b)
             for v0, v1 in chunks(self.width, self.block):
@@ -632,7 +632,7 @@ class _PairWalk:
         student's log-prob / entropy terms. ``held``: the chunk's blocks, still held (one vocabulary block),
         else both are filled again; ``parts``: what the divergence's sums of this block kept (eager)."""
         tok = self.tok
-        if not self.compiled.in_place:
+        if not self.kernels.in_place:
             x, xt = held[:2] if held is not None else self.raw(a, b, v0, v1)[:2]
             k, kt, cap, cap_t = self.pair_constants(a, b)
             co = co if co is not None else _stats.Coefficients(None, None, None)
@@ -680,12 +680,12 @@ def pair_row_stats(tok: Tokens, tf_t, spec, fill: Fill, fill_t: Fill, plan: Plan
     blocks and ``group`` (both models' together: one MAX all-reduce and one all-gather,
     :func:`~chunked_entropy.parallel.reduce_stats_pair`); then the divergence's sums (one SUM all-reduce):
     from the blocks still held when the vocabulary is one block, else from each block filled again. Three
-    collectives per chunk under a group. ``compiled``: the blocks through those kernels (see :class:`_PairWalk`).
+    collectives per chunk under a group. ``plan.kernels``: the kernels the blocks go through (see :class:`_PairWalk`).
     """
-    block, chunk_size, group, want_entropy, compiled = (plan.vocab_chunk_size, plan.chunk_size, plan.group,
-                                                       plan.want.entropy, plan.compiled)
+    block, chunk_size, group, want_entropy, kernels = (plan.vocab_chunk_size, plan.chunk_size, plan.group,
+                                                       plan.want.entropy, plan.kernels)
     walk = _PairWalk(tok, tf_t, spec, fill, fill_t, width=width, block=block, chunk_size=chunk_size, dtype=dtype,
-                     device=device, compiled=compiled, grad=False)
+                     device=device, kernels=kernels, grad=False)
     stats = new_row_stats(tok.n, _stats.Want(want_entropy, False), dtype, device)
     pair = new_pair_rows(tok.n, spec, dtype, device)
     for a, b in chunks(tok.n, chunk_size):
@@ -707,10 +707,10 @@ def pair_loss_grad_blocks(
     One vocabulary block: each chunk's blocks are filled once (statistics, sums and gradient from the blocks
     held); with vocabulary blocks, three times (statistics, sums, gradient). Three collectives per chunk.
     """
-    block, chunk_size, group, want_entropy, compiled = (plan.vocab_chunk_size, plan.chunk_size, plan.group,
-                                                       plan.want.entropy, plan.compiled)
+    block, chunk_size, group, want_entropy, kernels = (plan.vocab_chunk_size, plan.chunk_size, plan.group,
+                                                       plan.want.entropy, plan.kernels)
     walk = _PairWalk(tok, tf_t, spec, fill, fill_t, width=width, block=block, chunk_size=chunk_size, dtype=dtype,
-                     device=device, compiled=compiled, grad=True)
+                     device=device, kernels=kernels, grad=True)
     single = block >= width
     for a, b in chunks(tok.n, chunk_size):
         rows, ls_t, merged, merged_t, held, cross = walk.chunk_stats(
@@ -735,11 +735,11 @@ def pair_grad_blocks(
     ``(divergence, log_probs, entropy)`` (None: no term). ``vocab_outer``: vocabulary blocks outermost, as in
     :func:`grad_blocks`. No collective."""
     block = plan.vocab_chunk_size if block is None else block
-    chunk_size, compiled = plan.chunk_size, plan.compiled
+    chunk_size, kernels = plan.chunk_size, plan.kernels
     n = tok.n
     g_div, g_lp, g_h = (None if g is None else g.reshape(-1).to(dtype) for g in grads)
     walk = _PairWalk(tok, tf_t, spec, fill, fill_t, width=width, block=block, chunk_size=chunk_size, dtype=dtype,
-                     device=device, compiled=compiled, grad=True, teacher_scratch=False)
+                     device=device, kernels=kernels, grad=True, teacher_scratch=False)
 
     def chunk(a, b):
         rows, here = stats.rows(a, b), pair.rows(a, b)

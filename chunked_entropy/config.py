@@ -30,7 +30,7 @@ from typing import Optional, Union
 import torch
 
 from ._checks import is_finite_real, is_int, plain_str, value_repr
-from ._kernels import BACKENDS, EAGER, use_compiled
+from ._kernels import BACKENDS, EAGER, choose_kernels
 from ._loop import Plan
 from ._stats import Want
 
@@ -102,10 +102,10 @@ def walk_plan(chunking, *, tokens: int, width: int, dtype: Optional[torch.dtype]
     buffers = 1 + want.scratch if buffers is None else buffers
     vocab = chunking.vocab_chunk_size
     chunk_size = chunking.resolve(width if over_logits else min(vocab or width, width), buffers=buffers)
-    chosen = use_compiled(chunking.backend, device, pair=pair) if kernels else EAGER
+    chosen = choose_kernels(chunking.backend, device, pair=pair) if kernels else EAGER
     if over_logits:
         return Plan(chunk_size=chunk_size, vocab_chunk_size=width, group=group, sequence_parallel=False, want=want,
-                    compiled=chosen)
+                    kernels=chosen)
     half = dtype in (torch.bfloat16, torch.float16)
     block = vocab_block_for(vocab, chunk_size, tokens, width)
     grad_block = None
@@ -115,7 +115,7 @@ def walk_plan(chunking, *, tokens: int, width: int, dtype: Optional[torch.dtype]
     # gradient in that dtype; a bias is added in float32 to the rounded product, so its blocks stay float32
     direct = not chosen.in_place and half and not float32_logits and not bias
     return Plan(chunk_size=chunk_size, vocab_chunk_size=block, group=group, sequence_parallel=sequence_parallel,
-                want=want, compiled=chosen, float32_logits=float32_logits, block_dtype=dtype if direct else None,
+                want=want, kernels=chosen, float32_logits=float32_logits, block_dtype=dtype if direct else None,
                 grad_vocab_chunk_size=grad_block)
 
 
