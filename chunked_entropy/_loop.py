@@ -558,17 +558,11 @@ class _PairWalk:
         st = stt = cross = None
         for v0, v1 in chunks(self.width, self.block):
             x, xt, scratch, scratch_t, cap = self.raw(a, b, v0, v1)
-            if not kernels.in_place:  # their constants filled once a walk (kernel_k, kernel_cap)
-                c, dt, dev = self.const, self.dtype, self.device
-                local = kernels.stats(x, tok.transform, kernel_k(k, b - a, dt, dev, c, kernels), target, v0,
-                                       want_entropy, False, dt, cap=kernel_cap(tok.transform, dt, dev, c))
-                local_t = kernels.stats(xt, self.tf_t, kernel_k(kt, b - a, dt, dev, c, kernels), no_label, v0,
-                                         False, False, dt, cap=kernel_cap(self.tf_t, dt, dev, c))
-            else:
-                local = _stats.block_stats(x, tok.transform, k, target, v0, scratch, want_w=want_entropy,
-                                           want_q=False, aux=cap if cap_single else None)
-                local_t = _stats.block_stats(xt, self.tf_t, kt, no_label, v0, scratch_t, want_w=False,
-                                             want_q=False)
+            # the kernels' constants filled once a walk (kernel_k, kernel_cap); the eager ones' offsets in x, xt
+            local = kernels.block_stats(x, x, scratch, cap if cap_single else None, tok.transform, k, target, v0,
+                                        want_entropy, False, self.dtype, self.const)
+            local_t = kernels.block_stats(xt, xt, scratch_t, None, self.tf_t, kt, no_label, v0, False, False,
+                                          self.dtype, self.const)
             prev, prev_t = st, stt
             st, stt = _stats.merge_stats(st, local, k), _stats.merge_stats(stt, local_t, kt)
             if self.fold:
