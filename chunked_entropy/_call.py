@@ -92,15 +92,15 @@ __all__ = [
 
 
 def plan_for(layer: OutputLayer, chunking: Chunking, *, lead, want: Want, device, buffers: Optional[int] = None,
-             compiled: bool = True, pair=None, width: Optional[int] = None) -> Plan:
+             kernels: bool = True, pair=None, width: Optional[int] = None) -> Plan:
     """How an op walks ``lead``'s tokens and the layer's vocabulary shard: :func:`chunked_entropy.config.walk_plan`
     (the one place the sizes are decided) with the layer's weight, bias, ``logits_dtype``, group and sequence
     parallelism. ``width``: an op over given logits of that many columns (the layer holds no weight then).
     ``buffers``: the float32 buffers ``chunk_size="auto"`` is sized for (by default one, two with a scratch
-    output); ``compiled=False``: the eager kernels; ``pair``: a divergence's math, whose kernels are probed too
-    (:func:`~chunked_entropy._kernels.use_compiled`). ``Chunking.invariant``: the plan walks the shard's tiles."""
+    output); ``kernels=False``: the eager kernels; ``pair``: a divergence's math, whose kernels are probed too
+    (:func:`~chunked_entropy._kernels.choose_kernels`). ``Chunking.invariant``: the plan walks the shard's tiles."""
     common = dict(tokens=math.prod(lead), want=want, device=device, group=layer.process_group, buffers=buffers,
-                  kernels=compiled, pair=pair)
+                  kernels=kernels, pair=pair)
     if width is not None:
         return walk_plan(chunking, width=width, dtype=None, over_logits=True, **common)
     w = layer.weight

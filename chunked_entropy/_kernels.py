@@ -26,8 +26,9 @@ runs only through Triton's interpreter (opt-in: ``TRITON_INTERPRET=1`` in
 the environment before Triton is first imported; slow, for tests).
 
 The loop (:mod:`chunked_entropy._loop`) takes the chosen kernels as an object
-with ``stats`` and ``grad`` (:data:`COMPILED`, :data:`TRITON`), or None for
-eager: :func:`use_compiled`. Both ``stats`` take ``out=`` (a ``[6, n]`` tensor
+with ``stats`` and ``grad`` (:data:`EAGER`, :data:`COMPILED`, :data:`TRITON`:
+:func:`choose_kernels`) and asks it, never which one it is, how a block is read
+and where its gradient is written (:class:`_Fast`, :class:`_Eager`). Both ``stats`` take ``out=`` (a ``[6, n]`` tensor
 of the walk's running statistics to write into) and ``merge=`` (merge the
 block's statistics into what ``out`` holds): the Triton kernel merges inside
 its launch; the compiled backend merges eagerly (:func:`_into`).
@@ -73,6 +74,120 @@ def k_column(k, n: int, dtype, device) -> torch.Tensor:
     return torch.full((n, 1), 1.0 if k is None else float(k), dtype=dtype, device=device)
 
 
+def _read(fill, view, x, a: int, b: int, v0: int, v1: int) -> torch.Tensor:
+    """The block to read: the caller's own view when it has one, else ``x`` filled."""
+    if view is not None:
+        return view(a, b, v0, v1)
+    fill(x, a, b, v0, v1)
+    return x
+
+
+def _read_eager(fill, view, x, a: int, b: int, v0: int, v1: int) -> torch.Tensor:
+    """The eager kernels' block: the caller's rows where they have ``x``'s dtype (the first op over the block,
+    the max and then the offsets, reads them and writes ``x``: ``src`` of
+    :func:`chunked_entropy._stats.block_stats`; no copy first), else ``x`` filled. Half-precision rows are
+    copied: on the CPU an op that mixes dtypes takes several times a copy plus a same-dtype op."""
+    if view is not None:
+        z = view(a, b, v0, v1)
+        if z.dtype == x.dtype:
+            return z
+    fill(x, a, b, v0, v1)
+    return x
+
+
+def kernel_k(k, n: int, dtype, device, const: dict, kernels=None):
+    """The per-row multiplier ``k`` as the compiled and Triton kernels take it: a per-row tensor as it is;
+    None or a float as an ``[n, 1]`` view (stride 0) of a one-element tensor filled once per walk and kept in
+    ``const``: one fill a call, not one a launch. None stays None for ``kernels`` that take no multiplier
+    (``kernels.k_optional``: the Triton kernels, which then multiply by nothing): no fill at all. The compiled
+    kernels (any other ``kernels``: :data:`COMPILED`, :data:`PAIR`) take contiguous columns: an ``[n, 1]`` one
+    filled once a walk and chunk size (a stride-0 view would be copied each launch). The eager kernels take
+    ``k`` as it is (:meth:`_Eager.k`)."""
+    if isinstance(k, torch.Tensor):
+        return k
+    optional = getattr(kernels, "k_optional", False)
+    if k is None and optional:
+        return None
+    value = 1.0 if k is None else float(k)
+    key = value if optional else (value, n)
+    t = const.get(key)
+    if t is None:
+        t = const[key] = torch.full((1, 1) if optional else (n, 1), value, dtype=dtype, device=device)
+    return t.expand(n, 1)
+
+
+def kernel_cap(tf: _stats.Transform, dtype, device, const: dict) -> Optional[torch.Tensor]:
+    """The soft-cap's factor ``logit_scale / softcap`` as the compiled and Triton kernels take it, a
+    one-element tensor filled once per walk and kept in ``const`` (None without a soft-cap): one fill a call,
+    not one a launch."""
+    if tf.softcap is None:
+        return None
+    value = (tf.logit_scale or 1.0) / tf.softcap
+    t = const.get(("cap", value))
+    if t is None:
+        t = const[("cap", value)] = torch.full((1,), value, dtype=dtype, device=device)
+    return t
+
+
+class _Fast:
+    """What the chunk loop (:mod:`chunked_entropy._loop`) asks of every kernels object, as the compiled and
+    Triton kernels answer it (:class:`_Eager` answers it for the eager ones): the walks call these and never
+    ask which kernels they hold.
+
+    These kernels only read a block (the caller's own rows where it has them: :meth:`view`), take the
+    multiplier and the soft-cap's factor in their own forms (:meth:`k`, :meth:`cap`, filled once a walk in its
+    ``const``), and need no buffer of ours beyond the block (``in_place`` False: no ``exp`` scratch, no cap
+    derivative); their statistics merge into running ones (``blocks_outer``: the statistics walk may take
+    vocabulary blocks outermost)."""
+
+    #: The kernels write a block's offsets over our buffer and need the ``exp`` scratch and the cap's derivative.
+    in_place = False
+    #: The statistics merge into a ``[6, n]`` running tensor (``out=``, ``merge=``): blocks may be walked outermost.
+    blocks_outer = True
+
+    @property
+    def pair(self):
+        """A divergence's kernels beside these (:data:`PAIR`)."""
+        return PAIR
+
+    def view(self, view, tf: _stats.Transform):
+        """Where a walk reads its blocks: the caller's own rows (``view``; None: each block filled into ours)."""
+        return view
+
+    def read(self, fill, view, x, into, a: int, b: int, v0: int, v1: int) -> tuple:
+        """``(z, out)``: the block of rows ``[a, b)``, columns ``[v0, v1)`` to read (``view``'s rows, else ``x``
+        filled), and the buffer a gradient of it is written in (``into(a, b)`` when given, else ``x``)."""
+        return _read(fill, view, x, a, b, v0, v1), (x if into is None else into(a, b))
+
+    def k(self, k, n: int, dtype, device, const: dict):
+        """The multiplier as these kernels take it (:func:`kernel_k`)."""
+        return kernel_k(k, n, dtype, device, const, self)
+
+    def cap(self, tf: _stats.Transform, dtype, device, const: dict):
+        """The soft-cap's factor as these kernels take it (:func:`kernel_cap`)."""
+        return kernel_cap(tf, dtype, device, const)
+
+    def block_stats(self, z, work, scratch, aux, tf, k, target, v0, want_w, want_q, dtype, const, out=None,
+                    merge=False) -> _stats.BlockStats:
+        """A walk's :meth:`stats` of block ``z`` (``work``, ``scratch``, ``aux``: our buffers, for the eager
+        kernels), its multiplier and cap in these kernels' forms from the walk's ``const``."""
+        n, dev = z.shape[0], z.device
+        return self.stats(z, tf, self.k(k, n, dtype, dev, const), target, v0, want_w, want_q, dtype, out=out,
+                          merge=merge, cap=self.cap(tf, dtype, dev, const), work=work, scratch=scratch, aux=aux)
+
+    def block_grad(self, z, out, scratch, aux, tf, k, row, target, v0, co, dtype, const) -> torch.Tensor:
+        """A walk's :meth:`grad` of block ``z``, written in ``out``."""
+        n, dev = z.shape[0], z.device
+        return self.grad(z, out, tf, self.k(k, n, dtype, dev, const), row, target, v0, co, dtype,
+                         cap=self.cap(tf, dtype, dev, const), const=const, scratch=scratch, aux=aux)
+
+    def held_grad(self, z, out, scratch, aux, local, merged, tf, k, row, target, v0, co, dtype,
+                  const) -> torch.Tensor:
+        """The gradient of a block :meth:`block_stats` just read (``local``: its statistics, ``merged``: the
+        rows' over the group): these kernels read the raw block again (:meth:`block_grad`)."""
+        return self.block_grad(z, out, scratch, aux, tf, k, row, target, v0, co, dtype, const)
+
+
 class _Lazy:
     """``torch.compile`` of the functions ``functions()`` names, on first use (once, under a lock)."""
 
@@ -89,7 +204,7 @@ class _Lazy:
             return self._fns
 
 
-class _Compiled(_Lazy):
+class _Compiled(_Fast, _Lazy):
     """The compiled kernels, built on first use."""
 
     def __init__(self):
@@ -98,7 +213,8 @@ class _Compiled(_Lazy):
     #: ``k`` None is taken as a tensor of ones (the compiled kernels take the multiplier as a column).
     k_optional = False
 
-    def stats(self, z, tf, k, target, v0, want_w, want_q, dtype, out=None, merge=False, cap=None):
+    def stats(self, z, tf, k, target, v0, want_w, want_q, dtype, out=None, merge=False, cap=None, work=None,
+              scratch=None, aux=None):
         n = z.shape[0]
         kc = k_column(k, n, dtype, z.device)
         z, kk, target = _rows_of(n, z.detach(), kc, target)
@@ -107,8 +223,8 @@ class _Compiled(_Lazy):
         st = _stats.BlockStats(*(t[:n] if on else None for t, on in zip(st, keep, strict=True)))
         return _into(st, out, merge, kc)
 
-    def grad(self, z, out, tf, k, row, target, v0, co, dtype, cap=None, const=None):
-        """``const``: the walk's constants (:func:`chunked_entropy._loop.kernel_k`), where the zero vectors of
+    def grad(self, z, out, tf, k, row, target, v0, co, dtype, cap=None, const=None, scratch=None, aux=None):
+        """``const``: the walk's constants (:func:`kernel_k`), where the zero vectors of
         absent terms are kept once a walk and chunk size (else filled here, one a term a call)."""
         n, z_in = z.shape[0], z
         const = {} if const is None else const
@@ -134,14 +250,14 @@ class _Compiled(_Lazy):
         return out if n > 1 else out.copy_(dst[:1])
 
 
-class _PairKernels(_Lazy):
+class _PairKernels(_Fast, _Lazy):
     """A divergence's kernels (:func:`chunked_entropy._divergence.terms_of_blocks`,
     :func:`~chunked_entropy._divergence.grad_of_blocks_` and, for a KL folded online,
     :func:`~chunked_entropy._divergence.cross_of_blocks`) through ``torch.compile``, built on first use: the
     pair walk's per-block math, beside either kernels object's one-head ``stats`` (the Triton backend's
     divergence blocks run through these too: there is no hand-written divergence kernel). One compilation
     per divergence kind and ``beta`` (its value is a constant of the kernel) and dtype. Each method takes the
-    heads' soft-cap factors (``cap``...) as the walk filled them once (:func:`chunked_entropy._loop.kernel_cap`;
+    heads' soft-cap factors (``cap``...) as the walk filled them once (:func:`kernel_cap`;
     None: filled here), and their multipliers as columns (the walk's once-a-walk ones)."""
 
     def __init__(self):
@@ -190,7 +306,7 @@ PAIR = _PairKernels()
 
 def _cap_factor(tf, dtype, device, cap=None):
     """``logit_scale / softcap`` as a 0-d tensor (a value, not a constant of the kernel), or None; ``cap``: the
-    one-element tensor the caller filled once (the chunk loop's walk: :func:`chunked_entropy._loop.kernel_cap`)."""
+    one-element tensor the caller filled once (the chunk loop's walk: :func:`kernel_cap`)."""
     if tf.softcap is None:
         return None
     if cap is not None:
@@ -245,7 +361,7 @@ def _rows_of(n: int, *tensors):
     return tuple(t.detach().contiguous() for t in tensors)
 
 
-class _Triton:
+class _Triton(_Fast):
     """The Triton kernels (:mod:`chunked_entropy._triton`), imported on first use; same contracts as
     :class:`_Compiled`."""
 
@@ -284,10 +400,11 @@ class _Triton:
     #: ``k`` None is no multiplier and no tensor (the kernels' ``HAS_K`` off).
     k_optional = True
 
-    def stats(self, z, tf, k, target, v0, want_w, want_q, dtype, out=None, merge=False, cap=None):
+    def stats(self, z, tf, k, target, v0, want_w, want_q, dtype, out=None, merge=False, cap=None, work=None,
+              scratch=None, aux=None):
         return self.module().stats(z, tf, k, target, v0, want_w, want_q, dtype, out=out, merge=merge, cap=cap)
 
-    def grad(self, z, out, tf, k, row, target, v0, co, dtype, cap=None, const=None):
+    def grad(self, z, out, tf, k, row, target, v0, co, dtype, cap=None, const=None, scratch=None, aux=None):
         return self.module().grad(z, out, tf, k, row, target, v0, co, dtype, cap=cap)
 
     @contextlib.contextmanager
@@ -303,13 +420,61 @@ class _Triton:
     _as_compiled = False
 
 
+class _Eager(_Fast):
+    """The eager kernels (:func:`chunked_entropy._stats.block_stats`, :func:`~chunked_entropy._stats.block_grad`:
+    a dozen in-place PyTorch ops a block, the reference) behind the same calls as :class:`_Compiled` and
+    :class:`_Triton`. They work in our buffers (``in_place``): a block's offsets written over the work buffer
+    (``work``; the caller's rows read once, as ``src``, where they have its dtype and there is no soft-cap:
+    :func:`_read_eager`), ``exp`` in the scratch buffer, the cap's derivative in ``aux``; they take the
+    multiplier as it is and the soft-cap from the transform."""
+
+    in_place = True
+    blocks_outer = False
+
+    def view(self, view, tf: _stats.Transform):
+        """The caller's rows without a soft-cap (read once, by the first op over a block); None with one (the
+        ``tanh`` is taken in our buffer)."""
+        return view if tf.softcap is None else None
+
+    def read(self, fill, view, x, into, a: int, b: int, v0: int, v1: int) -> tuple:
+        """``(z, out)``: the block read into ``out`` (``into(a, b)`` when given, else ``x``), where its offsets
+        and then its gradient are written; ``z`` the caller's rows where :func:`_read_eager` reads them."""
+        out = x if into is None else into(a, b)
+        return _read_eager(fill, view, out, a, b, v0, v1), out
+
+    def k(self, k, n: int, dtype, device, const: dict):
+        return k
+
+    def cap(self, tf: _stats.Transform, dtype, device, const: dict):
+        return None
+
+    def stats(self, z, tf, k, target, v0, want_w, want_q, dtype, out=None, merge=False, cap=None, work=None,
+              scratch=None, aux=None):
+        """:func:`chunked_entropy._stats.block_stats` of ``z`` written in ``work`` (default ``z`` itself)."""
+        work = z if work is None else work
+        st = _stats.block_stats(work, tf, k, target, v0, scratch, want_w=want_w, want_q=want_q, aux=aux,
+                                src=None if z is work else z)
+        return _into(st, out, merge, k)
+
+    def grad(self, z, out, tf, k, row, target, v0, co, dtype, cap=None, const=None, scratch=None, aux=None):
+        """:func:`chunked_entropy._stats.block_grad` of ``z``, written over ``out``."""
+        return _stats.block_grad(out, tf, k, row, target, v0, co, scratch, aux, src=None if z is out else z)
+
+    def held_grad(self, z, out, scratch, aux, local, merged, tf, k, row, target, v0, co, dtype,
+                  const) -> torch.Tensor:
+        """From the offsets :meth:`stats` left in ``out`` (to the block's maxima), shifted to the merged ones."""
+        y = _stats.shift_offsets_(out, local.m, merged.m, k) if merged is not local else out
+        return _stats.grad_from_offsets_(y, tf, row, target, v0, co, scratch, aux)
+
+
 COMPILED = _Compiled()
 TRITON = _Triton()
-#: What the loop takes as ``compiled``: the kernels of a call, or None for the eager ones.
-Kernels = Optional[Union[_Compiled, _Triton]]
+EAGER = _Eager()
+#: What the loop takes as its kernels (``Plan.kernels``): :data:`EAGER`, :data:`COMPILED` or :data:`TRITON`.
+Kernels = Union[_Eager, _Compiled, _Triton]
 #: Device types where ``backend="auto"`` tries the fast kernels (elsewhere it is eager).
 AUTO_FAST = ("cuda",)
-_auto = {}  # device type -> the kernels backend="auto" chose there (None: eager)
+_auto = {}  # device type -> the kernels backend="auto" chose there
 _auto_pair = {}  # (device type, divergence math) -> whether its kernels passed the probe there
 
 
@@ -494,18 +659,18 @@ def _probe_pair(math_, device: torch.device) -> bool:
 
 def _choose(device: torch.device):
     """``backend="auto"``'s kernels on ``device``: Triton (compiled, not interpreted) where importable, else
-    the compiled ones, each where it runs; eager (None) off :data:`AUTO_FAST` devices or where neither runs."""
+    the compiled ones, each where it runs; eager (:data:`EAGER`) off :data:`AUTO_FAST` devices or where neither runs."""
     if device.type not in AUTO_FAST:
-        return None
+        return EAGER
     if TRITON.compiled_for(device) and _probe(TRITON, "Triton", device, "the compiled kernels"):
         return TRITON
     if _probe(COMPILED, "compiled", device, "the eager kernels"):
         return COMPILED
-    return None
+    return EAGER
 
 
-def use_compiled(backend: str, device: torch.device, pair=None):
-    """The kernels this call runs (:data:`COMPILED`, :data:`TRITON`), or None for the eager ones.
+def choose_kernels(backend: str, device: torch.device, pair=None):
+    """The kernels this call runs: :data:`EAGER`, :data:`COMPILED` or :data:`TRITON`.
 
     ``pair``: a divergence's math (:class:`chunked_entropy._divergence.DivergenceMath`), whose own kernels
     (:data:`PAIR`) the call runs beside the chosen ones: under ``"auto"`` they are probed too, once per device
@@ -516,7 +681,7 @@ def use_compiled(backend: str, device: torch.device, pair=None):
         ValueError: ``backend="triton"`` on a CPU tensor without Triton's interpreter.
     """
     if backend == "eager":
-        return None
+        return EAGER
     if backend == "compile":
         return COMPILED
     if backend == "triton":
@@ -527,10 +692,10 @@ def use_compiled(backend: str, device: torch.device, pair=None):
     if device.type not in _auto:
         _auto[device.type] = _choose(device)
     chosen = _auto[device.type]
-    if chosen is not None and pair is not None:
+    if chosen is not EAGER and pair is not None:
         key = (device.type, pair)
         if key not in _auto_pair:
             _auto_pair[key] = _probe_pair(pair, device)
         if not _auto_pair[key]:
-            return None
+            return EAGER
     return chosen

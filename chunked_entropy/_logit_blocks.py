@@ -204,7 +204,7 @@ class GradRows:
 def grad_rows_for(n: int, weight: torch.Tensor, plan: Plan, vocab_block: Optional[int]) -> Optional[GradRows]:
     """The :class:`GradRows` a backward over vocabulary blocks of ``vocab_block`` columns writes its gradient
     into directly, or None: where the plan's blocks are read in the weight's dtype (``plan.block_dtype``)."""
-    if vocab_block is None or plan.block_dtype is None or plan.compiled is None:
+    if vocab_block is None or plan.block_dtype is None:
         return None
     return GradRows(n, min(vocab_block, weight.shape[0]), weight.dtype, weight.device)
 
@@ -237,7 +237,8 @@ def three_pass_plan(n: int, weight: torch.Tensor, plan: Plan, *, budget: int, vo
     if plan.vocab_chunk_size >= v and not accumulator:
         return plan
     # the student's block (eager: and its exp scratch, and a soft-cap's derivative); a teacher's block and scratch
-    buffers = (1 if plan.compiled else 2 + softcap) + (0 if not teacher else (1 if plan.compiled else 2) + teacher)
+    eager = plan.kernels.in_place
+    buffers = (2 + softcap if eager else 1) + (0 if not teacher else (2 if eager else 1) + teacher)
     need = three_pass_bytes(max(1, min(plan.chunk_size, n)), v, hdim, weight.element_size(),
                             accumulator=accumulator, buffers=buffers, native=half_mm_native(weight.device),
                             float32_logits=plan.float32_logits and half)

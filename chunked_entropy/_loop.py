@@ -14,13 +14,16 @@ raw logits come from, which the caller passes as ``fill(x, a, b, v0, v1)``:
 write the logits of rows ``[a, b)`` and shard columns ``[v0, v1)`` into ``x``
 (a buffer of ours). The math on each block is :mod:`chunked_entropy._stats`.
 
-With ``compiled`` set to a kernels object of :mod:`chunked_entropy._kernels`
-(the compiled or the Triton kernels: its ``stats`` and ``grad``; None for the
-eager ones), the blocks go through those kernels, which only read a block: the
-logits path then passes ``view(a, b, v0, v1)``, its own rows, and nothing is
-copied. The eager kernels read those rows too where they have the compute
-dtype and there is no soft-cap (:func:`_read_eager`): their first op over a
-block reads the caller's rows and writes our buffer.
+``plan.kernels`` is a kernels object of :mod:`chunked_entropy._kernels` (the
+eager, the compiled or the Triton kernels); the walks ask it, never which one
+it is, where a block is read (``view``, ``read``), what it computes there
+(``block_stats``, ``block_grad``, ``held_grad``) and which buffers it needs
+(``in_place``: the eager kernels write a block's offsets over our buffer and
+need an ``exp`` scratch). The compiled and Triton kernels only read a block:
+the logits path then passes ``view(a, b, v0, v1)``, its own rows, and nothing
+is copied. The eager kernels read those rows too where they have the compute
+dtype and there is no soft-cap (:func:`chunked_entropy._kernels._read_eager`):
+their first op over a block reads the caller's rows and writes our buffer.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import torch
 
 from . import _divergence, _keep, _stats, _tiles, _token_ids
 from ._inputs import Tokens, chunks
-from ._kernels import PAIR, Kernels
+from ._kernels import EAGER, PAIR, Kernels, kernel_cap, kernel_k  # noqa: F401 - kernel_k, kernel_cap: walks' names
 from .parallel import all_reduce_sum_, group_rank_size, reduce_stats, reduce_stats_pair
 
 Fill = Callable[[torch.Tensor, int, int, int, int], object]
@@ -49,9 +52,9 @@ class Plan:
     group: object
     sequence_parallel: bool
     want: _stats.Want = _stats.Want()  # the outputs beyond the log-probs
-    compiled: Kernels = None  # the per-block kernels (None: eager); see _kernels.use_compiled
+    kernels: Kernels = EAGER  # the per-block kernels; see _kernels.choose_kernels
     float32_logits: bool = False  # half-precision weights: each block's matmul in float32 (logits_dtype=float32)
-    # With ``compiled`` kernels: the dtype of the block buffers the fill's matmul writes and the kernels read
+    # With compiled or Triton kernels: the dtype of the block buffers the fill's matmul writes and the kernels read
     # (the weight's half precision: no widening copy); None: the compute dtype. See :func:`block_dtype`.
     block_dtype: Optional[torch.dtype] = None
     # The backward's vocabulary block where it walks blocks outermost (half-precision weights whose gradient is
@@ -77,37 +80,9 @@ def block_dtype(plan: Plan, dtype, *, sparse: bool = False):
     (they widen each element as they read it, and write a gradient in its buffer's dtype, rounded once) and no
     sparse term is added to a gradient after the kernel wrote it (``sparse``: sampling replay's kept sets,
     distillation's ids; those are added in ``dtype`` before the one rounding); else ``dtype``."""
-    if plan.compiled is None or plan.block_dtype is None or sparse:
+    if plan.block_dtype is None or sparse:
         return dtype
     return plan.block_dtype
-
-
-def _block_view(view: View, compiled: Kernels, tf: _stats.Transform) -> View:
-    """Where a walk reads its blocks: the caller's own rows (``view``) for the compiled and Triton kernels, and
-    for the eager ones without a soft-cap (:func:`_read_eager`); None where each block is copied into our
-    buffer by ``fill`` (a soft-cap's ``tanh`` is taken in our buffer)."""
-    return view if compiled or tf.softcap is None else None
-
-
-def _read_eager(fill: Fill, view: View, x, a: int, b: int, v0: int, v1: int) -> torch.Tensor:
-    """The eager kernels' block: the caller's rows where they have ``x``'s dtype (the first op over the block,
-    the max and then the offsets, reads them and writes ``x``: ``src`` of
-    :func:`chunked_entropy._stats.block_stats`; no copy first), else ``x`` filled. Half-precision rows are
-    copied: on the CPU an op that mixes dtypes takes several times a copy plus a same-dtype op."""
-    if view is not None:
-        z = view(a, b, v0, v1)
-        if z.dtype == x.dtype:
-            return z
-    fill(x, a, b, v0, v1)
-    return x
-
-
-def _read(fill: Fill, view: View, x, a: int, b: int, v0: int, v1: int) -> torch.Tensor:
-    """The block to read: the caller's own view when it has one, else ``x`` filled."""
-    if view is not None:
-        return view(a, b, v0, v1)
-    fill(x, a, b, v0, v1)
-    return x
 
 
 class Buffers:
@@ -177,39 +152,6 @@ def _block_kept(kept, entries, z, v0, tf, k, dtype):
     return None if kept is None else _keep.gather(z, entries, v0, tf, dtype)
 
 
-def kernel_k(k, n: int, dtype, device, const: dict, kernels: Kernels = None):
-    """The per-row multiplier ``k`` as the compiled and Triton kernels take it: a per-row tensor as it is;
-    None or a float as an ``[n, 1]`` view (stride 0) of a one-element tensor filled once per walk and kept in
-    ``const``: one fill a call, not one a launch. None stays None for ``kernels`` that take no multiplier
-    (``kernels.k_optional``: the Triton kernels, which then multiply by nothing): no fill at all. The compiled
-    kernels (any other ``kernels``: :data:`~chunked_entropy._kernels.COMPILED`, ``PAIR``) take contiguous
-    columns: an ``[n, 1]`` one filled once a walk and chunk size (a stride-0 view would be copied each launch)."""
-    if isinstance(k, torch.Tensor):
-        return k
-    optional = getattr(kernels, "k_optional", False)
-    if k is None and optional:
-        return None
-    value = 1.0 if k is None else float(k)
-    key = value if optional else (value, n)
-    t = const.get(key)
-    if t is None:
-        t = const[key] = torch.full((1, 1) if optional else (n, 1), value, dtype=dtype, device=device)
-    return t.expand(n, 1)
-
-
-def kernel_cap(tf: _stats.Transform, dtype, device, const: dict) -> Optional[torch.Tensor]:
-    """The soft-cap's factor ``logit_scale / softcap`` as the compiled and Triton kernels take it, a
-    one-element tensor filled once per walk and kept in ``const`` (None without a soft-cap): one fill a call,
-    not one a launch."""
-    if tf.softcap is None:
-        return None
-    value = (tf.logit_scale or 1.0) / tf.softcap
-    t = const.get(("cap", value))
-    if t is None:
-        t = const[("cap", value)] = torch.full((1,), value, dtype=dtype, device=device)
-    return t
-
-
 def _row_stats_blocks_outer(tok: Tokens, fill: Fill, plan: Plan, bufs: Buffers, *, width: int, dtype, device,
                             view: View) -> _stats.RowStats:
     """:func:`row_stats` with compiled kernels and no replay or distillation: the statistics of every row
@@ -219,18 +161,17 @@ def _row_stats_blocks_outer(tok: Tokens, fill: Fill, plan: Plan, bufs: Buffers, 
     arithmetic in the same order of blocks; the Triton kernel merges inside its launch); then merged over
     the group and finished once. One launch a (chunk, block) of the Triton kernels, nothing else a block.
     Allocates the ``[6, n]`` statistics (the results' ``m`` is its first row)."""
-    block, chunk_size, group, want, compiled = (plan.vocab_chunk_size, plan.chunk_size, plan.group, plan.want,
-                                                plan.compiled)
+    block, chunk_size, group, want, kernels = (plan.vocab_chunk_size, plan.chunk_size, plan.group, plan.want,
+                                                plan.kernels)
     n = tok.n
     running = torch.empty(6, n, dtype=dtype, device=device)  # m, ones, rest, w, q, zl of every row
     const = {}
     for v0, v1 in chunks(width, block):
         for a, b in chunks(n, chunk_size):
             x, _, _ = bufs.get(b - a, v1 - v0)
-            z = _read(fill, view, x, a, b, v0, v1)
-            k = kernel_k(tok.k_rows(a, b), b - a, dtype, device, const, compiled)
-            compiled.stats(z, tok.transform, k, tok.target[a:b], v0, want.entropy, want.sum_pi_squared, dtype,
-                           out=running[:, a:b], merge=v0 > 0, cap=kernel_cap(tok.transform, dtype, device, const))
+            z, _ = kernels.read(fill, view, x, None, a, b, v0, v1)
+            kernels.block_stats(z, x, None, None, tok.transform, tok.k_rows(a, b), tok.target[a:b], v0, want.entropy,
+                                 want.sum_pi_squared, dtype, const, out=running[:, a:b], merge=v0 > 0)
     on = (True, True, True, want.entropy, want.sum_pi_squared, True)
     st = _stats.BlockStats(*(t if o else None for t, o in zip(running.unbind(0), on, strict=True)))
     merged, _, _ = reduce_stats(st, group, tok.k_rows(0, n))
@@ -245,14 +186,14 @@ def row_stats(tok: Tokens, fill: Fill, plan: Plan, *, width: int, dtype, device,
     In the invariant mode (``plan.tiles``) each block's tiles' statistics go into the chunk's fixed merge tree
     and the chunk's rows are merged over the group through its top (:mod:`chunked_entropy._tiles`).
     """
-    block, chunk_size, group, want, compiled = (plan.vocab_chunk_size, plan.chunk_size, plan.group, plan.want,
-                                                plan.compiled)
+    block, chunk_size, group, want, kernels = (plan.vocab_chunk_size, plan.chunk_size, plan.group, plan.want,
+                                                plan.kernels)
     n, kept = tok.n, tok.keep
-    view = _block_view(view, compiled, tok.transform)
-    bufs = Buffers(min(chunk_size, n), block, block_dtype(plan, dtype), device, work=not compiled or view is None,
-                   scratch=want.scratch and not compiled)
+    view = kernels.view(view, tok.transform)
+    bufs = Buffers(min(chunk_size, n), block, block_dtype(plan, dtype), device,
+                   work=kernels.in_place or view is None, scratch=want.scratch and kernels.in_place)
     tiles = plan.tiles
-    if compiled and kept is None and tok.at is None and tiles is None:
+    if kernels.blocks_outer and kept is None and tok.at is None and tiles is None:
         return _row_stats_blocks_outer(tok, fill, plan, bufs, width=width, dtype=dtype, device=device, view=view)
     out = new_row_stats(n, want, dtype, device, kept)
     at = tok.at
@@ -266,22 +207,18 @@ def row_stats(tok: Tokens, fill: Fill, plan: Plan, *, width: int, dtype, device,
         tree = None if tiles is None else tiles.stats_tree(k)
         for v0, v1 in chunks(width, block):
             x, scratch, _ = bufs.get(b - a, v1 - v0)
-            z = _read(fill, view, x, a, b, v0, v1) if compiled else _read_eager(fill, view, x, a, b, v0, v1)
+            z, _ = kernels.read(fill, view, x, None, a, b, v0, v1)
             g = _block_kept(kept, entries, z, v0, tok.transform, k, dtype)
             if at is not None:  # distillation's ids and top-k, read before the block is overwritten
                 cand = at.block(z, a, b, v0, cand)
             if tree is not None:  # the invariant mode: the block's tiles into the chunk's tree
-                _tiles.push_block_stats(tree, tiles, z if compiled else x, tok.transform, k, target, v0, scratch,
+                fast = None if kernels is EAGER else kernels
+                _tiles.push_block_stats(tree, tiles, x if fast is None else z, tok.transform, k, target, v0, scratch,
                                         want_w=want.entropy, want_q=want.sum_pi_squared,
-                                        src=None if compiled or z is x else z, compiled=compiled, dtype=dtype)
+                                        src=None if fast is not None or z is x else z, compiled=fast, dtype=dtype)
                 continue
-            if compiled:
-                blk = compiled.stats(z, tok.transform, kernel_k(k, b - a, dtype, device, const, compiled), target,
-                                     v0, want.entropy, want.sum_pi_squared, dtype,
-                                     cap=kernel_cap(tok.transform, dtype, device, const))
-            else:
-                blk = _stats.block_stats(x, tok.transform, k, target, v0, scratch, want_w=want.entropy,
-                                         want_q=want.sum_pi_squared, src=None if z is x else z)
+            blk = kernels.block_stats(z, x, scratch, None, tok.transform, k, target, v0, want.entropy,
+                                       want.sum_pi_squared, dtype, const)
             st = _stats.merge_stats(st, blk, k)
             if g is not None:
                 kb, kc = _keep.block_stats(g, entries, b - a, k, dtype)
@@ -329,12 +266,12 @@ def grad_blocks(
     through our buffer in ``dtype``.
     """
     block = plan.vocab_chunk_size if block is None else block  # a backward's own block (vocab_outer)
-    chunk_size, compiled = plan.chunk_size, plan.compiled
+    chunk_size, kernels = plan.chunk_size, plan.kernels
     n, kept, at = tok.n, tok.keep, tok.at
     at_ids = None if at_grads is None else at.all_ids()
     g_lp, g_h, g_q = (None if g is None else g.reshape(-1).to(dtype) for g in grads)
     softcap = tok.transform.softcap is not None
-    view = _block_view(view, compiled, tok.transform)
+    view = kernels.view(view, tok.transform)
     bdt = block_dtype(plan, dtype, sparse=kept is not None or at_ids is not None)
     if bdt == dtype or not vocab_outer:
         grad_rows = None
@@ -342,8 +279,8 @@ def grad_blocks(
         chunk_size = n
     bufs = Buffers(
         min(chunk_size, n), block, bdt, device,
-        work=grad_rows is None and (into is None or (compiled and view is None)),
-        scratch=(g_h is not None or g_q is not None) and not compiled, aux=softcap and not compiled,
+        work=grad_rows is None and (into is None or (view is None and not kernels.in_place)),
+        scratch=(g_h is not None or g_q is not None) and kernels.in_place, aux=softcap and kernels.in_place,
     )
 
     const = {}  # kernel_k's constants
@@ -372,11 +309,10 @@ def grad_blocks(
         if grad_rows is not None:  # filled, then overwritten by its gradient, where the weight's matmul reads it
             x = grad_rows(a, b, v0, v1)
             fill(x, a, b, v0, v1)
-            k = kernel_k(tok.k_rows(a, b), b - a, dtype, device, const, compiled)
-            return compiled.grad(x, x, tok.transform, k, parts["rows"], tok.target[a:b], v0, parts["co"], dtype,
-                                 cap=kernel_cap(tok.transform, dtype, device, const), const=const)
+            return kernels.block_grad(x, x, None, None, tok.transform, tok.k_rows(a, b), parts["rows"],
+                                       tok.target[a:b], v0, parts["co"], dtype, const)
         return _refilled_grad(tok, fill, view, bufs, a, b, v0, v1, parts["rows"], parts["co"], dtype,
-                              compiled=compiled, into=into, entries=parts["entries"], co_k=parts["co_k"],
+                              kernels=kernels, into=into, entries=parts["entries"], co_k=parts["co_k"],
                               at=parts["at"], const=const)
 
     yield from _gradient_walk(n, width, block, chunk_size, vocab_outer, chunk, block_grad)
@@ -401,7 +337,7 @@ def _gradient_walk(n: int, width: int, block: int, chunk_size: int, vocab_outer:
 
 
 def _refilled_grad(tok: Tokens, fill: Fill, view: View, bufs: Buffers, a, b, v0, v1, rows, co, dtype, *,
-                   compiled: Kernels, into, entries=None, co_k=None, at=None, const=None) -> torch.Tensor:
+                   kernels: Kernels, into, entries=None, co_k=None, at=None, const=None) -> torch.Tensor:
     """The gradient w.r.t. the raw logits of rows ``[a, b)``, columns ``[v0, v1)``, the block filled again,
     from the rows' finished statistics and coefficients; with replay's and distillation's sparse terms
     (``at``: ``(ids, coefficients, their sums)``). ``const``: the walk's :func:`kernel_k` and
@@ -409,21 +345,11 @@ def _refilled_grad(tok: Tokens, fill: Fill, view: View, bufs: Buffers, a, b, v0,
     kept, k, target = tok.keep, tok.k_rows(a, b), tok.target[a:b]
     at_ids = None if at is None else at[0]
     x, scratch, aux = bufs.get(b - a, v1 - v0)
-    if compiled:
-        z = _read(fill, view, x, a, b, v0, v1)
-        gk = _block_kept(kept, entries, z, v0, tok.transform, k, dtype)
-        ea, ra = _block_at(tok.at, at_ids, target, a, b, v0, z, tok.transform)
-        out = x if into is None else into(a, b)
-        const = {} if const is None else const
-        g = compiled.grad(z, out, tok.transform, kernel_k(k, b - a, dtype, z.device, const, compiled), rows, target,
-                          v0, co, dtype, cap=kernel_cap(tok.transform, dtype, z.device, const), const=const)
-    else:
-        if into is not None:
-            x = into(a, b)
-        z = _read_eager(fill, view, x, a, b, v0, v1)
-        gk = _block_kept(kept, entries, z, v0, tok.transform, k, dtype)
-        ea, ra = _block_at(tok.at, at_ids, target, a, b, v0, z, tok.transform)
-        g = _stats.block_grad(x, tok.transform, k, rows, target, v0, co, scratch, aux, src=None if z is x else z)
+    z, out = kernels.read(fill, view, x, into, a, b, v0, v1)
+    gk = _block_kept(kept, entries, z, v0, tok.transform, k, dtype)
+    ea, ra = _block_at(tok.at, at_ids, target, a, b, v0, z, tok.transform)
+    const = {} if const is None else const
+    g = kernels.block_grad(z, out, scratch, aux, tok.transform, k, rows, target, v0, co, dtype, const)
     if gk is not None:
         _keep.add_grad_(g, gk, entries, rows.kept, rows.truncated, co_k, tok.transform, k)
     if ea is not None:
@@ -483,8 +409,8 @@ def loss_grad_blocks(
     :func:`grad_blocks`: a half-precision weight's gradient, one matmul per
     block; ``grad_rows`` as there).
     """
-    block, chunk_size, group, want, compiled = (plan.vocab_chunk_size, plan.chunk_size, plan.group, plan.want,
-                                                plan.compiled)
+    block, chunk_size, group, want, kernels = (plan.vocab_chunk_size, plan.chunk_size, plan.group, plan.want,
+                                                plan.kernels)
     n, kept = tok.n, tok.keep
     if block < width or grad_block is not None:
         full = row_stats(tok, fill, plan, width=width, dtype=dtype, device=device, view=view)
@@ -498,9 +424,10 @@ def loss_grad_blocks(
         return
     chunk_size, group_size = _grouping(n, span, chunk_size)
     softcap = tok.transform.softcap is not None
-    view = _block_view(view, compiled, tok.transform)
-    bufs = Buffers(min(chunk_size, n), width, dtype, device, work=into is None or (compiled and view is None),
-                   scratch=not compiled, aux=softcap and not compiled)
+    view = kernels.view(view, tok.transform)
+    bufs = Buffers(min(chunk_size, n), width, dtype, device,
+                   work=into is None or (view is None and not kernels.in_place), scratch=kernels.in_place,
+                   aux=softcap and kernels.in_place)
 
     const = {}  # the kernels' constants (kernel_k, kernel_cap): filled once a walk
 
@@ -514,31 +441,16 @@ def loss_grad_blocks(
             k, target = tok.k_rows(a, b), tok.target[a:b]
             entries = None if kept is None else kept.chunk(a, b, n, chunk_size)
             x, scratch, aux = bufs.get(b - a, width)
-            if compiled:  # the kernels only read the block: statistics, then the gradient, from the same one
-                z = _read(fill, view, x, a, b, 0, width)
-                gk = _block_kept(kept, entries, z, 0, tok.transform, k, dtype)
-                local = compiled.stats(z, tok.transform, kernel_k(k, b - a, dtype, device, const, compiled), target,
-                                       0, want.entropy, want.sum_pi_squared, dtype,
-                                       cap=kernel_cap(tok.transform, dtype, device, const))
-            else:
-                if into is not None:
-                    x = into(a, b)
-                z = _read_eager(fill, view, x, a, b, 0, width)
-                gk = _block_kept(kept, entries, z, 0, tok.transform, k, dtype)
-                local = _stats.block_stats(x, tok.transform, k, target, 0, scratch, want_w=want.entropy,
-                                           want_q=want.sum_pi_squared, aux=aux, src=None if z is x else z)
+            z, out = kernels.read(fill, view, x, into, a, b, 0, width)  # statistics, then the gradient, from it
+            gk = _block_kept(kept, entries, z, 0, tok.transform, k, dtype)
+            local = kernels.block_stats(z, out, scratch, aux, tok.transform, k, target, 0, want.entropy,
+                                         want.sum_pi_squared, dtype, const)
             kb, kc = (None, None) if gk is None else _keep.block_stats(gk, entries, b - a, k, dtype)
             rows, merged = _rows_of_chunk(local, kb, kc, group, k, kept)
             _store(stats, rows, a, b)
         ups = token_grads(g0, g1, stats.rows(g0, g1).log_probs())
         co, co_k = coefficients(a, b, g0, ups, rows)  # the last chunk, from its kept block
-        if compiled:
-            out = x if into is None else into(a, b)
-            g = compiled.grad(z, out, tok.transform, kernel_k(k, b - a, dtype, device, const, compiled), rows,
-                              target, 0, co, dtype, cap=kernel_cap(tok.transform, dtype, device, const), const=const)
-        else:
-            y = _stats.shift_offsets_(x, local.m, merged.m, k) if merged is not local else x
-            g = _stats.grad_from_offsets_(y, tok.transform, rows, target, 0, co, scratch, aux)
+        g = kernels.held_grad(z, out, scratch, aux, local, merged, tok.transform, k, rows, target, 0, co, dtype, const)
         if gk is not None:
             _keep.add_grad_(g, gk, entries, rows.kept, rows.truncated, co_k, tok.transform, k)
         yield a, b, 0, width, g
@@ -548,7 +460,7 @@ def loss_grad_blocks(
             co, co_k = coefficients(a, b, g0, ups, rows)
             entries = None if kept is None else kept.chunk(a, b, n, chunk_size)
             yield a, b, 0, width, _refilled_grad(tok, fill, view, bufs, a, b, 0, width, rows, co, dtype,
-                                                 compiled=compiled, into=into, entries=entries, co_k=co_k,
+                                                 kernels=kernels, into=into, entries=entries, co_k=co_k,
                                                  const=const)
 
 
@@ -580,19 +492,19 @@ class _PairWalk:
     :func:`~chunked_entropy.parallel.reduce_stats_pair` and the kernels objects (their ``stats``).
 
     Buffers: eager, four ``[chunk_size, block]`` in the compute dtype (each head's block and ``exp``
-    scratch) plus, for a gradient with a student soft-cap, the cap's derivative; compiled (``compiled``
+    scratch) plus, for a gradient with a student soft-cap, the cap's derivative; compiled (``kernels``
     set: a kernels object of :mod:`chunked_entropy._kernels`), the two blocks only (the kernels read the
     raw blocks and form the transform, the offsets and the log-probs on the fly; the gradient kernel
     overwrites the student's block).
     """
 
     def __init__(self, tok: Tokens, tf_t, spec, fill: Fill, fill_t: Fill, *, width: int, block: int,
-                 chunk_size: int, dtype, device, compiled: Kernels, grad: bool, teacher_scratch: bool = True):
+                 chunk_size: int, dtype, device, kernels: Kernels, grad: bool, teacher_scratch: bool = True):
         self.tok, self.tf_t, self.spec, self.math = tok, tf_t, spec, spec.math
         self.fill, self.fill_t, self.width, self.block = fill, fill_t, width, block
-        self.chunk_size, self.dtype, self.device, self.compiled = chunk_size, dtype, device, compiled
+        self.chunk_size, self.dtype, self.device, self.kernels = chunk_size, dtype, device, kernels
         rows = min(chunk_size, tok.n)
-        eager = not compiled
+        eager = kernels.in_place
         self.bufs = Buffers(rows, block, dtype, device, work=True, scratch=eager,
                             aux=eager and grad and tok.transform.softcap is not None)
         self.bufs_t = Buffers(rows, block, dtype, device, work=True, scratch=eager and teacher_scratch)
@@ -644,7 +556,7 @@ class _PairWalk:
         """A KL's cross sum of one block (see :meth:`~chunked_entropy._divergence.DivergenceMath.folded`), from the
         blocks as the statistics left them: eager, offsets to the local maxima (the two scratch buffers
         written); compiled, raw."""
-        if self.compiled:
+        if not self.kernels.in_place:
             k, kt, cap, cap_t = self.pair_constants(a, b)
             if self.teacher_weighs:
                 return PAIR.cross(xt, x, self.tf_t, kt, local_t.m, self.tok.transform, k, local.m, self.dtype, cap_t,
@@ -666,23 +578,17 @@ class _PairWalk:
         BlockStats, the last blocks ``(x_s, x_t, st_s, st_t, aux_s)`` with each head's local statistics (eager:
         as offsets to their local maxima, the cap's derivative in ``aux_s`` with ``cap_single``; compiled: raw),
         and (a KL folded online, ``self.fold``) its cross sum over the whole vocabulary, else None."""
-        tok, compiled = self.tok, self.compiled
+        tok, kernels = self.tok, self.kernels
         k, kt = self.k(a, b)
         target, no_label = tok.target[a:b], self.no_label[: b - a]
         st = stt = cross = None
         for v0, v1 in chunks(self.width, self.block):
             x, xt, scratch, scratch_t, cap = self.raw(a, b, v0, v1)
-            if compiled:  # their constants filled once a walk (kernel_k, kernel_cap)
-                c, dt, dev = self.const, self.dtype, self.device
-                local = compiled.stats(x, tok.transform, kernel_k(k, b - a, dt, dev, c, compiled), target, v0,
-                                       want_entropy, False, dt, cap=kernel_cap(tok.transform, dt, dev, c))
-                local_t = compiled.stats(xt, self.tf_t, kernel_k(kt, b - a, dt, dev, c, compiled), no_label, v0,
-                                         False, False, dt, cap=kernel_cap(self.tf_t, dt, dev, c))
-            else:
-                local = _stats.block_stats(x, tok.transform, k, target, v0, scratch, want_w=want_entropy,
-                                           want_q=False, aux=cap if cap_single else None)
-                local_t = _stats.block_stats(xt, self.tf_t, kt, no_label, v0, scratch_t, want_w=False,
-                                             want_q=False)
+            # the kernels' constants filled once a walk (kernel_k, kernel_cap); the eager ones' offsets in x, xt
+            local = kernels.block_stats(x, x, scratch, cap if cap_single else None, tok.transform, k, target, v0,
+                                        want_entropy, False, self.dtype, self.const)
+            local_t = kernels.block_stats(xt, xt, scratch_t, None, self.tf_t, kt, no_label, v0, False, False,
+                                          self.dtype, self.const)
             prev, prev_t = st, stt
             st, stt = _stats.merge_stats(st, local, k), _stats.merge_stats(stt, local_t, kt)
             if self.fold:
@@ -703,7 +609,7 @@ class _PairWalk:
         collective); else from the blocks still ``held`` when the vocabulary is one block, or from each block
         filled again; ``parts`` (eager, one block, ``keep_parts``): what
         :meth:`~chunked_entropy._divergence.DivergenceMath.grad_from_parts` reads."""
-        single, compiled, math_, tok = self.block >= self.width, self.compiled, self.math, self.tok
+        single, kernels, math_, tok = self.block >= self.width, self.kernels, self.math, self.tok
         if cross is not None:
             s_s, s_t = merged.ones + merged.rest, merged_t.ones + merged_t.rest
             div = (math_.folded(cross, s_t, ls_t, rows.ls) if self.teacher_weighs
@@ -712,7 +618,7 @@ class _PairWalk:
         k, kt = self.k(a, b)
         m = (merged.m, merged_t.m)
         parts = None
-        if compiled:
+        if not kernels.in_place:
             div = aux = None
             kk, kkt, cap, cap_t = self.pair_constants(a, b)
             for v0, v1 in chunks(self.width, self.block):
@@ -746,7 +652,7 @@ class _PairWalk:
         student's log-prob / entropy terms. ``held``: the chunk's blocks, still held (one vocabulary block),
         else both are filled again; ``parts``: what the divergence's sums of this block kept (eager)."""
         tok = self.tok
-        if self.compiled:
+        if not self.kernels.in_place:
             x, xt = held[:2] if held is not None else self.raw(a, b, v0, v1)[:2]
             k, kt, cap, cap_t = self.pair_constants(a, b)
             co = co if co is not None else _stats.Coefficients(None, None, None)
@@ -805,12 +711,12 @@ def pair_row_stats(tok: Tokens, tf_t, spec, fill: Fill, fill_t: Fill, plan: Plan
     blocks and ``group`` (both models' together: one MAX all-reduce and one all-gather,
     :func:`~chunked_entropy.parallel.reduce_stats_pair`); then the divergence's sums (one SUM all-reduce):
     from the blocks still held when the vocabulary is one block, else from each block filled again. Three
-    collectives per chunk under a group. ``compiled``: the blocks through those kernels (see :class:`_PairWalk`).
+    collectives per chunk under a group. ``plan.kernels``: the kernels the blocks go through (see :class:`_PairWalk`).
     """
-    block, chunk_size, group, want_entropy, compiled = (plan.vocab_chunk_size, plan.chunk_size, plan.group,
-                                                       plan.want.entropy, plan.compiled)
+    block, chunk_size, group, want_entropy, kernels = (plan.vocab_chunk_size, plan.chunk_size, plan.group,
+                                                       plan.want.entropy, plan.kernels)
     walk = _PairWalk(tok, tf_t, spec, fill, fill_t, width=width, block=block, chunk_size=chunk_size, dtype=dtype,
-                     device=device, compiled=compiled, grad=False)
+                     device=device, kernels=kernels, grad=False)
     stats = new_row_stats(tok.n, _stats.Want(want_entropy, False), dtype, device)
     pair = new_pair_rows(tok.n, spec, dtype, device)
     for a, b in chunks(tok.n, chunk_size):
@@ -832,10 +738,10 @@ def pair_loss_grad_blocks(
     One vocabulary block: each chunk's blocks are filled once (statistics, sums and gradient from the blocks
     held); with vocabulary blocks, three times (statistics, sums, gradient). Three collectives per chunk.
     """
-    block, chunk_size, group, want_entropy, compiled = (plan.vocab_chunk_size, plan.chunk_size, plan.group,
-                                                       plan.want.entropy, plan.compiled)
+    block, chunk_size, group, want_entropy, kernels = (plan.vocab_chunk_size, plan.chunk_size, plan.group,
+                                                       plan.want.entropy, plan.kernels)
     walk = _PairWalk(tok, tf_t, spec, fill, fill_t, width=width, block=block, chunk_size=chunk_size, dtype=dtype,
-                     device=device, compiled=compiled, grad=True)
+                     device=device, kernels=kernels, grad=True)
     single = block >= width
     for a, b in chunks(tok.n, chunk_size):
         rows, ls_t, merged, merged_t, held, cross = walk.chunk_stats(
@@ -860,11 +766,11 @@ def pair_grad_blocks(
     ``(divergence, log_probs, entropy)`` (None: no term). ``vocab_outer``: vocabulary blocks outermost, as in
     :func:`grad_blocks`. No collective."""
     block = plan.vocab_chunk_size if block is None else block
-    chunk_size, compiled = plan.chunk_size, plan.compiled
+    chunk_size, kernels = plan.chunk_size, plan.kernels
     n = tok.n
     g_div, g_lp, g_h = (None if g is None else g.reshape(-1).to(dtype) for g in grads)
     walk = _PairWalk(tok, tf_t, spec, fill, fill_t, width=width, block=block, chunk_size=chunk_size, dtype=dtype,
-                     device=device, compiled=compiled, grad=True, teacher_scratch=False)
+                     device=device, kernels=kernels, grad=True, teacher_scratch=False)
 
     def chunk(a, b):
         rows, here = stats.rows(a, b), pair.rows(a, b)

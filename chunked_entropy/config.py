@@ -30,7 +30,7 @@ from typing import Optional, Union
 import torch
 
 from ._checks import is_finite_real, is_int, plain_str, value_repr
-from ._kernels import BACKENDS, use_compiled
+from ._kernels import BACKENDS, EAGER, choose_kernels
 from ._loop import Plan, shard_tiles
 
 #: Bytes per element of the per-chunk buffers (they are float32).
@@ -110,16 +110,16 @@ def walk_plan(chunking, *, tokens: int, width: int, dtype: Optional[torch.dtype]
     vocab = chunking.vocab_chunk_size
     chunk_size = chunking.resolve(width if over_logits else min(vocab or width, width), buffers=buffers)
     backend = chunking.backend if tiles is None else "compile" if chunking.backend == "compile" else "eager"
-    chosen = use_compiled(backend, device, pair=pair) if kernels else None
+    chosen = choose_kernels(backend, device, pair=pair) if kernels else EAGER
     if over_logits:
         return Plan(chunk_size=chunk_size, vocab_chunk_size=width, group=group, sequence_parallel=False, want=want,
-                    compiled=chosen, tiles=tiles)
+                    kernels=chosen, tiles=tiles)
     if tiles is not None:
         chunk_size = max(tiles.rows, chunk_size - chunk_size % tiles.rows)
         block = vocab_block_for(vocab, chunk_size, tokens, width)
         block = width if block >= width else max(tiles.width, block - block % tiles.width)
         return Plan(chunk_size=chunk_size, vocab_chunk_size=block, group=group, sequence_parallel=sequence_parallel,
-                    want=want, compiled=chosen, float32_logits=float32_logits, tiles=tiles)
+                    want=want, kernels=chosen, float32_logits=float32_logits, tiles=tiles)
     half = dtype in (torch.bfloat16, torch.float16)
     block = vocab_block_for(vocab, chunk_size, tokens, width)
     grad_block = None
@@ -127,9 +127,9 @@ def walk_plan(chunking, *, tokens: int, width: int, dtype: Optional[torch.dtype]
         grad_block = min(block, grad_vocab_block_for(tokens, width, 4 if float32_logits else dtype.itemsize))
     # compiled kernels read a half-precision block as the matmul wrote it (no float32 copy first) and write its
     # gradient in that dtype; a bias is added in float32 to the rounded product, so its blocks stay float32
-    direct = chosen is not None and half and not float32_logits and not bias
+    direct = not chosen.in_place and half and not float32_logits and not bias
     return Plan(chunk_size=chunk_size, vocab_chunk_size=block, group=group, sequence_parallel=sequence_parallel,
-                want=want, compiled=chosen, float32_logits=float32_logits, block_dtype=dtype if direct else None,
+                want=want, kernels=chosen, float32_logits=float32_logits, block_dtype=dtype if direct else None,
                 grad_vocab_chunk_size=grad_block)
 
 

@@ -22,7 +22,7 @@ all-gather of both heads' statistics, one SUM all-reduce of the divergence's
 sums; a KL over vocabulary blocks folds its value into the statistics and makes
 two); backward none per chunk.
 
-The chunking's ``backend`` chooses the kernels (``Plan.compiled``, as for the
+The chunking's ``backend`` chooses the kernels (``Plan.kernels``, as for the
 fused head), and the student layer's ``gradient_accumulation_fusion`` adds the
 student's weight gradient into ``main_grad`` (the linear Functions' trailing
 argument, :func:`~chunked_entropy._logit_blocks.main_grad_of`).

@@ -51,7 +51,7 @@ class _LogitsFunction(torch.autograd.Function):
         # be rounded).
         cdt = stats.ls.dtype
         sparse = at_grads is not None or ctx.tok.keep is not None
-        direct = logits.dtype == cdt or (ctx.plan.compiled and not sparse)
+        direct = logits.dtype == cdt or (not ctx.plan.kernels.in_place and not sparse)
         blocks = grad_blocks(
             ctx.tok, fill, ctx.plan, width=v, stats=stats, grads=grads, dtype=cdt, device=logits.device,
             into=(lambda a, b: gflat[a:b]) if direct else None, view=view, at_grads=at_grads,

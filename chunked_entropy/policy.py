@@ -310,7 +310,7 @@ class _LogitsLossFunction(torch.autograd.Function):
         gflat = grad.view(n, v)
         # the gradient's own rows are the working buffer, unless kept sets' sparse term is added to a
         # half-precision block: then it is formed in the compute dtype and rounded once (see logits.py)
-        direct = logits.dtype == cdt or (plan.compiled and tok.keep is None)
+        direct = logits.dtype == cdt or (not plan.kernels.in_place and tok.keep is None)
         stats = new_row_stats(n, plan.want, cdt, logits.device, tok.keep)
         blocks = loss_grad_blocks(
             tok, fill, plan, width=v, token_grads=objective.token_grads, span=objective.span, stats=stats,

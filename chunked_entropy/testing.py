@@ -507,8 +507,8 @@ def cuda_branch(*, hidden: Optional[int] = None, scale: int = 1, hidden_scale: O
         _autograd.casts_in_kernel = lambda device: True
         _logit_blocks.three_pass_bytes = full_three_pass_bytes
         with _kernels.TRITON.as_compiled(), _kernels.fast_device("cpu"), _counted(mod, state, interpret):
-            _kernels.use_compiled("auto", torch.device("cpu"))  # the first-call probe, outside the log
-            if _kernels.use_compiled("auto", torch.device("cpu")) is not _kernels.TRITON:
+            _kernels.choose_kernels("auto", torch.device("cpu"))  # the first-call probe, outside the log
+            if _kernels.choose_kernels("auto", torch.device("cpu")) is not _kernels.TRITON:
                 raise RuntimeError("cuda_branch(): backend='auto' did not choose the interpreted Triton kernels "
                                    "(see the warning above)")
             state["log"] = the_log

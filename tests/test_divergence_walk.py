@@ -124,7 +124,7 @@ def test_compiled_one_row_and_teacher_equal_to_student():
 
 
 def test_compiled_from_logits_matches_eager(monkeypatch):
-    """``divergence_from_logits`` with the compiled kernels (its Function given ``Plan.compiled``, the hook the
+    """``divergence_from_logits`` with the compiled kernels (its Function given ``Plan.kernels``, the hook the
     op passes): the same values and logit gradients as the eager walk."""
     from chunked_entropy import divergence_from_logits
 
@@ -136,10 +136,10 @@ def test_compiled_from_logits_matches_eager(monkeypatch):
     results, ran = [], []
     grad_ = _kernels.PAIR.grad_
     monkeypatch.setattr(_kernels.PAIR, "grad_", lambda *a: ran.append(1) or grad_(*a))  # counted, still run
-    for compiled in (None, _kernels.COMPILED):
+    for compiled in (_kernels.EAGER, _kernels.COMPILED):
         monkeypatch.setattr(dv._LogitsDivergenceFunction, "apply",
                             lambda x, teacher, tok, plan, *rest, c=compiled: apply(x, teacher, tok,
-                                                                                  replace(plan, compiled=c), *rest))
+                                                                                  replace(plan, kernels=c), *rest))
         x = zs.clone().requires_grad_()
         out = divergence_from_logits(x, zt, divergence=Divergence("jsd", 0.4), labels=labels, temperature=0.8,
                                      student_layer=OutputLayer(softcap=7.0), compute_entropy=True,

@@ -98,7 +98,7 @@ def test_on_the_cpu_without_the_interpreter_a_clear_error_before_any_work():
 
 
 def test_auto_is_eager_on_the_cpu_and_the_default():
-    assert _kernels.use_compiled("auto", torch.device("cpu")) is None
+    assert _kernels.choose_kernels("auto", torch.device("cpu")) is _kernels.EAGER
     g = torch.Generator().manual_seed(0)
     z = torch.randn(3, 5, 17, generator=g).requires_grad_()
     labels = torch.randint(0, 17, (3, 5), generator=g)
@@ -168,7 +168,7 @@ def test_auto_never_chooses_kernels_that_compute_wrongly(monkeypatch):
                                            r"results differ from the eager kernels' on a float32 test block\); "
                                            r"trying the eager kernels"):
         log_probs_and_entropy(z, labels)
-    assert _kernels._auto["cpu"] is None
+    assert _kernels._auto["cpu"] is _kernels.EAGER
 
 
 def test_auto_never_chooses_kernels_that_write_half_precision_wrongly(monkeypatch):
@@ -190,7 +190,7 @@ def test_auto_never_chooses_kernels_that_write_half_precision_wrongly(monkeypatc
     with pytest.warns(RuntimeWarning, match=r"differ from the eager kernels' on a bfloat16 test block\); trying "
                                            r"the eager kernels"):
         log_probs_and_entropy(z, labels)
-    assert _kernels._auto["cpu"] is None
+    assert _kernels._auto["cpu"] is _kernels.EAGER
     monkeypatch.setattr(_kernels, "_auto", {})
     monkeypatch.setattr(_kernels.COMPILED, "grad", right)  # the kernels themselves pass both blocks
     with warnings.catch_warnings():
@@ -210,7 +210,7 @@ z, labels = torch.randn(3, 11), torch.tensor([0, 5, 10])
 lp, ent = log_probs_and_entropy(z, labels)
 ref = torch.log_softmax(z, dim=-1).gather(1, labels[:, None]).squeeze(1)
 torch.testing.assert_close(lp, ref)
-assert _kernels.use_compiled("auto", torch.device("cpu")) is None
+assert _kernels.choose_kernels("auto", torch.device("cpu")) is _kernels.EAGER
 try:
     log_probs_and_entropy(z, labels, chunking=Chunking(backend="triton"))
 except RuntimeError as e:
@@ -394,7 +394,7 @@ def test_auto_probes_what_runs(fault, monkeypatch):
         monkeypatch.setattr(_kernels.COMPILED, "stats", _faulty_stats(fault))
     with pytest.warns(RuntimeWarning, match=r"could not run its compiled kernels on cpu \(ArithmeticError: its "
                                            r"results differ from the eager kernels' on a float32 test block\)"):
-        assert _kernels.use_compiled("auto", torch.device("cpu")) is None
+        assert _kernels.choose_kernels("auto", torch.device("cpu")) is _kernels.EAGER
 
 
 def test_auto_probe_reads_the_device_once(monkeypatch):
@@ -433,7 +433,7 @@ def test_auto_never_runs_divergence_kernels_that_compute_wrongly(wrong, monkeypa
     _eager_pair_kernels(monkeypatch, wrong, kind="jsd")
     g = torch.Generator().manual_seed(0)
     z, zt, labels = torch.randn(6, 40, generator=g), torch.randn(6, 40, generator=g), torch.randint(0, 40, (6,))
-    assert _kernels.use_compiled("auto", torch.device("cpu")) is _kernels.COMPILED
+    assert _kernels.choose_kernels("auto", torch.device("cpu")) is _kernels.COMPILED
     kind = Divergence("jsd", 0.5) if wrong != "cross" else "forward_kl"  # the cross sum: a KL's only
     with pytest.warns(RuntimeWarning, match=r"could not run its (JSD|ForwardKL) divergence kernels on cpu "
                                            r"\(ArithmeticError: .* float32 divergence test block\); trying the "
@@ -441,11 +441,11 @@ def test_auto_never_runs_divergence_kernels_that_compute_wrongly(wrong, monkeypa
         got = divergence_from_logits(z, zt, labels=labels, divergence=kind)
     want = divergence_from_logits(z, zt, labels=labels, divergence=kind, chunking=Chunking(backend="eager"))
     assert torch.equal(got.divergence, want.divergence)
-    assert _kernels.use_compiled("auto", torch.device("cpu"), pair=_pair_math(kind)) is None
+    assert _kernels.choose_kernels("auto", torch.device("cpu"), pair=_pair_math(kind)) is _kernels.EAGER
     other = "reverse_kl" if wrong != "cross" else Divergence("jsd", 0.5)  # right kernels, or no cross sum
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert _kernels.use_compiled("auto", torch.device("cpu"), pair=_pair_math(other)) is _kernels.COMPILED
+        assert _kernels.choose_kernels("auto", torch.device("cpu"), pair=_pair_math(other)) is _kernels.COMPILED
 
 
 def _pair_math(kind):

@@ -60,8 +60,8 @@ def _split_rows(monkeypatch, on: bool = True):
 
 def test_the_kernels_are_interpreted():
     assert _triton.INTERPRETED
-    assert _kernels.use_compiled("triton", torch.device("cpu")) is _kernels.TRITON
-    assert _kernels.use_compiled("auto", torch.device("cpu")) is None  # auto never picks the interpreter
+    assert _kernels.choose_kernels("triton", torch.device("cpu")) is _kernels.TRITON
+    assert _kernels.choose_kernels("auto", torch.device("cpu")) is _kernels.EAGER  # auto never picks the interpreter
 
 
 def _block(dtype, n=6, seed=0):
