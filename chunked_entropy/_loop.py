@@ -36,7 +36,7 @@ import torch
 
 from . import _divergence, _keep, _stats, _tiles, _token_ids
 from ._inputs import Tokens, chunks
-from ._kernels import EAGER, PAIR, Kernels, kernel_cap, kernel_k  # noqa: F401 - kernel_k, kernel_cap: walks' names
+from ._kernels import EAGER, PAIR, Kernels, kernel_cap, kernel_k
 from .parallel import all_reduce_sum_, group_rank_size, reduce_stats, reduce_stats_pair
 
 Fill = Callable[[torch.Tensor, int, int, int, int], object]

@@ -518,7 +518,7 @@ def _per_row(t, n: int, dtype, device):
     """A per-row factor (None: 1, a float, an ``[n]`` or ``[n, 1]`` tensor) as ``(tensor, row stride)``:
     None is no tensor at all (the kernels' ``HAS_K`` off: no launch); a float a one-element tensor read with
     stride 0 (a fill on the device, no host copy; the chunk loop passes its walk's own, filled once:
-    :func:`chunked_entropy._loop.kernel_k`)."""
+    :func:`chunked_entropy._kernels.kernel_k`)."""
     if t is None:
         return None, 0
     if isinstance(t, torch.Tensor):
@@ -529,7 +529,7 @@ def _per_row(t, n: int, dtype, device):
 
 def _cap(tf: _stats.Transform, dtype, device, cap=None):
     """``logit_scale / softcap`` as a one-element tensor (None without a cap): ``cap`` where the caller holds it
-    (the chunk loop fills it once a walk: :func:`chunked_entropy._loop.kernel_cap`), else filled here."""
+    (the chunk loop fills it once a walk: :func:`chunked_entropy._kernels.kernel_cap`), else filled here."""
     if tf.softcap is None:
         return None
     if cap is not None:

@@ -323,21 +323,21 @@ def test_the_kernels_constants_are_filled_once_a_walk():
     kept in the walk's ``const``: the Triton kernels get no multiplier tensor without a temperature and a
     stride-0 view of one fill with one; the compiled kernels (and the divergence's, ``PAIR``) a contiguous
     column filled once a chunk size; the cap one fill a walk, its value ``logit_scale / softcap``."""
-    from chunked_entropy import _kernels, _loop, _stats
+    from chunked_entropy import _kernels, _stats
 
     cpu, f32 = torch.device("cpu"), torch.float32
     const = {}
-    assert _loop.kernel_k(None, 5, f32, cpu, const, _kernels.TRITON) is None and not const
-    a, b = (_loop.kernel_k(0.7, n, f32, cpu, const, _kernels.TRITON) for n in (5, 3))
+    assert _kernels.kernel_k(None, 5, f32, cpu, const, _kernels.TRITON) is None and not const
+    a, b = (_kernels.kernel_k(0.7, n, f32, cpu, const, _kernels.TRITON) for n in (5, 3))
     assert a.shape == (5, 1) and a.stride(0) == 0 and a.data_ptr() == b.data_ptr() and len(const) == 1
-    cols = [_loop.kernel_k(None, n, f32, cpu, const, kernels) for n, kernels in
+    cols = [_kernels.kernel_k(None, n, f32, cpu, const, kernels) for n, kernels in
             ((5, _kernels.COMPILED), (5, _kernels.PAIR), (3, _kernels.COMPILED))]
     assert all(c.is_contiguous() and (c == 1).all() for c in cols) and cols[0].data_ptr() == cols[1].data_ptr()
     assert len(const) == 3  # 0.7; ones of 5 rows; ones of 3 rows
     tf = _stats.Transform(softcap=5.0, logit_scale=0.5)
-    cap = _loop.kernel_cap(tf, f32, cpu, const)
-    assert cap is _loop.kernel_cap(tf, f32, cpu, const) and cap.item() == torch.tensor(0.5 / 5.0).item()
-    assert _loop.kernel_cap(_stats.Transform(), f32, cpu, const) is None
+    cap = _kernels.kernel_cap(tf, f32, cpu, const)
+    assert cap is _kernels.kernel_cap(tf, f32, cpu, const) and cap.item() == torch.tensor(0.5 / 5.0).item()
+    assert _kernels.kernel_cap(_stats.Transform(), f32, cpu, const) is None
 
 
 def test_the_compiled_gradients_zero_terms_are_filled_once_a_walk(monkeypatch):
