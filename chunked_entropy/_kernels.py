@@ -28,7 +28,11 @@ the environment before Triton is first imported; slow, for tests).
 The loop (:mod:`chunked_entropy._loop`) takes the chosen kernels as an object
 with ``stats`` and ``grad`` (:data:`EAGER`, :data:`COMPILED`, :data:`TRITON`:
 :func:`choose_kernels`) and asks it, never which one it is, how a block is read
-and where its gradient is written (:class:`_Fast`, :class:`_Eager`). Both ``stats`` take ``out=`` (a ``[6, n]`` tensor
+and where its gradient is written (:class:`_Fast`, :class:`_Eager`), and a
+divergence's per-block steps (``pair_ready``, ``pair_held``, ``pair_cross``,
+``pair_terms``, ``pair_grad``: the eager math of :mod:`chunked_entropy._divergence`
+on offsets in our buffers, or the divergence's compiled kernels, :data:`PAIR`, on
+the raw blocks, for the Triton backend too). Both ``stats`` take ``out=`` (a ``[6, n]`` tensor
 of the walk's running statistics to write into) and ``merge=`` (merge the
 block's statistics into what ``out`` holds): the Triton kernel merges inside
 its launch; the compiled backend merges eagerly (:func:`_into`).
@@ -145,11 +149,6 @@ class _Fast:
     #: The statistics merge into a ``[6, n]`` running tensor (``out=``, ``merge=``): blocks may be walked outermost.
     blocks_outer = True
 
-    @property
-    def pair(self):
-        """A divergence's kernels beside these (:data:`PAIR`)."""
-        return PAIR
-
     def view(self, view, tf: _stats.Transform):
         """Where a walk reads its blocks: the caller's own rows (``view``; None: each block filled into ours)."""
         return view
@@ -186,6 +185,51 @@ class _Fast:
         """The gradient of a block :meth:`block_stats` just read (``local``: its statistics, ``merged``: the
         rows' over the group): these kernels read the raw block again (:meth:`block_grad`)."""
         return self.block_grad(z, out, scratch, aux, tf, k, row, target, v0, co, dtype, const)
+
+    # A divergence's two heads (:class:`chunked_entropy._loop._PairWalk`): a student's block ``x`` (transform
+    # ``tf``, multiplier ``k``) and a teacher's ``xt`` (``tf_t``, ``k_t``), both in the walk's buffers. These
+    # kernels read the raw blocks (the divergence's compiled kernels, :data:`PAIR`, for the Triton backend too),
+    # their multipliers as contiguous columns and their soft-caps' factors filled once a walk in ``const``.
+
+    def _pair_constants(self, tf, k, tf_t, k_t, n: int, dtype, device, const: dict) -> tuple:
+        """``(k, k_t, cap, cap_t)`` as :data:`PAIR` takes them (:func:`kernel_k`, :func:`kernel_cap`)."""
+        return (kernel_k(k, n, dtype, device, const, PAIR), kernel_k(k_t, n, dtype, device, const, PAIR),
+                kernel_cap(tf, dtype, device, const), kernel_cap(tf_t, dtype, device, const))
+
+    def pair_ready(self, x, xt, cap, tf, k, m, tf_t, k_t, m_t, cap_out: bool) -> None:
+        """Both blocks, just filled, made what :meth:`pair_terms` and :meth:`pair_grad` read relative to the rows'
+        maxima ``m``, ``m_t``: these kernels read the raw blocks (nothing to do)."""
+
+    def pair_held(self, x, xt, st, st_t, merged, merged_t, k, k_t) -> None:
+        """Both blocks as :meth:`block_stats` left them (``st``, ``st_t``: the chunk's statistics over its
+        blocks), made relative to the rows' merged ones (``merged``, ``merged_t``): nothing to do here."""
+
+    def pair_cross(self, x, xt, tf, k, m, tf_t, k_t, m_t, dtype, const, scratch, scratch_t,
+                   teacher_weighs: bool) -> torch.Tensor:
+        """A KL's cross sum of one block (see :meth:`~chunked_entropy._divergence.DivergenceMath.folded`),
+        offsets to the blocks' maxima ``m``, ``m_t``, weighed by the teacher (``teacher_weighs``) or the
+        student: :meth:`_PairKernels.cross`."""
+        kk, kk_t, cap, cap_t = self._pair_constants(tf, k, tf_t, k_t, x.shape[0], dtype, x.device, const)
+        if teacher_weighs:
+            return PAIR.cross(xt, x, tf_t, kk_t, m_t, tf, kk, m, dtype, cap_t, cap)
+        return PAIR.cross(x, xt, tf, kk, m, tf_t, kk_t, m_t, dtype, cap, cap_t)
+
+    def pair_terms(self, spec, x, xt, tf, k, m, ls, tf_t, k_t, m_t, ls_t, dtype, const) -> tuple:
+        """One block's per-row sums ``(D, aux, parts)`` from the rows' final maxima and log-sum-exps:
+        :meth:`_PairKernels.terms` (``parts`` None: the gradient reads the blocks again)."""
+        kk, kk_t, cap, cap_t = self._pair_constants(tf, k, tf_t, k_t, x.shape[0], dtype, x.device, const)
+        d, aux = PAIR.terms(spec.math, x, xt, tf, kk, m, ls, tf_t, kk_t, m_t, ls_t, dtype, cap, cap_t)
+        return d, aux, None
+
+    def pair_grad(self, spec, x, xt, tf, k, row, target, v0, co, tf_t, k_t, pair, scale, dtype, const, scratch,
+                  cap, parts) -> torch.Tensor:
+        """The gradient w.r.t. the student's raw logits of one block, written over ``x``: ``scale * dD/dx_s``
+        plus, with ``co``, the student's log-prob and entropy terms (``pair``: the rows'
+        :class:`~chunked_entropy._divergence.PairRows`): :meth:`_PairKernels.grad_`."""
+        kk, kk_t, kcap, kcap_t = self._pair_constants(tf, k, tf_t, k_t, x.shape[0], dtype, x.device, const)
+        co = co if co is not None else _stats.Coefficients(None, None, None)
+        return PAIR.grad_(spec.math, x, xt, tf, kk, row, target, v0, co, tf_t, kk_t, pair.m_t, pair.ls_t,
+                          pair.aux, scale, dtype, kcap, kcap_t)
 
 
 class _Lazy:
@@ -465,6 +509,52 @@ class _Eager(_Fast):
         """From the offsets :meth:`stats` left in ``out`` (to the block's maxima), shifted to the merged ones."""
         y = _stats.shift_offsets_(out, local.m, merged.m, k) if merged is not local else out
         return _stats.grad_from_offsets_(y, tf, row, target, v0, co, scratch, aux)
+
+    def pair_ready(self, x, xt, cap, tf, k, m, tf_t, k_t, m_t, cap_out: bool) -> None:
+        """Both raw blocks transformed and made offsets to ``m``, ``m_t`` in place; the student's cap derivative
+        ``1 - u**2`` in ``cap`` first (``cap_out``, with a soft-cap)."""
+        tf.to_u_(x)
+        if cap_out and tf.softcap is not None:
+            torch.mul(x, x, out=cap).neg_().add_(1.0)
+        _stats.offsets_(x, m, k)
+        _stats.offsets_(tf_t.to_u_(xt), m_t, k_t)
+
+    def pair_held(self, x, xt, st, st_t, merged, merged_t, k, k_t) -> None:
+        """The offsets :meth:`stats` left (to the chunk's maxima over its blocks) shifted to the merged ones."""
+        if merged is not st:
+            _stats.shift_offsets_(x, st.m, merged.m, k)
+            _stats.shift_offsets_(xt, st_t.m, merged_t.m, k_t)
+
+    def pair_cross(self, x, xt, tf, k, m, tf_t, k_t, m_t, dtype, const, scratch, scratch_t,
+                   teacher_weighs: bool) -> torch.Tensor:
+        """From the offsets :meth:`stats` left in both blocks: ``sum_j exp(y_a) (y_a - y_b)`` (``a`` the side
+        that weighs), in the two scratch buffers."""
+        y_a, y_b = (xt, x) if teacher_weighs else (x, xt)
+        d = torch.sub(y_a, y_b, out=scratch)
+        return d.mul_(torch.exp(y_a, out=scratch_t)).sum(dim=1)
+
+    def pair_terms(self, spec, x, xt, tf, k, m, ls, tf_t, k_t, m_t, ls_t, dtype, const) -> tuple:
+        """From both blocks' offsets to the final maxima: :func:`chunked_entropy._divergence.divergence_terms`
+        (it overwrites them; ``parts``: what :meth:`pair_grad` may read instead)."""
+        return _divergence.divergence_terms(x, xt, ls, ls_t, spec)
+
+    def pair_grad(self, spec, x, xt, tf, k, row, target, v0, co, tf_t, k_t, pair, scale, dtype, const, scratch,
+                  cap, parts) -> torch.Tensor:
+        """From both blocks' offsets to the final maxima (or the ``parts`` :meth:`pair_terms` kept), written over
+        ``x``; ``cap``: the student's cap derivative (:meth:`pair_ready`, or :meth:`stats`' ``aux``)."""
+        if parts is not None:
+            gd = _divergence.grad_from_parts(parts, x, row.ls, pair.aux, spec)
+        else:
+            gd = _divergence.divergence_grad(x, xt, row.ls, pair.ls_t, pair.aux, spec)
+        gd.mul_(scale.unsqueeze(1))
+        if co is not None and (co.c is not None or co.b is not None):
+            _stats.grad_from_offsets_(x, _stats.Transform(), row, target, v0, co, scratch, None)
+            x.add_(gd)
+        else:
+            x.copy_(gd)
+        if tf.softcap is not None:
+            x.mul_(cap)
+        return x
 
 
 COMPILED = _Compiled()

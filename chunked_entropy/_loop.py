@@ -36,7 +36,7 @@ import torch
 
 from . import _divergence, _keep, _stats, _tiles, _token_ids
 from ._inputs import Tokens, chunks
-from ._kernels import EAGER, PAIR, Kernels, kernel_cap, kernel_k
+from ._kernels import EAGER, Kernels
 from .parallel import all_reduce_sum_, group_rank_size, reduce_stats, reduce_stats_pair
 
 Fill = Callable[[torch.Tensor, int, int, int, int], object]
@@ -489,12 +489,14 @@ class _PairWalk:
     and loss, with replay's and distillation's sparse terms) would put a branch per block and a second
     buffer set into each. The pieces are shared instead: :class:`Buffers`, ``chunks``,
     :func:`_gradient_walk`, the statistics' math and merge (:mod:`chunked_entropy._stats`),
-    :func:`~chunked_entropy.parallel.reduce_stats_pair` and the kernels objects (their ``stats``).
+    :func:`~chunked_entropy.parallel.reduce_stats_pair` and the kernels objects: each block's statistics
+    (``block_stats``) and the divergence's per-block steps (``pair_ready``, ``pair_held``, ``pair_cross``,
+    ``pair_terms``, ``pair_grad``: :mod:`chunked_entropy._kernels`), asked, never which kernels they are.
 
-    Buffers: eager, four ``[chunk_size, block]`` in the compute dtype (each head's block and ``exp``
-    scratch) plus, for a gradient with a student soft-cap, the cap's derivative; compiled (``kernels``
-    set: a kernels object of :mod:`chunked_entropy._kernels`), the two blocks only (the kernels read the
-    raw blocks and form the transform, the offsets and the log-probs on the fly; the gradient kernel
+    Buffers: each head's ``[chunk_size, block]`` block in the compute dtype; where the kernels work in place
+    (``kernels.in_place``: the eager ones, offsets written over the blocks) also each head's ``exp`` scratch
+    and, for a gradient with a student soft-cap, the cap's derivative; the compiled and Triton kernels read
+    the raw blocks and form the transform, the offsets and the log-probs on the fly (the gradient kernel
     overwrites the student's block).
     """
 
@@ -517,14 +519,6 @@ class _PairWalk:
         """Both heads' per-row multipliers of rows ``[a, b)``."""
         return self.tok.k_rows(a, b), self.tf_t.k(self.tok.inv_t_rows(a, b))
 
-    def pair_constants(self, a: int, b: int) -> tuple:
-        """``(k, k_t, cap, cap_t)`` of rows ``[a, b)`` as the divergence's compiled kernels (``PAIR``) take them:
-        both heads' multipliers as contiguous columns and their soft-caps' factors, filled once a walk."""
-        k, kt = self.k(a, b)
-        c, dt, dev, n = self.const, self.dtype, self.device, b - a
-        return (kernel_k(k, n, dt, dev, c, PAIR), kernel_k(kt, n, dt, dev, c, PAIR),
-                kernel_cap(self.tok.transform, dt, dev, c), kernel_cap(self.tf_t, dt, dev, c))
-
     def raw(self, a, b, v0, v1):
         """Both raw blocks of rows ``[a, b)``, columns ``[v0, v1)``: ``(x_s, x_t, scratch_s, scratch_t, aux_s)``."""
         x, scratch, cap = self.bufs.get(b - a, v1 - v0)
@@ -533,43 +527,11 @@ class _PairWalk:
         self.fill_t(xt, a, b, v0, v1)
         return x, xt, scratch, scratch_t, cap
 
-    def offsets(self, a, b, v0, v1, m, cap_out: bool = False):
-        """Both blocks as offsets to the rows' maxima ``m = (m_s, m_t)`` (eager), with the student's cap
-        derivative in its aux buffer (``cap_out``). Returns ``(y_s, y_t, scratch_s, aux_s)``."""
-        tok = self.tok
-        x, xt, scratch, _, cap = self.raw(a, b, v0, v1)
-        k, kt = self.k(a, b)
-        tok.transform.to_u_(x)
-        if cap_out and tok.transform.softcap is not None:
-            torch.mul(x, x, out=cap).neg_().add_(1.0)
-        _stats.offsets_(x, m[0], k)
-        _stats.offsets_(self.tf_t.to_u_(xt), m[1], kt)
-        return x, xt, scratch, cap
-
     def _cross_to(self, c, st, stt, m, m_t, k, kt):
         """A KL's cross sum relative to the maxima ``m``, ``m_t`` (:func:`~chunked_entropy._stats.rescale_cross`)."""
         if self.teacher_weighs:
             return _stats.rescale_cross(c, stt, st, m_t, m, kt, k)
         return _stats.rescale_cross(c, st, stt, m, m_t, k, kt)
-
-    def _cross(self, x, xt, scratch, scratch_t, local, local_t, k, kt, a, b):
-        """A KL's cross sum of one block (see :meth:`~chunked_entropy._divergence.DivergenceMath.folded`), from the
-        blocks as the statistics left them: eager, offsets to the local maxima (the two scratch buffers
-        written); compiled, raw."""
-        if not self.kernels.in_place:
-            k, kt, cap, cap_t = self.pair_constants(a, b)
-            if self.teacher_weighs:
-                return PAIR.cross(xt, x, self.tf_t, kt, local_t.m, self.tok.transform, k, local.m, self.dtype, cap_t,
-                                  cap)
-            return PAIR.cross(x, xt, self.tok.transform, k, local.m, self.tf_t, kt, local_t.m, self.dtype, cap,
-                              cap_t)
-        if self.teacher_weighs:
-            args = (xt, x, self.tf_t, kt, local_t.m, self.tok.transform, k, local.m)
-        else:
-            args = (x, xt, self.tok.transform, k, local.m, self.tf_t, kt, local_t.m)
-        y_a, y_b = args[0], args[1]
-        d = torch.sub(y_a, y_b, out=scratch)
-        return d.mul_(torch.exp(y_a, out=scratch_t)).sum(dim=1)
 
     def chunk_stats(self, a: int, b: int, group, want_entropy: bool, cap_single: bool = False):
         """Both heads' statistics of rows ``[a, b)``, merged over blocks and ``group`` (one MAX all-reduce, one
@@ -592,7 +554,8 @@ class _PairWalk:
             prev, prev_t = st, stt
             st, stt = _stats.merge_stats(st, local, k), _stats.merge_stats(stt, local_t, kt)
             if self.fold:
-                c = self._cross(x, xt, scratch, scratch_t, local, local_t, k, kt, a, b)
+                c = kernels.pair_cross(x, xt, tok.transform, k, local.m, self.tf_t, kt, local_t.m, self.dtype,
+                                       self.const, scratch, scratch_t, self.teacher_weighs)
                 cross = c if prev is None else (self._cross_to(cross, prev, prev_t, st.m, stt.m, k, kt)
                                                 + self._cross_to(c, local, local_t, st.m, stt.m, k, kt))
         if self.fold:  # the cross sum rides in the statistics' gather
@@ -607,41 +570,33 @@ class _PairWalk:
         """The divergence's per-row sums of rows ``[a, b)`` over the whole vocabulary and ``group`` (one SUM
         all-reduce): ``(PairRows of the chunk, parts)``. A KL folded online: from its ``cross`` sum (no pass, no
         collective); else from the blocks still ``held`` when the vocabulary is one block, or from each block
-        filled again; ``parts`` (eager, one block, ``keep_parts``): what
-        :meth:`~chunked_entropy._divergence.DivergenceMath.grad_from_parts` reads."""
-        single, kernels, math_, tok = self.block >= self.width, self.kernels, self.math, self.tok
+        filled again; ``parts`` (one block, ``keep_parts``): what the kernels' ``pair_grad`` may read instead of
+        the blocks (the eager kernels' :meth:`~chunked_entropy._divergence.DivergenceMath.grad_from_parts`)."""
+        kernels, tf, tf_t, dtype, const = self.kernels, self.tok.transform, self.tf_t, self.dtype, self.const
         if cross is not None:
             s_s, s_t = merged.ones + merged.rest, merged_t.ones + merged_t.rest
-            div = (math_.folded(cross, s_t, ls_t, rows.ls) if self.teacher_weighs
-                   else math_.folded(cross, s_s, rows.ls, ls_t))
+            div = (self.math.folded(cross, s_t, ls_t, rows.ls) if self.teacher_weighs
+                   else self.math.folded(cross, s_s, rows.ls, ls_t))
             return _divergence.PairRows(merged_t.m, ls_t, div, div if self.spec.needs_aux else None), None
         k, kt = self.k(a, b)
-        m = (merged.m, merged_t.m)
+        m, m_t = merged.m, merged_t.m
         parts = None
-        if not kernels.in_place:
-            div = aux = None
-            kk, kkt, cap, cap_t = self.pair_constants(a, b)
-            for v0, v1 in chunks(self.width, self.block):
-                x, xt = held[:2] if single else self.raw(a, b, v0, v1)[:2]
-                d, ka = PAIR.terms(math_, x, xt, tok.transform, kk, m[0], rows.ls, self.tf_t, kkt, m[1], ls_t,
-                                   self.dtype, cap, cap_t)
-                div, aux = (d, ka) if div is None else (div + d, aux + ka)
-            if not self.spec.needs_aux:
-                aux = None
-        elif single:  # the blocks are held: their offsets to the merged maxima
+        if self.block >= self.width:  # the blocks are held: relative to the merged maxima
             x, xt, st, stt, _ = held
-            if merged is not st:
-                _stats.shift_offsets_(x, st.m, merged.m, k)
-                _stats.shift_offsets_(xt, stt.m, merged_t.m, kt)
-            div, aux, parts = _divergence.divergence_terms(x, xt, rows.ls, ls_t, self.spec)
+            kernels.pair_held(x, xt, st, stt, merged, merged_t, k, kt)
+            div, aux, parts = kernels.pair_terms(self.spec, x, xt, tf, k, m, rows.ls, tf_t, kt, m_t, ls_t, dtype,
+                                                 const)
             parts = parts if keep_parts else None
         else:
             div = aux = None
             for v0, v1 in chunks(self.width, self.block):
-                x, xt, _, _ = self.offsets(a, b, v0, v1, m)
-                d, ka, _ = _divergence.divergence_terms(x, xt, rows.ls, ls_t, self.spec)
+                x, xt, _, _, _ = self.raw(a, b, v0, v1)
+                kernels.pair_ready(x, xt, None, tf, k, m, tf_t, kt, m_t, cap_out=False)
+                d, ka, _ = kernels.pair_terms(self.spec, x, xt, tf, k, m, rows.ls, tf_t, kt, m_t, ls_t, dtype, const)
                 div = d if div is None else div + d
                 aux = ka if aux is None else aux + ka
+        if not self.spec.needs_aux:
+            aux = None
         sums = all_reduce_sum_(torch.stack([div] if aux is None else [div, aux]), group)
         div, aux = sums[0], (sums[1] if aux is not None else (sums[0] if self.spec.needs_aux else None))
         return _divergence.PairRows(merged_t.m, ls_t, div, aux), parts
@@ -650,32 +605,17 @@ class _PairWalk:
         """The gradient w.r.t. the student's raw logits of one block (in the student's buffer): ``scale *
         dD/dx_s`` (``scale``: ``[b - a]``, the upstream gradient times ``kz``) plus, with ``co``, the
         student's log-prob / entropy terms. ``held``: the chunk's blocks, still held (one vocabulary block),
-        else both are filled again; ``parts``: what the divergence's sums of this block kept (eager)."""
-        tok = self.tok
-        if not self.kernels.in_place:
-            x, xt = held[:2] if held is not None else self.raw(a, b, v0, v1)[:2]
-            k, kt, cap, cap_t = self.pair_constants(a, b)
-            co = co if co is not None else _stats.Coefficients(None, None, None)
-            return PAIR.grad_(self.math, x, xt, tok.transform, k, rows, tok.target[a:b], v0, co, self.tf_t, kt,
-                              here.m_t, here.ls_t, here.aux, scale, self.dtype, cap, cap_t)
+        else both are filled again; ``parts``: what the divergence's sums of this block kept."""
+        tok, tf, tf_t = self.tok, self.tok.transform, self.tf_t
+        k, kt = self.k(a, b)
         if held is not None:
-            y, yt, cap = held[0], held[1], held[4]
+            x, xt, cap = held[0], held[1], held[4]
             scratch = None
         else:
-            y, yt, scratch, cap = self.offsets(a, b, v0, v1, (rows.m, here.m_t), cap_out=True)
-        if parts is not None:
-            gd = _divergence.grad_from_parts(parts, y, rows.ls, here.aux, self.spec)
-        else:
-            gd = _divergence.divergence_grad(y, yt, rows.ls, here.ls_t, here.aux, self.spec)
-        gd.mul_(scale.unsqueeze(1))
-        if co is not None and (co.c is not None or co.b is not None):
-            _stats.grad_from_offsets_(y, _stats.Transform(), rows, tok.target[a:b], v0, co, scratch, None)
-            y.add_(gd)
-        else:
-            y.copy_(gd)
-        if tok.transform.softcap is not None:
-            y.mul_(cap)
-        return y
+            x, xt, scratch, _, cap = self.raw(a, b, v0, v1)
+            self.kernels.pair_ready(x, xt, cap, tf, k, rows.m, tf_t, kt, here.m_t, cap_out=True)
+        return self.kernels.pair_grad(self.spec, x, xt, tf, k, rows, tok.target[a:b], v0, co, tf_t, kt, here, scale,
+                                      self.dtype, self.const, scratch, cap, parts)
 
 
 def _store_pair(stats: _stats.RowStats, pair: "_divergence.PairRows", rows, here, a: int, b: int) -> None:
