@@ -5,7 +5,8 @@ Layer: the walk, shared by the ops above it: the logits path
 caller's logits rows (:func:`logits_source`); the fused head (:mod:`chunked_entropy.linear`), the
 fused loss from hidden states and the divergences compute each block as ``hidden @ weight.T + bias``
 (:func:`linear_filler`) and turn its logit gradient into gradients of the hidden states, the weight
-and the bias (:func:`linear_grads`, the half-precision matmuls of :func:`_half_mm` / :func:`_split_mm`, the
+and the bias (:func:`head_grads`, the gradient walk the fused head's backward and the fused loss share, over
+:func:`linear_grads`, the half-precision matmuls of :func:`_half_mm` / :func:`_split_mm`, the
 gradient buffer :class:`GradRows`, the fused loss's three-pass walk :func:`three_pass_plan`). Both hand the
 chunk loop (:mod:`chunked_entropy._loop`) a ``fill(x, a, b, v0, v1)``. Beside them, what the fused ops do
 with the hidden states and the weight around the walk: the sequence-parallel gather and the gradient's
@@ -325,6 +326,46 @@ def linear_grads(blocks, rows: Rows, weight, *, n: int, hidden_dtype, chunk_size
         gq = None  # freed before the walk makes the next block's (two [rows, block] half blocks otherwise)
     if need_w and acc_w is not gw and acc_w is not main_grad:
         (gw if main_grad is None else main_grad).add_(acc_w)
+    return grad_h, gw, gb
+
+
+def head_grads(walk, hidden, weight, bias, n: int, plan: Plan, need, *, main_grad=None,
+               three_pass: Optional[Plan] = None, weight_grad_dtype=None, token_major_rows: bool = False):
+    """The fused head's gradient walk: the hidden states' gradient (reduced over the group, as
+    :func:`reduce_hidden_grad` says), the weight's and the bias's, from the logit gradients that ``walk``
+    forms; what the fused head's backward and the fused loss's forward share.
+
+    ``walk(fill, plan, vocab_block, grad_rows)`` is the chunk loop's gradient walk
+    (:func:`chunked_entropy._loop.grad_blocks` or :func:`~chunked_entropy._loop.loss_grad_blocks`) over the
+    blocks ``fill`` computes, yielding ``(a, b, v0, v1, g)``; this function picks the walk's order: vocabulary
+    blocks outermost where :func:`grad_vocab_block` says so (with the :class:`GradRows` buffer of
+    :func:`grad_rows_for` the kernels write into), else chunks outermost, or the fused loss's three-pass plan
+    (``three_pass``, :func:`three_pass_plan`: the whole shard a chunk). ``n``: the walk's token rows.
+    ``need``: which of ``(hidden, weight, bias)`` want a gradient; ``main_grad`` and ``weight_grad_dtype`` as
+    in :func:`linear_grads`. ``token_major_rows``: the walk's rows are the hidden states in the per-token
+    tensors' order (:func:`token_major`; the fused loss's ``[B, T]`` under sequence parallelism), the
+    gradient put back in the hidden states' layout before it is reduced.
+
+    Returns ``(grad_hidden, grad_weight, grad_bias)`` as :func:`linear_grads` does (the hidden gradient in
+    ``hidden``'s shape: this rank's slice under sequence parallelism). Memory: the gathered hidden states
+    under sequence parallelism (``[S, B, H]``) and what :func:`linear_grads` and the walk allocate.
+    """
+    h_full = full_hidden(hidden, plan)
+    rows = Rows(token_major(h_full, plan) if token_major_rows else h_full)
+    if three_pass is not None:
+        plan, vocab_block = three_pass, None
+    else:
+        vocab_block = grad_vocab_block(n, weight, plan, need[1])
+    gr = grad_rows_for(n, weight, plan, vocab_block)
+    blocks = walk(linear_filler(rows, weight, bias, plan.float32_logits, plan.tiles), plan, vocab_block, gr)
+    grad_h, gw, gb = linear_grads(blocks, rows, weight, n=n, hidden_dtype=hidden.dtype, chunk_size=plan.chunk_size,
+                                  need=need, main_grad=main_grad, float32=plan.float32_logits,
+                                  vocab_block=vocab_block, weight_grad_dtype=weight_grad_dtype, grad_rows=gr,
+                                  tiles=plan.tiles, group=plan.group)
+    if grad_h is not None:
+        if token_major_rows:
+            grad_h = token_major_grad(grad_h, h_full.shape, plan)
+        grad_h = reduce_hidden_grad(grad_h, h_full.shape, plan)
     return grad_h, gw, gb
 
 

@@ -231,6 +231,20 @@ def _merge_running(m_ptr, ones_ptr, rest_ptr, w_ptr, q_ptr, zl_ptr, at, mb, ones
 
 
 @triton.jit
+def _store_stats(m_ptr, ones_ptr, rest_ptr, w_ptr, q_ptr, at, m, ones, rest, w, q, WANT_W: tl.constexpr,
+                 WANT_Q: tl.constexpr):
+    """Statistics written at ``at`` (``w`` and ``q`` only where wanted; the label's ``u`` is the caller's): what
+    both statistics kernels write, the counterpart of :func:`_merge_running`'s loads."""
+    tl.store(m_ptr + at, m)
+    tl.store(ones_ptr + at, ones)
+    tl.store(rest_ptr + at, rest)
+    if WANT_W:
+        tl.store(w_ptr + at, w)
+    if WANT_Q:
+        tl.store(q_ptr + at, q)
+
+
+@triton.jit
 def _stats_kernel(
     z_ptr, stride_zr, stride_zc, width, span, cap_ptr, k_ptr, stride_k, target_ptr, v0,
     m_ptr, ones_ptr, rest_ptr, w_ptr, q_ptr, zl_ptr, n, span_class,
@@ -278,14 +292,7 @@ def _stats_kernel(
         mr, ones_r, rest_r, w_r, q_r, zl = _merge_running(m_ptr, ones_ptr, rest_ptr, w_ptr, q_ptr, zl_ptr, row, mr,
                                                           ones_r, rest_r, w_r, q_r, zl, k, WANT_W, WANT_Q, COMPUTE,
                                                           NEG_FLOOR)
-    out = part * n + row
-    tl.store(m_ptr + out, mr)
-    tl.store(ones_ptr + out, ones_r)
-    tl.store(rest_ptr + out, rest_r)
-    if WANT_W:
-        tl.store(w_ptr + out, w_r)
-    if WANT_Q:
-        tl.store(q_ptr + out, q_r)
+    _store_stats(m_ptr, ones_ptr, rest_ptr, w_ptr, q_ptr, part * n + row, mr, ones_r, rest_r, w_r, q_r, WANT_W, WANT_Q)
     if (has & (col >= lo) & (col < hi)) | ((has == 0) & (part == 0)):
         tl.store(zl_ptr + row, zl)
 
@@ -323,13 +330,7 @@ def _merge_parts_kernel(
         mr, ones_r, rest_r, w_r, q_r, zl = _merge_running(m_ptr, ones_ptr, rest_ptr, w_ptr, q_ptr, zl_ptr, row, mr,
                                                           ones_r, rest_r, w_r, q_r, zl, k, WANT_W, WANT_Q, COMPUTE,
                                                           NEG_FLOOR)
-    tl.store(m_ptr + row, mr)
-    tl.store(ones_ptr + row, ones_r)
-    tl.store(rest_ptr + row, rest_r)
-    if WANT_W:
-        tl.store(w_ptr + row, w_r)
-    if WANT_Q:
-        tl.store(q_ptr + row, q_r)
+    _store_stats(m_ptr, ones_ptr, rest_ptr, w_ptr, q_ptr, row, mr, ones_r, rest_r, w_r, q_r, WANT_W, WANT_Q)
     tl.store(zl_ptr + row, zl)
 
 

@@ -5,7 +5,7 @@ folded into the chunk loop: forward computes one chunk (and, optionally, one
 vocabulary block) of logits at a time, reduces it to the per-token statistics
 of :mod:`chunked_entropy._stats`, and drops it; backward recomputes the chunk
 and turns its logit gradient straight into gradients for the hidden states,
-the weight and the bias (:func:`chunked_entropy._logit_blocks.linear_grads`).
+the weight and the bias (:func:`chunked_entropy._logit_blocks.head_grads`).
 :class:`~chunked_entropy.ChunkedVocabParallelHead` is the ``nn.Module`` over it.
 """
 
@@ -19,7 +19,6 @@ import torch
 from ._call import (
     Chunking,
     OutputLayer,
-    Rows,
     RowsOf,
     RowStats,
     Tokens,
@@ -31,15 +30,7 @@ from ._call import (
     prepare,
     weak_group,
 )
-from ._logit_blocks import (
-    full_hidden,
-    grad_rows_for,
-    grad_vocab_block,
-    linear_filler,
-    linear_grads,
-    linear_row_stats,
-    reduce_hidden_grad,
-)
+from ._logit_blocks import full_hidden, head_grads, linear_row_stats
 from ._loop import Plan, grad_blocks
 from ._outputs import LogProbsEntropy, empty_outputs, pack_outputs, run_outputs, split_grads, without_labels
 
@@ -74,25 +65,16 @@ class _HeadFunction(torch.autograd.Function):
         grads, at_grads = split_grads(grads, plan.want, tok, stats.ls)
         if all(g is None for g in grads) and at_grads is None:
             return (None,) * 6
-        cdt = stats.ls.dtype
-        h_full = full_hidden(hidden, plan)
-        n, v = tok.n, weight.shape[0]
-        rows = Rows(h_full)
-        dev = weight.device
-        vocab_block = grad_vocab_block(n, weight, plan, need_w)
-        gr = grad_rows_for(n, weight, plan, vocab_block)
-        blocks = grad_blocks(
-            tok, linear_filler(rows, weight, bias, plan.float32_logits, plan.tiles), plan, width=v, block=vocab_block,
-            vocab_outer=vocab_block is not None, stats=stats, grads=grads, dtype=cdt, device=dev, at_grads=at_grads,
-            grad_rows=gr,
-        )
-        grad_h, grad_weight, gb = linear_grads(
-            blocks, rows, weight, n=n, hidden_dtype=hidden.dtype, chunk_size=plan.chunk_size,
-            need=(need_h, need_w, need_b), main_grad=ctx.main_grad if need_w else None,
-            float32=plan.float32_logits, vocab_block=vocab_block, grad_rows=gr, tiles=plan.tiles, group=plan.group,
-        )
-        grad_hidden = None if grad_h is None else reduce_hidden_grad(grad_h, h_full.shape, plan)
-        if need_w and ctx.main_grad is not None:
+        main_grad = ctx.main_grad if need_w else None
+
+        def walk(fill, plan, vocab_block, grad_rows):
+            return grad_blocks(tok, fill, plan, width=weight.shape[0], block=vocab_block,
+                               vocab_outer=vocab_block is not None, stats=stats, grads=grads, dtype=stats.ls.dtype,
+                               device=weight.device, at_grads=at_grads, grad_rows=grad_rows)
+
+        grad_hidden, grad_weight, gb = head_grads(walk, hidden, weight, bias, tok.n, plan, (need_h, need_w, need_b),
+                                                  main_grad=main_grad)
+        if main_grad is not None:
             grad_weight = main_grad_result(ctx.weight_param, ctx.main_grad)
         grad_bias = gb.to(bias.dtype) if need_b else None
         return grad_hidden, grad_weight, grad_bias, None, None, None

@@ -40,7 +40,6 @@ from ._call import (
     Objective,
     OutputLayer,
     PolicyLoss,
-    Rows,
     RowsOf,
     Tokens,
     compute_dtype,
@@ -54,19 +53,7 @@ from ._call import (
     prepare,
     save_loss_grads,
 )
-from ._logit_blocks import (
-    full_hidden,
-    grad_rows_for,
-    grad_vocab_block,
-    linear_filler,
-    linear_grads,
-    linear_row_stats,
-    logits_row_stats,
-    logits_source,
-    reduce_hidden_grad,
-    token_major,
-    token_major_grad,
-)
+from ._logit_blocks import full_hidden, head_grads, linear_row_stats, logits_row_stats, logits_source, token_major
 from ._loop import Plan, loss_grad_blocks, new_row_stats
 
 __all__ = ["linear_policy_loss", "policy_loss_from_logits"]
@@ -88,33 +75,21 @@ class _HeadLossFunction(torch.autograd.Function):
                 three_pass: Optional[Plan] = None):
         need = ctx.needs_input_grad[:3]
         cdt = compute_dtype(weight.dtype)
-        h_full = full_hidden(hidden, plan)
-        rows = Rows(token_major(h_full, plan))
-        n = tok.n
-        stats = new_row_stats(n, plan.want, cdt, weight.device, tok.keep)
+        stats = new_row_stats(tok.n, plan.want, cdt, weight.device, tok.keep)
+
+        def walk(fill, plan, vocab_block, grad_rows):
+            return loss_grad_blocks(tok, fill, plan, width=weight.shape[0], token_grads=objective.token_grads,
+                                    span=objective.span, grad_block=vocab_block, stats=stats, dtype=cdt,
+                                    device=weight.device, grad_rows=grad_rows)
+
         # three_pass (the plan of the three-GEMM-pass walk, see three_pass_plan): the whole shard a chunk, the
         # weight gradient summed chunk by chunk in float32; else four passes, half-precision weights' gradient
-        # over vocabulary blocks outermost
-        if three_pass is not None:
-            plan, vocab_block = three_pass, None
-        else:
-            vocab_block = grad_vocab_block(n, weight, plan, need[1])
-        gr = grad_rows_for(n, weight, plan, vocab_block)
-        blocks = loss_grad_blocks(
-            tok, linear_filler(rows, weight, bias, plan.float32_logits), plan, width=weight.shape[0],
-            token_grads=objective.token_grads, span=objective.span, grad_block=vocab_block, stats=stats, dtype=cdt,
-            device=weight.device, grad_rows=gr,
-        )
-        # With main_grad (Megatron's float32 accumulator), or summed chunk by chunk (three passes), the weight
-        # gradient is kept in float32 until the upstream gradient scales it in backward, rounded once there;
-        # else in the weight's dtype.
+        # over vocabulary blocks outermost. With main_grad (Megatron's float32 accumulator), or summed chunk by
+        # chunk (three passes), the weight gradient is kept in float32 until the upstream gradient scales it in
+        # backward, rounded once there; else in the weight's dtype.
         f32_weight_grad = main_grad is not None or three_pass is not None
-        grad_h, gw, gb = linear_grads(blocks, rows, weight, n=n, hidden_dtype=hidden.dtype,
-                                      chunk_size=plan.chunk_size, need=need, float32=plan.float32_logits,
-                                      vocab_block=vocab_block, weight_grad_dtype=cdt if f32_weight_grad else None,
-                                      grad_rows=gr)
-        if grad_h is not None:
-            grad_h = reduce_hidden_grad(token_major_grad(grad_h, h_full.shape, plan), h_full.shape, plan)
+        grad_h, gw, gb = head_grads(walk, hidden, weight, bias, tok.n, plan, need, three_pass=three_pass,
+                                    weight_grad_dtype=cdt if f32_weight_grad else None, token_major_rows=True)
         loss = objective.finish(*_results(tok, stats, plan.want))
         save_loss_grads(ctx, grad_h, gw, gb, weight, bias, main_grad)  # the gradients; no reference to the inputs
         return loss

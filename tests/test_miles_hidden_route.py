@@ -133,6 +133,27 @@ def test_true_on_policy_mode_gets_the_logits_route():
     assert ce_miles.route() is None
 
 
+@pytest.mark.parametrize("args, reason", [
+    (dict(loss_type="custom_loss"), "--loss-type custom_loss (a custom loss may read the logits itself)"),
+    (dict(loss_type="custom_loss", true_on_policy_mode=True), "Miles's true_on_policy mode"),
+])
+def test_custom_loss_gets_the_logits_route_after_miles_own_fallback(args, reason, caplog):
+    """The custom-loss fallback the trainers share (_hidden_route's RoutedAdapter) holds for Miles too, after
+    Miles's own: with both set the warning names true_on_policy mode."""
+    import logging
+
+    _hidden_route._warned.clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="chunked_entropy.integrations"):
+            ce_miles.install(argparse.Namespace(**args))
+        assert ce_miles.route() == "logits"
+        messages = [r.getMessage() for r in caplog.records]
+        assert len(messages) == 1 and reason in messages[0], messages
+    finally:
+        ce_miles.uninstall()
+    assert ce_miles.route() is None
+
+
 def _cp_worker(rank, world):
     from tests import verl_engine
     from tests.packed import samples

@@ -306,6 +306,11 @@ def postprocess_patch(framework: str) -> Patch:
 ROUTES = ("hidden", "logits")
 
 
+#: The trainers' custom loss (``--loss-type custom_loss``): it may read the logits itself, so it keeps them.
+_CUSTOM_LOSS = (lambda args: getattr(args, "loss_type", None) == "custom_loss",
+                "--loss-type custom_loss (a custom loss may read the logits itself)")
+
+
 class RoutedAdapter(Adapter):
     """The adapter of a Megatron RL trainer (slime, Miles): its functions' :class:`Patch` and, on the
     hidden-state route, megatron-core's post-processing (``hidden``), installed all or nothing.
@@ -313,8 +318,10 @@ class RoutedAdapter(Adapter):
     ``install(args, route=)``: ``route`` (else the environment variable
     ``route_env``, else ``"hidden"``) is one of :data:`ROUTES`. On the
     hidden-state route, the first of ``fallbacks`` (``(test(args), reason)``
-    pairs) whose test holds turns it into the logits route, with one logged
-    warning naming the reason. ``"logits"`` removes a post-processing patch
+    pairs), then a custom loss (``--loss-type custom_loss``, which both
+    trainers hand the logits and which may read them itself), whose test
+    holds turns it into the logits route, with one logged warning naming the
+    reason. ``"logits"`` removes a post-processing patch
     left from an earlier install; a failed post-processing patch leaves the
     functions' patch uninstalled too. Arguments that say the output layer
     runs in MXFP8 (``args.fp8_output_proj``, Megatron's ``--fp8-output-proj``,
@@ -324,7 +331,8 @@ class RoutedAdapter(Adapter):
 
     def __init__(self, patch: Patch, hidden: Patch, *, route_env: str, fallbacks=(), framework: str = "trainer"):
         super().__init__(patch)
-        self.hidden, self.route_env, self.fallbacks = hidden, route_env, tuple(fallbacks)
+        self.hidden, self.route_env = hidden, route_env
+        self.fallbacks = (*fallbacks, _CUSTOM_LOSS)
         self.framework = framework
 
     def install(self, args=None, *, route=None) -> None:

@@ -256,9 +256,7 @@ _PATCH = Patch(
 _ADAPTER = _hidden_route.RoutedAdapter(
     _PATCH, _HIDDEN, route_env=_ROUTE_ENV, framework="Miles",
     fallbacks=[(lambda args: getattr(args, "true_on_policy_mode", False),
-                "Miles's true_on_policy mode (bit-exact with the rollout engine on the logits)"),
-               (lambda args: getattr(args, "loss_type", None) == "custom_loss",
-                "--loss-type custom_loss (a custom loss may read the logits itself)")],
+                "Miles's true_on_policy mode (bit-exact with the rollout engine on the logits)")],
 )
 
 

@@ -332,11 +332,7 @@ _PATCH = Patch(
 )
 
 
-_ADAPTER = _hidden_route.RoutedAdapter(
-    _PATCH, _HIDDEN, route_env=_ROUTE_ENV, framework="slime",
-    fallbacks=[(lambda args: getattr(args, "loss_type", None) == "custom_loss",
-                "--loss-type custom_loss (a custom loss may read the logits itself)")],
-)
+_ADAPTER = _hidden_route.RoutedAdapter(_PATCH, _HIDDEN, route_env=_ROUTE_ENV, framework="slime")
 
 
 def install(args=None, *, route: Optional[str] = None) -> None:

@@ -219,12 +219,23 @@ def agg_loss(
             missing global count with ``dp_size > 1``.
         TypeError: a non-tensor or non-floating ``loss_mat``.
     """
-    with checked_call():  # the value checks: one host sync on an accelerator
-        check_tensor("loss_mat", loss_mat)
-        check_mask(loss_mask, loss_mat)
+    agg = _checked("loss_mat", loss_mat, loss_mask, mode, loss_scale_factor, dp_size, batch_num_tokens,
+                   global_batch_size)
+    return aggregate(loss_mat, loss_mask, agg)
+
+
+def _checked(name: str, values, loss_mask, mode, loss_scale_factor, dp_size, batch_num_tokens, global_batch_size,
+             *, floating: bool = True, of: Optional[str] = None) -> Aggregation:
+    """The checks :func:`agg_loss`, :func:`agg_weights` and :func:`entropy_bonus` share, as one checked call (the
+    value checks: one host sync on an accelerator): ``values`` (called ``name``; a floating tensor unless not
+    ``floating``), ``loss_mask`` against it (``of``: its name in the mask's errors, default ``name``), the mode and
+    the counts. Returns the :class:`Aggregation`."""
+    with checked_call():
+        check_tensor(name, values, floating=floating)
+        check_mask(loss_mask, values, name if of is None else of)
         agg = Aggregation(mode, loss_scale_factor, dp_size, batch_num_tokens, global_batch_size)
         agg.check_counts()
-    return aggregate(loss_mat, loss_mask, agg)
+    return agg
 
 
 def aggregate(loss_mat: torch.Tensor, loss_mask: torch.Tensor, agg: Aggregation) -> torch.Tensor:
@@ -270,11 +281,8 @@ def agg_weights(
     Raises:
         ValueError / TypeError: as :func:`agg_loss`.
     """
-    with checked_call():  # the value checks: one host sync on an accelerator
-        check_tensor("loss_mask", loss_mask, floating=False)
-        check_mask(loss_mask, loss_mask)
-        agg = Aggregation(mode, loss_scale_factor, dp_size, batch_num_tokens, global_batch_size)
-        agg.check_counts()
+    agg = _checked("loss_mask", loss_mask, loss_mask, mode, loss_scale_factor, dp_size, batch_num_tokens,
+                   global_batch_size, floating=False, of="loss_mat")
     return agg.weights(loss_mask, dtype)
 
 
@@ -308,9 +316,6 @@ def entropy_bonus(
     Raises:
         ValueError: as :func:`agg_loss`.
     """
-    with checked_call():  # the value checks: one host sync on an accelerator
-        check_tensor("entropy", entropy)
-        check_mask(loss_mask, entropy, "entropy")
-        agg = Aggregation(mode, loss_scale_factor, dp_size, batch_num_tokens, global_batch_size)
-        agg.check_counts()
+    agg = _checked("entropy", entropy, loss_mask, mode, loss_scale_factor, dp_size, batch_num_tokens,
+                   global_batch_size)
     return aggregate(entropy, loss_mask, agg)
