@@ -23,6 +23,7 @@ reads its own walk and this one preparation.
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import functools
 import inspect
@@ -74,7 +75,6 @@ from .options import (
 )
 from .parallel import (
     agreed_call,
-    all_gather_dim0,
     fingerprint_floats,
     group_rank_size,
     live_group,
@@ -246,11 +246,17 @@ def _objects(a: dict, spec: RowsOf) -> list:
 
 
 def with_rows(fn: Callable, spec: RowsOf) -> Callable:
-    """``fn`` with ``rows=``: None calls it as it is; an index selects the source's rows (one gather,
-    :func:`~chunked_entropy._rows.select_rows`) and calls ``fn`` on them; ``"kept"`` derives the index from the
-    op's own inputs (``spec.kept``), takes every per-token input at it and puts the per-token outputs back in
-    the full shape (the policy loss keeps its ``[B, T]`` layout instead). A refusal on one rank (the objects,
-    the rows, the inputs) is raised on every rank of the group."""
+    """``fn`` with ``rows=``: None calls it as it is; an index selects the source's rows and calls ``fn`` on them;
+    ``"kept"`` derives the index from the op's own inputs (``spec.kept``), takes every per-token input at it and
+    puts the per-token outputs back in the full shape (the policy loss keeps its ``[B, T]`` layout instead).
+
+    One exchange, as without ``rows``: what this rank alone checks (the objects, ``rows`` itself, the
+    ``"kept"`` rows, the per-row inputs' shapes) is refused together
+    (:func:`~chunked_entropy.parallel.refused_together`); the rest (the entries in range, the ranks' ``rows``
+    and layout, a given count) rides in the op's own agreed call, which :func:`prepare` opens
+    (:meth:`~chunked_entropy._rows.Selection.agree`), and the selected rows (one gather,
+    :func:`~chunked_entropy._rows.select_rows`; under sequence parallelism an all-gather first) are filled when
+    every rank has passed it, before the op reads them."""
     sig = inspect.signature(fn)
 
     @functools.wraps(fn)
@@ -261,37 +267,59 @@ def with_rows(fn: Callable, spec: RowsOf) -> Callable:
         bound.apply_defaults()
         a = dict(bound.arguments)
         rows = a.pop("rows")
-        with refused_together(group_of(a[spec.layers[0]])):
-            layers = _objects(a, spec)
-            if spec.rows_2d and isinstance(rows, torch.Tensor) and rows.dim() != 2:
-                raise ValueError(f"rows of the policy loss must be [B, T] (the selected rows laid out as sequences), "
-                                 f"got shape {tuple(rows.shape)}")
-            kept = None if spec.logits else parse_kept(rows)
-        group, sp = layers[0].process_group, layers[0].sequence_parallel
-        per_row = lambda: {k: a[k] for k in spec.per_row + spec.tails if k in a}  # noqa: E731
-        name = dict(name=spec.source) if spec.source != "hidden" else {}
-        if spec.logits:  # the logits exist: an index of them only
-            a[spec.source] = select_logit_rows(rows, a[spec.source], group, **name, tails=spec.tails, **per_row())
-            return fn(**a, rows=None)
-        lead = idx = require = None
-        if kept is None:
-            idx = rows
-        elif spec.kept == "tokens":
-            with refused_together(group):
-                lead, idx, require = _kept_tokens(a, spec.source, group, sp, kept[1])
-        elif spec.kept == "pair":
-            lead, idx, require = _kept_pair(a, group, sp, kept[1])
-        else:
-            with refused_together(group):
-                idx, require = _kept_sequences(a, group, sp, kept[1])
-        a[spec.source] = select_rows(idx, a[spec.source], process_group=group, sequence_parallel=sp, require=require,
-                                     tails=spec.tails, layer_name=spec.layers[0], **name, **per_row())
+        with refused_together(group_of(a[spec.layers[0]])):  # met by the peers' exchange in prepare
+            layers, lead, sel = _select(a, rows, spec)
         for n, layer in zip(spec.layers, layers, strict=True):
-            a[n] = layer.replace(sequence_parallel=False)
-        out = fn(**a, rows=None)
-        return out if lead is None else _put_back(out, lambda t: put_rows(t, lead, idx))
+            if not spec.logits:  # the selected rows are whole (a layer over logits keeps its own, agreed as it is)
+                a[n] = layer.replace(sequence_parallel=False)
+        token = _SELECTION.set(sel)
+        try:
+            out = fn(**a, rows=None)
+        finally:
+            _SELECTION.reset(token)
+        if not sel.agreed:  # the op never prepared its call: its rows were never filled
+            raise RuntimeError(f"chunked_entropy: {fn.__name__} returned without its preparation (a bug)")
+        return out if lead is None else _put_back(out, lambda t: put_rows(t, lead, sel.flat))
 
     return call
+
+
+#: The selection of a call with ``rows=``, for its :func:`prepare` to agree on (:func:`with_rows`).
+_SELECTION: contextvars.ContextVar = contextvars.ContextVar("chunked_entropy_rows", default=None)
+
+
+def _select(a: dict, rows, spec: RowsOf) -> tuple:
+    """``(layers, lead, selection)`` of a call with ``rows``, on this rank alone (no collective): the layers,
+    the full leading shape to put ``"kept"`` rows back in (None for an index), and the
+    :class:`~chunked_entropy._rows.Selection`; ``a``'s source and per-row inputs replaced by the selected ones."""
+    layers = _objects(a, spec)
+    if spec.rows_2d and isinstance(rows, torch.Tensor) and rows.dim() != 2:
+        raise ValueError(f"rows of the policy loss must be [B, T] (the selected rows laid out as sequences), "
+                         f"got shape {tuple(rows.shape)}")
+    group, sp = layers[0].process_group, layers[0].sequence_parallel
+    per_row = {k: a[k] for k in spec.per_row + spec.tails if k in a}
+    name = dict(name=spec.source) if spec.source != "hidden" else {}
+    if spec.logits:  # the logits exist: an index of them only
+        a[spec.source], sel = select_logit_rows(rows, a[spec.source], group, **name, tails=spec.tails, **per_row)
+        return layers, None, sel
+    kept = parse_kept(rows)
+    lead = idx = require = teacher = None
+    if kept is None:
+        idx = rows
+    elif spec.kept == "tokens":
+        lead, idx, require = _kept_tokens(a, spec.source, group, sp, kept[1])
+    elif spec.kept == "pair":
+        lead, idx, require, teacher = _kept_pair(a, group, sp, kept[1])
+    else:
+        idx, require = _kept_sequences(a, group, sp, kept[1])
+    per_row = {k: a[k] for k in spec.per_row + spec.tails if k in a}
+    if teacher is not None:  # the teacher's rows are selected with the student's, once the call is agreed
+        per_row.pop("teacher_hidden")
+    a[spec.source], sel = select_rows(idx, a[spec.source], process_group=group, sequence_parallel=sp,
+                                      require=require, tails=spec.tails, layer_name=spec.layers[0], **name, **per_row)
+    if teacher is not None:
+        a["teacher_hidden"] = sel.also("teacher_hidden", teacher)
+    return layers, lead, sel
 
 
 def _kept_tokens(a: dict, source: str, group, sequence_parallel: bool, count):
@@ -316,32 +344,33 @@ def _kept_tokens(a: dict, source: str, group, sequence_parallel: bool, count):
 
 
 def _kept_pair(a: dict, group, sp: bool, count):
-    """``rows="kept"`` of a divergence over hidden states: ``(lead, idx, require)``, the rows of ``label_mask``
-    and ``labels``; the teacher's hidden rows (gathered whole under sequence parallelism) and every per-token
-    input of ``a`` taken at them (in place). A rank's refusal reaches every rank before the gather."""
+    """``rows="kept"`` of a divergence over hidden states: ``(lead, idx, require, teacher)``, the rows of
+    ``label_mask`` and ``labels``; every per-token input of ``a`` taken at them (in place), the teacher's hidden
+    rows too without sequence parallelism (``teacher`` None); under it, ``teacher`` is the teacher's slice, whose
+    rows the selection gathers with the student's once the call is agreed."""
     s, t = a["student_hidden"], a["teacher_hidden"]
-    with agreed_call(group):  # a rank's refusal here reaches every rank before the gather below
-        if not isinstance(s, torch.Tensor) or not isinstance(t, torch.Tensor) or s.dim() < 2 or t.dim() < 2:
-            raise ValueError("rows='kept': student_hidden and teacher_hidden must be [..., H] tensors")
-        world = group_rank_size(group)[1] if sp else 1
-        lead = token_shape(s, world, sp, name="student_hidden")
-        valid = torch.ones(lead, dtype=torch.bool, device=s.device)
-        for name in ("labels", "label_mask"):
-            x = a.get(name)
-            if isinstance(x, torch.Tensor):
-                if x.shape != lead or x.device != s.device:
-                    raise ValueError(f"{name} must have the tokens' leading shape {tuple(lead)} on {s.device}, got "
-                                     f"{tuple(x.shape)} on {x.device}")
-                valid &= (x != check_ignore_index(a["ignore_index"])) if name == "labels" else x.to(torch.bool)
-        idx, require = kept_rows(valid, count)
+    if not isinstance(s, torch.Tensor) or not isinstance(t, torch.Tensor) or s.dim() < 2 or t.dim() < 2:
+        raise ValueError("rows='kept': student_hidden and teacher_hidden must be [..., H] tensors")
+    world = group_rank_size(group)[1] if sp else 1
+    lead = token_shape(s, world, sp, name="student_hidden")
+    valid = torch.ones(lead, dtype=torch.bool, device=s.device)
+    for name in ("labels", "label_mask"):
+        x = a.get(name)
+        if isinstance(x, torch.Tensor):
+            if x.shape != lead or x.device != s.device:
+                raise ValueError(f"{name} must have the tokens' leading shape {tuple(lead)} on {s.device}, got "
+                                 f"{tuple(x.shape)} on {x.device}")
+            valid &= (x != check_ignore_index(a["ignore_index"])) if name == "labels" else x.to(torch.bool)
+    idx, require = kept_rows(valid, count)
+    teacher = None
     if world > 1:
-        t = all_gather_dim0(t.detach(), group)
-    with refused_together(group):  # met by the peers' next agreed call (select_rows')
+        teacher = t
+    else:
         a["teacher_hidden"] = take_rows(t, lead, idx)
-        for k in ("labels", "label_mask", "weights", "temperature"):
-            if a.get(k) is not None:
-                a[k] = take_rows(a[k], lead, idx)
-    return lead, idx, require
+    for k in ("labels", "label_mask", "weights", "temperature"):
+        if a.get(k) is not None:
+            a[k] = take_rows(a[k], lead, idx)
+    return lead, idx, require, teacher
 
 
 def _kept_sequences(a: dict, group, sequence_parallel: bool, count):
@@ -468,7 +497,9 @@ def prepare(source: torch.Tensor, layer, labels=None, *, chunking=None, logits: 
     hidden states or logits), ``teacher_layer``, ``divergence`` and, for its loss form, ``loss_weights``
     (``reduction``, ``normalizer``, ``weights``). The option objects are built first (a refusal on one rank
     raised on every rank), then every check and the agreement run inside one
-    :func:`~chunked_entropy.parallel.agreed_call`."""
+    :func:`~chunked_entropy.parallel.agreed_call`. A call with ``rows=`` (:func:`with_rows`) adds its
+    :class:`~chunked_entropy._rows.Selection`'s checks to that call, first, and its selected rows (the op's
+    ``source``, a teacher's ``"kept"`` rows) are filled when the call is agreed, before any of them is read."""
     name = "student_layer" if teacher is not None else "layer"
     with refused_together(group_of(layer)):
         layer = as_layer(layer, name, logits=logits)
@@ -481,10 +512,15 @@ def prepare(source: torch.Tensor, layer, labels=None, *, chunking=None, logits: 
             one_group(layer, teacher_layer)
     args = dict(labels=labels, temperature=temperature, label_mask=label_mask, ignore_index=ignore_index,
                 keep=keep, entropy_of=entropy_of, log_probs_at=log_probs_at, top_k=top_k)
+    sel = _SELECTION.get()  # a call with rows=: its rows' checks ride in this call's exchange
+    if sel is not None:
+        _SELECTION.set(None)  # taken: the op's preparation is the one that agrees on its rows
     with agreed_call(layer.process_group) as call:  # every rank validates; a refused call raises on all of them
+        if sel is not None:
+            sel.agree(call)  # first: the selected rows are filled when the call is agreed, before the op reads them
         if teacher is not None:
             p = _pair(call, source, layer, chunking, teacher, teacher_layer, divergence, logits, compute_entropy,
-                      loss_weights, **args)
+                      loss_weights, teacher_checked=sel is not None and sel.holds(teacher), **args)
         else:
             flags = None if policy is not None else (compute_entropy, compute_sum_pi_squared)
             p = (_from_logits if logits else _from_hidden)(call, source, layer, chunking, flags, loss, policy, **args)
@@ -634,8 +670,11 @@ def _all_finite(t: torch.Tensor) -> torch.Tensor:
 
 
 def _pair(call, student, layer, chunking, teacher, teacher_layer, divergence, logits: bool, compute_entropy,
-          loss_weights, *, labels, temperature, label_mask, ignore_index, **_) -> Prepared:
-    """The checks and the preparation of a divergence between two heads (over logits or hidden states)."""
+          loss_weights, *, labels, temperature, label_mask, ignore_index, teacher_checked: bool = False,
+          **_) -> Prepared:
+    """The checks and the preparation of a divergence between two heads (over logits or hidden states).
+    ``teacher_checked``: the teacher's rows are a ``rows=`` selection, filled once the call is agreed, whose
+    finiteness the selection checks on each rank's own rows (:meth:`~chunked_entropy._rows.Selection.agree`)."""
     compute_entropy = check_flag("compute_entropy", compute_entropy)
     what = "logits" if logits else "hidden"
     if logits:
@@ -672,8 +711,9 @@ def _pair(call, student, layer, chunking, teacher, teacher_layer, divergence, lo
     else:
         valid = tok.valid
     tf_t = teacher_layer.transform
-    call.require(_all_finite(teacher), f"teacher_{what} must be finite (no NaN or inf): a teacher's NaN would poison "
-                 "every divergence")
+    if not teacher_checked:
+        call.require(_all_finite(teacher), f"teacher_{what} must be finite (no NaN or inf): a teacher's NaN would "
+                     "poison every divergence")
     call.agree("teacher_softcap", float_bits(tf_t.softcap))
     call.agree("teacher_logit_scale", float_bits(tf_t.logit_scale))
     if call.world > 1:

@@ -13,7 +13,8 @@ Bad input. TP 2 with sequence parallelism over gloo (rows of the gathered
 sequence, ranks that differ refused on every rank); at TP 2 and 3 under
 sequence parallelism, rows refused on one rank only refused on every rank. Tree packing: a tree of
 rollouts packed once against each root-to-leaf rollout on its own. bf16 with
-rows repeated many times against float64, no worse than plain bf16 autograd.
+rows repeated many times against float64, no worse than plain bf16 autograd. At TP 2 over gloo, every op
+that takes ``rows=`` makes one agreement exchange with rows, as without, and the same collectives.
 """
 
 from __future__ import annotations
@@ -574,3 +575,152 @@ def test_bf16_index_with_repeats_against_float64_no_worse_than_plain_bf16_autogr
     assert (ours[2][~selected] == 0).all()
     for row in (5, 2):  # the rows used 64+ and 16+ times
         assert err(ours[2][row], want[0][row]) <= 1.25 * err(plain[2][row], want[0][row]) + 1e-3, row
+
+
+# ---------------------------------------------------------------- one exchange with rows= (TP 2 over gloo)
+
+
+class _Collectives:
+    """Counts, while active, the call's agreement exchanges (:meth:`~chunked_entropy.parallel.CallCheck.exchange`,
+    our own code, wrapped) and every collective the group makes (``torch.distributed``'s all-reduce and
+    all-gathers, wrapped: each still runs)."""
+
+    NAMES = ("all_reduce", "all_gather_into_tensor", "all_gather", "all_gather_single", "all_gather_object")
+
+    def __enter__(self):
+        from chunked_entropy.parallel import CallCheck
+
+        self.exchanges, self.calls, self.saved = 0, [], {}
+        for name in self.NAMES:
+            fn = getattr(dist, name, None)
+            if fn is not None:
+                self.saved[(dist, name)] = fn
+                setattr(dist, name, lambda *a, _fn=fn, _name=name, **kw: (self.calls.append(_name), _fn(*a, **kw))[1])
+        exchange = CallCheck.exchange
+        self.saved[(CallCheck, "exchange")] = exchange
+
+        def counted(call, error):
+            self.exchanges += 1
+            return exchange(call, error)
+
+        CallCheck.exchange = counted
+        return self
+
+    def __exit__(self, *exc):
+        for (owner, name), fn in self.saved.items():
+            setattr(owner, name, fn)
+
+
+def _one_exchange(rank, world):
+    """Every op that takes ``rows=``, under TP 2 (with sequence parallelism where the op has it): the call with
+    rows makes one agreement exchange, as the same call without rows does, and the same collectives (one chunk
+    either way, so the chunk loop's collectives are the same; under sequence parallelism the rows' all-gather
+    stands where the op's own gather of the slices stood). Each call's values are checked on the way against
+    the op on the rows selected by hand (itself tested against float64 above)."""
+    from collections import Counter
+
+    from chunked_entropy import divergence_from_logits, log_probs_and_entropy, policy_loss_from_logits
+
+    group = dist.group.WORLD
+    g = torch.Generator().manual_seed(7)
+    s, b, v, ht = 6, 2, 16, 5
+    h_full, w_full = torch.randn(s, b, H, generator=g, dtype=F64), torch.randn(v, H, generator=g, dtype=F64)
+    t_full, wt_full = torch.randn(s, b, ht, generator=g, dtype=F64), torch.randn(v, ht, generator=g, dtype=F64)
+    labels = torch.randint(0, v, (s, b), generator=g)
+    mask = torch.rand(s, b, generator=g) < 0.6
+    sl, vl = s // world, v // world
+    h, hs_t = h_full[rank * sl:(rank + 1) * sl], t_full[rank * sl:(rank + 1) * sl]
+    w, wt = w_full[rank * vl:(rank + 1) * vl], wt_full[rank * vl:(rank + 1) * vl]
+    plain, sp = OutputLayer(w, process_group=group), OutputLayer(w, process_group=group, sequence_parallel=True)
+    t_plain = OutputLayer(wt, process_group=group)
+    t_sp = OutputLayer(wt, process_group=group, sequence_parallel=True)
+    idx = torch.tensor([11, 0, 0, 7, 3, 5, 2, 9])  # rows of the gathered [S, B]: s * B + b
+    flat_h, flat_t, lab = h_full.reshape(-1, H), t_full.reshape(-1, ht), labels.reshape(-1)
+    kept = mask.reshape(-1).nonzero().squeeze(1)
+    n_kept = kept.numel()
+    z, zt = flat_h @ w.t(), flat_t @ wt.t()  # this rank's logits of every row
+    idx2 = idx.view(2, 4)
+    old, adv = -torch.rand(2, 4, generator=g, dtype=F64) - 1, torch.randn(2, 4, generator=g, dtype=F64)
+    m2 = torch.ones(2, 4, dtype=torch.bool)
+    one = Chunking(64)  # one chunk, with rows and without
+    head = ChunkedVocabParallelHead(sp, chunking=one)
+    lin = linear_log_probs_and_entropy
+    cases = [  # (what, the call with rows, the same call without rows, its output's first tensor to compare)
+        ("linear, index, sequence parallel", lambda: lin(h, sp, lab[idx], rows=idx, chunking=one),
+         lambda: lin(h, sp, labels, chunking=one)),
+        ("linear, 'kept', sequence parallel", lambda: lin(h, sp, labels, label_mask=mask, rows="kept", chunking=one),
+         lambda: lin(h, sp, labels, label_mask=mask, chunking=one)),
+        ("linear, ('kept', n)", lambda: lin(flat_h, plain, lab, label_mask=mask.reshape(-1),
+                                            rows=("kept", n_kept), chunking=one),
+         lambda: lin(flat_h, plain, lab, label_mask=mask.reshape(-1), chunking=one)),
+        ("the head, index, sequence parallel", lambda: head(h, lab[idx], rows=idx), lambda: head(h, labels)),
+        ("policy loss, [B, T] index, sequence parallel",
+         lambda: linear_policy_loss(h, sp, lab[idx2], old, adv, m2, rows=idx2, chunking=one),
+         lambda: linear_policy_loss(h, sp, labels.t(), old.new_zeros(b, s), adv.new_zeros(b, s),
+                                    torch.ones(b, s, dtype=torch.bool), chunking=one)),
+        ("policy loss, 'kept'",
+         lambda: linear_policy_loss(h_full, plain, labels, old.new_zeros(s, b), adv.new_ones(s, b), mask,
+                                    rows="kept", chunking=one),
+         lambda: linear_policy_loss(h_full, plain, labels, old.new_zeros(s, b), adv.new_ones(s, b), mask,
+                                    chunking=one)),
+        ("divergence, index", lambda: linear_divergence(flat_h, plain, flat_t[idx], t_plain, labels=lab[idx],
+                                                       rows=idx, chunking=one),
+         lambda: linear_divergence(flat_h, plain, flat_t, t_plain, labels=lab, chunking=one)),
+        ("divergence, 'kept', sequence parallel",
+         lambda: linear_divergence(h, sp, hs_t, t_sp, labels=labels, label_mask=mask, rows="kept", chunking=one),
+         lambda: linear_divergence(h, sp, hs_t, t_sp, labels=labels, label_mask=mask, chunking=one)),
+        ("divergence loss, ('kept', n), sequence parallel",
+         lambda: linear_divergence_loss(h, sp, hs_t, t_sp, label_mask=mask, rows=("kept", n_kept), chunking=one),
+         lambda: linear_divergence_loss(h, sp, hs_t, t_sp, label_mask=mask, chunking=one)),
+        ("logits, index", lambda: log_probs_and_entropy(z, lab[idx], layer=OutputLayer(process_group=group),
+                                                        rows=idx, chunking=one),
+         lambda: log_probs_and_entropy(z, lab, layer=OutputLayer(process_group=group), chunking=one)),
+        ("policy loss from logits, [B, T] index",
+         lambda: policy_loss_from_logits(z, lab[idx2], old, adv, m2, layer=OutputLayer(process_group=group),
+                                         rows=idx2, chunking=one),
+         lambda: policy_loss_from_logits(z.view(3, 4, vl), lab.view(3, 4), old.new_zeros(3, 4),
+                                         adv.new_zeros(3, 4), torch.ones(3, 4, dtype=torch.bool),
+                                         layer=OutputLayer(process_group=group), chunking=one)),
+        ("divergence from logits, index",
+         lambda: divergence_from_logits(z, zt[idx], labels=lab[idx], student_layer=OutputLayer(process_group=group),
+                                        teacher_layer=OutputLayer(process_group=group), rows=idx, chunking=one),
+         lambda: divergence_from_logits(z, zt, labels=lab, student_layer=OutputLayer(process_group=group),
+                                        teacher_layer=OutputLayer(process_group=group), chunking=one)),
+    ]
+    for what, with_rows, without in cases:
+        with _Collectives() as mine:
+            out = with_rows()
+        with _Collectives() as theirs:
+            full = without()
+        assert mine.exchanges == 1 == theirs.exchanges, (what, mine.exchanges, theirs.exchanges)
+        assert Counter(mine.calls) == Counter(theirs.calls), (what, mine.calls, theirs.calls)
+        assert torch.isfinite(out[0]).all() and torch.isfinite(full[0]).all(), what
+    # the values on the way: the rows' outputs are the selected rows' outputs of the call on every row
+    got = lin(h, sp, lab[idx], rows=idx, chunking=one)
+    want = lin(h, sp, labels, chunking=one)
+    torch.testing.assert_close(got.log_probs, want.log_probs.reshape(-1)[idx], rtol=0, atol=1e-12)
+    got = linear_divergence(h, sp, hs_t, t_sp, labels=labels, label_mask=mask, rows="kept", chunking=one)
+    want = linear_divergence(h, sp, hs_t, t_sp, labels=labels, label_mask=mask, chunking=one)
+    torch.testing.assert_close(got.divergence, want.divergence * mask, rtol=0, atol=1e-12)
+    # a rank's bad rows: refused on every rank in that one exchange (or, read on this rank alone, in the one it
+    # joins), naming rows and the rank; no work begun (no all-reduce of the chunk loop)
+    for bad in (idx + 100, idx.float(), idx.flip(0)):
+        with _Collectives() as count, pytest.raises((ValueError, TypeError)) as e:
+            lin(h, sp, lab[idx], rows=bad if rank == 1 else idx, chunking=one)
+        assert "rows" in str(e.value) and "rank 1" in str(e.value) and f"this is rank {rank}" in str(e.value), e
+        assert count.exchanges == 1 and "all_reduce" not in count.calls, (count.calls, str(e.value))
+    # a teacher's NaN in a selected row of rank 0's slice: refused on every rank, naming it
+    bad_t = hs_t.clone()
+    if rank == 0:
+        bad_t[1, 1, 0] = float("nan")  # row s * B + b = 3 of the gathered sequence
+    keep = torch.zeros(s, b, dtype=torch.bool)
+    keep.view(-1)[3] = True
+    with pytest.raises(ValueError, match=r"teacher_hidden must be finite .*rank 0"):
+        linear_divergence(h, sp, bad_t, t_sp, labels=labels, label_mask=keep, rows="kept")
+    keep.view(-1)[3], keep.view(-1)[4] = False, True  # the NaN's row not selected: no refusal
+    assert torch.isfinite(linear_divergence(h, sp, bad_t, t_sp, labels=labels, label_mask=keep,
+                                            rows="kept").divergence).all()
+
+
+def test_rows_make_one_exchange_under_tp2():
+    run_distributed(_one_exchange, 2, timeout_s=30, deadline_s=240)
