@@ -13,8 +13,8 @@ Then the invariant mode's cost at TP 1 in this process (one thread, as the ranks
 backward (log-probs and entropy, random upstream gradients; this process's CPU time, the fastest of
 ``--reps``, the two modes' runs alternating) of the logits path and
 of the fused head (float32, and bf16 weights and hidden states) in each mode, and the peak of the bytes the
-call allocates (an allocation log, ``tests.helpers.LivePeak``: each storage an op made, held until its last
-tensor is gone), and their ratios.
+call allocates (the allocation log of :class:`chunked_entropy.testing.GpuLog`, ``peak_bytes()``: each
+storage an op made, held until it is freed), and their ratios.
 docs/exact-tp.md and docs/benchmarks.md quote the figures.
 """
 
@@ -100,7 +100,7 @@ def _cost(n, v, reps):
     process's: the work, not the machine's other load). The two modes' runs alternate (default, invariant,
     default, ...) and each mode's fastest of ``reps`` is taken: on a shared machine the remaining disturbance
     (caches, memory bandwidth) then falls on both alike, and the fastest run is the one it disturbed least."""
-    from tests.helpers import LivePeak
+    from chunked_entropy.testing import GpuLog
 
     torch.set_num_threads(1)
     x, labels, w, h = _data(n, v)
@@ -117,9 +117,9 @@ def _cost(n, v, reps):
                 _step(fn, x, labels, h, w, chunking[mode], g)
                 times[mode].append(time.process_time() - t0)
         for mode in MODES:
-            with LivePeak() as live:
+            with GpuLog() as log:
                 _step(fn, x, labels, h, w, chunking[mode], g)
-            out.append((fn, mode, min(times[mode]), live.peak))
+            out.append((fn, mode, min(times[mode]), log.peak_bytes()))
     return out
 
 

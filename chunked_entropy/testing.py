@@ -1,7 +1,14 @@
-"""The CUDA branch on a CPU, and what a call costs there: :func:`cuda_branch` and its :class:`GpuLog`.
+"""What a call costs: the memory it allocates (:class:`AllocationLog`), and the CUDA branch on a CPU with what a
+call would cost on a GPU there (:func:`cuda_branch` and its :class:`GpuLog`).
 
 Layer: a tool beside the ops (it switches the core's device branches; no op imports it). For tests, the
-bench's ``--traffic`` report, and anyone who wants to read a call's GPU plumbing without a GPU.
+bench (``--allocations``, ``--traffic``), and anyone who wants to read a call's memory or GPU plumbing
+without a GPU.
+
+:class:`AllocationLog` is the one allocation counter of the tests and the bench: the peak of the bytes torch's
+CPU allocator holds inside a ``with`` block, over those it held on entry, read from torch's profiler (it
+changes nothing in what the block runs). :class:`GpuLog` keeps its own log of the allocations (it needs each
+one's shape, to scale it back to a full shape) and replays it the same way (:func:`_peak`).
 
 A CUDA device takes branches a CPU does not: half-precision matmuls into a float32 result
 (``torch.mm(..., out_dtype=torch.float32)``, which CPU torch lacks), and ``backend="auto"`` choosing the
@@ -71,7 +78,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import _autograd, _kernels, _logit_blocks, config
 
-__all__ = ["GpuLog", "cuda_branch"]
+__all__ = ["AllocationLog", "GpuLog", "cuda_branch"]
 
 aten = torch.ops.aten
 
@@ -105,6 +112,58 @@ def _read_bytes(t: torch.Tensor) -> int:
         if stride != 0:
             n *= size
     return n * t.element_size() if t.numel() else 0
+
+
+def _peak(events) -> tuple:
+    """``(peak, final)`` of the running sum of ``events`` in order (bytes: allocated > 0, freed < 0), from 0:
+    what was live at most, and at the end, over what was live before the first event."""
+    live = peak = 0
+    for nbytes in events:
+        live += nbytes
+        peak = max(peak, live)
+    return peak, live
+
+
+class AllocationLog:
+    """The peak of the bytes torch's CPU allocator holds inside a ``with`` block, over those it held on entry.
+
+    Every allocation and free of tensor memory inside the block is logged, in order, by torch's profiler
+    (``profile_memory=True``: one event per allocation or free, with its size), on the thread that enters
+    the block (a CPU backward runs there too; other threads are not logged); ``peak`` is the largest running
+    sum (:func:`_peak`), ``net`` what is still held at the end over what was held on entry (a call's results:
+    its outputs, its inputs' gradients). A free of a block allocated before entry is not logged (the
+    profiler warns once): such memory counts as held throughout, so free the tensors of an earlier pass
+    before entering. The figure depends only on the tensors the code creates and frees, not on what the C
+    library keeps or returns, on page faults, or on other processes: the same call gives the same figure on a
+    busy machine as on an idle one. It leaves out what the libraries underneath allocate themselves (the
+    matmul library's packing workspace: a few MiB) and Python objects. Unlike a ``TorchDispatchMode`` it
+    changes nothing in what runs (under a Python dispatch mode torch takes other paths for some ops, e.g.
+    ``F.linear_cross_entropy``, which then allocate more). The profiler slows the block down: time it
+    separately.
+
+    Example:
+        >>> x = torch.randn(256, 1024, requires_grad=True)  # 1 MiB, held on entry: not counted
+        >>> with AllocationLog() as log:
+        ...     (x.exp() * 2).sum().backward()
+        >>> log.peak >= 3 * 2**20  # exp's output (saved), the product, its gradient, x.grad
+        True
+    """
+
+    def __enter__(self):
+        from torch.profiler import ProfilerActivity, profile
+
+        self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        self._prof.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._prof.__exit__(*exc)
+        if exc[0] is not None:
+            return
+        cpu = torch._C._autograd.DeviceType.CPU
+        events = [e for e in self._prof.profiler.kineto_results.events()
+                  if e.name() == "[memory]" and e.device_type() == cpu]
+        self.peak, self.net = _peak(e.nbytes() for e in sorted(events, key=lambda e: e.start_ns()))
 
 
 class GpuLog(TorchDispatchMode):
@@ -253,19 +312,29 @@ class GpuLog(TorchDispatchMode):
         (the results: a call's outputs and its inputs' gradients, which the caller holds): the call's working
         memory. ``scaled``: each allocation's bytes scaled back to the full shape (``scale``,
         ``hidden_scale``); else as allocated."""
-        results = set(self._alive)
-        live = peak = 0.0
+        return self._replay(scaled, skip=set(self._alive))
+
+    def peak_bytes(self, scaled: bool = False) -> float:
+        """The peak, over the allocations logged, of what was live at once, the results included: what the
+        ops allocated over what existed on entry (the memory tests' measure on the CPU: the tensors the ops
+        return, not what a CPU kernel allocates inside itself, which :class:`AllocationLog` counts too).
+        ``scaled`` as in :meth:`working_bytes`; by default as allocated."""
+        return self._replay(scaled, skip=())
+
+    def _replay(self, scaled: bool, skip) -> float:
         sizes = {}
-        for i, raw, big in self._events:
-            if i in results:
-                continue
-            if raw is None:
-                live -= sizes.pop(i)
-            else:
-                sizes[i] = big if scaled else raw
-                live += sizes[i]
-                peak = max(peak, live)
-        return peak
+
+        def events():
+            for i, raw, big in self._events:
+                if i in skip:
+                    continue
+                if raw is None:
+                    yield -sizes.pop(i)
+                else:
+                    sizes[i] = big if scaled else raw
+                    yield sizes[i]
+
+        return float(_peak(events())[0])
 
     def summary(self, logits: int) -> dict:
         """A dict of the figures per call over ``logits`` (``N * V``) logits: launches, GEMMs, bytes a logit of

@@ -9,13 +9,10 @@ import tempfile
 import time
 import traceback
 import warnings
-import weakref
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 
 def reference(
@@ -165,38 +162,3 @@ def policy_loss_of(**settings):
                               s.pop("dp_size", 1), s.pop("batch_num_tokens", None), s.pop("global_batch_size", None))
     top = {k: s.pop(k) for k in ("entropy_coeff", "kl_coef", "kl_kind", "entropy_of") if k in s}
     return PolicyLoss(s.pop("loss_mode", "vanilla"), s, aggregation=aggregation, **top)
-
-
-class LivePeak(TorchDispatchMode):
-    """The peak of the bytes held by tensors that ops made while the mode is on (each storage once, until its
-    last tensor is gone): what a call allocates over its inputs, on the CPU (the memory tests' measure)."""
-
-    def __init__(self):
-        super().__init__()
-        self.refs, self.live, self.peak = {}, 0, 0
-
-    def _drop(self, key):
-        entry = self.refs[key]
-        entry[1] -= 1
-        if entry[1] == 0:
-            self.live -= entry[0]
-            del self.refs[key]
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
-        for t in tree_leaves(out):
-            if not isinstance(t, torch.Tensor):
-                continue
-            st = t.untyped_storage()
-            key, size = st.data_ptr(), st.nbytes()
-            if size == 0 or (key not in self.refs and key in inputs):  # a view of memory that existed before
-                continue
-            if key in self.refs:
-                self.refs[key][1] += 1
-            else:
-                self.refs[key] = [size, 1]
-                self.live += size
-                self.peak = max(self.peak, self.live)
-            weakref.finalize(t, self._drop, key)
-        return out

@@ -359,7 +359,7 @@ def test_plan_formulas_by_hand():
 
 def test_allocation_log_peak_is_the_tensors_live_at_once():
     """The bench's allocation log: the largest sum of the tensors alive at once, over what was held on entry."""
-    from chunked_entropy.cli._measure import AllocationLog
+    from chunked_entropy.testing import AllocationLog
 
     MiB = 2**20
     before = torch.empty(MiB // 4)  # held on entry: not counted

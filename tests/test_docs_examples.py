@@ -92,10 +92,11 @@ def test_example_runs(page, text, title, code, tmp_path, monkeypatch):
     assert not re.search(OLD_KEYWORDS, proc.stderr), proc.stderr
 
 
-@pytest.mark.parametrize("module", ["chunked_entropy.options", "chunked_entropy.head", "chunked_entropy.config"])
+@pytest.mark.parametrize("module", ["chunked_entropy.options", "chunked_entropy.head", "chunked_entropy.config",
+                                    "chunked_entropy.testing"])
 def test_docstring_examples_run(module):
-    """The ``>>>`` examples of the option objects', the head's and the config's docstrings run and print what
-    they show."""
+    """The ``>>>`` examples of the option objects', the head's, the config's and the testing tools' docstrings
+    run and print what they show."""
     import doctest
     import importlib
 

@@ -23,7 +23,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import chunked_entropy._logit_blocks as blocks
 import chunked_entropy.config as config
 from chunked_entropy import ChunkedEntropyConfig, Chunking, OutputLayer, PolicyLoss, linear_policy_loss, losses
-from tests.helpers import LivePeak, run_distributed
+from chunked_entropy.testing import GpuLog
+from tests.helpers import run_distributed
 
 aten = torch.ops.aten
 _MATMULS = {aten.mm: (0, 1), aten.addmm: (1, 2), aten.addmm_: (1, 2)}
@@ -326,12 +327,12 @@ def test_the_plan_states_the_working_memory_the_walk_allocates(dtype):
     b, t, h, v, chunk = 2, 32, 64, 2048, 16
     d = _data(dtype, b=b, t=t, h=h, v=v, seed=11)
     leaves = {k: d[k].clone().requires_grad_() for k in ("hidden", "weight", "bias")}
-    with LivePeak() as peak:
+    with GpuLog() as log:
         _loss_of(d, leaves, BIG, chunk=chunk)
     n = b * t
     grads = n * h * d["hidden"].element_size() + v * 4 + (0 if dtype != torch.float32 else v * h * 4)
     per_token = n * 256  # a few float32 and int64 vectors a token (statistics, ids, masks, the loss's inputs)
-    measured = peak.peak - grads
+    measured = log.peak_bytes() - grads
     planned = config.three_pass_bytes(chunk, v, h, d["weight"].element_size(), accumulator=dtype != torch.float32,
                                       buffers=2, native=False)
     # 5%: a chunk's rounded gradient kept alive into the next chunk's (an extra [chunk, V] half block) is over
@@ -494,11 +495,11 @@ def test_the_divergence_walk_stays_within_what_its_budget_counts(dtype, kind):
     ws, wt = ((torch.randn(v, h, generator=g) / 8).to(dtype) for _ in range(2))
     hs.requires_grad_()
     ws.requires_grad_()
-    with LivePeak() as peak:
+    with GpuLog() as log:
         linear_divergence_loss(hs, ws, ht, wt, divergence=Divergence("jsd", 0.4) if kind == "jsd" else kind,
                                chunking=Chunking(chunk))
     grads = n * h * hs.element_size() + (v * h * 4 if dtype == torch.float32 else 0)
-    measured = peak.peak - grads
+    measured = log.peak_bytes() - grads
     counted = config.three_pass_bytes(chunk, v, h, ws.element_size(), accumulator=dtype != torch.float32,
                                       buffers=4 + (3 if kind == "reverse_kl" else 6), native=False)
     assert 0.8 * counted <= measured <= counted + n * 256, (measured, counted)

@@ -75,6 +75,38 @@ def test_the_log_scales_each_allocation_back_by_its_dimensions():
     assert log.working_bytes(scaled=False) == (32 * 64 + 32 * 24 + 6 * 32) * 4
 
 
+def test_the_peak_is_the_tensors_live_at_once_as_the_allocation_log_counts_them():
+    """``peak_bytes``: the results included, over what was held on entry; the same figure as the profiler's
+    :class:`~chunked_entropy.testing.AllocationLog` where no kernel allocates inside itself (the memory tests'
+    LivePeak before it: the tensors the ops return, each storage once until it is freed)."""
+    from chunked_entropy.testing import AllocationLog
+
+    MiB = 2**20
+    before = torch.empty(MiB // 4)  # held on entry: not counted
+
+    def calls():
+        a = torch.empty(MiB // 4)  # 1 MiB
+        b = torch.empty(MiB // 2)  # 2 MiB: 3 live
+        v = b[1:]  # a view of b: nothing more
+        del a, b
+        c = torch.empty(MiB // 2)  # 4 live: b's storage is held by its view
+        del v
+        d = torch.empty(3 * MiB // 4)  # 5 live
+        return c, d
+
+    with GpuLog() as log:
+        kept = calls()
+    with AllocationLog() as alloc:
+        kept_too = calls()
+    assert log.peak_bytes() == alloc.peak == 5 * MiB
+    assert log.working_bytes() == 3 * MiB and alloc.net == 5 * MiB  # c and d are results: alive at the end
+    x = torch.randn(256, 1024, requires_grad=True)  # 1 MiB
+    with GpuLog() as log:  # exp's output (saved for backward), the product, its gradient, x.grad; two scalars
+        (x.exp() * 2).sum().backward()
+    assert log.peak_bytes() == 3 * MiB + 8
+    del before, kept, kept_too
+
+
 # ----------------------------------------------------------------------------- the branch
 
 

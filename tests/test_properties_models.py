@@ -33,7 +33,8 @@ from chunked_entropy import (
     log_probs_and_entropy,
     policy_loss_from_logits,
 )
-from tests.helpers import LivePeak, run_distributed
+from chunked_entropy.testing import GpuLog
+from tests.helpers import run_distributed
 
 HALF = (torch.bfloat16, torch.float16)
 KINDS = [("forward_kl", None), ("reverse_kl", None)] + [("jsd", b) for b in (0.01, 0.1, 0.3, 0.5, 0.7, 0.9, 0.99)]
@@ -254,10 +255,10 @@ def test_the_forward_of_each_op_over_logits_holds_chunk_buffers_and_at_most_one_
     }
     for name, (fn, grad_in_forward) in ops.items():
         x = s.clone().requires_grad_()
-        with LivePeak() as p:
+        with GpuLog() as log:
             fn(x)
         bound = 9 * block + n * row + (n * v * x.element_size() if grad_in_forward else 0)
-        assert p.peak <= bound, (name, p.peak / (n * v * 4), bound / (n * v * 4))
+        assert log.peak_bytes() <= bound, (name, log.peak_bytes() / (n * v * 4), bound / (n * v * 4))
 
 
 # ----------------------------------------------------------------------------- compiled against eager

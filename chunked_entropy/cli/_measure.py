@@ -13,8 +13,9 @@ forward+backward and reports
 * ``time_s``: the wall time of that forward+backward (after a warm-up on a tiny
   input, so that one-time library initialisation is not counted).
 
-The memory meters (:class:`CpuMemory`, :class:`CudaMemory`, the allocation log :class:`AllocationLog`), the clock
-and the case's physical floor (:func:`floor_seconds`) are here too.
+The memory meters (:class:`CpuMemory`, :class:`CudaMemory`; ``--allocations`` reads the allocation log of
+:mod:`chunked_entropy.testing`, :class:`~chunked_entropy.testing.AllocationLog`), the clock and the case's
+physical floor (:func:`floor_seconds`) are here too.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import time
 
 import torch
 
+from ..testing import AllocationLog
 from ._methods import Case, Inputs, loss_of
 
 
@@ -98,42 +100,6 @@ class CudaMemory:
 
     def peak(self):
         return torch.cuda.max_memory_allocated(self.device) - self.base
-
-
-class AllocationLog:
-    """The peak of the bytes torch's CPU allocator holds inside a ``with`` block, over those it held on entry.
-
-    Every allocation and free of tensor memory inside the block is logged, in order, by the profiler
-    (``profile_memory=True``: one event per allocation or free, with its size), on the thread that enters
-    the block (a CPU backward runs there too; other threads are not logged); the peak is the largest running
-    sum. A free of a block allocated before entry is not logged (the profiler warns once): such memory counts
-    as held throughout, so free the tensors of an earlier pass before entering. The figure depends only on
-    the tensors the code creates and frees, not on what the C library keeps or returns, on page faults, or on
-    other processes: the same call gives the same figure on a busy machine as on an idle one. It leaves out
-    what the libraries underneath allocate themselves (the matmul library's packing workspace: a few MiB)
-    and Python objects.
-    The profiler slows the block down: time it separately.
-    """
-
-    def __enter__(self):
-        from torch.profiler import ProfilerActivity, profile
-
-        self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-        self._prof.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self._prof.__exit__(*exc)
-        if exc[0] is not None:
-            return
-        cpu = torch._C._autograd.DeviceType.CPU
-        events = [e for e in self._prof.profiler.kineto_results.events()
-                  if e.name() == "[memory]" and e.device_type() == cpu]
-        live = self.peak = 0
-        for e in sorted(events, key=lambda e: e.start_ns()):
-            live += e.nbytes()
-            self.peak = max(self.peak, live)
-        self.net = live
 
 
 def _sync(device):
