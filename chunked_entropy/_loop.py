@@ -3,9 +3,10 @@
 Its users: the logits path (:mod:`chunked_entropy.logits`), the fused head
 (:mod:`chunked_entropy.linear`), the fused policy loss (:mod:`chunked_entropy.policy`, from logits or
 hidden states), and the divergences (:mod:`chunked_entropy.divergence`, one head or two), with sampling
-replay's kept sets and distillation's ids riding along. The walks: the statistics (:func:`row_stats`), the
-gradient (:func:`grad_blocks`), the fused loss's gradient formed in forward (:func:`loss_grad_blocks`), and a
-divergence's two heads (:func:`pair_row_stats`, :func:`pair_loss_grad_blocks`, :func:`pair_grad_blocks`).
+replay's kept sets and distillation's ids riding along. The walks: the statistics (:func:`row_stats`, one
+walk in either order of chunks and blocks, :func:`_order`), the gradient (:func:`grad_blocks`, the same
+orders), the fused loss's gradient formed in forward (:func:`loss_grad_blocks`), and a divergence's two heads
+(:func:`pair_row_stats`, :func:`pair_loss_grad_blocks`, :func:`pair_grad_blocks`).
 The :class:`Plan` (chunk, vocabulary blocks, kernels) is sized by :func:`chunked_entropy.config.walk_plan`.
 
 Every walk takes the tokens in chunks of ``chunk_size`` rows and the vocabulary
@@ -152,84 +153,104 @@ def _block_kept(kept, entries, z, v0, tf, k, dtype):
     return None if kept is None else _keep.gather(z, entries, v0, tf, dtype)
 
 
-def _row_stats_blocks_outer(tok: Tokens, fill: Fill, plan: Plan, bufs: Buffers, *, width: int, dtype, device,
-                            view: View) -> _stats.RowStats:
-    """:func:`row_stats` with compiled kernels and no replay or distillation: the statistics of every row
-    kept in one ``[6, n]`` tensor (rows ``m, ones, rest, w, q, zl``), each block's written into its chunk's
-    columns by the kernel itself (``out=``), the first block's as they are and every later block's merged
-    into the running ones (``merge=``: :func:`~chunked_entropy._stats.merge_stats` per row, the same
-    arithmetic in the same order of blocks; the Triton kernel merges inside its launch); then merged over
-    the group and finished once. One launch a (chunk, block) of the Triton kernels, nothing else a block.
-    Allocates the ``[6, n]`` statistics (the results' ``m`` is its first row)."""
-    block, chunk_size, group, want, kernels = (plan.vocab_chunk_size, plan.chunk_size, plan.group, plan.want,
-                                                plan.kernels)
-    n = tok.n
-    running = torch.empty(6, n, dtype=dtype, device=device)  # m, ones, rest, w, q, zl of every row
-    const = {}
-    for v0, v1 in chunks(width, block):
-        for a, b in chunks(n, chunk_size):
-            x, _, _ = bufs.get(b - a, v1 - v0)
-            z, _ = kernels.read(fill, view, x, None, a, b, v0, v1)
-            kernels.block_stats(z, x, None, None, tok.transform, tok.k_rows(a, b), tok.target[a:b], v0, want.entropy,
-                                 want.sum_pi_squared, dtype, const, out=running[:, a:b], merge=v0 > 0)
-    on = (True, True, True, want.entropy, want.sum_pi_squared, True)
-    st = _stats.BlockStats(*(t if o else None for t, o in zip(running.unbind(0), on, strict=True)))
-    merged, _, _ = reduce_stats(st, group, tok.k_rows(0, n))
-    return _stats.RowStats.from_block(merged, tok.k_rows(0, n))
+def _order(n: int, chunk_size: int, width: int, block: int, vocab_outer: bool) -> Iterator[tuple]:
+    """``(a, b, v0, v1)``: every chunk of rows ``[a, b)`` and vocabulary block ``[v0, v1)`` in a walk's order,
+    chunks outermost (each chunk's blocks in order) or, ``vocab_outer``, blocks outermost (each block's chunks
+    in order). Either way a chunk's first block has ``v0 == 0`` and its last ``v1 == width``."""
+    if vocab_outer:
+        for v0, v1 in chunks(width, block):
+            for a, b in chunks(n, chunk_size):
+                yield a, b, v0, v1
+        return
+    for a, b in chunks(n, chunk_size):
+        for v0, v1 in chunks(width, block):
+            yield a, b, v0, v1
+
+
+class _ChunkStats:
+    """What the statistics walk holds for one chunk of rows ``[a, b)`` while it walks its blocks: the rows'
+    multipliers and labels, replay's kept entries, the invariant mode's merge tree, the statistics merged
+    over the blocks so far (and the kept sets' with their counts), distillation's candidates."""
+
+    __slots__ = ("k", "target", "entries", "tree", "st", "kst", "count", "cand")
+
+    def __init__(self, tok: Tokens, a: int, b: int, chunk_size: int, tiles):
+        self.k, self.target = tok.k_rows(a, b), tok.target[a:b]
+        self.entries = None if tok.keep is None else tok.keep.chunk(a, b, tok.n, chunk_size)
+        self.tree = None if tiles is None else tiles.stats_tree(self.k)
+        self.st = self.kst = self.count = self.cand = None
 
 
 def row_stats(tok: Tokens, fill: Fill, plan: Plan, *, width: int, dtype, device, view: View = None) -> _stats.RowStats:
     """Forward: the per-token statistics of every row, merged over the plan's blocks and over its group.
 
-    With sampling replay (``tok.keep``) also those of each row's kept set. With compiled kernels and neither
-    replay nor distillation, the blocks are merged over all rows at once (:func:`_row_stats_blocks_outer`).
-    In the invariant mode (``plan.tiles``) each block's tiles' statistics go into the chunk's fixed merge tree
-    and the chunk's rows are merged over the group through its top (:mod:`chunked_entropy._tiles`).
+    With sampling replay (``tok.keep``) also those of each row's kept set. One walk over every (chunk,
+    block) (:func:`_order`), in one of two orders:
+
+    - chunks outermost: each chunk's statistics merged over its blocks (:func:`~chunked_entropy._stats.merge_stats`)
+      and, at its last block, over the group (with replay's kept sets; distillation's ids and top-k read on the
+      way), stored in full-length results (:func:`new_row_stats`). In the invariant mode (``plan.tiles``) each
+      block's tiles' statistics go into the chunk's fixed merge tree and the chunk's rows are merged over the
+      group through its top (:mod:`chunked_entropy._tiles`).
+    - blocks outermost, where the kernels merge a block into running statistics (``kernels.blocks_outer``: the
+      compiled and Triton ones) and neither replay, distillation nor the invariant mode rides along: every
+      row's statistics in one ``[6, n]`` tensor (rows ``m, ones, rest, w, q, zl``), each block's written into
+      its chunk's columns by the kernel itself (``out=``), the first block's as they are and every later
+      block's merged into the running ones (``merge=``: the same arithmetic in the same order of blocks; the
+      Triton kernel merges inside its launch); then merged over the group once for every row and finished.
+      One launch a (chunk, block) of the Triton kernels, nothing else a block. Allocates the ``[6, n]``
+      statistics (the results' ``m`` is its first row).
     """
     block, chunk_size, group, want, kernels = (plan.vocab_chunk_size, plan.chunk_size, plan.group, plan.want,
                                                 plan.kernels)
-    n, kept = tok.n, tok.keep
-    view = kernels.view(view, tok.transform)
+    n, kept, at, tiles, tf = tok.n, tok.keep, tok.at, plan.tiles, tok.transform
+    view = kernels.view(view, tf)
     bufs = Buffers(min(chunk_size, n), block, block_dtype(plan, dtype), device,
                    work=kernels.in_place or view is None, scratch=want.scratch and kernels.in_place)
-    tiles = plan.tiles
-    if kernels.blocks_outer and kept is None and tok.at is None and tiles is None:
-        return _row_stats_blocks_outer(tok, fill, plan, bufs, width=width, dtype=dtype, device=device, view=view)
-    out = new_row_stats(n, want, dtype, device, kept)
-    at = tok.at
+    outer = kernels.blocks_outer and kept is None and at is None and tiles is None
+    running = torch.empty(6, n, dtype=dtype, device=device) if outer else None  # m, ones, rest, w, q, zl
+    out = None if outer else new_row_stats(n, want, dtype, device, kept)
     if at is not None:
         at.start(n, dtype, device)
     const = {}  # the kernels' constants (kernel_k, kernel_cap): filled once a walk
-    for a, b in chunks(n, chunk_size):
-        k, target = tok.k_rows(a, b), tok.target[a:b]
-        entries = None if kept is None else kept.chunk(a, b, n, chunk_size)
-        st = kst = count = cand = None
-        tree = None if tiles is None else tiles.stats_tree(k)
-        for v0, v1 in chunks(width, block):
-            x, scratch, _ = bufs.get(b - a, v1 - v0)
-            z, _ = kernels.read(fill, view, x, None, a, b, v0, v1)
-            g = _block_kept(kept, entries, z, v0, tok.transform, k, dtype)
-            if at is not None:  # distillation's ids and top-k, read before the block is overwritten
-                cand = at.block(z, a, b, v0, cand)
-            if tree is not None:  # the invariant mode: the block's tiles into the chunk's tree
-                fast = None if kernels is EAGER else kernels
-                _tiles.push_block_stats(tree, tiles, x if fast is None else z, tok.transform, k, target, v0, scratch,
-                                        want_w=want.entropy, want_q=want.sum_pi_squared,
-                                        src=None if fast is not None or z is x else z, compiled=fast, dtype=dtype)
-                continue
-            blk = kernels.block_stats(z, x, scratch, None, tok.transform, k, target, v0, want.entropy,
-                                       want.sum_pi_squared, dtype, const)
-            st = _stats.merge_stats(st, blk, k)
-            if g is not None:
-                kb, kc = _keep.block_stats(g, entries, b - a, k, dtype)
-                kst = _stats.merge_stats(kst, kb, k)
-                count = kc if count is None else count + kc
-        if tree is not None:
-            _store(out, _stats.RowStats.from_block(_tiles.merged_stats(tree, tiles, group, k), k), a, b)
+    walking = {}  # the chunks open: their first row -> _ChunkStats
+    for a, b, v0, v1 in _order(n, chunk_size, width, block, outer):
+        c = walking.get(a)
+        if c is None:
+            c = walking[a] = _ChunkStats(tok, a, b, chunk_size, tiles)
+        x, scratch, _ = bufs.get(b - a, v1 - v0)
+        z, _ = kernels.read(fill, view, x, None, a, b, v0, v1)
+        g = _block_kept(kept, c.entries, z, v0, tf, c.k, dtype)
+        if at is not None:  # distillation's ids and top-k, read before the block is overwritten
+            c.cand = at.block(z, a, b, v0, c.cand)
+        if c.tree is not None:  # the invariant mode: the block's tiles into the chunk's tree
+            fast = None if kernels.in_place else kernels
+            _tiles.push_block_stats(c.tree, tiles, x if fast is None else z, tf, c.k, c.target, v0, scratch,
+                                    want_w=want.entropy, want_q=want.sum_pi_squared,
+                                    src=None if fast is not None or z is x else z, compiled=fast, dtype=dtype)
         else:
-            _store(out, _rows_of_chunk(st, kst, count, group, k, kept)[0], a, b)
+            blk = kernels.block_stats(z, x, scratch, None, tf, c.k, c.target, v0, want.entropy, want.sum_pi_squared,
+                                      dtype, const, out=None if running is None else running[:, a:b],
+                                      merge=running is not None and v0 > 0)
+            c.st = blk if running is not None else _stats.merge_stats(c.st, blk, c.k)
+            if g is not None:
+                kb, kc = _keep.block_stats(g, c.entries, b - a, c.k, dtype)
+                c.kst = _stats.merge_stats(c.kst, kb, c.k)
+                c.count = kc if c.count is None else c.count + kc
+        if v1 < width or running is not None:
+            continue
+        del walking[a]  # the chunk's last block: its rows merged over the group
+        if c.tree is not None:
+            _store(out, _stats.RowStats.from_block(_tiles.merged_stats(c.tree, tiles, group, c.k), c.k), a, b)
+        else:
+            _store(out, _rows_of_chunk(c.st, c.kst, c.count, group, c.k, kept)[0], a, b)
         if at is not None:
-            at.chunk_done(a, b, cand)
+            at.chunk_done(a, b, c.cand)
+    if running is not None:  # every row's, merged over the group at once
+        on = (True, True, True, want.entropy, want.sum_pi_squared, True)
+        st = _stats.BlockStats(*(t if o else None for t, o in zip(running.unbind(0), on, strict=True)))
+        merged, _, _ = reduce_stats(st, group, tok.k_rows(0, n))
+        return _stats.RowStats.from_block(merged, tok.k_rows(0, n))
     if at is not None:
         at.finish(group)
     return out
@@ -320,20 +341,16 @@ def grad_blocks(
 
 def _gradient_walk(n: int, width: int, block: int, chunk_size: int, vocab_outer: bool, chunk, block_grad):
     """Yield ``(a, b, v0, v1, block_grad(a, b, v0, v1, chunk(a, b)))`` over every chunk of rows and vocabulary
-    block: chunks outermost, or vocabulary blocks outermost; either way ``chunk(a, b)``, what a chunk's
-    gradients read, is formed once per chunk."""
-    if vocab_outer:  # each chunk's inputs formed once, kept over the blocks (a few vectors a chunk)
-        parts = {}
-        for v0, v1 in chunks(width, block):
-            for a, b in chunks(n, chunk_size):
-                if (a, b) not in parts:
-                    parts[a, b] = chunk(a, b)
-                yield a, b, v0, v1, block_grad(a, b, v0, v1, parts[a, b])
-        return
-    for a, b in chunks(n, chunk_size):
-        parts = chunk(a, b)
-        for v0, v1 in chunks(width, block):
-            yield a, b, v0, v1, block_grad(a, b, v0, v1, parts)
+    block in :func:`_order`'s order: chunks outermost, or vocabulary blocks outermost; either way ``chunk(a,
+    b)``, what a chunk's gradients read (a few vectors a chunk), is formed once per chunk, at its first block,
+    and kept until its last."""
+    walking = {}
+    for a, b, v0, v1 in _order(n, chunk_size, width, block, vocab_outer):
+        if v0 == 0:
+            walking[a] = chunk(a, b)
+        yield a, b, v0, v1, block_grad(a, b, v0, v1, walking[a])
+        if v1 == width:
+            del walking[a]
 
 
 def _refilled_grad(tok: Tokens, fill: Fill, view: View, bufs: Buffers, a, b, v0, v1, rows, co, dtype, *,

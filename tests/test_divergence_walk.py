@@ -292,3 +292,55 @@ def test_compiled_padded_student_at_a_tiny_temperature_passes_no_nan():
         results.append([o.detach() for o in out] + [x.grad])
     assert torch.isfinite(results[1][-1]).all() and (results[1][-1][:, -3:] == 0).all()
     _close(results[1], results[0], "padded, t = 1e-9: compiled vs eager", 1e-5)
+
+
+class _Asking:
+    """A kernels object the walks have never seen: ``inner``'s answers, each ``pair_*`` call counted."""
+
+    def __init__(self, inner):
+        self.inner, self.asked = inner, {}
+
+    def __getattr__(self, name):
+        attr = getattr(self.inner, name)
+        if not name.startswith("pair_"):
+            return attr
+
+        def call(*args, **kwargs):
+            self.asked[name] = self.asked.get(name, 0) + 1
+            return attr(*args, **kwargs)
+        return call
+
+
+@pytest.mark.parametrize("backend", ["eager", "compile"])
+def test_the_pair_walk_asks_its_kernels_object_never_which_it_is(backend, monkeypatch):
+    """Every per-block step of the two-head walk goes through the kernels object (``pair_ready`` / ``pair_held``
+    where a block is read for the divergence, ``pair_cross`` for a KL folded over vocabulary blocks,
+    ``pair_terms`` for the sums, ``pair_grad`` for the gradient): an object the walk cannot recognize (it
+    checks no identity or backend) still runs every step, with bitwise the results of the object it wraps."""
+    import chunked_entropy.config as config
+
+    p = _problem(4)
+    choose = config.choose_kernels
+    cases = [("head", "jsd", 0.3, 16), ("head", "reverse_kl", None, 16), ("loss", "jsd", 0.3, None),
+             ("loss", "forward_kl", None, 16)]
+    asked = {}
+    for form, kind, beta, vcs in cases:
+        results = []
+        for wrap in (False, True):
+            made = []
+
+            def chosen(*args, wrap=wrap, made=made, **kwargs):
+                k = choose(*args, **kwargs)
+                if wrap:
+                    made.append(_Asking(k))
+                    return made[-1]
+                return k
+            monkeypatch.setattr(config, "choose_kernels", chosen)
+            results.append(_run(form, p, kind, beta, compiled=_kernels.COMPILED if backend == "compile" else None,
+                                vocab_chunk_size=vcs))
+            for m in made:
+                for name, count in m.asked.items():
+                    asked[name] = asked.get(name, 0) + count
+        for got, want in zip(results[1], results[0], strict=True):
+            assert torch.equal(got, want), (form, kind, vcs)
+    assert set(asked) == {"pair_ready", "pair_held", "pair_cross", "pair_terms", "pair_grad"}, asked
