@@ -297,10 +297,10 @@ def _select(a: dict, rows, spec: RowsOf) -> tuple:
         raise ValueError(f"rows of the policy loss must be [B, T] (the selected rows laid out as sequences), "
                          f"got shape {tuple(rows.shape)}")
     group, sp = layers[0].process_group, layers[0].sequence_parallel
-    per_row = {k: a[k] for k in spec.per_row + spec.tails if k in a}
+    per_row = lambda: {k: a[k] for k in spec.per_row + spec.tails if k in a}  # noqa: E731 - after "kept" took them
     name = dict(name=spec.source) if spec.source != "hidden" else {}
     if spec.logits:  # the logits exist: an index of them only
-        a[spec.source], sel = select_logit_rows(rows, a[spec.source], group, **name, tails=spec.tails, **per_row)
+        a[spec.source], sel = select_logit_rows(rows, a[spec.source], group, **name, tails=spec.tails, **per_row())
         return layers, None, sel
     kept = parse_kept(rows)
     lead = idx = require = teacher = None
@@ -312,11 +312,11 @@ def _select(a: dict, rows, spec: RowsOf) -> tuple:
         lead, idx, require, teacher = _kept_pair(a, group, sp, kept[1])
     else:
         idx, require = _kept_sequences(a, group, sp, kept[1])
-    per_row = {k: a[k] for k in spec.per_row + spec.tails if k in a}
+    rows_in = per_row()
     if teacher is not None:  # the teacher's rows are selected with the student's, once the call is agreed
-        per_row.pop("teacher_hidden")
+        rows_in.pop("teacher_hidden")
     a[spec.source], sel = select_rows(idx, a[spec.source], process_group=group, sequence_parallel=sp,
-                                      require=require, tails=spec.tails, layer_name=spec.layers[0], **name, **per_row)
+                                      require=require, tails=spec.tails, layer_name=spec.layers[0], **name, **rows_in)
     if teacher is not None:
         a["teacher_hidden"] = sel.also("teacher_hidden", teacher)
     return layers, lead, sel

@@ -218,8 +218,13 @@ class CallCheck:
 
         ``shown``: what the error shows of each rank where they differ (a str, or a dict of str of which only
         the differing entries are shown), instead of ``value`` (a fingerprint, a float's bits). Read only on
-        failure, with a second collective."""
+        failure, with a second collective. A name is agreed once per call: the op's preparation and what joins it
+        (a ``rows=`` selection) record into one call, and a second value under a name would leave the first
+        unchecked (a bug: raised, on every rank alike)."""
         if self.world > 1:
+            if name in self.fields:
+                raise RuntimeError(f"chunked_entropy: {name!r} is agreed twice in one call (a bug: the first value "
+                                   "would go unchecked; give each field its own name)")
             self.fields[name] = value
             if shown is not None:
                 self.shown[name] = shown

@@ -124,3 +124,16 @@ def test_the_spy_sees_a_one_head_call_once_too():
         spy = _Entries(mp, d["t"])
         linear_log_probs_and_entropy(d["hs"], OutputLayer(d["ws"], softcap=30.0), d["labels"], temperature=d["t"])
     assert spy.entries == 1 and spy.calls["prepare_temperature"] == 1 and spy.calls["check_transform_scale"] == 1
+
+
+def test_a_field_agreed_twice_in_one_call_is_a_bug_not_a_silent_overwrite():
+    """The op's preparation and a ``rows=`` selection record into one agreed call; a second value under a name
+    would replace the first, which then no rank compares (the selection's ``layer.sequence_parallel`` was lost
+    so once). Recorded as a group of two would record it (no collective is made here)."""
+    from chunked_entropy.parallel import CallCheck
+
+    call = CallCheck(None, 0, 2)
+    call.agree("layer.sequence_parallel", 1)
+    with pytest.raises(RuntimeError, match="'layer.sequence_parallel' is agreed twice in one call"):
+        call.agree("layer.sequence_parallel", 0)
+    assert call.fields == {"layer.sequence_parallel": 1}

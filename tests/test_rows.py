@@ -14,7 +14,8 @@ sequence, ranks that differ refused on every rank); at TP 2 and 3 under
 sequence parallelism, rows refused on one rank only refused on every rank. Tree packing: a tree of
 rollouts packed once against each root-to-leaf rollout on its own. bf16 with
 rows repeated many times against float64, no worse than plain bf16 autograd. At TP 2 over gloo, every op
-that takes ``rows=`` makes one agreement exchange with rows, as without, and the same collectives.
+that takes ``rows=`` makes one agreement exchange with rows, as without, and the same collectives; the
+selected rows, filled once the call is agreed, are read by no op before (NaN until then: the same bits).
 """
 
 from __future__ import annotations
@@ -724,3 +725,52 @@ def _one_exchange(rank, world):
 
 def test_rows_make_one_exchange_under_tp2():
     run_distributed(_one_exchange, 2, timeout_s=30, deadline_s=240)
+
+
+def test_the_selected_rows_are_read_only_once_filled(monkeypatch):
+    """The selected rows exist before the call is agreed and are filled after it (:class:`Selection`): nothing
+    may read them before. With the unfilled rows NaN (a wrapper around our own ``_SelectRows.forward``), every
+    op that takes ``rows=`` still gives the bits of the same op on the rows selected by hand, the logits op's
+    own-filter ``keep`` (which reads the rows in the call's deferred work) included."""
+    from chunked_entropy import _rows, divergence_from_logits, log_probs_and_entropy, policy_loss_from_logits
+
+    d = _data(seed=95)
+    h, w, lab = d["h"], d["w"], d["labels"]
+    ht, wt = torch.randn(B, T, 4, generator=d["g"], dtype=F64), torch.randn(V, 4, generator=d["g"], dtype=F64)
+    mask = torch.rand(B, T, generator=d["g"]) < 0.5
+    kept = mask.reshape(-1).nonzero().squeeze(1)
+    hr, tr, lr, z = h.reshape(-1, H), ht.reshape(-1, 4), lab.reshape(-1), (h @ w.t()).reshape(-1, V)
+    zt = tr @ wt.t()
+    r2 = ROWS.view(2, 4)
+    f2 = torch.zeros(2, 4, dtype=F64)
+    at_kept = lambda t: t.reshape(-1)[kept] if t.dim() else t  # noqa: E731
+    same = lambda t: t  # noqa: E731
+    cases = [  # (the call with rows, the same op on the rows selected by hand, what of the first to compare)
+        (lambda: linear_log_probs_and_entropy(h, w, lr[ROWS], rows=ROWS, chunking=3),
+         lambda: linear_log_probs_and_entropy(hr[ROWS], w, lr[ROWS], chunking=3), same),
+        (lambda: linear_log_probs_and_entropy(h, w, lab, label_mask=mask, rows="kept", chunking=3),
+         lambda: linear_log_probs_and_entropy(hr[kept], w, lr[kept], chunking=3), at_kept),
+        (lambda: linear_policy_loss(h, w, lr[r2], f2 - 1, f2 + 1, f2 == 0, rows=r2, chunking=3),
+         lambda: linear_policy_loss(hr[r2], w, lr[r2], f2 - 1, f2 + 1, f2 == 0, chunking=3), same),
+        (lambda: linear_divergence(h, w, ht, wt, labels=lab, label_mask=mask, rows="kept", chunking=3),
+         lambda: linear_divergence(hr[kept], w, tr[kept], wt, labels=lr[kept], chunking=3), at_kept),
+        (lambda: linear_divergence_loss(h, w, tr[ROWS], wt, rows=ROWS, chunking=3),
+         lambda: linear_divergence_loss(hr[ROWS], w, tr[ROWS], wt, chunking=3), same),
+        (lambda: log_probs_and_entropy(z, lr[ROWS], rows=ROWS, keep={"top_k": 5}, chunking=3),
+         lambda: log_probs_and_entropy(z[ROWS], lr[ROWS], keep={"top_k": 5}, chunking=3), same),
+        (lambda: policy_loss_from_logits(z, lr[r2], f2 - 1, f2 + 1, f2 == 0, rows=r2, chunking=3),
+         lambda: policy_loss_from_logits(z[r2], lr[r2], f2 - 1, f2 + 1, f2 == 0, chunking=3), same),
+        (lambda: divergence_from_logits(z, zt[ROWS], labels=lr[ROWS], rows=ROWS, chunking=3),
+         lambda: divergence_from_logits(z[ROWS], zt[ROWS], labels=lr[ROWS], chunking=3), same),
+    ]
+    forward = _rows._SelectRows.forward
+
+    def unfilled_nan(ctx, *args):
+        return forward(ctx, *args).fill_(float("nan"))
+
+    monkeypatch.setattr(_rows._SelectRows, "forward", staticmethod(unfilled_nan))
+    for i, (with_rows, by_hand, pick) in enumerate(cases):
+        got, want = with_rows(), by_hand()
+        for a, b in zip(got, want, strict=True):
+            if isinstance(a, torch.Tensor) and a.numel():
+                torch.testing.assert_close(pick(a), b, rtol=0, atol=0, msg=lambda m, i=i: f"case {i}: {m}")
