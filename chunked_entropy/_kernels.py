@@ -186,7 +186,7 @@ class _Fast:
         rows' over the group): these kernels read the raw block again (:meth:`block_grad`)."""
         return self.block_grad(z, out, scratch, aux, tf, k, row, target, v0, co, dtype, const)
 
-    # A divergence's two heads (:class:`chunked_entropy._loop._PairWalk`): a student's block ``x`` (transform
+    # A divergence's two heads (:class:`chunked_entropy._loop._TeacherWalk`): a student's block ``x`` (transform
     # ``tf``, multiplier ``k``) and a teacher's ``xt`` (``tf_t``, ``k_t``), both in the walk's buffers. These
     # kernels read the raw blocks (the divergence's compiled kernels, :data:`PAIR`, for the Triton backend too),
     # their multipliers as contiguous columns and their soft-caps' factors filled once a walk in ``const``.

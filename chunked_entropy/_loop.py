@@ -5,8 +5,8 @@ Its users: the logits path (:mod:`chunked_entropy.logits`), the fused head
 hidden states), and the divergences (:mod:`chunked_entropy.divergence`, one head or two), with sampling
 replay's kept sets and distillation's ids riding along. The walks: the statistics (:func:`row_stats`, one
 walk in either order of chunks and blocks, :func:`_order`), the gradient (:func:`grad_blocks`, the same
-orders), the fused loss's gradient formed in forward (:func:`loss_grad_blocks`), and a divergence's two heads
-(:func:`pair_row_stats`, :func:`pair_loss_grad_blocks`, :func:`pair_grad_blocks`).
+orders), the fused loss's gradient formed in forward (:func:`loss_grad_blocks`); a divergence's teacher is
+their second head (``teacher=``, a :class:`TeacherHead`), walked beside the student's blocks.
 The :class:`Plan` (chunk, vocabulary blocks, kernels) is sized by :func:`chunked_entropy.config.walk_plan`.
 
 Every walk takes the tokens in chunks of ``chunk_size`` rows and the vocabulary
@@ -170,18 +170,23 @@ def _order(n: int, chunk_size: int, width: int, block: int, vocab_outer: bool) -
 class _ChunkStats:
     """What the statistics walk holds for one chunk of rows ``[a, b)`` while it walks its blocks: the rows'
     multipliers and labels, replay's kept entries, the invariant mode's merge tree, the statistics merged
-    over the blocks so far (and the kept sets' with their counts), distillation's candidates."""
+    over the blocks so far (and the kept sets' with their counts), distillation's candidates; with a second
+    head, its multipliers, statistics, a KL's cross sum and its last block."""
 
-    __slots__ = ("k", "target", "entries", "tree", "st", "kst", "count", "cand")
+    __slots__ = ("k", "target", "entries", "tree", "st", "kst", "count", "cand", "kt", "stt", "cross", "xt")
 
-    def __init__(self, tok: Tokens, a: int, b: int, chunk_size: int, tiles):
+    def __init__(self, tok: Tokens, a: int, b: int, chunk_size: int, tiles, teacher=None):
         self.k, self.target = tok.k_rows(a, b), tok.target[a:b]
         self.entries = None if tok.keep is None else tok.keep.chunk(a, b, tok.n, chunk_size)
         self.tree = None if tiles is None else tiles.stats_tree(self.k)
         self.st = self.kst = self.count = self.cand = None
+        # a divergence's second head (:class:`_TeacherWalk`): its multiplier, statistics, a KL's cross sum, its block
+        self.kt = None if teacher is None else teacher.k_t(a, b)
+        self.stt = self.cross = self.xt = None
 
 
-def row_stats(tok: Tokens, fill: Fill, plan: Plan, *, width: int, dtype, device, view: View = None) -> _stats.RowStats:
+def row_stats(tok: Tokens, fill: Fill, plan: Plan, *, width: int, dtype, device, view: View = None,
+              teacher: Optional["TeacherHead"] = None, into: Optional[tuple] = None):
     """Forward: the per-token statistics of every row, merged over the plan's blocks and over its group.
 
     With sampling replay (``tok.keep``) also those of each row's kept set. One walk over every (chunk,
@@ -193,31 +198,47 @@ def row_stats(tok: Tokens, fill: Fill, plan: Plan, *, width: int, dtype, device,
       block's tiles' statistics go into the chunk's fixed merge tree and the chunk's rows are merged over the
       group through its top (:mod:`chunked_entropy._tiles`).
     - blocks outermost, where the kernels merge a block into running statistics (``kernels.blocks_outer``: the
-      compiled and Triton ones) and neither replay, distillation nor the invariant mode rides along: every
-      row's statistics in one ``[6, n]`` tensor (rows ``m, ones, rest, w, q, zl``), each block's written into
-      its chunk's columns by the kernel itself (``out=``), the first block's as they are and every later
-      block's merged into the running ones (``merge=``: the same arithmetic in the same order of blocks; the
-      Triton kernel merges inside its launch); then merged over the group once for every row and finished.
+      compiled and Triton ones) and neither replay, distillation, the invariant mode nor a second head rides
+      along: every row's statistics in one ``[6, n]`` tensor (rows ``m, ones, rest, w, q, zl``), each block's
+      written into its chunk's columns by the kernel itself (``out=``), the first block's as they are and every
+      later block's merged into the running ones (``merge=``: the same arithmetic in the same order of blocks;
+      the Triton kernel merges inside its launch); then merged over the group once for every row and finished.
       One launch a (chunk, block) of the Triton kernels, nothing else a block. Allocates the ``[6, n]``
       statistics (the results' ``m`` is its first row).
+
+    ``teacher``: a divergence's second head (:class:`TeacherHead`), walked beside the student's blocks, chunks
+    outermost: its block filled beside each of the student's, both heads' statistics merged over the group
+    together at a chunk's last block (one MAX all-reduce, one all-gather), then the divergence's sums (one SUM
+    all-reduce; see :class:`_TeacherWalk`). Returns ``(stats, pair)`` then (the
+    :class:`~chunked_entropy._divergence.PairRows` of every row), written into ``into`` (``(stats, pair)``
+    from :func:`new_row_stats`, :func:`new_pair_rows`) when given.
     """
     block, chunk_size, group, want, kernels = (plan.vocab_chunk_size, plan.chunk_size, plan.group, plan.want,
                                                 plan.kernels)
     n, kept, at, tiles, tf = tok.n, tok.keep, tok.at, plan.tiles, tok.transform
+    if teacher is not None:  # the student's blocks filled into our buffer, where the divergence's steps read them
+        view = None
     view = kernels.view(view, tf)
-    bufs = Buffers(min(chunk_size, n), block, block_dtype(plan, dtype), device,
-                   work=kernels.in_place or view is None, scratch=want.scratch and kernels.in_place)
-    outer = kernels.blocks_outer and kept is None and at is None and tiles is None
+    bufs = Buffers(min(chunk_size, n), block, dtype if teacher is not None else block_dtype(plan, dtype), device,
+                   work=kernels.in_place or view is None,
+                   scratch=kernels.in_place and (want.scratch or teacher is not None))
+    const = {}  # the kernels' constants (kernel_k, kernel_cap): filled once a walk
+    second = None if teacher is None else teacher.walk(tok, width=width, block=block, chunk_size=chunk_size,
+                                                       dtype=dtype, device=device, kernels=kernels, const=const)
+    outer = kernels.blocks_outer and kept is None and at is None and tiles is None and second is None
     running = torch.empty(6, n, dtype=dtype, device=device) if outer else None  # m, ones, rest, w, q, zl
-    out = None if outer else new_row_stats(n, want, dtype, device, kept)
+    if into is not None:
+        out, pair = into
+    else:
+        out = None if outer else new_row_stats(n, want, dtype, device, kept)
+        pair = None if second is None else new_pair_rows(n, teacher.spec, dtype, device)
     if at is not None:
         at.start(n, dtype, device)
-    const = {}  # the kernels' constants (kernel_k, kernel_cap): filled once a walk
     walking = {}  # the chunks open: their first row -> _ChunkStats
     for a, b, v0, v1 in _order(n, chunk_size, width, block, outer):
         c = walking.get(a)
         if c is None:
-            c = walking[a] = _ChunkStats(tok, a, b, chunk_size, tiles)
+            c = walking[a] = _ChunkStats(tok, a, b, chunk_size, tiles, second)
         x, scratch, _ = bufs.get(b - a, v1 - v0)
         z, _ = kernels.read(fill, view, x, None, a, b, v0, v1)
         g = _block_kept(kept, c.entries, z, v0, tf, c.k, dtype)
@@ -232,7 +253,9 @@ def row_stats(tok: Tokens, fill: Fill, plan: Plan, *, width: int, dtype, device,
             blk = kernels.block_stats(z, x, scratch, None, tf, c.k, c.target, v0, want.entropy, want.sum_pi_squared,
                                       dtype, const, out=None if running is None else running[:, a:b],
                                       merge=running is not None and v0 > 0)
-            c.st = blk if running is not None else _stats.merge_stats(c.st, blk, c.k)
+            prev, c.st = c.st, (blk if running is not None else _stats.merge_stats(c.st, blk, c.k))
+            if second is not None:  # the teacher's block beside it
+                second.block_stats(c, a, b, v0, v1, x, scratch, blk, prev)
             if g is not None:
                 kb, kc = _keep.block_stats(g, c.entries, b - a, c.k, dtype)
                 c.kst = _stats.merge_stats(c.kst, kb, c.k)
@@ -242,6 +265,9 @@ def row_stats(tok: Tokens, fill: Fill, plan: Plan, *, width: int, dtype, device,
         del walking[a]  # the chunk's last block: its rows merged over the group
         if c.tree is not None:
             _store(out, _stats.RowStats.from_block(_tiles.merged_stats(c.tree, tiles, group, c.k), c.k), a, b)
+        elif second is not None:
+            rows, here, _ = second.close(c, a, b, group, _refill(fill, bufs, a, b), x, None, keep_parts=False)
+            _store_pair(out, pair, rows, here, a, b)
         else:
             _store(out, _rows_of_chunk(c.st, c.kst, c.count, group, c.k, kept)[0], a, b)
         if at is not None:
@@ -253,7 +279,17 @@ def row_stats(tok: Tokens, fill: Fill, plan: Plan, *, width: int, dtype, device,
         return _stats.RowStats.from_block(merged, tok.k_rows(0, n))
     if at is not None:
         at.finish(group)
-    return out
+    return out if second is None else (out, pair)
+
+
+def _refill(fill: Fill, bufs: Buffers, a: int, b: int):
+    """``refill(v0, v1)``: the student's raw block of rows ``[a, b)``, columns ``[v0, v1)``, filled again into
+    the walk's buffer (a divergence's second pass over a chunk's blocks)."""
+    def refill(v0: int, v1: int) -> torch.Tensor:
+        x, _, _ = bufs.get(b - a, v1 - v0)
+        fill(x, a, b, v0, v1)
+        return x
+    return refill
 
 
 def grad_blocks(
@@ -261,6 +297,8 @@ def grad_blocks(
     into: Optional[Callable[[int, int], torch.Tensor]] = None, view: View = None,
     at_grads: Optional[torch.Tensor] = None, block: Optional[int] = None, vocab_outer: bool = False,
     grad_rows: Optional[Callable[[int, int, int, int], torch.Tensor]] = None,
+    teacher: Optional["TeacherHead"] = None, pair: Optional["_divergence.PairRows"] = None,
+    div_grads: Optional[torch.Tensor] = None,
 ) -> Iterator[tuple]:
     """Backward: yield ``(a, b, v0, v1, g)``, the gradient w.r.t. each block's raw logits.
 
@@ -285,6 +323,11 @@ def grad_blocks(
     (:func:`block_dtype`) each block is filled there for all ``n`` tokens at once (one step a block) and the
     compiled kernels overwrite it with its gradient: no buffer of ours. Else chunks of ``chunk_size`` rows
     through our buffer in ``dtype``.
+
+    ``teacher``: a divergence's second head (:class:`TeacherHead`): each block's gradient is the divergence's
+    (``div_grads``, ``[N]``: its upstream gradient; None: no term) plus the student's terms, the teacher's
+    block filled beside the student's (``pair``: the rows' :class:`~chunked_entropy._divergence.PairRows`).
+    No collective.
     """
     block = plan.vocab_chunk_size if block is None else block  # a backward's own block (vocab_outer)
     chunk_size, kernels = plan.chunk_size, plan.kernels
@@ -293,7 +336,9 @@ def grad_blocks(
     g_lp, g_h, g_q = (None if g is None else g.reshape(-1).to(dtype) for g in grads)
     softcap = tok.transform.softcap is not None
     view = kernels.view(view, tok.transform)
-    bdt = block_dtype(plan, dtype, sparse=kept is not None or at_ids is not None)
+    if teacher is not None:  # the student's blocks filled into our buffer, where the divergence's steps read them
+        view = None
+    bdt = block_dtype(plan, dtype, sparse=kept is not None or at_ids is not None or teacher is not None)
     if bdt == dtype or not vocab_outer:
         grad_rows = None
     if grad_rows is not None:  # each block filled into its gradient rows, all tokens at once: no buffer of ours
@@ -301,18 +346,31 @@ def grad_blocks(
     bufs = Buffers(
         min(chunk_size, n), block, bdt, device,
         work=grad_rows is None and (into is None or (view is None and not kernels.in_place)),
-        scratch=(g_h is not None or g_q is not None) and kernels.in_place, aux=softcap and kernels.in_place,
+        scratch=(g_h is not None or g_q is not None or teacher is not None) and kernels.in_place,
+        aux=softcap and kernels.in_place,
     )
 
     const = {}  # kernel_k's constants
+    second = None if teacher is None else teacher.walk(tok, width=width, block=block, chunk_size=chunk_size,
+                                                       dtype=dtype, device=device, kernels=kernels, const=const,
+                                                       teacher_scratch=False)
+    g_div = None if div_grads is None else div_grads.reshape(-1).to(dtype)
+
+    def pair_rows(a, b):
+        """The divergence's rows and its upstream gradient times ``kz`` (zeros without one), or Nones."""
+        if second is None:
+            return None, None
+        up = torch.zeros(b - a, dtype=dtype, device=device) if g_div is None else g_div[a:b]
+        return pair.rows(a, b), tok.scaled(up, a, b)
     # without replay or distillation the coefficients are per-row arithmetic: formed once for every row
     co_all = None if kept is not None or at_ids is not None else tok.coefficients(0, n, g_lp, g_h, g_q)
 
     def chunk(a, b):
         """What the gradient of rows ``[a, b)`` reads: ``_refilled_grad``'s keywords."""
+        here, scale = pair_rows(a, b)
         if co_all is not None:
             co = _stats.Coefficients(*(None if t is None else t[a:b] for t in co_all))
-            return dict(rows=stats.rows(a, b), co=co, entries=None, co_k=None, at=None)
+            return dict(rows=stats.rows(a, b), co=co, entries=None, co_k=None, at=None, here=here, scale=scale)
         co = tok.coefficients(a, b, *(None if g is None else g[a:b] for g in (g_lp, g_h, g_q)))
         rows = stats.rows(a, b)
         entries = co_k = sparse = None
@@ -324,7 +382,7 @@ def grad_blocks(
             total = coef.sum(dim=1)
             co = co._replace(c=total if co.c is None else co.c + total)
             sparse = (at_ids, coef, total)
-        return dict(rows=rows, co=co, entries=entries, co_k=co_k, at=sparse)
+        return dict(rows=rows, co=co, entries=entries, co_k=co_k, at=sparse, here=here, scale=scale)
 
     def block_grad(a, b, v0, v1, parts):
         if grad_rows is not None:  # filled, then overwritten by its gradient, where the weight's matmul reads it
@@ -334,7 +392,7 @@ def grad_blocks(
                                        tok.target[a:b], v0, parts["co"], dtype, const)
         return _refilled_grad(tok, fill, view, bufs, a, b, v0, v1, parts["rows"], parts["co"], dtype,
                               kernels=kernels, into=into, entries=parts["entries"], co_k=parts["co_k"],
-                              at=parts["at"], const=const)
+                              at=parts["at"], const=const, second=second, here=parts["here"], scale=parts["scale"])
 
     yield from _gradient_walk(n, width, block, chunk_size, vocab_outer, chunk, block_grad)
 
@@ -354,11 +412,14 @@ def _gradient_walk(n: int, width: int, block: int, chunk_size: int, vocab_outer:
 
 
 def _refilled_grad(tok: Tokens, fill: Fill, view: View, bufs: Buffers, a, b, v0, v1, rows, co, dtype, *,
-                   kernels: Kernels, into, entries=None, co_k=None, at=None, const=None) -> torch.Tensor:
+                   kernels: Kernels, into, entries=None, co_k=None, at=None, const=None, second=None, here=None,
+                   scale=None) -> torch.Tensor:
     """The gradient w.r.t. the raw logits of rows ``[a, b)``, columns ``[v0, v1)``, the block filled again,
     from the rows' finished statistics and coefficients; with replay's and distillation's sparse terms
-    (``at``: ``(ids, coefficients, their sums)``). ``const``: the walk's :func:`kernel_k` and
-    :func:`kernel_cap` constants."""
+    (``at``: ``(ids, coefficients, their sums)``). ``const``: the walk's kernel constants
+    (:func:`chunked_entropy._kernels.kernel_k`, :func:`~chunked_entropy._kernels.kernel_cap`). ``second``: a
+    divergence's second head (:class:`_TeacherWalk`), its block filled beside this one, the divergence's term
+    (``here``: the rows' PairRows, ``scale``: its upstream gradient times ``kz``) in the gradient."""
     kept, k, target = tok.keep, tok.k_rows(a, b), tok.target[a:b]
     at_ids = None if at is None else at[0]
     x, scratch, aux = bufs.get(b - a, v1 - v0)
@@ -366,7 +427,10 @@ def _refilled_grad(tok: Tokens, fill: Fill, view: View, bufs: Buffers, a, b, v0,
     gk = _block_kept(kept, entries, z, v0, tok.transform, k, dtype)
     ea, ra = _block_at(tok.at, at_ids, target, a, b, v0, z, tok.transform)
     const = {} if const is None else const
-    g = kernels.block_grad(z, out, scratch, aux, tok.transform, k, rows, target, v0, co, dtype, const)
+    if second is None:
+        g = kernels.block_grad(z, out, scratch, aux, tok.transform, k, rows, target, v0, co, dtype, const)
+    else:
+        g = second.grad(out, scratch, aux, a, b, v0, v1, k, rows, here, scale, co)
     if gk is not None:
         _keep.add_grad_(g, gk, entries, rows.kept, rows.truncated, co_k, tok.transform, k)
     if ea is not None:
@@ -397,6 +461,7 @@ def loss_grad_blocks(
     device, into: Optional[Callable[[int, int], torch.Tensor]] = None, view: View = None,
     span: Optional[int] = 1, grad_block: Optional[int] = None,
     grad_rows: Optional[Callable[[int, int, int, int], torch.Tensor]] = None,
+    teacher: Optional["TeacherHead"] = None, pair: Optional["_divergence.PairRows"] = None,
 ) -> Iterator[tuple]:
     """Forward of a loss whose per-token upstream gradients follow from the tokens' outputs.
 
@@ -425,32 +490,55 @@ def loss_grad_blocks(
     walking vocabulary blocks of that width outermost (``vocab_outer`` of
     :func:`grad_blocks`: a half-precision weight's gradient, one matmul per
     block; ``grad_rows`` as there).
+
+    ``teacher``: a divergence's second head (:class:`TeacherHead`): a loss of the rows' divergences (and the
+    student's outputs), ``token_grads`` then giving a third upstream gradient, the divergence's (``[g1 - g0]``,
+    or None), and ``pair`` (from :func:`new_pair_rows`) filled beside ``stats``. With one vocabulary block each
+    chunk's blocks are filled once (statistics, the divergence's sums and the gradient from the blocks held);
+    with vocabulary blocks, the statistics walk (:func:`row_stats`) and the gradient walk. Three collectives a
+    chunk under a group.
     """
     block, chunk_size, group, want, kernels = (plan.vocab_chunk_size, plan.chunk_size, plan.group, plan.want,
                                                 plan.kernels)
     n, kept = tok.n, tok.keep
+    log_probs = (lambda a, b: None) if teacher is not None else (lambda a, b: stats.rows(a, b).log_probs())  # noqa: E731
     if block < width or grad_block is not None:
-        full = row_stats(tok, fill, plan, width=width, dtype=dtype, device=device, view=view)
-        _store(stats, full, 0, n)
+        if teacher is not None:
+            row_stats(tok, fill, plan, width=width, dtype=dtype, device=device, view=view, teacher=teacher,
+                      into=(stats, pair))
+        else:
+            _store(stats, row_stats(tok, fill, plan, width=width, dtype=dtype, device=device, view=view), 0, n)
         # every row's statistics are final: the upstream gradients of all rows at once (per-token arithmetic,
         # the same values as chunk by chunk; one set of launches a call, not one a chunk). None: no term
-        g_lp, g_h = token_grads(0, n, stats.rows(0, n).log_probs())
-        yield from grad_blocks(tok, fill, plan, width=width, block=grad_block, stats=stats, grads=(g_lp, g_h, None),
+        ups = token_grads(0, n, log_probs(0, n))
+        yield from grad_blocks(tok, fill, plan, width=width, block=grad_block, stats=stats, grads=(*ups[:2], None),
                                dtype=dtype, device=device, into=into, view=view, vocab_outer=grad_block is not None,
-                               grad_rows=grad_rows)
+                               grad_rows=grad_rows, teacher=teacher, pair=pair,
+                               div_grads=ups[2] if teacher is not None else None)
         return
     chunk_size, group_size = _grouping(n, span, chunk_size)
     softcap = tok.transform.softcap is not None
+    if teacher is not None:  # the student's blocks filled into our buffer, where the divergence's steps read them
+        view = None
     view = kernels.view(view, tok.transform)
     bufs = Buffers(min(chunk_size, n), width, dtype, device,
                    work=into is None or (view is None and not kernels.in_place), scratch=kernels.in_place,
                    aux=softcap and kernels.in_place)
 
     const = {}  # the kernels' constants (kernel_k, kernel_cap): filled once a walk
+    second = None if teacher is None else teacher.walk(tok, width=width, block=width, chunk_size=chunk_size,
+                                                       dtype=dtype, device=device, kernels=kernels, const=const)
 
     def coefficients(a, b, g0, ups, rows):
-        co = tok.coefficients(a, b, *(None if u is None else u[a - g0:b - g0] for u in ups), None)
+        co = tok.coefficients(a, b, *(None if u is None else u[a - g0:b - g0] for u in ups[:2]), None)
         return (co, None) if kept is None else _keep.split(co, rows.truncated, kept.of_kept)
+
+    def div_scale(a, b, g0, ups):
+        """The divergence's upstream gradient of rows ``[a, b)`` times ``kz`` (zeros without one), or None."""
+        if second is None:
+            return None
+        up = torch.zeros(b - a, dtype=dtype, device=device) if ups[2] is None else ups[2][a - g0:b - g0]
+        return tok.scaled(up, a, b)
 
     for g0, g1 in chunks(n, group_size):
         for a, b in chunks(g1 - g0, chunk_size):  # statistics, chunk by chunk; the last chunk's block is kept
@@ -463,11 +551,24 @@ def loss_grad_blocks(
             local = kernels.block_stats(z, out, scratch, aux, tok.transform, k, target, 0, want.entropy,
                                          want.sum_pi_squared, dtype, const)
             kb, kc = (None, None) if gk is None else _keep.block_stats(gk, entries, b - a, k, dtype)
-            rows, merged = _rows_of_chunk(local, kb, kc, group, k, kept)
-            _store(stats, rows, a, b)
-        ups = token_grads(g0, g1, stats.rows(g0, g1).log_probs())
+            if second is not None:  # the teacher's block beside it; both heads merged, the divergence's sums
+                c = _ChunkStats(tok, a, b, chunk_size, None, second)
+                c.st = local
+                second.block_stats(c, a, b, 0, width, out, scratch, local, None)
+                rows, here, parts = second.close(c, a, b, group, None, out, aux, keep_parts=True)
+                _store_pair(stats, pair, rows, here, a, b)
+            else:
+                rows, merged = _rows_of_chunk(local, kb, kc, group, k, kept)
+                _store(stats, rows, a, b)
+        ups = token_grads(g0, g1, log_probs(g0, g1))
         co, co_k = coefficients(a, b, g0, ups, rows)  # the last chunk, from its kept block
-        g = kernels.held_grad(z, out, scratch, aux, local, merged, tok.transform, k, rows, target, 0, co, dtype, const)
+        if second is not None:  # from both blocks held (and what the divergence's sums kept)
+            g = second.grad(out, None, aux, a, b, 0, width, k, rows, here, div_scale(a, b, g0, ups), co,
+                            held_t=c.xt, parts=parts)
+            c = parts = None
+        else:
+            g = kernels.held_grad(z, out, scratch, aux, local, merged, tok.transform, k, rows, target, 0, co, dtype,
+                                  const)
         if gk is not None:
             _keep.add_grad_(g, gk, entries, rows.kept, rows.truncated, co_k, tok.transform, k)
         yield a, b, 0, width, g
@@ -478,14 +579,17 @@ def loss_grad_blocks(
             entries = None if kept is None else kept.chunk(a, b, n, chunk_size)
             yield a, b, 0, width, _refilled_grad(tok, fill, view, bufs, a, b, 0, width, rows, co, dtype,
                                                  kernels=kernels, into=into, entries=entries, co_k=co_k,
-                                                 const=const)
+                                                 const=const, second=second,
+                                                 here=None if second is None else pair.rows(a, b),
+                                                 scale=div_scale(a, b, g0, ups))
 
 
 # ----------------------------------------------------------------------------- two heads: a divergence
 #
-# The same walk with a second projection per block: the student's block (``fill``, the rows' Tokens ``tok``
-# with its transform) and the teacher's (``fill_t``, transform ``tf_t``, the same temperature). Each model's
-# statistics are the ones above; the divergence's per-row sums are the math of chunked_entropy._divergence.
+# A second head is a mode of the walks above: the student's block (``fill``, the rows' Tokens ``tok`` with its
+# transform) walked as every op's, the teacher's (``TeacherHead``: its fill, transform ``tf_t``, the same
+# temperature) filled beside it. Each model's statistics are the ones above; the divergence's per-row sums are
+# the math of chunked_entropy._divergence, through the kernels objects' pair steps.
 
 
 #: A KL's value folded online over vocabulary blocks in the statistics' pass (each block filled once in the
@@ -494,55 +598,62 @@ def loss_grad_blocks(
 FOLD_KL = True
 
 
-class _PairWalk:
-    """What the statistics walk, the loss walk and the gradient walk of a divergence share: the two heads'
-    fills, transforms and buffers, and the per-chunk steps.
+@dataclass(frozen=True)
+class TeacherHead:
+    """A divergence's second head, the teacher's, as the walks take it (``teacher=`` of :func:`row_stats`,
+    :func:`loss_grad_blocks`, :func:`grad_blocks`): its fill (``fill(x, a, b, v0, v1)``, as the student's), its
+    logit transform and the divergence (its :class:`~chunked_entropy._divergence.DivergenceMath` in
+    ``spec.math``). Each walk makes its own :class:`_TeacherWalk` (:meth:`walk`): the teacher's buffers and the
+    per-chunk steps."""
 
-    Beside the one-head walks, not folded into them: a divergence's chunk needs a second pass over its
-    blocks once the chunk's statistics are merged over blocks and ranks (the JSD's sums read both rows'
-    final log-sum-exps), a second projection per block, a teacher's statistics riding in the student's
-    collectives, and a gradient that reads two blocks. The one-head walks have none of these; threading
-    them through ``row_stats`` / ``grad_blocks`` / ``loss_grad_blocks`` (the tuned paths of the fused head
-    and loss, with replay's and distillation's sparse terms) would put a branch per block and a second
-    buffer set into each. The pieces are shared instead: :class:`Buffers`, ``chunks``,
-    :func:`_gradient_walk`, the statistics' math and merge (:mod:`chunked_entropy._stats`),
-    :func:`~chunked_entropy.parallel.reduce_stats_pair` and the kernels objects: each block's statistics
-    (``block_stats``) and the divergence's per-block steps (``pair_ready``, ``pair_held``, ``pair_cross``,
-    ``pair_terms``, ``pair_grad``: :mod:`chunked_entropy._kernels`), asked, never which kernels they are.
+    transform: _stats.Transform
+    spec: object
+    fill: Fill
 
-    Buffers: each head's ``[chunk_size, block]`` block in the compute dtype; where the kernels work in place
-    (``kernels.in_place``: the eager ones, offsets written over the blocks) also each head's ``exp`` scratch
-    and, for a gradient with a student soft-cap, the cap's derivative; the compiled and Triton kernels read
-    the raw blocks and form the transform, the offsets and the log-probs on the fly (the gradient kernel
-    overwrites the student's block).
+    def walk(self, tok: Tokens, *, width: int, block: int, chunk_size: int, dtype, device, kernels: Kernels,
+             const: dict, teacher_scratch: bool = True) -> "_TeacherWalk":
+        return _TeacherWalk(self, tok, width=width, block=block, chunk_size=chunk_size, dtype=dtype, device=device,
+                            kernels=kernels, const=const, teacher_scratch=teacher_scratch)
+
+
+class _TeacherWalk:
+    """The teacher's side of one walk: its buffers and the divergence's per-chunk steps, beside the student's
+    blocks the walk reads as any op's (replay's kept sets and distillation's ids included).
+
+    Per block of the statistics' pass (:meth:`block_stats`): the teacher's block filled, its statistics merged
+    over the chunk's blocks and, a KL over vocabulary blocks (``fold``), its cross sum folded online. At a
+    chunk's last block (:meth:`close`): both heads merged over the group (one MAX all-reduce, one all-gather:
+    :func:`~chunked_entropy.parallel.reduce_stats_pair`), then the divergence's sums (one SUM all-reduce; a KL
+    folded online needs none): from the blocks still held when the vocabulary is one block, else each block of
+    both heads filled again. The gradient (:meth:`grad`): from the blocks held, or the teacher's filled again
+    beside the student's. The per-block math is the kernels object's (``block_stats``, ``pair_ready``,
+    ``pair_held``, ``pair_cross``, ``pair_terms``, ``pair_grad``), asked, never which kernels they are.
+
+    Buffers: the teacher's ``[chunk_size, block]`` block in the compute dtype and, where the kernels work in
+    place (``kernels.in_place``: the eager ones) and ``teacher_scratch``, its ``exp`` scratch (the student's
+    buffers are the walk's).
     """
 
-    def __init__(self, tok: Tokens, tf_t, spec, fill: Fill, fill_t: Fill, *, width: int, block: int,
-                 chunk_size: int, dtype, device, kernels: Kernels, grad: bool, teacher_scratch: bool = True):
-        self.tok, self.tf_t, self.spec, self.math = tok, tf_t, spec, spec.math
-        self.fill, self.fill_t, self.width, self.block = fill, fill_t, width, block
-        self.chunk_size, self.dtype, self.device, self.kernels = chunk_size, dtype, device, kernels
+    def __init__(self, head: TeacherHead, tok: Tokens, *, width: int, block: int, chunk_size: int, dtype, device,
+                 kernels: Kernels, const: dict, teacher_scratch: bool = True):
+        self.tok, self.tf_t, self.spec, self.fill_t = tok, head.transform, head.spec, head.fill
+        self.math = head.spec.math
+        self.width, self.block, self.dtype, self.kernels, self.const = width, block, dtype, kernels, const
         rows = min(chunk_size, tok.n)
-        eager = kernels.in_place
-        self.bufs = Buffers(rows, block, dtype, device, work=True, scratch=eager,
-                            aux=eager and grad and tok.transform.softcap is not None)
-        self.bufs_t = Buffers(rows, block, dtype, device, work=True, scratch=eager and teacher_scratch)
+        self.bufs_t = Buffers(rows, block, dtype, device, work=True, scratch=kernels.in_place and teacher_scratch)
         self.no_label = torch.full((rows,), -1, dtype=torch.int64, device=device)
         self.fold = FOLD_KL and block < width and self.math.weighs is not None
-        self.const = {}  # the kernels' constants (kernel_k, kernel_cap)
         self.teacher_weighs = self.math.weighs == "t"
 
-    def k(self, a: int, b: int):
-        """Both heads' per-row multipliers of rows ``[a, b)``."""
-        return self.tok.k_rows(a, b), self.tf_t.k(self.tok.inv_t_rows(a, b))
+    def k_t(self, a: int, b: int):
+        """The teacher's per-row multiplier of rows ``[a, b)``."""
+        return self.tf_t.k(self.tok.inv_t_rows(a, b))
 
-    def raw(self, a, b, v0, v1):
-        """Both raw blocks of rows ``[a, b)``, columns ``[v0, v1)``: ``(x_s, x_t, scratch_s, scratch_t, aux_s)``."""
-        x, scratch, cap = self.bufs.get(b - a, v1 - v0)
+    def fill(self, a, b, v0, v1) -> tuple:
+        """The teacher's raw block of rows ``[a, b)``, columns ``[v0, v1)``: ``(x_t, scratch_t)``."""
         xt, scratch_t, _ = self.bufs_t.get(b - a, v1 - v0)
-        self.fill(x, a, b, v0, v1)
         self.fill_t(xt, a, b, v0, v1)
-        return x, xt, scratch, scratch_t, cap
+        return xt, scratch_t
 
     def _cross_to(self, c, st, stt, m, m_t, k, kt):
         """A KL's cross sum relative to the maxima ``m``, ``m_t`` (:func:`~chunked_entropy._stats.rescale_cross`)."""
@@ -550,89 +661,76 @@ class _PairWalk:
             return _stats.rescale_cross(c, stt, st, m_t, m, kt, k)
         return _stats.rescale_cross(c, st, stt, m, m_t, k, kt)
 
-    def chunk_stats(self, a: int, b: int, group, want_entropy: bool, cap_single: bool = False):
-        """Both heads' statistics of rows ``[a, b)``, merged over blocks and ``group`` (one MAX all-reduce, one
-        all-gather for both: :func:`~chunked_entropy.parallel.reduce_stats_pair`). Returns ``(rows, ls_t,
-        merged, merged_t, held, cross)``: the student's RowStats, the teacher's log-sum-exps, both merged
-        BlockStats, the last blocks ``(x_s, x_t, st_s, st_t, aux_s)`` with each head's local statistics (eager:
-        as offsets to their local maxima, the cap's derivative in ``aux_s`` with ``cap_single``; compiled: raw),
-        and (a KL folded online, ``self.fold``) its cross sum over the whole vocabulary, else None."""
-        tok, kernels = self.tok, self.kernels
-        k, kt = self.k(a, b)
-        target, no_label = tok.target[a:b], self.no_label[: b - a]
-        st = stt = cross = None
-        for v0, v1 in chunks(self.width, self.block):
-            x, xt, scratch, scratch_t, cap = self.raw(a, b, v0, v1)
-            # the kernels' constants filled once a walk (kernel_k, kernel_cap); the eager ones' offsets in x, xt
-            local = kernels.block_stats(x, x, scratch, cap if cap_single else None, tok.transform, k, target, v0,
-                                        want_entropy, False, self.dtype, self.const)
-            local_t = kernels.block_stats(xt, xt, scratch_t, None, self.tf_t, kt, no_label, v0, False, False,
-                                          self.dtype, self.const)
-            prev, prev_t = st, stt
-            st, stt = _stats.merge_stats(st, local, k), _stats.merge_stats(stt, local_t, kt)
-            if self.fold:
-                c = kernels.pair_cross(x, xt, tok.transform, k, local.m, self.tf_t, kt, local_t.m, self.dtype,
-                                       self.const, scratch, scratch_t, self.teacher_weighs)
-                cross = c if prev is None else (self._cross_to(cross, prev, prev_t, st.m, stt.m, k, kt)
-                                                + self._cross_to(c, local, local_t, st.m, stt.m, k, kt))
+    def block_stats(self, c: _ChunkStats, a, b, v0, v1, x, scratch, local, prev) -> None:
+        """The teacher's block beside the student's ``x`` (as its ``block_stats`` left it; ``local``: its
+        statistics, ``prev``: the chunk's before them, ``c.st``: after): its statistics merged into ``c.stt``,
+        a KL's cross sum folded into ``c.cross``; the block kept in ``c.xt``."""
+        k, kt = c.k, c.kt
+        xt, scratch_t = self.fill(a, b, v0, v1)
+        local_t = self.kernels.block_stats(xt, xt, scratch_t, None, self.tf_t, kt, self.no_label[: b - a], v0, False,
+                                           False, self.dtype, self.const)
+        prev_t, c.stt, c.xt = c.stt, _stats.merge_stats(c.stt, local_t, kt), xt
+        if self.fold:
+            cross = self.kernels.pair_cross(x, xt, self.tok.transform, k, local.m, self.tf_t, kt, local_t.m,
+                                            self.dtype, self.const, scratch, scratch_t, self.teacher_weighs)
+            c.cross = cross if prev is None else (self._cross_to(c.cross, prev, prev_t, c.st.m, c.stt.m, k, kt)
+                                                  + self._cross_to(cross, local, local_t, c.st.m, c.stt.m, k, kt))
+
+    def close(self, c: _ChunkStats, a: int, b: int, group, refill, x, aux, keep_parts: bool) -> tuple:
+        """A chunk's last block walked: ``(rows, here, parts)``, the student's RowStats and the chunk's PairRows
+        over the whole vocabulary and ``group`` (three collectives; two for a KL folded online), and what the
+        divergence's sums kept for the gradient (``keep_parts``, one block: the eager kernels'). ``x``, ``aux``:
+        the student's last block and its cap derivative (held with one vocabulary block); ``refill(v0, v1)``:
+        the student's block filled again (vocabulary blocks)."""
+        k, kt = c.k, c.kt
         if self.fold:  # the cross sum rides in the statistics' gather
-            merged, merged_t, cross = reduce_stats_pair(st, stt, group, k, kt, cross=(cross, self.teacher_weighs))
+            merged, merged_t, cross = reduce_stats_pair(c.st, c.stt, group, k, kt, cross=(c.cross, self.teacher_weighs))
         else:  # the same arithmetic for both heads
-            merged, merged_t = reduce_stats_pair(st, stt, group, k, kt)
+            (merged, merged_t), cross = reduce_stats_pair(c.st, c.stt, group, k, kt), None
         rows = _stats.RowStats.from_block(merged, k)
         ls_t = _stats.RowStats.from_block(merged_t, kt).ls
-        return rows, ls_t, merged, merged_t, (x, xt, st, stt, cap), cross
-
-    def chunk_sums(self, a: int, b: int, group, rows, ls_t, merged, merged_t, held, cross, keep_parts: bool):
-        """The divergence's per-row sums of rows ``[a, b)`` over the whole vocabulary and ``group`` (one SUM
-        all-reduce): ``(PairRows of the chunk, parts)``. A KL folded online: from its ``cross`` sum (no pass, no
-        collective); else from the blocks still ``held`` when the vocabulary is one block, or from each block
-        filled again; ``parts`` (one block, ``keep_parts``): what the kernels' ``pair_grad`` may read instead of
-        the blocks (the eager kernels' :meth:`~chunked_entropy._divergence.DivergenceMath.grad_from_parts`)."""
-        kernels, tf, tf_t, dtype, const = self.kernels, self.tok.transform, self.tf_t, self.dtype, self.const
-        if cross is not None:
+        if cross is not None:  # a KL folded online: no pass, no collective
             s_s, s_t = merged.ones + merged.rest, merged_t.ones + merged_t.rest
             div = (self.math.folded(cross, s_t, ls_t, rows.ls) if self.teacher_weighs
                    else self.math.folded(cross, s_s, rows.ls, ls_t))
-            return _divergence.PairRows(merged_t.m, ls_t, div, div if self.spec.needs_aux else None), None
-        k, kt = self.k(a, b)
+            return rows, _divergence.PairRows(merged_t.m, ls_t, div, div if self.spec.needs_aux else None), None
+        kernels, tf, tf_t, dtype, const = self.kernels, self.tok.transform, self.tf_t, self.dtype, self.const
         m, m_t = merged.m, merged_t.m
         parts = None
         if self.block >= self.width:  # the blocks are held: relative to the merged maxima
-            x, xt, st, stt, _ = held
-            kernels.pair_held(x, xt, st, stt, merged, merged_t, k, kt)
-            div, aux, parts = kernels.pair_terms(self.spec, x, xt, tf, k, m, rows.ls, tf_t, kt, m_t, ls_t, dtype,
-                                                 const)
+            kernels.pair_held(x, c.xt, c.st, c.stt, merged, merged_t, k, kt)
+            div, aux_sum, parts = kernels.pair_terms(self.spec, x, c.xt, tf, k, m, rows.ls, tf_t, kt, m_t, ls_t, dtype,
+                                                     const)
             parts = parts if keep_parts else None
         else:
-            div = aux = None
+            div = aux_sum = None
             for v0, v1 in chunks(self.width, self.block):
-                x, xt, _, _, _ = self.raw(a, b, v0, v1)
-                kernels.pair_ready(x, xt, None, tf, k, m, tf_t, kt, m_t, cap_out=False)
-                d, ka, _ = kernels.pair_terms(self.spec, x, xt, tf, k, m, rows.ls, tf_t, kt, m_t, ls_t, dtype, const)
+                y = refill(v0, v1)
+                yt, _ = self.fill(a, b, v0, v1)
+                kernels.pair_ready(y, yt, None, tf, k, m, tf_t, kt, m_t, cap_out=False)
+                d, ka, _ = kernels.pair_terms(self.spec, y, yt, tf, k, m, rows.ls, tf_t, kt, m_t, ls_t, dtype, const)
                 div = d if div is None else div + d
-                aux = ka if aux is None else aux + ka
+                aux_sum = ka if aux_sum is None else aux_sum + ka
         if not self.spec.needs_aux:
-            aux = None
-        sums = all_reduce_sum_(torch.stack([div] if aux is None else [div, aux]), group)
-        div, aux = sums[0], (sums[1] if aux is not None else (sums[0] if self.spec.needs_aux else None))
-        return _divergence.PairRows(merged_t.m, ls_t, div, aux), parts
+            aux_sum = None
+        sums = all_reduce_sum_(torch.stack([div] if aux_sum is None else [div, aux_sum]), group)
+        div, aux_sum = sums[0], (sums[1] if aux_sum is not None else (sums[0] if self.spec.needs_aux else None))
+        return rows, _divergence.PairRows(merged_t.m, ls_t, div, aux_sum), parts
 
-    def block_grad(self, a, b, v0, v1, rows, here, scale, co=None, held=None, parts=None):
-        """The gradient w.r.t. the student's raw logits of one block (in the student's buffer): ``scale *
-        dD/dx_s`` (``scale``: ``[b - a]``, the upstream gradient times ``kz``) plus, with ``co``, the
-        student's log-prob / entropy terms. ``held``: the chunk's blocks, still held (one vocabulary block),
-        else both are filled again; ``parts``: what the divergence's sums of this block kept."""
-        tok, tf, tf_t = self.tok, self.tok.transform, self.tf_t
-        k, kt = self.k(a, b)
-        if held is not None:
-            x, xt, cap = held[0], held[1], held[4]
-            scratch = None
-        else:
-            x, xt, scratch, _, cap = self.raw(a, b, v0, v1)
+    def grad(self, x, scratch, cap, a, b, v0, v1, k, rows, here, scale, co, held_t=None, parts=None):
+        """The gradient w.r.t. the student's raw logits of one block, written over the student's ``x`` (raw,
+        just filled; or, ``held_t`` the teacher's block, both as the statistics and sums left them): ``scale *
+        dD/dx_s`` (``scale``: ``[b - a]``, the upstream gradient times ``kz``) plus the student's log-prob /
+        entropy terms of ``co``. ``cap``: the student's cap derivative buffer; ``parts``: what the divergence's
+        sums of this block kept."""
+        tf, tf_t, kt = self.tok.transform, self.tf_t, self.k_t(a, b)
+        if held_t is None:
+            xt, _ = self.fill(a, b, v0, v1)
             self.kernels.pair_ready(x, xt, cap, tf, k, rows.m, tf_t, kt, here.m_t, cap_out=True)
-        return self.kernels.pair_grad(self.spec, x, xt, tf, k, rows, tok.target[a:b], v0, co, tf_t, kt, here, scale,
-                                      self.dtype, self.const, scratch, cap, parts)
+        else:
+            xt = held_t
+        return self.kernels.pair_grad(self.spec, x, xt, tf, k, rows, self.tok.target[a:b], v0, co, tf_t, kt, here,
+                                      scale, self.dtype, self.const, scratch, cap, parts)
 
 
 def _store_pair(stats: _stats.RowStats, pair: "_divergence.PairRows", rows, here, a: int, b: int) -> None:
@@ -657,86 +755,3 @@ def new_pair_rows(n: int, spec, dtype, device) -> "_divergence.PairRows":
     """Full-length :class:`~chunked_entropy._divergence.PairRows` for the pair walks to fill."""
     new = lambda: torch.empty(n, dtype=dtype, device=device)  # noqa: E731
     return _divergence.PairRows(new(), new(), new(), new() if spec.needs_aux else None)
-
-
-def pair_row_stats(tok: Tokens, tf_t, spec, fill: Fill, fill_t: Fill, plan: Plan, *, width: int, dtype,
-                   device) -> tuple:
-    """Forward of a divergence between two heads: ``(stats, pair)``, the student's
-    :class:`~chunked_entropy._stats.RowStats` and the :class:`~chunked_entropy._divergence.PairRows` of every row.
-
-    Per chunk: both blocks of each vocabulary block (two projections), each model's statistics merged over
-    blocks and ``group`` (both models' together: one MAX all-reduce and one all-gather,
-    :func:`~chunked_entropy.parallel.reduce_stats_pair`); then the divergence's sums (one SUM all-reduce):
-    from the blocks still held when the vocabulary is one block, else from each block filled again. Three
-    collectives per chunk under a group. ``plan.kernels``: the kernels the blocks go through (see :class:`_PairWalk`).
-    """
-    block, chunk_size, group, want_entropy, kernels = (plan.vocab_chunk_size, plan.chunk_size, plan.group,
-                                                       plan.want.entropy, plan.kernels)
-    walk = _PairWalk(tok, tf_t, spec, fill, fill_t, width=width, block=block, chunk_size=chunk_size, dtype=dtype,
-                     device=device, kernels=kernels, grad=False)
-    stats = new_row_stats(tok.n, _stats.Want(want_entropy, False), dtype, device)
-    pair = new_pair_rows(tok.n, spec, dtype, device)
-    for a, b in chunks(tok.n, chunk_size):
-        rows, ls_t, merged, merged_t, held, cross = walk.chunk_stats(a, b, group, want_entropy)
-        here, _ = walk.chunk_sums(a, b, group, rows, ls_t, merged, merged_t, held, cross, keep_parts=False)
-        _store_pair(stats, pair, rows, here, a, b)
-    return stats, pair
-
-
-def pair_loss_grad_blocks(
-    tok: Tokens, tf_t, spec, fill: Fill, fill_t: Fill, plan: Plan, *, width: int, weights: torch.Tensor,
-    stats: _stats.RowStats, pair: "_divergence.PairRows", dtype, device,
-) -> Iterator[tuple]:
-    """Forward of a loss that is a weighted sum of the rows' divergences, ``sum_i weights_i D_i`` (the
-    weights, ``[N]``, known before the walk): :func:`pair_row_stats`'s walk that also yields ``(a, b, v0, v1,
-    g)`` as :func:`grad_blocks` does, the student's logit gradient formed in the same walk, and fills
-    ``stats`` and ``pair`` (from :func:`new_row_stats`, :func:`new_pair_rows`) on the way.
-
-    One vocabulary block: each chunk's blocks are filled once (statistics, sums and gradient from the blocks
-    held); with vocabulary blocks, three times (statistics, sums, gradient). Three collectives per chunk.
-    """
-    block, chunk_size, group, want_entropy, kernels = (plan.vocab_chunk_size, plan.chunk_size, plan.group,
-                                                       plan.want.entropy, plan.kernels)
-    walk = _PairWalk(tok, tf_t, spec, fill, fill_t, width=width, block=block, chunk_size=chunk_size, dtype=dtype,
-                     device=device, kernels=kernels, grad=True)
-    single = block >= width
-    for a, b in chunks(tok.n, chunk_size):
-        rows, ls_t, merged, merged_t, held, cross = walk.chunk_stats(
-            a, b, group, want_entropy, cap_single=single and tok.transform.softcap is not None)
-        here, parts = walk.chunk_sums(a, b, group, rows, ls_t, merged, merged_t, held, cross, keep_parts=single)
-        _store_pair(stats, pair, rows, here, a, b)
-        scale = tok.scaled(weights[a:b], a, b)
-        if single:
-            yield a, b, 0, width, walk.block_grad(a, b, 0, width, rows, here, scale, held=held, parts=parts)
-            parts = held = None
-        else:
-            for v0, v1 in chunks(width, block):
-                yield a, b, v0, v1, walk.block_grad(a, b, v0, v1, rows, here, scale)
-
-
-def pair_grad_blocks(
-    tok: Tokens, tf_t, spec, fill: Fill, fill_t: Fill, plan: Plan, *, width: int, stats: _stats.RowStats,
-    pair: "_divergence.PairRows", grads, dtype, device, block: Optional[int] = None, vocab_outer: bool = False,
-) -> Iterator[tuple]:
-    """Backward of :func:`pair_row_stats`: yield ``(a, b, v0, v1, g)``, the gradient w.r.t. the student's raw
-    logits of each block, both blocks filled again (two projections). ``grads``: the upstream gradients of
-    ``(divergence, log_probs, entropy)`` (None: no term). ``vocab_outer``: vocabulary blocks outermost, as in
-    :func:`grad_blocks`. No collective."""
-    block = plan.vocab_chunk_size if block is None else block
-    chunk_size, kernels = plan.chunk_size, plan.kernels
-    n = tok.n
-    g_div, g_lp, g_h = (None if g is None else g.reshape(-1).to(dtype) for g in grads)
-    walk = _PairWalk(tok, tf_t, spec, fill, fill_t, width=width, block=block, chunk_size=chunk_size, dtype=dtype,
-                     device=device, kernels=kernels, grad=True, teacher_scratch=False)
-
-    def chunk(a, b):
-        rows, here = stats.rows(a, b), pair.rows(a, b)
-        co = tok.coefficients(a, b, None if g_lp is None else g_lp[a:b], None if g_h is None else g_h[a:b], None)
-        scale = tok.scaled(torch.zeros(b - a, dtype=dtype, device=device) if g_div is None else g_div[a:b], a, b)
-        return rows, here, co, scale
-
-    def block_grad(a, b, v0, v1, parts):
-        rows, here, co, scale = parts
-        return walk.block_grad(a, b, v0, v1, rows, here, scale, co=co)
-
-    yield from _gradient_walk(n, width, block, chunk_size, vocab_outer, chunk, block_grad)

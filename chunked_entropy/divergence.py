@@ -11,11 +11,12 @@ Layer: ops, beside :mod:`chunked_entropy.linear` and :mod:`chunked_entropy.polic
   matmuls per step: two projections, two gradient matmuls).
 - :func:`divergence_from_logits`: the same from logits the caller holds.
 
-The walks are :mod:`chunked_entropy._loop`'s two-head walks, a second projection per
-block: the statistics walk (:func:`~chunked_entropy._loop.pair_row_stats`), the
-loss walk that forms the student's gradient in forward
-(:func:`~chunked_entropy._loop.pair_loss_grad_blocks`) and the gradient walk
-(:func:`~chunked_entropy._loop.pair_grad_blocks`); the math is
+The walks are :mod:`chunked_entropy._loop`'s, every op's, with the teacher as their
+second head (:class:`~chunked_entropy._loop.TeacherHead`: a second projection per
+block): the statistics walk (:func:`~chunked_entropy._loop.row_stats`), the loss
+walk that forms the student's gradient in forward
+(:func:`~chunked_entropy._loop.loss_grad_blocks`) and the gradient walk
+(:func:`~chunked_entropy._loop.grad_blocks`); the math is
 :mod:`chunked_entropy._divergence` (one class per divergence). Under a process
 group the forward makes three collectives per chunk (one MAX all-reduce and one
 all-gather of both heads' statistics, one SUM all-reduce of the divergence's
@@ -68,12 +69,13 @@ from ._logit_blocks import (
 )
 from ._loop import (
     Plan,
+    TeacherHead,
+    grad_blocks,
+    loss_grad_blocks,
     new_pair_rows,
     new_row_stats,
-    pair_grad_blocks,
-    pair_loss_grad_blocks,
-    pair_row_stats,
     pair_rows_from_saved,
+    row_stats,
     saved_pair_rows,
 )
 
@@ -123,9 +125,10 @@ def _pair_results(tok: Tokens, stats: RowStats, pair, valid, want):
 
 
 def _walk(tok, teacher_fill, spec, fill, *, width, plan: Plan, teacher: Teacher, dtype, device) -> tuple:
-    """The statistics walk, :func:`~chunked_entropy._loop.pair_row_stats`: ``(stats, pair)``."""
-    return pair_row_stats(tok, teacher.transform, spec, fill, teacher_fill, plan, width=width, dtype=dtype,
-                          device=device)
+    """The statistics walk with the teacher as its second head (:func:`~chunked_entropy._loop.row_stats`):
+    ``(stats, pair)``."""
+    return row_stats(tok, fill, plan, width=width, dtype=dtype, device=device,
+                     teacher=TeacherHead(teacher.transform, spec, teacher_fill))
 
 
 def _teacher_fill(teacher: Teacher, plan: Plan):
@@ -168,11 +171,11 @@ class _LinearDivergenceFunction(torch.autograd.Function):
         rows = Rows(h_full)
         cdt = stats.ls.dtype
         vocab_block = grad_vocab_block(tok.n, weight, plan, need[1])
-        blocks = pair_grad_blocks(
-            tok, ctx.teacher.transform, ctx.spec, linear_filler(rows, weight, bias, plan.float32_logits),
-            _teacher_fill(ctx.teacher, plan), plan, width=weight.shape[0], block=vocab_block,
-            vocab_outer=vocab_block is not None, stats=stats, pair=pair, grads=(g_div, g_lp, g_h), dtype=cdt,
-            device=weight.device,
+        blocks = grad_blocks(
+            tok, linear_filler(rows, weight, bias, plan.float32_logits), plan, width=weight.shape[0],
+            block=vocab_block, vocab_outer=vocab_block is not None, stats=stats, grads=(g_lp, g_h, None), dtype=cdt,
+            device=weight.device, pair=pair, div_grads=g_div,
+            teacher=TeacherHead(ctx.teacher.transform, ctx.spec, _teacher_fill(ctx.teacher, plan)),
         )
         main_grad = ctx.main_grad if need[1] else None
         grad_h, gw, gb = linear_grads(blocks, rows, weight, n=tok.n, hidden_dtype=hidden.dtype,
@@ -202,17 +205,17 @@ class _LinearDivergenceLossFunction(torch.autograd.Function):
             plan, vocab_block = three_pass, None
         else:
             vocab_block = grad_vocab_block(tok.n, weight, plan, need[1])
-        width, tf_t = weight.shape[0], teacher.transform
+        width, head = weight.shape[0], TeacherHead(teacher.transform, spec, teacher_fill)
         if any(need) and vocab_block is None:
             stats, pair = new_row_stats(tok.n, plan.want, cdt, dev), new_pair_rows(tok.n, spec, cdt, dev)
-            blocks = pair_loss_grad_blocks(tok, tf_t, spec, fill, teacher_fill, plan, width=width, weights=weights,
-                                           stats=stats, pair=pair, dtype=cdt, device=dev)
+            blocks = loss_grad_blocks(tok, fill, plan, width=width, stats=stats, dtype=cdt, device=dev, teacher=head,
+                                      pair=pair, token_grads=lambda a, b, _: (None, None, weights[a:b]))
         else:
             stats, pair = _walk(tok, teacher_fill, spec, fill, width=width, plan=plan, teacher=teacher, dtype=cdt,
                                 device=dev)
-            blocks = () if vocab_block is None else pair_grad_blocks(
-                tok, tf_t, spec, fill, teacher_fill, plan, width=width, block=vocab_block, stats=stats, pair=pair,
-                grads=(weights, None, None), dtype=cdt, device=dev, vocab_outer=True)
+            blocks = () if vocab_block is None else grad_blocks(
+                tok, fill, plan, width=width, block=vocab_block, stats=stats, grads=(None, None, None), dtype=cdt,
+                device=dev, vocab_outer=True, teacher=head, pair=pair, div_grads=weights)
         # With main_grad (Megatron's float32 accumulator), or summed chunk by chunk (three_pass), the weight
         # gradient is kept in float32 until the upstream gradient scales it in backward, rounded once there;
         # else in the weight's dtype.
@@ -434,9 +437,9 @@ class _LogitsDivergenceFunction(torch.autograd.Function):
         v = logits.shape[-1]
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         gflat = grad.view(tok.n, v)
-        blocks = pair_grad_blocks(tok, ctx.teacher.transform, ctx.spec, logits_source(logits)[0],
-                                  logits_source(ctx.teacher.source)[0], plan, width=v, stats=stats, pair=pair,
-                                  grads=(g_div, g_lp, g_h), dtype=stats.ls.dtype, device=logits.device)
+        blocks = grad_blocks(tok, logits_source(logits)[0], plan, width=v, stats=stats, grads=(g_lp, g_h, None),
+                             dtype=stats.ls.dtype, device=logits.device, pair=pair, div_grads=g_div,
+                             teacher=TeacherHead(ctx.teacher.transform, ctx.spec, logits_source(ctx.teacher.source)[0]))
         for a, b, v0, v1, g in blocks:
             gflat[a:b, v0:v1].copy_(g)
         return grad, None, None, None, None, None

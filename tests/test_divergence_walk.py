@@ -159,8 +159,8 @@ def test_a_kl_folded_online_equals_the_second_pass(kind, monkeypatch):
 
     p = _problem(4, n=(3, 6))
     calls, fills = [], {}
-    fill = _loop._PairWalk.raw
-    monkeypatch.setattr(_loop._PairWalk, "raw", lambda self, *a: calls.append(a) or fill(self, *a))  # counted
+    fill = _loop._TeacherWalk.fill  # the teacher's block, filled beside each of the student's
+    monkeypatch.setattr(_loop._TeacherWalk, "fill", lambda self, *a: calls.append(a) or fill(self, *a))  # counted
     for fold in (True, False):
         monkeypatch.setattr(_loop, "FOLD_KL", fold)
         calls.clear()
@@ -168,7 +168,7 @@ def test_a_kl_folded_online_equals_the_second_pass(kind, monkeypatch):
         fills[fold] = len(calls)
         if fold:
             folded = got
-    monkeypatch.setattr(_loop._PairWalk, "raw", fill)
+    monkeypatch.setattr(_loop._TeacherWalk, "fill", fill)
     for form in ("head", "loss"):
         _close(folded[form], got[form], f"folded vs second pass, {form}", 1e-5)
     blocks = 5 * 5  # 18 rows in 5 chunks of 4, 37 columns in 5 blocks of 8
