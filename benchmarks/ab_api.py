@@ -2,13 +2,13 @@
 
 Paired (the method to use): two long-lived worker processes, one per checkout (``PYTHONPATH=<checkout>``,
 ``torch.set_num_threads(1)`` each, so that they never compete for the cores), each with every path's inputs
-built and warmed up once; the parent then asks for one timed call of a path in A, then the same in B (the
+built and warmed up once; the parent then asks for one timed sample of a path in A, then the same in B (the
 next pair B first, then A), many times, the paths interleaved round by round. Each pair gives one ratio B / A
-from two calls made seconds apart, so the drift of a busy machine stays out of it; the rounds are split over
+from two samples taken within a second, so the drift of a busy machine stays out of it; the rounds are split over
 ``--spawns`` fresh pairs of workers, so that what one process happens to get (allocator state, where its pages
 landed: +-8% between single-process runs seen here) is sampled several times on each side. A timed sample is
 as many calls in a row as last about ``--sample-ms`` (each worker's count from its warm-up: the logits path's
-70 ms call is timed three or four times a sample), the time per call reported. Per path: the median ratio and
+60-70 ms call four times a sample here), the time per call reported. Per path: the median ratio and
 a bootstrap 95% interval of that median (the pairs resampled), with each side's median time per call::
 
     python benchmarks/ab_api.py --a /path/to/old --b /path/to/new --pairs 60
