@@ -2,13 +2,14 @@
 
 Paired (the method to use): two long-lived worker processes, one per checkout (``PYTHONPATH=<checkout>``,
 ``torch.set_num_threads(1)`` each, so that they never compete for the cores), each with every path's inputs
-built and warmed up once; the parent then asks for one timed call of a path in A, then the same in B (the
+built and warmed up once; the parent then asks for one timed sample of a path in A, then the same in B (the
 next pair B first, then A), many times, the paths interleaved round by round. Each pair gives one ratio B / A
-from two calls made seconds apart, so the drift of a busy machine stays out of it; the rounds are split over
+from two samples taken within a second, so the drift of a busy machine stays out of it; the rounds are split over
 ``--spawns`` fresh pairs of workers, so that what one process happens to get (allocator state, where its pages
-landed: +-8% between single-process runs seen here) is sampled several times on each side. Per path: the
-median ratio and a bootstrap 95% interval of that median (the pairs resampled), with each side's median
-time::
+landed: +-8% between single-process runs seen here) is sampled several times on each side. A timed sample is
+as many calls in a row as last about ``--sample-ms`` (each worker's count from its warm-up: the logits path's
+60-70 ms call four times a sample here), the time per call reported. Per path: the median ratio and
+a bootstrap 95% interval of that median (the pairs resampled), with each side's median time per call::
 
     python benchmarks/ab_api.py --a /path/to/old --b /path/to/new --pairs 60
     python benchmarks/ab_api.py --a /path/to/main --b /path/to/main --pairs 60  # the method's own noise: 1.00
@@ -125,42 +126,49 @@ def _import() -> None:
     ce, NEW = chunked_entropy, hasattr(chunked_entropy, "OutputLayer")
 
 
-def _timed(run) -> float:
-    """One call's seconds, the collector run before and kept off during it."""
+def _timed(run, calls: int = 1) -> float:
+    """Seconds per call of ``calls`` calls in a row, the collector run before and kept off during them."""
     gc.collect()
     gc.disable()
     try:
         t0 = time.perf_counter()
-        run()
-        return time.perf_counter() - t0
+        for _ in range(calls):
+            run()
+        return (time.perf_counter() - t0) / calls
     finally:
         gc.enable()
 
 
-def _worker(paths, threads: int) -> None:
-    """A paired run's worker: every path built and warmed up, then one timed call per line read (a path's
-    name), its seconds written back; ``quit`` ends it."""
+def _worker(paths, threads: int, sample_ms: float) -> None:
+    """A paired run's worker: every path built and warmed up, then one timed sample per line read (a path's
+    name), its seconds per call written back; ``quit`` ends it. A sample is as many calls in a row as last
+    about ``sample_ms`` (from the faster of two calls after the warm-up; at least one), so that a short path's sample is
+    not one scheduler tick's worth."""
     torch.set_num_threads(threads)
     _import()
     runs = {name: PATHS[name](torch.Generator().manual_seed(0)) for name in paths}
-    for run in runs.values():
+    calls = {}
+    for name, run in runs.items():
         run()  # warm-up
-    print(f"ready {ce.__file__} torch {torch.__version__} threads {torch.get_num_threads()}", flush=True)
+        calls[name] = max(1, round(sample_ms / 1e3 / min(_timed(run), _timed(run))))
+    print(f"ready {ce.__file__} torch {torch.__version__} threads {torch.get_num_threads()} calls per sample "
+          f"{calls}", flush=True)
     for line in sys.stdin:
         name = line.strip()
         if name == "quit":
             return
-        print(f"{_timed(runs[name]):.9f}", flush=True)
+        print(f"{_timed(runs[name], calls[name]):.9f}", flush=True)
 
 
 class _Worker:
     """A worker process over one checkout (``PYTHONPATH=checkout``), asked one timed call at a time."""
 
-    def __init__(self, checkout: str, paths, threads: int):
+    def __init__(self, checkout: str, paths, threads: int, sample_ms: float):
         env = dict(os.environ, PYTHONPATH=os.path.abspath(checkout), OMP_NUM_THREADS=str(threads),
                    MKL_NUM_THREADS=str(threads))
         self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", "--paths",
-                                      ",".join(paths), "--threads", str(threads)], env=env, text=True,
+                                      ",".join(paths), "--threads", str(threads), "--sample-ms", str(sample_ms)],
+                                     env=env, text=True,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=os.path.abspath(checkout))
         self.ready = self.proc.stdout.readline().strip()
         if not self.ready.startswith("ready"):
@@ -185,7 +193,7 @@ def bootstrap_median(ratios, resamples: int = 4000, seed: int = 0) -> tuple:
     return meds[int(0.025 * resamples)], meds[int(0.975 * resamples) - 1]
 
 
-def paired(a: str, b: str, paths, pairs: int, threads: int, spawns: int = 4) -> dict:
+def paired(a: str, b: str, paths, pairs: int, threads: int, spawns: int = 4, sample_ms: float = 250.0) -> dict:
     """``pairs`` paired rounds of every path, A and B alternating first; per path ``(ratios, times_a, times_b)``.
     The rounds are split over ``spawns`` generations of the two workers, each pair started afresh (the one
     started first alternating), so that what one process happens to get (its allocator's state, where its pages
@@ -195,7 +203,7 @@ def paired(a: str, b: str, paths, pairs: int, threads: int, spawns: int = 4) -> 
         rounds = pairs // spawns + (gen < pairs % spawns)
         first, second = ("A", a), ("B", b)
         workers = dict([first, second] if gen % 2 == 0 else [second, first])
-        workers = {side: _Worker(checkout, paths, threads) for side, checkout in workers.items()}
+        workers = {side: _Worker(checkout, paths, threads, sample_ms) for side, checkout in workers.items()}
         if gen == 0:
             for side in ("A", "B"):
                 print(f"# {side}: {workers[side].ready}", flush=True)
@@ -221,6 +229,8 @@ def main() -> None:
     p.add_argument("--pairs", type=int, default=60, help="paired rounds per path (paired mode)")
     p.add_argument("--threads", type=int, default=1, help="torch threads of each worker (paired mode)")
     p.add_argument("--spawns", type=int, default=4, help="fresh worker pairs the rounds are split over (paired mode)")
+    p.add_argument("--sample-ms", type=float, default=250.0,
+                   help="a sample's length: calls in a row per timed sample (paired mode)")
     p.add_argument("--label", default="this")
     p.add_argument("--repeats", type=int, default=5, help="timed runs per path (single-process mode)")
     p.add_argument("--paths", default=",".join(PATHS))
@@ -231,13 +241,14 @@ def main() -> None:
     if unknown:
         p.error(f"unknown paths {unknown}; choose from {list(PATHS)}")
     if args.worker:
-        return _worker(paths, args.threads)
+        return _worker(paths, args.threads, args.sample_ms)
     if (args.a is None) != (args.b is None):
         p.error("--a and --b go together (paired mode)")
     if args.a is not None:
-        res = paired(args.a, args.b, paths, args.pairs, args.threads, max(1, min(args.spawns, args.pairs)))
-        print(f"# {args.pairs} pairs per path over {args.spawns} worker pairs, {args.threads} thread(s) per worker; "
-              "B / A: median [95% bootstrap]")
+        res = paired(args.a, args.b, paths, args.pairs, args.threads, max(1, min(args.spawns, args.pairs)),
+                     args.sample_ms)
+        print(f"# {args.pairs} pairs per path over {args.spawns} worker pairs, {args.threads} thread(s) per worker, "
+              f"samples of about {args.sample_ms:g} ms; B / A of the time per call: median [95% bootstrap]")
         print("path\tB/A\tlow\thigh\tA_median_ms\tB_median_ms")
         for name, (ratios, ta, tb) in res.items():
             lo, hi = bootstrap_median(ratios)
