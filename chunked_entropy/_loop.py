@@ -249,10 +249,9 @@ def row_stats(tok: Tokens, fill: Fill, plan: Plan, *, width: int, dtype, device,
         if at is not None:  # distillation's ids and top-k, read before the block is overwritten
             c.cand = at.block(z, a, b, v0, c.cand)
         if c.tree is not None:  # the invariant mode: the block's tiles into the chunk's tree
-            fast = None if kernels.in_place else kernels
-            _tiles.push_block_stats(c.tree, tiles, x if fast is None else z, tf, c.k, c.target, v0, scratch,
-                                    want_w=want.entropy, want_q=want.sum_pi_squared,
-                                    src=None if fast is not None or z is x else z, compiled=fast, dtype=dtype)
+            blk, src, fast = kernels.tile_block(z, x)
+            _tiles.push_block_stats(c.tree, tiles, blk, tf, c.k, c.target, v0, scratch, want_w=want.entropy,
+                                    want_q=want.sum_pi_squared, src=src, compiled=fast, dtype=dtype)
         else:
             blk = kernels.block_stats(z, x, scratch, None, tf, c.k, c.target, v0, want.entropy, want.sum_pi_squared,
                                       dtype, const, out=None if running is None else running[:, a:b],
