@@ -367,9 +367,11 @@ def _kept_pair(a: dict, group, sp: bool, count):
         teacher = t
     else:
         a["teacher_hidden"] = take_rows(t, lead, idx)
-    for k in ("labels", "label_mask", "weights", "temperature"):
+    for k in ("labels", "label_mask", "weights", "temperature", "log_probs_at"):
         if a.get(k) is not None:
             a[k] = take_rows(a[k], lead, idx)
+    if a.get("keep") is not None:
+        a["keep"] = take_keep(a["keep"], lead, idx)
     return lead, idx, require, teacher
 
 
@@ -432,7 +434,8 @@ def _put_back(out, per):
     """An op's per-row outputs at their rows of the full shape (a 0-d loss as it is)."""
     if all(hasattr(out, f) for f in _LPE):  # a LogProbsEntropy
         return type(out)(*(per(getattr(out, f)) for f in _LPE))
-    return type(out)(*(per(x) if isinstance(x, torch.Tensor) and x.dim() > 0 else x for x in out))
+    extra = [getattr(out, f) for f in getattr(out, "_extra", ())]  # attributes beyond the tuple (DivergenceOutputs')
+    return type(out)(*(per(x) if isinstance(x, torch.Tensor) and x.dim() > 0 else x for x in (*out, *extra)))
 
 
 # ----------------------------------------------------------------------------- the preparation
@@ -670,11 +673,13 @@ def _all_finite(t: torch.Tensor) -> torch.Tensor:
 
 
 def _pair(call, student, layer, chunking, teacher, teacher_layer, divergence, logits: bool, compute_entropy,
-          loss_weights, *, labels, temperature, label_mask, ignore_index, teacher_checked: bool = False,
-          **_) -> Prepared:
-    """The checks and the preparation of a divergence between two heads (over logits or hidden states).
-    ``teacher_checked``: the teacher's rows are a ``rows=`` selection, filled once the call is agreed, whose
-    finiteness the selection checks on each rank's own rows (:meth:`~chunked_entropy._rows.Selection.agree`)."""
+          loss_weights, *, labels, temperature, label_mask, ignore_index, keep=None, entropy_of="full",
+          log_probs_at=None, top_k=None, teacher_checked: bool = False) -> Prepared:
+    """The checks and the preparation of a divergence between two heads (over logits or hidden states); the
+    student's sampling replay (``keep``, ``entropy_of``) and distillation outputs (``log_probs_at``, ``top_k``)
+    as the one-head ops take them. ``teacher_checked``: the teacher's rows are a ``rows=`` selection, filled once
+    the call is agreed, whose finiteness the selection checks on each rank's own rows
+    (:meth:`~chunked_entropy._rows.Selection.agree`)."""
     compute_entropy = check_flag("compute_entropy", compute_entropy)
     what = "logits" if logits else "hidden"
     if logits:
@@ -704,7 +709,8 @@ def _pair(call, student, layer, chunking, teacher, teacher_layer, divergence, lo
         labels = torch.full(tuple(lead), check_ignore_index(ignore_index), dtype=torch.int64, device=student.device)
     tok = prepare_tokens(labels, lead, v_local, call=call, label_mask=label_mask, ignore_index=ignore_index,
                          temperature=temperature, device=student.device, dtype=cdt, transform=layer.transform,
-                         teacher_transform=teacher_layer.transform)
+                         teacher_transform=teacher_layer.transform, keep=keep, entropy_of=entropy_of,
+                         log_probs_at=log_probs_at, top_k=top_k, logits=student if logits else None)
     if no_labels:
         valid = (torch.ones(tok.n, dtype=torch.bool, device=student.device) if label_mask is None
                  else label_mask.reshape(-1).to(device=student.device, dtype=torch.bool))

@@ -185,8 +185,8 @@ def _wrap_result(res, shard: VocabShard, lead: tuple, *, scalar_ok: bool):
     if isinstance(res, LogProbsEntropy):
         return LogProbsEntropy(w(res.log_probs), w(res.entropy), w(res.sum_pi_squared), w(res.log_probs_at),
                                w(res.top_k_ids), w(res.top_k_log_probs))
-    if isinstance(res, tuple) and hasattr(res, "_fields"):  # DivergenceOutputs, DivergenceLoss
-        return type(res)._make(w(x) for x in res)
+    if isinstance(res, tuple) and hasattr(res, "_fields"):  # DivergenceOutputs (its attributes too), DivergenceLoss
+        return type(res)(*(w(x) for x in (*res, *(getattr(res, f) for f in getattr(res, "_extra", ())))))
     if isinstance(res, tuple) and len(res) == 2 and isinstance(res[0], torch.Tensor):  # (loss, metrics)
         return (w(res[0]), res[1])
     return res

@@ -186,6 +186,12 @@ class _Fast:
         rows' over the group): these kernels read the raw block again (:meth:`block_grad`)."""
         return self.block_grad(z, out, scratch, aux, tf, k, row, target, v0, co, dtype, const)
 
+    def tile_block(self, z, x) -> tuple:
+        """``(x, src, compiled)`` as the invariant mode's tiles take a block
+        (:func:`chunked_entropy._tiles.push_block_stats`): these kernels read the raw block ``z`` (read only) with
+        their own ``stats``."""
+        return z, None, self
+
     # A divergence's two heads (:class:`chunked_entropy._loop._TeacherWalk`): a student's block ``x`` (transform
     # ``tf``, multiplier ``k``) and a teacher's ``xt`` (``tf_t``, ``k_t``), both in the walk's buffers. These
     # kernels read the raw blocks (the divergence's compiled kernels, :data:`PAIR`, for the Triton backend too),
@@ -509,6 +515,11 @@ class _Eager(_Fast):
         """From the offsets :meth:`stats` left in ``out`` (to the block's maxima), shifted to the merged ones."""
         y = _stats.shift_offsets_(out, local.m, merged.m, k) if merged is not local else out
         return _stats.grad_from_offsets_(y, tf, row, target, v0, co, scratch, aux)
+
+    def tile_block(self, z, x) -> tuple:
+        """``(x, src, compiled)`` as the invariant mode's tiles take a block: our buffer ``x`` (its offsets written
+        over it), the caller's rows ``z`` read once where they are not ``x`` (``src``), the eager statistics."""
+        return x, None if z is x else z, None
 
     def pair_ready(self, x, xt, cap, tf, k, m, tf_t, k_t, m_t, cap_out: bool) -> None:
         """Both raw blocks transformed and made offsets to ``m``, ``m_t`` in place; the student's cap derivative

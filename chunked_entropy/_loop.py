@@ -127,13 +127,17 @@ def _store(out: _stats.RowStats, r: _stats.RowStats, a: int, b: int) -> None:
 def _rows_of_chunk(st, kst, count, group, k, kept) -> tuple:
     """A chunk's statistics merged over ``group`` (kept sets included): ``(RowStats, the merged BlockStats)``."""
     st, kst, count = reduce_stats(st, group, k, kst, count)
-    rows = _stats.RowStats.from_block(st, k)
+    return _with_kept(_stats.RowStats.from_block(st, k), kst, count, k, kept), st
+
+
+def _with_kept(rows: _stats.RowStats, kst, count, k, kept) -> _stats.RowStats:
+    """``rows`` with the kept sets' merged statistics (``kst``, ``count``; ``rows`` itself without replay)."""
     if kst is None:
-        return rows, st
+        return rows
     kr = _stats.RowStats.from_block(kst, k)  # the label's u as the kept entries' (_keep.block_stats)
     if not kept.of_kept:
         kr = kr._replace(ws=None, s2=None)
-    return rows.with_kept(kr, count > 0), st
+    return rows.with_kept(kr, count > 0)
 
 
 def _block_at(at, at_ids, target, a, b, v0, z, tf):
@@ -245,10 +249,9 @@ def row_stats(tok: Tokens, fill: Fill, plan: Plan, *, width: int, dtype, device,
         if at is not None:  # distillation's ids and top-k, read before the block is overwritten
             c.cand = at.block(z, a, b, v0, c.cand)
         if c.tree is not None:  # the invariant mode: the block's tiles into the chunk's tree
-            fast = None if kernels.in_place else kernels
-            _tiles.push_block_stats(c.tree, tiles, x if fast is None else z, tf, c.k, c.target, v0, scratch,
-                                    want_w=want.entropy, want_q=want.sum_pi_squared,
-                                    src=None if fast is not None or z is x else z, compiled=fast, dtype=dtype)
+            blk, src, fast = kernels.tile_block(z, x)
+            _tiles.push_block_stats(c.tree, tiles, blk, tf, c.k, c.target, v0, scratch, want_w=want.entropy,
+                                    want_q=want.sum_pi_squared, src=src, compiled=fast, dtype=dtype)
         else:
             blk = kernels.block_stats(z, x, scratch, None, tf, c.k, c.target, v0, want.entropy, want.sum_pi_squared,
                                       dtype, const, out=None if running is None else running[:, a:b],
@@ -553,7 +556,7 @@ def loss_grad_blocks(
             kb, kc = (None, None) if gk is None else _keep.block_stats(gk, entries, b - a, k, dtype)
             if second is not None:  # the teacher's block beside it; both heads merged, the divergence's sums
                 c = _ChunkStats(tok, a, b, chunk_size, None, second)
-                c.st = local
+                c.st, c.kst, c.count = local, kb, kc
                 second.block_stats(c, a, b, 0, width, out, scratch, local, None)
                 rows, here, parts = second.close(c, a, b, group, None, out, aux, keep_parts=True)
                 _store_pair(stats, pair, rows, here, a, b)
@@ -683,11 +686,13 @@ class _TeacherWalk:
         the student's last block and its cap derivative (held with one vocabulary block); ``refill(v0, v1)``:
         the student's block filled again (vocabulary blocks)."""
         k, kt = c.k, c.kt
-        if self.fold:  # the cross sum rides in the statistics' gather
-            merged, merged_t, cross = reduce_stats_pair(c.st, c.stt, group, k, kt, cross=(c.cross, self.teacher_weighs))
-        else:  # the same arithmetic for both heads
-            (merged, merged_t), cross = reduce_stats_pair(c.st, c.stt, group, k, kt), None
-        rows = _stats.RowStats.from_block(merged, k)
+        # the cross sum (a KL folded online) and the kept sets' statistics ride in the statistics' gather
+        merged, merged_t, *rest = reduce_stats_pair(c.st, c.stt, group, k, kt,
+                                                    cross=(c.cross, self.teacher_weighs) if self.fold else None,
+                                                    kept=c.kst, count=c.count)
+        cross = rest.pop(0) if self.fold else None
+        kst, count = rest if c.kst is not None else (None, None)
+        rows = _with_kept(_stats.RowStats.from_block(merged, k), kst, count, k, self.tok.keep)
         ls_t = _stats.RowStats.from_block(merged_t, kt).ls
         if cross is not None:  # a KL folded online: no pass, no collective
             s_s, s_t = merged.ones + merged.rest, merged_t.ones + merged_t.rest
@@ -741,17 +746,17 @@ def _store_pair(stats: _stats.RowStats, pair: "_divergence.PairRows", rows, here
 
 
 def saved_pair_rows(stats: _stats.RowStats, pair: "_divergence.PairRows") -> tuple:
-    """The rows a divergence's Function saves for its backward: the student's statistics and the pair's."""
-    return (stats.m, stats.ls, stats.ws, pair.m_t, pair.ls_t, pair.div, pair.aux)
+    """The rows a divergence's Function saves for its backward: the student's statistics (its kept sets' with
+    replay: :meth:`~chunked_entropy._stats.RowStats.saved`) and the pair's."""
+    return stats.saved() + tuple(pair)
 
 
 def pair_rows_from_saved(t) -> tuple:
     """:func:`saved_pair_rows`'s tensors back as ``(RowStats, PairRows)``."""
-    m, ls, ws, m_t, ls_t, div, aux = t
-    return _stats.RowStats(m, ls, ws, None, None), _divergence.PairRows(m_t, ls_t, div, aux)
+    return _stats.RowStats.from_saved(t[:9]), _divergence.PairRows(*t[9:])
 
 
 def new_pair_rows(n: int, spec, dtype, device) -> "_divergence.PairRows":
-    """Full-length :class:`~chunked_entropy._divergence.PairRows` for the pair walks to fill."""
+    """Full-length :class:`~chunked_entropy._divergence.PairRows` for the walks with a second head to fill."""
     new = lambda: torch.empty(n, dtype=dtype, device=device)  # noqa: E731
     return _divergence.PairRows(new(), new(), new(), new() if spec.needs_aux else None)

@@ -4,8 +4,9 @@ Layer: ops, beside :mod:`chunked_entropy.linear` and :mod:`chunked_entropy.polic
 
 - :func:`linear_divergence`: per-token forward KL, reverse KL or generalized JSD
   from both models' hidden states and (vocab-parallel) output weights, with the
-  student's log-probs at labels and entropy from the same pass; gradients into
-  the student only.
+  student's log-probs at labels (over sampling replay's kept sets with ``keep``),
+  entropy and distillation outputs (``log_probs_at``, ``top_k``) from the same
+  pass; gradients into the student only.
 - :func:`linear_divergence_loss`: the weighted sum (or mean) of it, the
   student's gradients formed inside the forward walk (four projection-sized
   matmuls per step: two projections, two gradient matmuls).
@@ -94,18 +95,45 @@ PAIR_CHUNK = 256
 _PAIRS = (("student_hidden", "student_layer"), ("teacher_hidden", "teacher_layer"))
 _LAYERS = ("student_layer", "teacher_layer")
 #: What ``rows=`` reads of the divergences over hidden states: the student's rows, the teacher's at them.
-_ROWS = RowsOf("student_hidden", ("labels", "label_mask", "weights"), tails=("teacher_hidden",), layers=_LAYERS,
+_ROWS = RowsOf("student_hidden", ("labels", "label_mask", "weights"), tails=("teacher_hidden", "log_probs_at", "keep"),
+               layers=_LAYERS,
                kept="pair", default=Chunking(PAIR_CHUNK))
 
 
-class DivergenceOutputs(NamedTuple):
-    """Per-token outputs, each in the tokens' leading shape: ``divergence`` (0 on masked rows),
-    ``log_probs`` (the student's at ``labels``; None without labels) and ``entropy`` (the student's, at the
-    divergence's temperature; None unless ``compute_entropy``)."""
-
+class _DivergenceTriple(NamedTuple):
     divergence: torch.Tensor
     log_probs: Optional[torch.Tensor] = None
     entropy: Optional[torch.Tensor] = None
+
+
+class DivergenceOutputs(_DivergenceTriple):
+    """Per-token outputs, each in the tokens' leading shape; unpacks as ``divergence, log_probs, entropy``:
+    ``divergence`` (0 on masked rows), ``log_probs`` (the student's at ``labels``, over the kept sets with
+    ``keep``; None without labels) and ``entropy`` (the student's, at the divergence's temperature, of the
+    whole row; None unless ``compute_entropy``). Attributes, not unpacked (as
+    :class:`~chunked_entropy.LogProbsEntropy`'s): the student's ``log_probs_at`` (``[..., K]``, at the ids of
+    ``log_probs_at=``), ``top_k_ids`` and ``top_k_log_probs`` (``[..., k]``, its own top-k with ``top_k=k``),
+    each None when not asked."""
+
+    #: The attributes beyond the three fields (carried by ``rows=`` and the DTensor front).
+    _extra = ("log_probs_at", "top_k_ids", "top_k_log_probs")
+
+    def __new__(cls, divergence, log_probs=None, entropy=None, log_probs_at=None, top_k_ids=None,
+                top_k_log_probs=None):
+        self = super().__new__(cls, divergence, log_probs, entropy)
+        self.log_probs_at = log_probs_at
+        self.top_k_ids = top_k_ids
+        self.top_k_log_probs = top_k_log_probs
+        return self
+
+    @classmethod
+    def _make(cls, iterable):
+        return cls(*iterable)
+
+    def __repr__(self):
+        extra = "".join(f", {k}={getattr(self, k)!r}" for k in self._extra if getattr(self, k) is not None)
+        return (f"DivergenceOutputs(divergence={self.divergence!r}, log_probs={self.log_probs!r}, "
+                f"entropy={self.entropy!r}{extra})")
 
 
 class DivergenceLoss(NamedTuple):
@@ -117,11 +145,52 @@ class DivergenceLoss(NamedTuple):
     entropy: Optional[torch.Tensor] = None
 
 
-def _pair_results(tok: Tokens, stats: RowStats, pair, valid, want):
+def _pair_results(ctx, tok: Tokens, stats: RowStats, pair, valid, want):
+    """The Function's outputs: ``(divergence, log_probs, entropy)`` (zeros for an entropy not asked), then
+    the student's distillation outputs where asked (:meth:`~chunked_entropy._inputs.Tokens.at_outputs`)."""
     div = torch.where(valid, pair.div, 0.0)
-    lp = torch.where(tok.valid, stats.log_probs(), 0.0)
-    ent = stats.entropy() if want.entropy else torch.zeros_like(div)
-    return div, lp, ent
+    lp, ent, _ = tok.outputs(stats, want)
+    at_outs = tok.at_outputs(stats)
+    if at_outs[1] is not None:
+        ctx.mark_non_differentiable(at_outs[1])
+    return (div, lp, ent if want.entropy else torch.zeros_like(div)) + tuple(t for t in at_outs if t is not None)
+
+
+def _split_grads(grads, tok: Tokens, stats: RowStats) -> tuple:
+    """A Function's upstream gradients: ``(g_div, g_lp, g_h)`` and distillation's ``[N, K + k]`` (or None: no
+    distillation output, or none with a gradient), as the one-head ops split theirs."""
+    g_div, g_lp, g_h, *extra = grads
+    at = tok.at
+    if at is None:
+        return g_div, g_lp, g_h, None
+    g_at = extra.pop(0) if at.ids is not None else None
+    return g_div, g_lp, g_h, at.upstream(g_at, extra[1] if at.top_k else None, at.k_ids, at.top_k,
+                                         stats.ls.unsqueeze(1))
+
+
+def _outputs(p, outs) -> DivergenceOutputs:
+    """The op's result from the Function's outputs (each in the tokens' leading shape)."""
+    shape, at = tuple(p.tok.shape), p.tok.at
+    div, lp, ent, *extra = outs
+    tail = [None, None, None]
+    if at is not None:
+        tail[0] = extra.pop(0).view(shape + (at.k_ids,)) if at.ids is not None else None
+        if at.top_k:
+            tail[1:] = [t.view(shape + (at.top_k,)) for t in extra[:2]]
+    return DivergenceOutputs(div.view(shape), None if p.no_labels else lp.view(shape),
+                             ent.view(shape) if p.want.entropy else None, *tail)
+
+
+def _empty(p, shape, device, inputs) -> DivergenceOutputs:
+    """Zero tokens: zeros connected to ``inputs``, in the outputs' shapes."""
+    z = zeros_connected(shape, p.cdt, device, p.grads, *inputs)
+    at = p.tok.at
+    k_ids, top = (0, 0) if at is None else (at.k_ids if at.ids is not None else 0, at.top_k or 0)
+    new = lambda tail, kind=p.cdt: torch.zeros(shape + tail, dtype=kind, device=device)  # noqa: E731
+    return DivergenceOutputs(z, None if p.no_labels else z, z if p.want.entropy else None,
+                             zeros_connected(shape + (k_ids,), p.cdt, device, p.grads, *inputs) if k_ids else None,
+                             new((top,), torch.int64) if top else None,
+                             zeros_connected(shape + (top,), p.cdt, device, p.grads, *inputs) if top else None)
 
 
 def _walk(tok, teacher_fill, spec, fill, *, width, plan: Plan, teacher: Teacher, dtype, device) -> tuple:
@@ -152,16 +221,17 @@ class _LinearDivergenceFunction(torch.autograd.Function):
         ctx.main_grad = main_grad
         ctx.weight_param = weight if main_grad is not None else None
         ctx.set_materialize_grads(False)
-        return _pair_results(tok, stats, pair, valid, plan.want)
+        return _pair_results(ctx, tok, stats, pair, valid, plan.want)
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, g_div, g_lp, g_h):
+    def backward(ctx, *grads):
         hidden, weight, bias, valid, *saved = ctx.saved_tensors
         stats, pair = pair_rows_from_saved(saved)
         tok, plan = ctx.tok, replace(ctx.plan, group=live_group(ctx.group))
         need = ctx.needs_input_grad[:3]
-        if g_div is None and g_lp is None and g_h is None:
+        g_div, g_lp, g_h, at_grads = _split_grads(grads, tok, stats)
+        if g_div is None and g_lp is None and g_h is None and at_grads is None:
             return (None,) * 9
         if g_div is not None:
             g_div = torch.where(valid, g_div.reshape(-1), 0.0)
@@ -174,7 +244,7 @@ class _LinearDivergenceFunction(torch.autograd.Function):
         blocks = grad_blocks(
             tok, linear_filler(rows, weight, bias, plan.float32_logits), plan, width=weight.shape[0],
             block=vocab_block, vocab_outer=vocab_block is not None, stats=stats, grads=(g_lp, g_h, None), dtype=cdt,
-            device=weight.device, pair=pair, div_grads=g_div,
+            device=weight.device, pair=pair, div_grads=g_div, at_grads=at_grads,
             teacher=TeacherHead(ctx.teacher.transform, ctx.spec, _teacher_fill(ctx.teacher, plan)),
         )
         main_grad = ctx.main_grad if need[1] else None
@@ -252,6 +322,9 @@ def linear_divergence(
     label_mask: Optional[torch.Tensor] = None,
     ignore_index: int = -100,
     compute_entropy: bool = False,
+    keep=None,
+    log_probs_at: Optional[torch.Tensor] = None,
+    top_k: Optional[int] = None,
     rows=None,
 ) -> DivergenceOutputs:
     """Per-token divergence between the student's and the teacher's next-token distributions.
@@ -294,6 +367,14 @@ def linear_divergence(
             divergence 0 and no gradient. They are still projected (the walk has static shapes: no host
             sync) unless ``rows="kept"`` (or an index) leaves them out.
         compute_entropy: also the student's entropy at ``temperature`` (with its gradient).
+        keep: sampling replay's kept sets of the student, as in
+            :func:`~chunked_entropy.linear_log_probs_and_entropy`: ``log_probs`` is then over each row's kept set
+            (the entropy stays the whole row's; the divergence is over the whole vocabulary). Not with
+            ``log_probs_at`` or ``top_k``.
+        log_probs_at: the student's log-probs at these ids (``[..., K]`` global ids in the tokens' leading
+            shape), as in :func:`~chunked_entropy.linear_log_probs_and_entropy`: read from the student's blocks
+            as the walk forms them (no pass of their own), differentiable (``log_probs_at``).
+        top_k: the student's own top-k (``top_k_ids``, ``top_k_log_probs``), as there.
         rows: project only these rows, as in :func:`~chunked_entropy.linear_log_probs_and_entropy`: an
             int64 index into the student's flattened token rows (the gathered sequence under sequence
             parallelism), ``labels``, ``label_mask`` and ``teacher_hidden`` then given per selected row
@@ -303,7 +384,8 @@ def linear_divergence(
 
     Returns:
         :class:`DivergenceOutputs`, identical on every rank of ``process_group``. ``divergence`` and the
-        optional outputs have gradients w.r.t. ``student_hidden``, ``student_weight`` and ``student_bias``.
+        optional outputs (but ``top_k_ids``) have gradients w.r.t. ``student_hidden``, ``student_weight`` and
+        ``student_bias``.
         The teacher's tensors are detached: they never receive a gradient.
 
     Raises:
@@ -321,20 +403,20 @@ def linear_divergence(
         (two for the KLs, five for the JSD; see :mod:`chunked_entropy._divergence`). Backward allocates the
         student's gradients (or adds the weight's into ``main_grad``). No ``[tokens, V]`` tensor of either
         model exists. Inputs are never written. Under a process group, forward makes three collectives per
-        chunk (two for a KL with ``vocab_chunk_size``), backward none per chunk.
+        chunk (two for a KL with ``vocab_chunk_size``), backward none per chunk. ``keep`` adds its kept sets'
+        statistics (six float32 per token, saved for backward with their truncation flags) to the same
+        collectives; ``log_probs_at`` and ``top_k`` keep the raw logits at their ids (``K + k`` per token, as
+        :func:`~chunked_entropy.linear_log_probs_and_entropy`'s) and merge the top-k over the group once a call.
     """
     p = prepare(student_hidden, student_layer, labels, chunking=chunking, default=Chunking(PAIR_CHUNK),
                 temperature=temperature, label_mask=label_mask, ignore_index=ignore_index,
                 compute_entropy=compute_entropy, teacher=teacher_hidden, teacher_layer=teacher_layer,
-                divergence=divergence)
+                divergence=divergence, keep=keep, log_probs_at=log_probs_at, top_k=top_k)
     weight, bias, shape = p.layer.weight, p.layer.bias, tuple(p.tok.shape)
     if p.tok.n == 0:
-        z = zeros_connected(shape, p.cdt, student_hidden.device, p.grads, student_hidden, weight, bias)
-        return DivergenceOutputs(z, None if p.no_labels else z, z if p.want.entropy else None)
-    div, lp, ent = apply_or_forward(_LinearDivergenceFunction, student_hidden, weight, bias, p.teacher, p.tok, p.plan,
-                                    p.divergence, p.valid, p.main_grad, grads=p.grads)
-    return DivergenceOutputs(div.view(shape), None if p.no_labels else lp.view(shape),
-                             ent.view(shape) if p.want.entropy else None)
+        return _empty(p, shape, student_hidden.device, (student_hidden, weight, bias))
+    return _outputs(p, apply_or_forward(_LinearDivergenceFunction, student_hidden, weight, bias, p.teacher, p.tok,
+                                        p.plan, p.divergence, p.valid, p.main_grad, grads=p.grads))
 
 
 @op("linear_divergence_loss", front=dtensor_hidden_op(pairs=_PAIRS, scalar=True), rows=_ROWS,
@@ -420,14 +502,15 @@ class _LogitsDivergenceFunction(torch.autograd.Function):
         ctx.teacher, ctx.tok, ctx.spec = teacher, tok, spec
         ctx.plan = replace(plan, group=None)
         ctx.set_materialize_grads(False)
-        return _pair_results(tok, stats, pair, valid, plan.want)
+        return _pair_results(ctx, tok, stats, pair, valid, plan.want)
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, g_div, g_lp, g_h):
+    def backward(ctx, *grads):
         logits, valid, *saved = ctx.saved_tensors
         stats, pair = pair_rows_from_saved(saved)
-        if g_div is None and g_lp is None and g_h is None:
+        g_div, g_lp, g_h, at_grads = _split_grads(grads, ctx.tok, stats)
+        if g_div is None and g_lp is None and g_h is None and at_grads is None:
             return (None,) * 6
         if g_div is not None:
             g_div = torch.where(valid, g_div.reshape(-1), 0.0)
@@ -438,7 +521,7 @@ class _LogitsDivergenceFunction(torch.autograd.Function):
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         gflat = grad.view(tok.n, v)
         blocks = grad_blocks(tok, logits_source(logits)[0], plan, width=v, stats=stats, grads=(g_lp, g_h, None),
-                             dtype=stats.ls.dtype, device=logits.device, pair=pair, div_grads=g_div,
+                             dtype=stats.ls.dtype, device=logits.device, pair=pair, div_grads=g_div, at_grads=at_grads,
                              teacher=TeacherHead(ctx.teacher.transform, ctx.spec, logits_source(ctx.teacher.source)[0]))
         for a, b, v0, v1, g in blocks:
             gflat[a:b, v0:v1].copy_(g)
@@ -446,7 +529,8 @@ class _LogitsDivergenceFunction(torch.autograd.Function):
 
 
 @op("divergence_from_logits", front=dtensor_logits_op(logits=("student_logits", "teacher_logits"), layers=_LAYERS),
-    rows=RowsOf("student_logits", ("labels", "label_mask"), tails=("teacher_logits",), layers=_LAYERS, logits=True))
+    rows=RowsOf("student_logits", ("labels", "label_mask"), tails=("teacher_logits", "log_probs_at", "keep"),
+                layers=_LAYERS, logits=True))
 def divergence_from_logits(
     student_logits: torch.Tensor,
     teacher_logits: torch.Tensor,
@@ -460,6 +544,9 @@ def divergence_from_logits(
     label_mask: Optional[torch.Tensor] = None,
     ignore_index: int = -100,
     compute_entropy: bool = False,
+    keep=None,
+    log_probs_at: Optional[torch.Tensor] = None,
+    top_k: Optional[int] = None,
     rows=None,
 ) -> DivergenceOutputs:
     """:func:`linear_divergence` from logits the caller holds: ``[..., V_local]`` each, the same shard.
@@ -470,18 +557,17 @@ def divergence_from_logits(
     the teacher's logits get none). Arguments as :func:`linear_divergence` (``chunking`` defaults to 1024
     rows); ``student_layer`` and ``teacher_layer`` are the :class:`~chunked_entropy.OutputLayer` that made
     each model's logits, or None: their logit transforms and (one) ``process_group`` are read, as in
-    :func:`~chunked_entropy.log_probs_and_entropy`; ``rows`` an int64 index into
-    the student's flattened logit rows (the teacher's logits, the labels and the mask then given per
-    selected row), one ``[M, V_local]`` gather of them.
+    :func:`~chunked_entropy.log_probs_and_entropy`; ``keep`` (read with the student's logits as its row's own
+    filter too), ``log_probs_at`` and ``top_k`` as there; ``rows`` an int64 index into
+    the student's flattened logit rows (the teacher's logits, the labels, the mask and the per-row ids then
+    given per selected row), one ``[M, V_local]`` gather of them.
     """
     p = prepare(student_logits, student_layer, labels, chunking=chunking, logits=True, temperature=temperature,
                 label_mask=label_mask, ignore_index=ignore_index, compute_entropy=compute_entropy,
-                teacher=teacher_logits, teacher_layer=teacher_layer, divergence=divergence)
+                teacher=teacher_logits, teacher_layer=teacher_layer, divergence=divergence, keep=keep,
+                log_probs_at=log_probs_at, top_k=top_k)
     shape = tuple(p.tok.shape)
     if p.tok.n == 0:
-        z = zeros_connected(shape, p.cdt, student_logits.device, p.grads, student_logits)
-        return DivergenceOutputs(z, None if p.no_labels else z, z if p.want.entropy else None)
-    div, lp, ent = apply_or_forward(_LogitsDivergenceFunction, student_logits, p.teacher, p.tok, p.plan, p.divergence,
-                                    p.valid, grads=p.grads)
-    return DivergenceOutputs(div.view(shape), None if p.no_labels else lp.view(shape),
-                             ent.view(shape) if p.want.entropy else None)
+        return _empty(p, shape, student_logits.device, (student_logits,))
+    return _outputs(p, apply_or_forward(_LogitsDivergenceFunction, student_logits, p.teacher, p.tok, p.plan,
+                                        p.divergence, p.valid, grads=p.grads))

@@ -126,7 +126,8 @@ def reduce_stats(st: BlockStats, group, k, kept: Optional[BlockStats] = None, co
     return out, kept, count
 
 
-def reduce_stats_pair(st: BlockStats, st_t: BlockStats, group, k, k_t, cross=None):
+def reduce_stats_pair(st: BlockStats, st_t: BlockStats, group, k, k_t, cross=None, kept: Optional[BlockStats] = None,
+                      count=None):
     """Merge two heads' per-shard statistics of the same rows (a divergence's student and teacher) over
     ``group`` with the same arithmetic: one MAX all-reduce of both maxima, then one all-gather of both
     rescaled sums, added in rank order on every rank. Returns ``(st, st_t)``.
@@ -141,10 +142,15 @@ def reduce_stats_pair(st: BlockStats, st_t: BlockStats, group, k, k_t, cross=Non
     :func:`~chunked_entropy._stats.rescale_cross`; head ``a`` the teacher when ``teacher_weighs``, else the
     student), rescaled to the merged maxima and summed in the same gather. Returns ``(st, st_t)``, or
     ``(st, st_t, c)`` with ``cross``.
+
+    ``kept``, ``count``: the statistics of the student's kept sets (sampling replay, see
+    :mod:`chunked_entropy._keep`) and their recorded ids, merged in the same two collectives (as
+    :func:`reduce_stats` merges them); then ``(kept, count)`` is appended to what is returned.
     """
     if not _active(group):
-        return (st, st_t) if cross is None else (st, st_t, cross[0])
-    m = torch.stack([st.m, st_t.m])
+        out = (st, st_t) if cross is None else (st, st_t, cross[0])
+        return out if kept is None else out + (kept, count)
+    m = torch.stack([st.m, st_t.m] if kept is None else [st.m, st_t.m, kept.m])
     dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
     c = None
     if cross is not None:
@@ -153,6 +159,9 @@ def reduce_stats_pair(st: BlockStats, st_t: BlockStats, group, k, k_t, cross=Non
              else rescale_cross(c, st, st_t, m[0], m[1], k, k_t))
     st, st_t = rescale(st, m[0], k), rescale(st_t, m[1], k_t)
     extra = [t for t in (st.w, st.q, st_t.w, st_t.q, c) if t is not None]
+    if kept is not None:
+        kept = rescale(kept, m[2], k)
+        extra += [kept.ones, kept.rest, kept.w, kept.q, kept.zl, count]
     packed = torch.stack([st.ones, st.rest, st.zl, st_t.ones, st_t.rest, st_t.zl] + extra)
     world = dist.get_world_size(group)
     every = packed.new_empty((world * packed.shape[0],) + tuple(packed.shape[1:]))
@@ -166,7 +175,11 @@ def reduce_stats_pair(st: BlockStats, st_t: BlockStats, group, k, k_t, cross=Non
     w, q, w_t, q_t = pick(st.w), pick(st.q), pick(st_t.w), pick(st_t.q)
     out = (BlockStats(m[0], total[0], total[1], w, q, total[2]),
            BlockStats(m[1], total[3], total[4], w_t, q_t, total[5]))
-    return out if c is None else out + (pick(c),)
+    out = out if c is None else out + (pick(c),)
+    if kept is None:
+        return out
+    kept = BlockStats(m[2], next(it), next(it), next(it), next(it), next(it))
+    return out + (kept, next(it))
 
 
 #: Length of the vector every rank sends in the one all-gather of a call's check. Fixed, so that a rank
