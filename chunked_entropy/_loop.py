@@ -644,7 +644,7 @@ class _TeacherWalk:
         self.width, self.block, self.dtype, self.kernels, self.const = width, block, dtype, kernels, const
         rows = min(chunk_size, tok.n)
         self.bufs_t = Buffers(rows, block, dtype, device, work=True, scratch=kernels.in_place and teacher_scratch)
-        self.no_label = torch.full((rows,), -1, dtype=torch.int64, device=device)
+        self.rows, self.device, self.no_label = rows, device, None  # the teacher's "no label", made on first use
         self.fold = FOLD_KL and block < width and self.math.weighs is not None
         self.teacher_weighs = self.math.weighs == "t"
 
@@ -669,6 +669,8 @@ class _TeacherWalk:
         statistics, ``prev``: the chunk's before them, ``c.st``: after): its statistics merged into ``c.stt``,
         a KL's cross sum folded into ``c.cross``; the block kept in ``c.xt``."""
         k, kt = c.k, c.kt
+        if self.no_label is None:  # a statistics' pass (a gradient walk needs none)
+            self.no_label = torch.full((self.rows,), -1, dtype=torch.int64, device=self.device)
         xt, scratch_t = self.fill(a, b, v0, v1)
         local_t = self.kernels.block_stats(xt, xt, scratch_t, None, self.tf_t, kt, self.no_label[: b - a], v0, False,
                                            False, self.dtype, self.const)
