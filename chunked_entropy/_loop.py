@@ -263,14 +263,15 @@ def row_stats(tok: Tokens, fill: Fill, plan: Plan, *, width: int, dtype, device,
                 kb, kc = _keep.block_stats(g, c.entries, b - a, c.k, dtype)
                 c.kst = _stats.merge_stats(c.kst, kb, c.k)
                 c.count = kc if c.count is None else c.count + kc
+            blk = prev = g = None  # merged: freed before the next block's
         if v1 < width or running is not None:
             continue
         del walking[a]  # the chunk's last block: its rows merged over the group
         if c.tree is not None:
             _store(out, _stats.RowStats.from_block(_tiles.merged_stats(c.tree, tiles, group, c.k), c.k), a, b)
         elif second is not None:
-            rows, here, _ = second.close(c, a, b, group, _refill(fill, bufs, a, b), x, None, keep_parts=False)
-            _store_pair(out, pair, rows, here, a, b)
+            _store_pair(out, pair, *second.close(c, a, b, group, _refill(fill, bufs, a, b), x, None,
+                                                 keep_parts=False)[:2], a, b)
         else:
             _store(out, _rows_of_chunk(c.st, c.kst, c.count, group, c.k, kept)[0], a, b)
         if at is not None:
@@ -568,7 +569,7 @@ def loss_grad_blocks(
         if second is not None:  # from both blocks held (and what the divergence's sums kept)
             g = second.grad(out, None, aux, a, b, 0, width, k, rows, here, div_scale(a, b, g0, ups), co,
                             held_t=c.xt, parts=parts)
-            c = parts = None
+            c = parts = here = local = None  # freed before the next chunk's
         else:
             g = kernels.held_grad(z, out, scratch, aux, local, merged, tok.transform, k, rows, target, 0, co, dtype,
                                   const)
