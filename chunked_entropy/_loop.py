@@ -263,14 +263,15 @@ def row_stats(tok: Tokens, fill: Fill, plan: Plan, *, width: int, dtype, device,
                 kb, kc = _keep.block_stats(g, c.entries, b - a, c.k, dtype)
                 c.kst = _stats.merge_stats(c.kst, kb, c.k)
                 c.count = kc if c.count is None else c.count + kc
+            blk = prev = g = None  # merged: freed before the next block's
         if v1 < width or running is not None:
             continue
         del walking[a]  # the chunk's last block: its rows merged over the group
         if c.tree is not None:
             _store(out, _stats.RowStats.from_block(_tiles.merged_stats(c.tree, tiles, group, c.k), c.k), a, b)
         elif second is not None:
-            rows, here, _ = second.close(c, a, b, group, _refill(fill, bufs, a, b), x, None, keep_parts=False)
-            _store_pair(out, pair, rows, here, a, b)
+            _store_pair(out, pair, *second.close(c, a, b, group, _refill(fill, bufs, a, b), x, None,
+                                                 keep_parts=False)[:2], a, b)
         else:
             _store(out, _rows_of_chunk(c.st, c.kst, c.count, group, c.k, kept)[0], a, b)
         if at is not None:
@@ -568,7 +569,7 @@ def loss_grad_blocks(
         if second is not None:  # from both blocks held (and what the divergence's sums kept)
             g = second.grad(out, None, aux, a, b, 0, width, k, rows, here, div_scale(a, b, g0, ups), co,
                             held_t=c.xt, parts=parts)
-            c = parts = None
+            c = parts = here = local = None  # freed before the next chunk's
         else:
             g = kernels.held_grad(z, out, scratch, aux, local, merged, tok.transform, k, rows, target, 0, co, dtype,
                                   const)
@@ -644,7 +645,7 @@ class _TeacherWalk:
         self.width, self.block, self.dtype, self.kernels, self.const = width, block, dtype, kernels, const
         rows = min(chunk_size, tok.n)
         self.bufs_t = Buffers(rows, block, dtype, device, work=True, scratch=kernels.in_place and teacher_scratch)
-        self.no_label = torch.full((rows,), -1, dtype=torch.int64, device=device)
+        self.rows, self.device, self.no_label = rows, device, None  # the teacher's "no label", made on first use
         self.fold = FOLD_KL and block < width and self.math.weighs is not None
         self.teacher_weighs = self.math.weighs == "t"
 
@@ -669,6 +670,8 @@ class _TeacherWalk:
         statistics, ``prev``: the chunk's before them, ``c.st``: after): its statistics merged into ``c.stt``,
         a KL's cross sum folded into ``c.cross``; the block kept in ``c.xt``."""
         k, kt = c.k, c.kt
+        if self.no_label is None:  # a statistics' pass (a gradient walk needs none)
+            self.no_label = torch.full((self.rows,), -1, dtype=torch.int64, device=self.device)
         xt, scratch_t = self.fill(a, b, v0, v1)
         local_t = self.kernels.block_stats(xt, xt, scratch_t, None, self.tf_t, kt, self.no_label[: b - a], v0, False,
                                            False, self.dtype, self.const)

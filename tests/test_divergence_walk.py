@@ -344,3 +344,46 @@ def test_the_pair_walk_asks_its_kernels_object_never_which_it_is(backend, monkey
         for got, want in zip(results[1], results[0], strict=True):
             assert torch.equal(got, want), (form, kind, vcs)
     assert set(asked) == {"pair_ready", "pair_held", "pair_cross", "pair_terms", "pair_grad"}, asked
+
+
+#: Launches and working bytes (unscaled) of a divergence's forward and backward (40 tokens in chunks of 8, eager)
+#: measured on the tree before the teacher became a second head of the one-head walks (integ 6519904): the walks
+#: must not launch more nor hold more.
+DIVERGENCE_LAUNCHES = {
+    ("head", "jsd", None): (955, 17632),
+    ("head", "jsd", 16): (4405, 7104),
+    ("head", "forward_kl", None): (665, 12064),
+    ("loss", "forward_kl", None): (475, 14320),
+    ("loss", "forward_kl", 16): (2885, 6264),
+    ("loss", "jsd", 16): (3910, 8208),
+    ("logits", "reverse_kl", None): (543, 11720),
+}
+
+
+@pytest.mark.parametrize("form,kind,vcs", sorted(DIVERGENCE_LAUNCHES, key=str))
+def test_a_divergences_launches_and_working_memory_do_not_grow(form, kind, vcs):
+    from chunked_entropy.testing import cuda_branch
+
+    g = torch.Generator().manual_seed(0)
+    hs = torch.randn(40, 12, generator=g).requires_grad_()
+    ws = (torch.randn(52, 12, generator=g) * 0.5).requires_grad_()
+    ht, wt = torch.randn(40, 10, generator=g), torch.randn(52, 10, generator=g) * 0.5
+    t = torch.rand(40, generator=g) + 0.5
+    kw = dict(divergence=Divergence(kind, 0.3 if kind == "jsd" else None), chunking=Chunking(8, vcs, backend="eager"),
+              temperature=t)
+    with cuda_branch() as log:
+        if form == "head":
+            out = linear_divergence(hs, OutputLayer(ws, softcap=6.0), ht, OutputLayer(wt), compute_entropy=True,
+                                    labels=torch.randint(0, 52, (40,), generator=g), **kw)
+            (out.divergence.sum() + out.log_probs.sum() + out.entropy.sum()).backward()
+        elif form == "loss":
+            linear_divergence_loss(hs, OutputLayer(ws, softcap=6.0), ht, OutputLayer(wt), **kw).loss.backward()
+        else:
+            from chunked_entropy import divergence_from_logits
+
+            zs = (hs @ ws.t()).detach().requires_grad_()
+            out = divergence_from_logits(zs, ht @ wt.t(), student_layer=OutputLayer(softcap=6.0), **kw)
+            out.divergence.sum().backward()
+    launches, working = DIVERGENCE_LAUNCHES[form, kind, vcs]
+    assert log.launches <= launches and log.working_bytes(scaled=False) <= working, \
+        (log.launches, log.working_bytes(scaled=False))
