@@ -5,7 +5,7 @@ Layer: the walk, shared by the ops above it: the logits path
 caller's logits rows (:func:`logits_source`); the fused head (:mod:`chunked_entropy.linear`), the
 fused loss from hidden states and the divergences compute each block as ``hidden @ weight.T + bias``
 (:func:`linear_filler`) and turn its logit gradient into gradients of the hidden states, the weight
-and the bias (:func:`head_grads`, the gradient walk the fused head's backward and the fused loss share, over
+and the bias (:func:`head_grads`, the gradient walk the fused head's, the fused loss's and the divergences' share, over
 :func:`linear_grads`, the half-precision matmuls of :func:`_half_mm` / :func:`_split_mm`, the
 gradient buffer :class:`GradRows`, the fused loss's three-pass walk :func:`three_pass_plan`). Both hand the
 chunk loop (:mod:`chunked_entropy._loop`) a ``fill(x, a, b, v0, v1)``. Beside them, what the fused ops do
@@ -330,10 +330,12 @@ def linear_grads(blocks, rows: Rows, weight, *, n: int, hidden_dtype, chunk_size
 
 
 def head_grads(walk, hidden, weight, bias, n: int, plan: Plan, need, *, main_grad=None,
-               three_pass: Optional[Plan] = None, weight_grad_dtype=None, token_major_rows: bool = False):
+               three_pass: Optional[Plan] = None, weight_grad_dtype=None, token_major_rows: bool = False,
+               direct_rows: bool = True):
     """The fused head's gradient walk: the hidden states' gradient (reduced over the group, as
     :func:`reduce_hidden_grad` says), the weight's and the bias's, from the logit gradients that ``walk``
-    forms; what the fused head's backward and the fused loss's forward share.
+    forms; what the fused head's backward, the fused loss's forward and the divergence's backward and loss
+    forward share.
 
     ``walk(fill, plan, vocab_block, grad_rows)`` is the chunk loop's gradient walk
     (:func:`chunked_entropy._loop.grad_blocks` or :func:`~chunked_entropy._loop.loss_grad_blocks`) over the
@@ -344,7 +346,10 @@ def head_grads(walk, hidden, weight, bias, n: int, plan: Plan, need, *, main_gra
     ``need``: which of ``(hidden, weight, bias)`` want a gradient; ``main_grad`` and ``weight_grad_dtype`` as
     in :func:`linear_grads`. ``token_major_rows``: the walk's rows are the hidden states in the per-token
     tensors' order (:func:`token_major`; the fused loss's ``[B, T]`` under sequence parallelism), the
-    gradient put back in the hidden states' layout before it is reduced.
+    gradient put back in the hidden states' layout before it is reduced. ``direct_rows=False``: the walk never
+    writes a gradient into a :class:`GradRows` buffer (a divergence's: its blocks stay in the compute dtype,
+    beside the teacher's), so none is allocated before the walk; :func:`linear_grads` allocates its own when
+    it starts (after a statistics pass the walk runs when it is called).
 
     Returns ``(grad_hidden, grad_weight, grad_bias)`` as :func:`linear_grads` does (the hidden gradient in
     ``hidden``'s shape: this rank's slice under sequence parallelism). Memory: the gathered hidden states
@@ -356,7 +361,7 @@ def head_grads(walk, hidden, weight, bias, n: int, plan: Plan, need, *, main_gra
         plan, vocab_block = three_pass, None
     else:
         vocab_block = grad_vocab_block(n, weight, plan, need[1])
-    gr = grad_rows_for(n, weight, plan, vocab_block)
+    gr = grad_rows_for(n, weight, plan, vocab_block) if direct_rows else None
     blocks = walk(linear_filler(rows, weight, bias, plan.float32_logits, plan.tiles), plan, vocab_block, gr)
     grad_h, gw, gb = linear_grads(blocks, rows, weight, n=n, hidden_dtype=hidden.dtype, chunk_size=plan.chunk_size,
                                   need=need, main_grad=main_grad, float32=plan.float32_logits,

@@ -60,14 +60,7 @@ from ._call import (
     weak_group,
     zeros_connected,
 )
-from ._logit_blocks import (
-    full_hidden,
-    grad_vocab_block,
-    linear_filler,
-    linear_grads,
-    logits_source,
-    reduce_hidden_grad,
-)
+from ._logit_blocks import full_hidden, head_grads, linear_filler, logits_source
 from ._loop import (
     Plan,
     TeacherHead,
@@ -237,21 +230,17 @@ class _LinearDivergenceFunction(torch.autograd.Function):
             g_div = torch.where(valid, g_div.reshape(-1), 0.0)
         if not plan.want.entropy:
             g_h = None
-        h_full = full_hidden(hidden, plan)
-        rows = Rows(h_full)
-        cdt = stats.ls.dtype
-        vocab_block = grad_vocab_block(tok.n, weight, plan, need[1])
-        blocks = grad_blocks(
-            tok, linear_filler(rows, weight, bias, plan.float32_logits), plan, width=weight.shape[0],
-            block=vocab_block, vocab_outer=vocab_block is not None, stats=stats, grads=(g_lp, g_h, None), dtype=cdt,
-            device=weight.device, pair=pair, div_grads=g_div, at_grads=at_grads,
-            teacher=TeacherHead(ctx.teacher.transform, ctx.spec, _teacher_fill(ctx.teacher, plan)),
-        )
+        head = TeacherHead(ctx.teacher.transform, ctx.spec, _teacher_fill(ctx.teacher, plan))
+
+        def walk(fill, plan, vocab_block, grad_rows):
+            return grad_blocks(tok, fill, plan, width=weight.shape[0], block=vocab_block,
+                               vocab_outer=vocab_block is not None, stats=stats, grads=(g_lp, g_h, None),
+                               dtype=stats.ls.dtype, device=weight.device, pair=pair, div_grads=g_div,
+                               at_grads=at_grads, teacher=head, grad_rows=grad_rows)
+
         main_grad = ctx.main_grad if need[1] else None
-        grad_h, gw, gb = linear_grads(blocks, rows, weight, n=tok.n, hidden_dtype=hidden.dtype,
-                                      chunk_size=plan.chunk_size, need=need, float32=plan.float32_logits,
-                                      vocab_block=vocab_block, main_grad=main_grad)
-        grad_hidden = None if grad_h is None else reduce_hidden_grad(grad_h, h_full.shape, plan)
+        grad_hidden, gw, gb = head_grads(walk, hidden, weight, bias, tok.n, plan, need, main_grad=main_grad,
+                                         direct_rows=False)
         if main_grad is not None:
             gw = main_grad_result(ctx.weight_param, main_grad)
         return (grad_hidden, None if gw is None else gw.to(weight.dtype), None if gb is None else gb.to(bias.dtype),
@@ -263,38 +252,36 @@ class _LinearDivergenceLossFunction(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, teacher: Teacher, tok: Tokens, plan: Plan, spec, weights, main_grad=None,
                 three_pass: Optional[Plan] = None):
         need = ctx.needs_input_grad[:3]
-        h_full = full_hidden(hidden, plan)
-        rows = Rows(h_full)
         cdt = compute_dtype(weight.dtype)
         dev = weight.device
-        fill, teacher_fill = linear_filler(rows, weight, bias, plan.float32_logits), _teacher_fill(teacher, plan)
-        # half-precision weights: the statistics walk, then the gradients over vocabulary blocks outermost (as
-        # the backward of linear_divergence walks them); else, or where the walk with a float32 weight-gradient
-        # accumulator fits the budget (three_pass, see three_pass_plan), the loss walk, the gradients formed in it
-        if three_pass is not None:
-            plan, vocab_block = three_pass, None
-        else:
-            vocab_block = grad_vocab_block(tok.n, weight, plan, need[1])
-        width, head = weight.shape[0], TeacherHead(teacher.transform, spec, teacher_fill)
-        if any(need) and vocab_block is None:
-            stats, pair = new_row_stats(tok.n, plan.want, cdt, dev), new_pair_rows(tok.n, spec, cdt, dev)
-            blocks = loss_grad_blocks(tok, fill, plan, width=width, stats=stats, dtype=cdt, device=dev, teacher=head,
-                                      pair=pair, token_grads=lambda a, b, _: (None, None, weights[a:b]))
-        else:
-            stats, pair = _walk(tok, teacher_fill, spec, fill, width=width, plan=plan, teacher=teacher, dtype=cdt,
+        width, head = weight.shape[0], TeacherHead(teacher.transform, spec, _teacher_fill(teacher, plan))
+        found = {}
+
+        def walk(fill, plan, vocab_block, grad_rows):
+            # half-precision weights: the statistics walk (now), then the gradients over vocabulary blocks
+            # outermost (as the backward of linear_divergence walks them); else, or where the walk with a float32
+            # weight-gradient accumulator fits the budget (three_pass, see three_pass_plan), the loss walk, the
+            # gradients formed in it
+            if any(need) and vocab_block is None:
+                stats = found["stats"] = new_row_stats(tok.n, plan.want, cdt, dev)
+                pair = found["pair"] = new_pair_rows(tok.n, spec, cdt, dev)
+                return loss_grad_blocks(tok, fill, plan, width=width, stats=stats, dtype=cdt, device=dev,
+                                        teacher=head, pair=pair,
+                                        token_grads=lambda a, b, _: (None, None, weights[a:b]))
+            stats, pair = _walk(tok, head.fill, spec, fill, width=width, plan=plan, teacher=teacher, dtype=cdt,
                                 device=dev)
-            blocks = () if vocab_block is None else grad_blocks(
+            found.update(stats=stats, pair=pair)
+            return () if vocab_block is None else grad_blocks(
                 tok, fill, plan, width=width, block=vocab_block, stats=stats, grads=(None, None, None), dtype=cdt,
-                device=dev, vocab_outer=True, teacher=head, pair=pair, div_grads=weights)
+                device=dev, vocab_outer=True, teacher=head, pair=pair, div_grads=weights, grad_rows=grad_rows)
+
         # With main_grad (Megatron's float32 accumulator), or summed chunk by chunk (three_pass), the weight
         # gradient is kept in float32 until the upstream gradient scales it in backward, rounded once there;
         # else in the weight's dtype.
         f32_weight_grad = main_grad is not None or three_pass is not None
-        grad_h, gw, gb = linear_grads(blocks, rows, weight, n=tok.n, hidden_dtype=hidden.dtype,
-                                      chunk_size=plan.chunk_size, need=need, float32=plan.float32_logits,
-                                      vocab_block=vocab_block, weight_grad_dtype=cdt if f32_weight_grad else None)
-        if grad_h is not None:
-            grad_h = reduce_hidden_grad(grad_h, h_full.shape, plan)
+        grad_h, gw, gb = head_grads(walk, hidden, weight, bias, tok.n, plan, need, three_pass=three_pass,
+                                    weight_grad_dtype=cdt if f32_weight_grad else None, direct_rows=False)
+        stats, pair = found["stats"], found["pair"]
         save_loss_grads(ctx, grad_h, gw, gb, weight, bias, main_grad)  # the gradients; no reference to the inputs
         ent = stats.entropy() if plan.want.entropy else torch.zeros_like(pair.div)
         ctx.mark_non_differentiable(pair.div, ent)
