@@ -146,20 +146,36 @@ def p_times(lp: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
     return torch.where(lp == -math.inf, torch.zeros_like(r), lp.exp() * r)
 
 
-class ForwardKL(DivergenceMath):
+class _KL(DivergenceMath):
+    """What the two KLs share: ``sum_j p_a (lp_a - lp_b)``, ``a`` the side that weighs it (``weighs``), ``b``
+    the other; written once, the two sides swapped."""
+
+    def _sides(self, lp_s, lp_t) -> tuple:
+        """``(lp_a, lp_b)``: the weighing side's block first."""
+        return (lp_t, lp_s) if self.weighs == "t" else (lp_s, lp_t)
+
+    def entries(self, lp_s, lp_t):
+        lp_a, lp_b = self._sides(lp_s, lp_t)
+        return p_times(lp_a, lp_a - lp_b)
+
+    def _weighed_(self, lp_s, lp_t) -> tuple:
+        """``(p_a (lp_a - lp_b), p_a)`` per entry, written over ``lp_b`` and ``lp_a``: :meth:`terms`' blocks."""
+        lp_a, lp_b = self._sides(lp_s, lp_t)
+        e = lp_b.neg_().add_(lp_a)  # lp_a - lp_b
+        p_a = lp_a.exp_()
+        return e.mul_(p_a), p_a
+
+
+class ForwardKL(_KL):
     """``KL(t || s) = sum_j p_t (lp_t - lp_s)``; ``dD/dx_s = p_s - p_t`` (no second sum)."""
 
     kind = "forward_kl"
     needs_aux = False
     weighs = "t"
 
-    def entries(self, lp_s, lp_t):
-        return p_times(lp_t, lp_t - lp_s)
-
     def terms(self, lp_s, lp_t):
-        d = lp_s.neg_().add_(lp_t)  # lp_t - lp_s
-        p_t = lp_t.exp_()
-        return d.mul_(p_t).sum(dim=1), None, (p_t,)
+        e, p_t = self._weighed_(lp_s, lp_t)
+        return e.sum(dim=1), None, (p_t,)
 
     def grad_from_parts(self, parts, lp_s, aux):
         return lp_s().exp_().sub_(parts[0])
@@ -168,19 +184,14 @@ class ForwardKL(DivergenceMath):
         return lp_s.exp_().sub_(lp_t.exp_())
 
 
-class ReverseKL(DivergenceMath):
+class ReverseKL(_KL):
     """``KL(s || t) = sum_j p_s (lp_s - lp_t)``; ``dD/dx_s = p_s (lp_s - lp_t - D)`` (``aux = D``)."""
 
     kind = "reverse_kl"
     weighs = "s"
 
-    def entries(self, lp_s, lp_t):
-        return p_times(lp_s, lp_s - lp_t)
-
     def terms(self, lp_s, lp_t):
-        e = lp_t.neg_().add_(lp_s)  # lp_s - lp_t
-        p_s = lp_s.exp_()
-        e.mul_(p_s)  # p_s (lp_s - lp_t)
+        e, p_s = self._weighed_(lp_s, lp_t)  # p_s (lp_s - lp_t), p_s
         return e.sum(dim=1), None, (e, p_s)
 
     def grad_from_parts(self, parts, lp_s, aux):
