@@ -387,3 +387,41 @@ def test_a_divergences_launches_and_working_memory_do_not_grow(form, kind, vcs):
     launches, working = DIVERGENCE_LAUNCHES[form, kind, vcs]
     assert log.launches <= launches and log.working_bytes(scaled=False) <= working, \
         (log.launches, log.working_bytes(scaled=False))
+
+
+def test_the_divergence_loss_allocates_its_gradient_buffer_after_its_statistics_pass(monkeypatch):
+    """Issue 46 item 5: the divergence loss's forward walks the fused head's gradient walk (``head_grads``), but
+    a teacher's walk never writes into a ``GradRows`` buffer, so with half-precision blocks read as the matmul
+    rounds them (compiled kernels, bf16, no bias) the ``[n, block]`` buffer is still allocated after the
+    statistics pass, as before, not held through it; and the loss still matches plain autograd's."""
+    from chunked_entropy import _logit_blocks
+
+    events = []
+
+    class Recorded(_logit_blocks.GradRows):
+        def __init__(self, *args, **kwargs):
+            events.append("gradient buffer")
+            super().__init__(*args, **kwargs)
+
+    walk = dv.row_stats
+
+    def recorded_walk(*args, **kwargs):
+        out = walk(*args, **kwargs)
+        events.append("statistics pass")
+        return out
+
+    monkeypatch.setattr(_logit_blocks, "GradRows", Recorded)
+    monkeypatch.setattr(dv, "row_stats", recorded_walk)
+    g = torch.Generator().manual_seed(0)
+    hs = torch.randn(24, 12, generator=g).to(torch.bfloat16).requires_grad_()
+    ws = (torch.randn(52, 12, generator=g) * 0.5).to(torch.bfloat16).requires_grad_()
+    ht, wt = torch.randn(24, 10, generator=g).to(torch.bfloat16), (torch.randn(52, 10, generator=g) * 0.5).to(
+        torch.bfloat16)
+    loss = linear_divergence_loss(hs, ws, ht, wt, chunking=Chunking(8, 16, backend="compile")).loss
+    loss.backward()
+    assert events == ["statistics pass", "gradient buffer"], events
+    # the value against float64 autograd: within bf16's rounding of the logits
+    lp_s = torch.log_softmax(hs.double() @ ws.double().t(), -1)
+    lp_t = torch.log_softmax(ht.double() @ wt.double().t(), -1)
+    want = (lp_t.exp() * (lp_t - lp_s)).sum(-1).mean()
+    assert abs(loss.double().item() - want.item()) <= 2e-2 * max(1.0, abs(want.item()))
