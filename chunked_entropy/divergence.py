@@ -89,8 +89,7 @@ _PAIRS = (("student_hidden", "student_layer"), ("teacher_hidden", "teacher_layer
 _LAYERS = ("student_layer", "teacher_layer")
 #: What ``rows=`` reads of the divergences over hidden states: the student's rows, the teacher's at them.
 _ROWS = RowsOf("student_hidden", ("labels", "label_mask", "weights"), tails=("teacher_hidden", "log_probs_at", "keep"),
-               layers=_LAYERS,
-               kept="pair", default=Chunking(PAIR_CHUNK))
+               layers=_LAYERS, kept="pair", default=Chunking(PAIR_CHUNK))
 
 
 class _DivergenceTriple(NamedTuple):
